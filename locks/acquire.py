@@ -1,0 +1,60 @@
+"""Blocking acquire for every backend: a deadline, full-jitter backoff, and wake-up on release."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from locks.backend import LockBackend
+from locks.errors import AcquireTimeout, LockError
+from locks.lease import Lease, OwnerMeta
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter: sleep uniform(0, min(cap, base * 2**attempt))."""
+
+    base: float = 0.005
+    cap: float = 0.5
+    rng: random.Random = field(default_factory=random.Random, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.base <= 0 or self.cap < self.base:
+            raise LockError(f"backoff needs 0 < base <= cap, got base={self.base} cap={self.cap}")
+
+    def delay(self, attempt: int) -> float:
+        return self.rng.uniform(0, min(self.cap, self.base * (2 ** min(attempt, 32))))
+
+
+def acquire(
+    backend: LockBackend,
+    key: str,
+    *,
+    ttl: float,
+    timeout: float,
+    backoff: Backoff | None = None,
+    meta: OwnerMeta | None = None,
+) -> Lease:
+    """Acquire `key`, waiting up to `timeout` seconds. Raises AcquireTimeout.
+
+    Between attempts the waiter blocks on the backend's release signal, bounded by the
+    jittered backoff, the holder's remaining TTL and the deadline, so a release wakes it
+    at once and an expiry is noticed within one backoff step.
+    """
+    if timeout < 0:
+        raise LockError(f"timeout must be >= 0, got {timeout}", key=key)
+    backoff = backoff or Backoff()
+    clock = backend.clock
+    deadline = clock.monotonic() + timeout
+    attempt = 0
+    while True:
+        got = backend.attempt(key, ttl, meta=meta)
+        if isinstance(got, Lease):
+            return got
+        left = deadline - clock.monotonic()
+        if left <= 0:
+            raise AcquireTimeout(f"not acquired within {timeout:g}s", key=key)
+        # Jitter spreads waiters that poll for an expiry; a release wakes one at once.
+        wait = min(left, got.ttl_left + 0.001, max(backoff.delay(attempt), 0.001))
+        backend.wait_for_release(key, wait)
+        attempt += 1

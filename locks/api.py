@@ -1,0 +1,133 @@
+"""The plain-Python lock API for code outside Celery: a context manager and a decorator."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+from locks.acquire import Backoff, acquire
+from locks.backend import LockBackend, default_meta
+from locks.errors import AcquireTimeout, LeaseLost
+from locks.keeper import LeaseKeeper
+from locks.lease import Lease
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Locker:
+    """Binds a backend and a LeaseKeeper; hands out kept leases.
+
+    with locker.lock("inventory:42", ttl=10) as lease:
+        write_stock(..., fence=lease.fence)
+    """
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        *,
+        keeper: LeaseKeeper | None = None,
+        ttl: float = 30.0,
+        timeout: float = 10.0,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.backend = backend
+        self.keeper = keeper or LeaseKeeper(clock=backend.clock)
+        self.ttl = ttl
+        self.timeout = timeout
+        self.backoff = backoff or Backoff()
+
+    def acquire(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        blocking: bool = True,
+    ) -> Lease:
+        """Acquire and start keeping `key`. Release with `release(lease)`."""
+        ttl = self.ttl if ttl is None else ttl
+        if blocking:
+            timeout = self.timeout if timeout is None else timeout
+            lease = acquire(
+                self.backend,
+                key,
+                ttl=ttl,
+                timeout=timeout,
+                backoff=self.backoff,
+                meta=default_meta(),
+            )
+        else:
+            got = self.backend.try_acquire(key, ttl, meta=default_meta())
+            if got is None:
+                raise AcquireTimeout("held by another owner", key=key)
+            lease = got
+        self.keeper.keep(lease)
+        return lease
+
+    def release(self, lease: Lease) -> bool:
+        self.keeper.drop(lease)
+        return lease.release()
+
+    @contextmanager
+    def lock(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        blocking: bool = True,
+    ) -> Iterator[Lease]:
+        """Hold `key` for the block. Raises LeaseLost at exit if the lease was lost meanwhile."""
+        lease = self.acquire(key, ttl=ttl, timeout=timeout, blocking=blocking)
+        ok = False
+        try:
+            yield lease
+            ok = True
+        finally:
+            lost = lease.lost
+            self.release(lease)
+        if ok and lost:
+            raise LeaseLost("lease lost while the block ran", key=key, fence=lease.fence)
+
+    def locked(
+        self, key: str, *, ttl: float | None = None, timeout: float | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorator: `key` may name arguments, e.g. "stock:{sku}"; the lease is not passed."""
+
+        def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+            sig = inspect.signature(fn)
+
+            @functools.wraps(fn)
+            def inner(*args: P.args, **kwargs: P.kwargs) -> R:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                with self.lock(key.format(**bound.arguments), ttl=ttl, timeout=timeout):
+                    return fn(*args, **kwargs)
+
+            return inner
+
+        return wrap
+
+    def close(self) -> None:
+        self.keeper.stop()
+        self.backend.close()
+
+
+def open_backend(url: str, **options: Any) -> LockBackend:
+    """A backend for `url`'s scheme; optional backends are imported only when asked for."""
+    scheme = url.split("://", 1)[0]
+    if scheme in ("redis", "rediss", "unix"):
+        from locks.redis_backend import RedisBackend
+
+        return RedisBackend.from_url(url, **options)
+    if scheme == "memory":
+        from locks.memory_backend import MemoryBackend
+
+        return MemoryBackend(**{k: v for k, v in options.items() if k == "clock"})
+    raise ValueError(f"no lock backend for scheme {scheme!r}; use redis://, rediss:// or unix://")

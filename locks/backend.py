@@ -1,0 +1,248 @@
+"""The LockBackend base: validation and Lease bookkeeping once, one round trip per backend call."""
+
+from __future__ import annotations
+
+import os
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from locks.clock import SYSTEM_CLOCK, Clock
+from locks.errors import LockError, NotOwner
+from locks.lease import Lease, OwnerMeta, new_owner_token
+
+MAX_KEY_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees, so callers can refuse a backend too weak for them."""
+
+    native_fencing: bool  # grants carry a strictly increasing token
+    durable_fence: bool  # tokens keep increasing if the server loses its data
+    ha: bool  # survives the loss of one server
+    release_notify: bool  # waiters are woken on release instead of polling
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """What `inspect` reports of a held lock. The owner token is never included."""
+
+    key: str
+    fence: int
+    ttl_left: float
+    host: str
+    pid: int
+    task_id: str
+    task_name: str
+    acquired_at: float  # server wall clock, seconds since the epoch
+    last_heartbeat: float  # server wall clock, seconds since the epoch
+
+
+@dataclass(frozen=True)
+class Busy:
+    """The key is held by someone else; it expires in `ttl_left` seconds at the latest."""
+
+    ttl_left: float
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job's completion record: state DONE or FAILED, with result and argument fingerprint."""
+
+    state: str
+    fingerprint: str
+    result: str  # JSON text
+    fence: int
+    finished_at: float
+
+
+BeginResult = Lease | Busy | JobRecord
+
+
+def default_meta(task_id: str = "", task_name: str = "") -> OwnerMeta:
+    return OwnerMeta(
+        host=socket.gethostname(), pid=os.getpid(), task_id=task_id, task_name=task_name
+    )
+
+
+def validate_key(key: str) -> None:
+    if not isinstance(key, str) or not key:
+        raise LockError(f"lock key must be a non-empty string, got {key!r}")
+    if len(key) > MAX_KEY_LENGTH:
+        raise LockError(f"lock key longer than {MAX_KEY_LENGTH} characters; hash it first")
+    if any(c in key for c in "{}*?[]\n"):
+        raise LockError(f"lock key {key!r} contains one of '{{}}*?[]' or a newline; hash it first")
+
+
+def validate_ttl(ttl: float) -> int:
+    """Return the TTL in whole milliseconds, refusing anything below 1 ms."""
+    if not isinstance(ttl, int | float) or ttl <= 0:
+        raise LockError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    ms = int(ttl * 1000)
+    if ms < 1:
+        raise LockError(f"ttl must be at least 0.001 seconds, got {ttl!r}")
+    return ms
+
+
+class LockBackend(ABC):
+    """A lock server. Subclasses implement the `_`-prefixed one-round-trip methods."""
+
+    capabilities: ClassVar[Capabilities]
+    name: ClassVar[str]
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
+
+    # -- public API: validate, then one round trip ------------------------------
+    def try_acquire(self, key: str, ttl: float, *, meta: OwnerMeta | None = None) -> Lease | None:
+        """Acquire `key` for `ttl` seconds if free; None if someone else holds it."""
+        got = self.attempt(key, ttl, meta=meta)
+        return got if isinstance(got, Lease) else None
+
+    def attempt(self, key: str, ttl: float, *, meta: OwnerMeta | None = None) -> Lease | Busy:
+        """Like try_acquire, but says how long the current holder's lease has left."""
+        got = self.begin(key, ttl, meta=meta)
+        assert not isinstance(got, JobRecord)
+        return got
+
+    def begin(
+        self,
+        key: str,
+        ttl: float,
+        *,
+        meta: OwnerMeta | None = None,
+        record: bool = False,
+        fingerprint: str = "",
+    ) -> BeginResult:
+        """Acquire `key` unless its job record says DONE (then return the record).
+
+        With `record=True` a grant also marks the job RUNNING under the new fence; a
+        FAILED record does not stop a new run.
+        """
+        validate_key(key)
+        ttl_ms = validate_ttl(ttl)
+        owner = new_owner_token()
+        meta = meta or default_meta()
+        started = self.clock.monotonic()
+        got = self._begin(key, owner, ttl_ms, meta, record, fingerprint)
+        if isinstance(got, int):
+            return Lease(
+                key=key,
+                owner=owner,
+                fence=got,
+                ttl=ttl_ms / 1000,
+                deadline=started + ttl_ms / 1000,
+                backend=self,
+                clock=self.clock,
+                meta=meta,
+            )
+        return got
+
+    def extend(self, lease: Lease, ttl: float | None = None) -> None:
+        """Push the lease's expiry to now + ttl. Raises NotOwner (and marks it lost) if not ours."""
+        ttl_ms = validate_ttl(ttl if ttl is not None else lease.ttl)
+        started = self.clock.monotonic()
+        if not self._extend(lease.key, lease.owner, ttl_ms):
+            err = NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
+            lease.mark_lost(err)
+            raise err
+        lease.renewed(started, ttl_ms / 1000)
+
+    def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        """Extend every lease by its own TTL in one round trip; losers are marked lost."""
+        if not leases:
+            return []
+        started = self.clock.monotonic()
+        items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
+        results = self._extend_many(items)
+        for lease, ok in zip(leases, results, strict=True):
+            if ok:
+                lease.renewed(started)
+            else:
+                lease.mark_lost(
+                    NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
+                )
+        return results
+
+    def release(self, lease: Lease) -> bool:
+        """Owner-checked release; False if the lease had expired or belongs to another."""
+        return self._release(lease.key, lease.owner)
+
+    def commit(
+        self, lease: Lease, *, state: str, result: str, fingerprint: str, result_ttl: float
+    ) -> bool:
+        """Store the job record (DONE or FAILED) and release, atomically and owner-checked."""
+        if state not in ("DONE", "FAILED"):
+            raise LockError(f"commit state must be DONE or FAILED, got {state!r}", key=lease.key)
+        ok = self._commit(
+            lease.key,
+            lease.owner,
+            lease.fence,
+            state,
+            result,
+            fingerprint,
+            validate_ttl(result_ttl),
+        )
+        lease._released = True
+        return ok
+
+    def inspect(self, key: str) -> LockInfo | None:
+        validate_key(key)
+        return self._inspect(key)
+
+    @abstractmethod
+    def scan(self, match: str = "*") -> Iterator[LockInfo]:
+        """Held locks whose key matches the glob `match`; never blocks the server."""
+
+    @abstractmethod
+    def job_record(self, key: str) -> JobRecord | None:
+        """The stored job record for `key`, if DONE or FAILED."""
+
+    @abstractmethod
+    def forget(self, key: str) -> bool:
+        """Admin: delete the job record of `key` (the fence is kept)."""
+
+    @abstractmethod
+    def force_release(self, key: str) -> bool:
+        """Admin: remove a lock whatever its owner (the fence counter is kept)."""
+
+    def wait_for_release(self, key: str, timeout: float) -> None:
+        """Block up to `timeout` seconds or until `key` is released, whichever is first."""
+        self.clock.sleep(timeout)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free connections."""
+
+    # -- one round trip each ----------------------------------------------------
+    @abstractmethod
+    def _begin(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
+        """Return the new fence on a grant, Busy, or the job record if DONE."""
+
+    @abstractmethod
+    def _extend(self, key: str, owner: str, ttl_ms: int) -> bool: ...
+
+    @abstractmethod
+    def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]: ...
+
+    @abstractmethod
+    def _release(self, key: str, owner: str) -> bool: ...
+
+    @abstractmethod
+    def _commit(
+        self,
+        key: str,
+        owner: str,
+        fence: int,
+        state: str,
+        result: str,
+        fingerprint: str,
+        result_ttl_ms: int,
+    ) -> bool: ...
+
+    @abstractmethod
+    def _inspect(self, key: str) -> LockInfo | None: ...

@@ -1,0 +1,34 @@
+"""Every key name jobfence writes on a key-value lock server, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Key names under one prefix. The braces make a lock's keys share one cluster slot."""
+
+    prefix: str = "jobfence"
+
+    def lock(self, key: str) -> str:
+        return f"{self.prefix}:lock:{{{key}}}"
+
+    def fence(self, key: str) -> str:
+        return f"{self.prefix}:fence:{{{key}}}"
+
+    def record(self, key: str) -> str:
+        return f"{self.prefix}:job:{{{key}}}"
+
+    def signal(self, key: str) -> str:
+        return f"{self.prefix}:signal:{{{key}}}"
+
+    def resource_fence(self, resource: str) -> str:
+        return f"{self.prefix}:rfence:{{{resource}}}"
+
+    def lock_pattern(self, match: str = "*") -> str:
+        return f"{self.prefix}:lock:{{{match}}}"
+
+    def key_of_lock(self, name: str) -> str:
+        head = f"{self.prefix}:lock:{{"
+        return name[len(head) : -1] if name.startswith(head) and name.endswith("}") else name

@@ -1,0 +1,18 @@
+-- extend_many.lua: owner-checked extension of many locks in one round trip.
+-- KEYS[i] lock hash i
+-- ARGV[2i-1] owner token of lock i  ARGV[2i] new ttl ms of lock i
+-- Returns a list with, for each lock, 1 if extended, 0 if not ours (that one unchanged).
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now_ms = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local out = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('HGET', key, 'owner') == ARGV[2 * i - 1] then
+    redis.call('HSET', key, 'heartbeat_ms', now_ms)
+    redis.call('PEXPIRE', key, ARGV[2 * i])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out

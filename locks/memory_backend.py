@@ -1,0 +1,162 @@
+"""An in-process backend for unit tests of pure logic; same semantics as Redis, one process only."""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from locks.clock import SYSTEM_CLOCK, Clock
+from locks.lease import OwnerMeta
+
+
+@dataclass
+class _Held:
+    owner: str
+    fence: int
+    expires: float
+    meta: OwnerMeta
+    acquired: float
+    heartbeat: float
+
+
+class MemoryBackend(LockBackend):
+    """Locks in a dict guarded by a condition variable; expiry follows the injected clock."""
+
+    name: ClassVar[str] = "memory"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        native_fencing=True, durable_fence=False, ha=False, release_notify=True
+    )
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        super().__init__(clock=clock)
+        self._held: dict[str, _Held] = {}
+        self._fences: dict[str, int] = {}
+        self._records: dict[str, tuple[JobRecord, float]] = {}
+        self._cond = threading.Condition()
+
+    def _live(self, key: str) -> _Held | None:
+        h = self._held.get(key)
+        if h is not None and h.expires <= self.clock.monotonic():
+            del self._held[key]
+            return None
+        return h
+
+    def _begin(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
+        with self._cond:
+            now = self.clock.monotonic()
+            if record:
+                rec = self._records.get(key)
+                if rec and rec[1] > now and rec[0].state == "DONE":
+                    return rec[0]
+            h = self._live(key)
+            if h is not None:
+                return Busy(ttl_left=h.expires - now)
+            fence = self._fences.get(key, 0) + 1
+            self._fences[key] = fence
+            self._held[key] = _Held(
+                owner, fence, now + ttl_ms / 1000, meta, time.time(), time.time()
+            )
+            return fence
+
+    def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
+        with self._cond:
+            h = self._live(key)
+            if h is None or h.owner != owner:
+                return False
+            h.expires = self.clock.monotonic() + ttl_ms / 1000
+            h.heartbeat = time.time()
+            return True
+
+    def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        return [self._extend(k, o, t) for k, o, t in items]
+
+    def _release(self, key: str, owner: str) -> bool:
+        with self._cond:
+            h = self._live(key)
+            if h is None or h.owner != owner:
+                return False
+            del self._held[key]
+            self._cond.notify_all()
+            return True
+
+    def _commit(
+        self,
+        key: str,
+        owner: str,
+        fence: int,
+        state: str,
+        result: str,
+        fingerprint: str,
+        result_ttl_ms: int,
+    ) -> bool:
+        with self._cond:
+            h = self._live(key)
+            if h is None or h.owner != owner:
+                return False
+            rec = JobRecord(
+                state=state,
+                fingerprint=fingerprint,
+                result=result,
+                fence=fence,
+                finished_at=time.time(),
+            )
+            self._records[key] = (rec, self.clock.monotonic() + result_ttl_ms / 1000)
+            del self._held[key]
+            self._cond.notify_all()
+            return True
+
+    def _inspect(self, key: str) -> LockInfo | None:
+        with self._cond:
+            h = self._live(key)
+            if h is None:
+                return None
+            return LockInfo(
+                key=key,
+                fence=h.fence,
+                ttl_left=h.expires - self.clock.monotonic(),
+                host=h.meta.host,
+                pid=h.meta.pid,
+                task_id=h.meta.task_id,
+                task_name=h.meta.task_name,
+                acquired_at=h.acquired,
+                last_heartbeat=h.heartbeat,
+            )
+
+    def scan(self, match: str = "*") -> Iterator[LockInfo]:
+        with self._cond:
+            keys = [k for k in self._held if fnmatch.fnmatchcase(k, match)]
+        for k in keys:
+            info = self._inspect(k)
+            if info is not None:
+                yield info
+
+    def job_record(self, key: str) -> JobRecord | None:
+        with self._cond:
+            rec = self._records.get(key)
+            if rec is None or rec[1] <= self.clock.monotonic():
+                return None
+            return rec[0]
+
+    def forget(self, key: str) -> bool:
+        with self._cond:
+            return self._records.pop(key, None) is not None
+
+    def force_release(self, key: str) -> bool:
+        with self._cond:
+            gone = self._held.pop(key, None) is not None
+            self._cond.notify_all()
+            return gone
+
+    def wait_for_release(self, key: str, timeout: float) -> None:
+        if self.clock is not SYSTEM_CLOCK:
+            self.clock.sleep(timeout)
+            return
+        with self._cond:
+            self._cond.wait(timeout)

@@ -1,0 +1,19 @@
+"""Loads the Lua scripts shipped in locks/lua once per Redis client."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any
+
+SCRIPT_NAMES = ("begin", "extend", "extend_many", "release", "commit", "fenced_write")
+
+
+@cache
+def script_source(name: str) -> str:
+    return resources.files("locks").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+
+
+def load_scripts(client: Any) -> dict[str, Any]:
+    """Register every script on `client`; redis-py's Script reloads it after a server restart."""
+    return {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
