@@ -46,6 +46,7 @@ class Busy:
     """The key is held by someone else; it expires in `ttl_left` seconds at the latest."""
 
     ttl_left: float
+    task_id: str = ""  # the holder's task id, so a task can tell its own earlier attempt
 
 
 @dataclass(frozen=True)

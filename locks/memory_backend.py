@@ -57,7 +57,7 @@ class MemoryBackend(LockBackend):
                     return rec[0]
             h = self._live(key)
             if h is not None:
-                return Busy(ttl_left=h.expires - now)
+                return Busy(ttl_left=h.expires - now, task_id=h.meta.task_id)
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
             self._held[key] = _Held(

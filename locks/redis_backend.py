@@ -6,7 +6,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import redis
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.retry import Retry
 
 from config.settings import Settings
 from locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
@@ -64,6 +66,9 @@ class RedisBackend(LockBackend):
             socket_connect_timeout=socket_timeout,
             decode_responses=True,
             health_check_interval=0,
+            # No client-side retries: a hung server must fail within socket_timeout, and a
+            # re-sent acquire or commit is not idempotent.
+            retry=Retry(NoBackoff(), 0),
         )
         return cls(client, prefix=prefix, fence_retention=fence_retention, clock=clock)
 
@@ -109,7 +114,8 @@ class RedisBackend(LockBackend):
             return int(_s(reply[1]))
         if code == 0:
             pttl = int(reply[1])
-            return Busy(ttl_left=pttl / 1000 if pttl >= 0 else float("inf"))
+            return Busy(ttl_left=pttl / 1000 if pttl >= 0 else float("inf"),
+                        task_id=_s(reply[2]) if len(reply) > 2 else "")
         _, state, fp, result, fence, finished_ms = (_s(x) for x in reply)
         return JobRecord(
             state=state,

@@ -5,7 +5,7 @@
 -- ARGV[8] '1' to consult and write the job record, '0' for a plain lock
 -- ARGV[9] argument fingerprint (written into the RUNNING record)
 -- Returns {1, fence}                     granted; fence is a decimal string
---         {0, pttl}                      held by another owner; pttl ms left (-1: no expiry)
+--         {0, pttl, task_id}             held by another owner; pttl ms left (-1: no expiry)
 --         {2, state, fingerprint, result, fence, finished_ms}   the job is already DONE
 -- The fence is max(last + 1, server time in microseconds), so it keeps increasing
 -- even after the server lost every key, unless its clock steps back.
@@ -18,7 +18,7 @@ if ARGV[8] == '1' then
 end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
-  return {0, pttl}
+  return {0, pttl, redis.call('HGET', KEYS[1], 'task_id') or ''}
 end
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])

@@ -1,0 +1,92 @@
+"""Pytest fixtures: private Redis servers, scratch SQL databases and helper processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.servers import (
+    MARIADB_ADMIN_URL,
+    POSTGRES_ADMIN_URL,
+    MariaDBDatabase,
+    PostgresDatabase,
+    ProcessGroup,
+    RedisServer,
+)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One private redis-server shared by the whole session (use ``redis_url`` in tests)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of the shared private server, emptied (FLUSHALL) before the test."""
+    if redis_server.paused:  # a test that paused the shared server and crashed
+        redis_server.resume()
+    if not redis_server.running:  # ... or killed it
+        redis_server.start()
+    admin = redis_server.client()
+    try:
+        admin.flushall()
+        admin.script_flush()
+    finally:
+        admin.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Redis]:
+    """A client (bytes responses) to the freshly flushed shared server."""
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def fresh_redis() -> Iterator[RedisServer]:
+    """A private redis-server for this test only: free to kill, pause or restart."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """SQLAlchemy URL of a scratch PostgreSQL database, dropped at the end of the session."""
+    reason = PostgresDatabase.reachable(POSTGRES_ADMIN_URL)
+    if reason is not None:
+        pytest.skip(reason)
+    with PostgresDatabase() as db:
+        yield db.url
+
+
+@pytest.fixture(scope="session")
+def mariadb_url() -> Iterator[str]:
+    """SQLAlchemy URL of a scratch MariaDB database, dropped at the end of the session."""
+    reason = MariaDBDatabase.reachable(MARIADB_ADMIN_URL)
+    if reason is not None:
+        pytest.skip(reason)
+    with MariaDBDatabase() as db:
+        yield db.url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """SQLAlchemy URL of an SQLite file private to this test."""
+    return f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+
+
+@pytest.fixture
+def process_group(tmp_path: Path) -> Iterator[ProcessGroup]:
+    """Spawns helper processes (workers, ...) that are stopped, with their children, at teardown.
+
+    Logs land in ``tmp_path`` so they survive a failure for inspection.
+    """
+    with ProcessGroup(tmp_path / "procs") as group:
+        yield group
