@@ -210,6 +210,14 @@ class LockBackend(ABC):
     def force_release(self, key: str) -> bool:
         """Admin: remove a lock whatever its owner (the fence counter is kept)."""
 
+    @abstractmethod
+    def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
+        """Record `task_id` as the queued job for `key`; return the id already there, if any."""
+
+    @abstractmethod
+    def clear_publish(self, key: str) -> None:
+        """Forget the queued task id for `key`, so the next publish goes through."""
+
     def wait_for_release(self, key: str, timeout: float) -> None:
         """Block up to `timeout` seconds or until `key` is released, whichever is first."""
         self.clock.sleep(timeout)

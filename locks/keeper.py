@@ -60,17 +60,25 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
 
     # -- public ----------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread now (it also starts on the first `keep`); idempotent."""
+        with self._mutex:
+            self._start_locked()
+
     def keep(self, lease: Lease) -> None:
         """Start extending `lease` every fraction of its TTL."""
         if self.on_lost is not None:
             lease.on_lost(self.on_lost)
         with self._mutex:
             self._due[lease] = self.clock.monotonic() + lease.ttl * self.fraction
-            if self._thread is None or not self._thread.is_alive():
-                self._stop.clear()
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
+            self._start_locked()
         self._wake.set()
+
+    def _start_locked(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
 
     def drop(self, lease: Lease) -> None:
         """Stop extending `lease` (it is being released)."""

@@ -23,6 +23,9 @@ class KeySpace:
     def signal(self, key: str) -> str:
         return f"{self.prefix}:signal:{{{key}}}"
 
+    def queued(self, key: str) -> str:
+        return f"{self.prefix}:queued:{{{key}}}"
+
     def resource_fence(self, resource: str) -> str:
         return f"{self.prefix}:rfence:{{{resource}}}"
 

@@ -37,6 +37,7 @@ class MemoryBackend(LockBackend):
         self._held: dict[str, _Held] = {}
         self._fences: dict[str, int] = {}
         self._records: dict[str, tuple[JobRecord, float]] = {}
+        self._queued: dict[str, tuple[str, float]] = {}
         self._cond = threading.Condition()
 
     def _live(self, key: str) -> _Held | None:
@@ -143,6 +144,19 @@ class MemoryBackend(LockBackend):
             if rec is None or rec[1] <= self.clock.monotonic():
                 return None
             return rec[0]
+
+    def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
+        with self._cond:
+            now = self.clock.monotonic()
+            held = self._queued.get(key)
+            if held and held[1] > now and held[0] != task_id:
+                return held[0]
+            self._queued[key] = (task_id, now + ttl)
+            return None
+
+    def clear_publish(self, key: str) -> None:
+        with self._cond:
+            self._queued.pop(key, None)
 
     def forget(self, key: str) -> bool:
         with self._cond:

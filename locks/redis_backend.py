@@ -223,6 +223,17 @@ class RedisBackend(LockBackend):
             finished_at=int(rec.get("finished_ms", 0)) / 1000,
         )
 
+    def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
+        held = self._call("claim_publish", [self.keys.queued(key)], [task_id, int(ttl * 1000)],
+                          key)
+        return _s(held) if held else None
+
+    def clear_publish(self, key: str) -> None:
+        try:
+            self.client.delete(self.keys.queued(key))
+        except RedisError as exc:
+            raise BackendUnavailable("redis clear_publish failed", key=key, cause=exc) from exc
+
     def forget(self, key: str) -> bool:
         return bool(self.client.delete(self.keys.record(key)))
 

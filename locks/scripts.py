@@ -6,7 +6,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-SCRIPT_NAMES = ("begin", "extend", "extend_many", "release", "commit", "fenced_write")
+SCRIPT_NAMES = ("begin", "extend", "extend_many", "release", "commit", "fenced_write",
+                "claim_publish")
 
 
 @cache

@@ -1,0 +1,32 @@
+"""Idempotency keys, the lock-gated executor and @singleton_task for Celery."""
+
+from tasks.celery_task import HEADER, SingletonTask, singleton_task
+from tasks.context import JobContext, current_job, current_lease
+from tasks.effects import EffectTx, SqlEffects, make_engine
+from tasks.errors import ArgumentsNotSerializable, DuplicateJob, IdempotencyConflict, TaskError
+from tasks.executor import DUPLICATE, SUPERSEDED, Executor, JobSpec, Outcome
+from tasks.runtime import Runtime, install, runtime_for
+
+__all__ = [
+    "DUPLICATE",
+    "HEADER",
+    "SUPERSEDED",
+    "ArgumentsNotSerializable",
+    "DuplicateJob",
+    "EffectTx",
+    "Executor",
+    "IdempotencyConflict",
+    "JobContext",
+    "JobSpec",
+    "Outcome",
+    "Runtime",
+    "SingletonTask",
+    "SqlEffects",
+    "TaskError",
+    "current_job",
+    "current_lease",
+    "install",
+    "make_engine",
+    "runtime_for",
+    "singleton_task",
+]

@@ -1,0 +1,210 @@
+"""The Celery side: SingletonTask and @singleton_task gate every delivery through the executor."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from celery import Task, shared_task
+from celery._state import _task_stack
+from celery.exceptions import Ignore, Reject, Retry
+from celery.utils import uuid
+
+from locks.lease import Lease
+from tasks.context import JobContext, current_job, current_lease
+from tasks.errors import ArgumentsNotSerializable, TaskError
+from tasks.executor import CONFLICT_POLICIES, ConflictPolicy, JobSpec
+from tasks.keys import KeySelector, bind_arguments, fingerprint, job_key
+from tasks.runtime import Runtime, runtime_for
+
+HEADER = "jobfence_idempotency_key"
+PASSTHROUGH = (Retry, Ignore, Reject)
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """A Celery task that runs at most once at a time per key, and takes effect once.
+
+    Options (class attributes, or keywords of @singleton_task): `jobfence_key`,
+    `jobfence_ttl`, `on_conflict`, `wait_timeout`, `result_ttl`, `dedupe_on_publish`.
+    """
+
+    acks_late = True
+    reject_on_worker_lost = True
+    serializer = "json"
+    jobfence_key: KeySelector = None
+    jobfence_ttl: float | None = None
+    on_conflict: ConflictPolicy = "skip"
+    wait_timeout: float | None = None
+    result_ttl: float | None = None
+    dedupe_on_publish: bool = False
+    dedupe_ttl: float | None = None
+
+    # -- what the body sees ------------------------------------------------------
+    @property
+    def lease(self) -> Lease:
+        return current_lease()
+
+    @property
+    def job(self) -> JobContext:
+        return current_job()
+
+    # -- identity ----------------------------------------------------------------
+    def _runtime(self) -> Runtime:
+        return runtime_for(self.app)
+
+    def identity(self, args: Any, kwargs: Any, explicit: str | None = None) -> tuple[str, str]:
+        """(job key, argument fingerprint) for these arguments."""
+        secret = self._runtime().settings.secret_bytes()
+        arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}))
+        key = job_key(secret, self.name, arguments, selector=self.jobfence_key, explicit=explicit)
+        return key, fingerprint(secret, arguments)
+
+    # -- publishing --------------------------------------------------------------
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        *rest: Any,
+        **options: Any,
+    ) -> Any:
+        """Like Task.apply_async; also takes `idempotency_key=` (kept in the headers)."""
+        headers = dict(options.pop("headers", None) or {})
+        explicit = options.pop("idempotency_key", None)
+        if explicit is not None:
+            if not isinstance(explicit, str) or not explicit:
+                raise ArgumentsNotSerializable("idempotency_key must be a non-empty string")
+            headers[HEADER] = explicit
+        key, _ = self.identity(args, kwargs, headers.get(HEADER))  # refuses non-JSON arguments
+        if self.dedupe_on_publish and not self.app.conf.task_always_eager:
+            task_id = task_id or uuid()
+            rt = self._runtime()
+            held = rt.backend.claim_publish(key, task_id, self._dedupe_ttl(rt, options))
+            if held is not None:
+                return self.AsyncResult(held)
+        return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
+
+    def _dedupe_ttl(self, rt: Runtime, options: dict[str, Any]) -> float:
+        base = self.dedupe_ttl or rt.settings.visibility_timeout
+        return base + float(options.get("countdown") or 0)
+
+    # -- executing ---------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.request.called_directly:
+            return self._gated(args, kwargs)
+        # Called as a plain function: push a request as Celery would, then gate.
+        _task_stack.push(self)
+        self.push_request(args=args, kwargs=kwargs)
+        try:
+            return self._gated(args, kwargs)
+        finally:
+            self.pop_request()
+            _task_stack.pop()
+
+    def _gated(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        rt = self._runtime()
+        req = self.request
+        explicit = (req.headers or {}).get(HEADER) or getattr(req, HEADER, None)
+        key, fp = self.identity(args, kwargs, explicit)
+        s = rt.settings
+        spec = JobSpec(
+            name=self.name,
+            key=key,
+            fingerprint=fp,
+            task_id=req.id or "",
+            ttl=self.jobfence_ttl or s.default_ttl,
+            result_ttl=self.result_ttl or s.result_ttl,
+            on_conflict=self.on_conflict,
+            wait_timeout=s.acquire_timeout if self.wait_timeout is None else self.wait_timeout,
+        )
+        try:
+            out = rt.executor.run(
+                spec, lambda _ctx: self.run(*args, **kwargs), passthrough=PASSTHROUGH
+            )
+        except PASSTHROUGH:
+            raise
+        except BaseException:
+            if self.dedupe_on_publish:
+                rt.backend.clear_publish(key)  # a failed job may be submitted afresh
+            raise
+        if out.status == "defer":
+            # Our own earlier delivery holds the lease: come back after it ends, and let
+            # this copy go without a result (the real one is stored under the same id).
+            self.signature_from_request(req, countdown=out.countdown).apply_async()
+            raise Ignore()
+        if out.status == "retry":
+            raise self.retry(countdown=out.countdown)
+        return out.value
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Release our lease before the retry is published, so it never waits on itself."""
+        req = self.request
+        limit = self.max_retries if max_retries is None else max_retries
+        final = limit is not None and req.retries + 1 > limit
+        if not final and not req.called_directly and not req.is_eager:
+            try:
+                job = current_job()
+            except TaskError:
+                job = None
+            if job is not None:
+                self._runtime().executor.release(job.lease)
+        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+
+def singleton_task(
+    *fn: Callable[..., Any],
+    app: Any = None,
+    key: KeySelector = None,
+    ttl: float | None = None,
+    on_conflict: ConflictPolicy = "skip",
+    wait_timeout: float | None = None,
+    result_ttl: float | None = None,
+    dedupe_on_publish: bool = False,
+    base: type[SingletonTask] = SingletonTask,
+    **celery_options: Any,
+) -> Any:
+    """Like `shared_task` (or `app.task` with `app=`), gated by jobfence.
+
+    `key`: argument names (or a callable of the arguments) that make a job unique;
+    `on_conflict`: skip | wait | retry | raise. Celery options pass through unchanged.
+    """
+    if on_conflict not in CONFLICT_POLICIES:
+        raise ValueError(f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}")
+    for name, value in (("ttl", ttl), ("wait_timeout", wait_timeout), ("result_ttl", result_ttl)):
+        if value is not None and value <= 0 and not (name == "wait_timeout" and value == 0):
+            raise ValueError(f"{name} must be positive seconds, got {value!r}")
+    if celery_options.get("serializer", "json") != "json":
+        raise ValueError("singleton tasks use the json serializer; pickle runs broker data")
+    options = {
+        "base": base,
+        "jobfence_key": key,
+        "jobfence_ttl": ttl,
+        "on_conflict": on_conflict,
+        "wait_timeout": wait_timeout,
+        "result_ttl": result_ttl,
+        "dedupe_on_publish": dedupe_on_publish,
+        **celery_options,
+    }
+
+    def decorate(func: Callable[..., Any]) -> Any:
+        if isinstance(key, list | tuple):
+            params = inspect.signature(func).parameters
+            unknown = [k for k in key if k not in params]
+            if unknown:
+                raise ValueError(f"key names {unknown} are not parameters of {func.__name__}")
+        return (app.task(**options) if app is not None else shared_task(**options))(func)
+
+    if fn:
+        return decorate(fn[0])
+    return decorate

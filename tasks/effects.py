@@ -1,0 +1,135 @@
+"""Layer 3 in SQL: a job's effect and its DONE row commit in one fenced transaction."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Engine,
+    Float,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    select,
+)
+
+from locks.guards import SqlFenceGuard
+from tasks.context import JobContext
+from tasks.errors import IdempotencyConflict
+from tasks.keys import canonical_json
+
+metadata = MetaData()
+jobs = Table(
+    "jobfence_jobs",
+    metadata,
+    Column("job_key", String(255), primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("result", Text, nullable=False),
+    Column("fence", BigInteger, nullable=False),
+    Column("finished_at", Float, nullable=False),
+)
+
+
+def make_engine(url: str, **options: Any) -> Engine:
+    """An engine fit for several worker processes; SQLite gets WAL and BEGIN IMMEDIATE.
+
+    With pysqlite's deferred transactions two writers that both read first deadlock on
+    the upgrade and one fails at once; BEGIN IMMEDIATE makes them queue instead.
+    """
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True, **options)
+    engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None}, **options)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+@dataclass
+class EffectTx:
+    """The open transaction. If `done`, the job already took effect: return `result`."""
+
+    conn: Connection
+    done: bool
+    result: Any = None
+
+
+class SqlEffects:
+    """Fenced, exactly-once effects in one SQL database.
+
+        with effects.transaction(job, f"account:{account}") as tx:
+            if tx.done:
+                return tx.result
+            tx.conn.execute(...)          # the effect
+            tx.result = {...}             # stored with the DONE row
+        return tx.result
+
+    Each resource's fence is checked and advanced first (StaleFence rolls everything
+    back); the DONE row is inserted in the same transaction, so a second execution of
+    the job finds it, and two racing executions collide on its primary key.
+    """
+
+    def __init__(self, engine: Engine, *, guard: SqlFenceGuard | None = None) -> None:
+        self.engine = engine
+        self.guard = guard or SqlFenceGuard()
+
+    def create_schema(self) -> None:
+        self.guard.create_schema(self.engine)
+        metadata.create_all(self.engine, tables=[jobs])
+
+    @contextmanager
+    def transaction(self, job: JobContext, *resources: str) -> Iterator[EffectTx]:
+        with self.engine.begin() as conn:
+            for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
+                self.guard.check_and_advance(conn, resource, job.fence)
+            tx = self._lookup(conn, job)
+            yield tx
+            if not tx.done:
+                conn.execute(
+                    jobs.insert().values(
+                        job_key=job.key,
+                        state="DONE",
+                        fingerprint=job.fingerprint,
+                        result=canonical_json(tx.result, what="the job result"),
+                        fence=job.fence,
+                        finished_at=time.time(),
+                    )
+                )
+
+    def record(self, job_key: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(jobs).where(jobs.c.job_key == job_key)).mappings().first()
+        return dict(row) if row else None
+
+    def _lookup(self, conn: Connection, job: JobContext) -> EffectTx:
+        row = conn.execute(
+            select(jobs.c.fingerprint, jobs.c.result).where(jobs.c.job_key == job.key)
+        ).first()
+        if row is None:
+            return EffectTx(conn, done=False)
+        if row.fingerprint != job.fingerprint:
+            raise IdempotencyConflict(
+                "job key already used with different arguments", key=job.key, fence=job.fence
+            )
+        return EffectTx(conn, done=True, result=json.loads(row.result))

@@ -1,0 +1,93 @@
+"""Idempotency keys: task name plus bound arguments, canonical JSON, HMAC-SHA256."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tasks.errors import ArgumentsNotSerializable
+
+KeySelector = Sequence[str] | Callable[..., Any] | None
+
+
+def canonical_json(value: Any, *, what: str = "arguments") -> str:
+    """Sorted keys, no whitespace, no NaN: equal values give equal text."""
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+    except (TypeError, ValueError) as exc:
+        raise ArgumentsNotSerializable(
+            f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict); "
+            "pass ids instead of objects",
+            cause=exc,
+        ) from exc
+
+
+def bind_arguments(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    skip_first: bool = False,
+) -> dict[str, Any]:
+    """Arguments by parameter name, defaults applied, so f(1) and f(x=1) give one key."""
+    sig = inspect.signature(fn)
+    if skip_first:
+        params = list(sig.parameters.values())[1:]
+        sig = sig.replace(parameters=params)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ArgumentsNotSerializable(
+            f"arguments do not match the signature of {getattr(fn, '__name__', fn)}: {exc}"
+        ) from exc
+    bound.apply_defaults()
+    out = dict(bound.arguments)
+    for name, p in sig.parameters.items():  # flatten *args / **kwargs for stable keys
+        if p.kind is p.VAR_KEYWORD and name in out:
+            out.update(out.pop(name))
+        elif p.kind is p.VAR_POSITIONAL and name in out:
+            out[name] = list(out[name])
+    return out
+
+
+def _hmac(secret: bytes, text: str) -> str:
+    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+
+
+def select_arguments(arguments: dict[str, Any], selector: KeySelector) -> Any:
+    """The part of the arguments that makes a job unique."""
+    if selector is None:
+        return arguments
+    if callable(selector):
+        return selector(**arguments)
+    missing = [n for n in selector if n not in arguments]
+    if missing:
+        raise ArgumentsNotSerializable(
+            f"key names unknown arguments {missing}; choose from {sorted(arguments)}"
+        )
+    return {n: arguments[n] for n in selector}
+
+
+def job_key(
+    secret: bytes,
+    task_name: str,
+    arguments: dict[str, Any],
+    *,
+    selector: KeySelector = None,
+    explicit: str | None = None,
+) -> str:
+    """`<task name>:<hmac>`; arguments never appear in the key."""
+    unique = explicit if explicit is not None else select_arguments(arguments, selector)
+    digest = _hmac(secret, task_name + "\n" + canonical_json(unique))
+    return f"{task_name}:{digest[:40]}"
+
+
+def fingerprint(secret: bytes, arguments: dict[str, Any]) -> str:
+    """A digest of all arguments, to tell a duplicate from a conflicting reuse of a key."""
+    return _hmac(secret, canonical_json(arguments))[:32]

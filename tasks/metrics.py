@@ -1,0 +1,53 @@
+"""Prometheus metrics for jobfence, on a registry of its own (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class Metrics:
+    """Acquire waits, conflicts, timeouts, lost leases, stale fences, replays, heartbeats."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.acquire_wait = Histogram(
+            "jobfence_acquire_wait_seconds",
+            "Time from first attempt to grant",
+            ["task"],
+            registry=r,
+        )
+        self.conflicts = Counter(
+            "jobfence_conflicts_total",
+            "Deliveries that found the job busy",
+            ["task", "policy"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "jobfence_acquire_timeouts_total", "Waits that gave up", ["task"], registry=r
+        )
+        self.lost_leases = Counter("jobfence_lost_leases_total", "Leases marked lost", registry=r)
+        self.stale_fences = Counter(
+            "jobfence_stale_fence_total",
+            "Writes refused for a stale fencing token",
+            ["task"],
+            registry=r,
+        )
+        self.replays = Counter(
+            "jobfence_idempotent_replays_total",
+            "Deliveries answered from a stored result",
+            ["task"],
+            registry=r,
+        )
+        self.executions = Counter(
+            "jobfence_executions_total", "Task bodies run", ["task", "outcome"], registry=r
+        )
+        self.heartbeat = Histogram(
+            "jobfence_heartbeat_seconds",
+            "Latency of one batched lease extension",
+            ["backend"],
+            registry=r,
+        )
+
+    def observe_heartbeat(self, backend: str, seconds: float, _leases: int) -> None:
+        self.heartbeat.labels(backend).observe(seconds)

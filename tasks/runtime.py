@@ -1,0 +1,77 @@
+"""The per-process runtime behind @singleton_task: backend, keeper, executor and metrics."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from config.settings import Settings
+from locks.acquire import Backoff
+from locks.api import open_backend
+from locks.backend import LockBackend
+from locks.keeper import LeaseKeeper
+from locks.lease import Lease
+from tasks.errors import NotInstalled
+from tasks.executor import Executor
+from tasks.metrics import Metrics
+
+log = logging.getLogger(__name__)
+APP_ATTRIBUTE = "jobfence_runtime"
+
+
+class Runtime:
+    """Built once per app from Settings; forked children reuse it (the keeper restarts)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        backend: LockBackend | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.backend = backend or open_backend(
+            settings.lock_url,
+            prefix=settings.key_prefix,
+            socket_timeout=settings.socket_timeout,
+            fence_retention=settings.fence_retention,
+        )
+        self.keeper = LeaseKeeper(
+            fraction=settings.heartbeat_fraction,
+            on_lost=self._on_lost,
+            on_extend=self.metrics.observe_heartbeat,
+        )
+        self.executor = Executor(
+            self.backend,
+            self.keeper,
+            backoff=Backoff(settings.backoff_base, settings.backoff_cap),
+            metrics=self.metrics,
+        )
+
+    def _on_lost(self, lease: Lease, cause: BaseException) -> None:
+        self.metrics.lost_leases.inc()
+        log.warning(
+            "lease lost key=%s fence=%s cause=%s", lease.key, lease.fence, type(cause).__name__
+        )
+
+    def close(self) -> None:
+        self.keeper.stop()
+        self.backend.close()
+
+
+def install(app: Any, settings: Settings | Runtime) -> Runtime:
+    """Attach a runtime to a Celery app; @singleton_task finds it there."""
+    runtime = settings if isinstance(settings, Runtime) else Runtime(settings)
+    setattr(app, APP_ATTRIBUTE, runtime)
+    return runtime
+
+
+def runtime_for(app: Any) -> Runtime:
+    runtime = getattr(app, APP_ATTRIBUTE, None)
+    if runtime is None:
+        raise NotInstalled(
+            f"Celery app {getattr(app, 'main', app)!r} has no jobfence runtime; call "
+            "tasks.install(app, config.Settings()) where the app is built"
+        )
+    return runtime  # type: ignore[no-any-return]
