@@ -11,6 +11,7 @@ from locks.api import open_backend
 from locks.backend import LockBackend
 from locks.keeper import LeaseKeeper
 from locks.lease import Lease
+from tasks.effects import SqlEffects, make_engine
 from tasks.errors import NotInstalled
 from tasks.executor import Executor
 from tasks.metrics import Metrics
@@ -49,6 +50,19 @@ class Runtime:
             metrics=self.metrics,
         )
 
+        self._effects: SqlEffects | None = None
+
+    @property
+    def effects(self) -> SqlEffects:
+        """The ledger database (JOBFENCE_DATABASE_URL), built on first use in this process."""
+        if self._effects is None:
+            url = self.settings.database_url
+            if not url:
+                raise NotInstalled("JOBFENCE_DATABASE_URL is not set; tasks that write a ledger "
+                                   "need it, e.g. sqlite:///ledger.sqlite")
+            self._effects = SqlEffects(make_engine(url))
+        return self._effects
+
     def _on_lost(self, lease: Lease, cause: BaseException) -> None:
         self.metrics.lost_leases.inc()
         log.warning(
@@ -58,6 +72,8 @@ class Runtime:
     def close(self) -> None:
         self.keeper.stop()
         self.backend.close()
+        if self._effects is not None:
+            self._effects.engine.dispose()
 
 
 def install(app: Any, settings: Settings | Runtime) -> Runtime:
