@@ -1,0 +1,21 @@
+# The two commands of the README: `make demo` runs the main job, `make test` the suite.
+# Each does its own set-up (.ci/setup); extra arguments go in ARGS="...".
+.PHONY: demo test lint bench
+
+demo:
+	./.ci/setup --venv-only
+	.venv/bin/python -m worker demo $(ARGS)
+
+test:
+	./.ci/setup
+	.venv/bin/python -m pytest -q $(ARGS)
+
+lint:
+	./.ci/setup --venv-only
+	.venv/bin/ruff check config locks tasks worker tests bench
+	.venv/bin/mypy
+
+bench:
+	./.ci/setup --venv-only
+	.venv/bin/python -m worker bench locks $(ARGS)
+	.venv/bin/python -m worker bench celery $(ARGS)
