@@ -1,0 +1,1 @@
+"""Integration tests that run real ``celery worker`` processes against private Redis servers."""
