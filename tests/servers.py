@@ -657,8 +657,12 @@ class ProcessGroup:
         raise KeyError(proc.pid)
 
     def stop(self, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
-        """Stop one process and its group; returns its exit code."""
-        return stop_process(proc, timeout, group=True)
+        """Stop one process and its group, and forget it; returns its exit code."""
+        code = stop_process(proc, timeout, group=True)
+        for entry in [e for e in self._procs if e[0] is proc]:
+            self._procs.remove(entry)  # stop_all must never signal its (reusable) pgid again
+            entry[1].close()
+        return code
 
     def stop_all(self, timeout: float = 10.0) -> None:
         """SIGTERM every group, SIGKILL whatever is left after ``timeout``, reap all."""
