@@ -24,6 +24,8 @@ ConflictPolicy = Literal["skip", "wait", "retry", "raise"]
 CONFLICT_POLICIES: tuple[str, ...] = ("skip", "wait", "retry", "raise")
 Status = Literal["ran", "replayed", "duplicate", "superseded", "defer", "retry"]
 
+Observer = Callable[[str, "JobSpec", int | None], None]  # event, job, fence
+
 DUPLICATE = {"jobfence": "duplicate"}
 SUPERSEDED = {"jobfence": "superseded"}
 
@@ -67,6 +69,7 @@ class Executor:
         backoff: Backoff,
         metrics: Metrics | None = None,
     ) -> None:
+        self.observers: list[Observer] = []  # told of every event: started, done, replayed...
         self.backend = backend
         self.keeper = keeper
         self.backoff = backoff
@@ -88,14 +91,18 @@ class Executor:
             key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id
         )
         self.keeper.keep(lease)
+        self._note("started", spec, lease.fence)
         token = set_current(ctx)
         try:
             value = body(ctx)
+            # Inside the try: an unstorable result is a failure that must release the lease.
+            result = canonical_json(value, what=f"the result of {spec.name}")
         except (StaleFence, LeaseLost) as exc:
             self._superseded(spec, lease, exc)
             return Outcome("superseded", SUPERSEDED, lease.fence)
         except passthrough:
             self.release(lease)
+            self._note("released", spec, lease.fence)
             raise
         except BaseException as exc:
             self._finish(
@@ -105,12 +112,13 @@ class Executor:
                 canonical_json({"error": type(exc).__name__, "message": str(exc)[:500]}),
             )
             self.metrics.executions.labels(spec.name, "failed").inc()
+            self._note("failed", spec, lease.fence)
             raise
         finally:
             reset_current(token)
-        result = canonical_json(value, what=f"the result of {spec.name}")
         self._finish(spec, lease, "DONE", result)
         self.metrics.executions.labels(spec.name, "done").inc()
+        self._note("done", spec, lease.fence)
         return Outcome("ran", value, lease.fence)
 
     def begin(self, spec: JobSpec) -> Lease | Outcome:
@@ -132,8 +140,10 @@ class Executor:
             if spec.task_id and got.task_id == spec.task_id:
                 # Our own earlier delivery holds it (redelivered or crashed): come back when
                 # its lease ends. Dropping this copy could lose the job if that holder died.
+                self._note("defer", spec, None)
                 return Outcome("defer", countdown=self._after(got, attempt))
             self.metrics.conflicts.labels(spec.name, spec.on_conflict).inc()
+            self._note("conflict", spec, None)
             if spec.on_conflict == "skip":
                 return Outcome("duplicate", DUPLICATE)
             if spec.on_conflict == "raise":
@@ -158,6 +168,13 @@ class Executor:
             lease.release()
 
     # -- helpers -------------------------------------------------------------------
+    def _note(self, event: str, spec: JobSpec, fence: int | None) -> None:
+        for observe in self.observers:
+            try:
+                observe(event, spec, fence)
+            except Exception:  # an observer must never change the job's fate
+                log.exception("executor observer failed on %s", event)
+
     def _after(self, busy: Busy, attempt: int) -> float:
         return min(busy.ttl_left, 3600.0) + self.backoff.delay(attempt)
 
@@ -170,6 +187,7 @@ class Executor:
                 fence=record.fence,
             )
         self.metrics.replays.labels(spec.name).inc()
+        self._note("replayed", spec, record.fence)
         return Outcome(
             "replayed", json.loads(record.result) if record.result else None, record.fence
         )
@@ -203,4 +221,5 @@ class Executor:
             type(exc).__name__,
         )
         self.metrics.executions.labels(spec.name, "superseded").inc()
+        self._note("stale" if isinstance(exc, StaleFence) else "superseded", spec, lease.fence)
         self.release(lease)
