@@ -60,7 +60,7 @@ class SqlFenceGuard:
                 set_={"fence": ins.excluded.fence},
                 where=self.table.c.fence <= ins.excluded.fence,
             )
-            if conn.execute(stmt).rowcount == 1:
+            if conn.execute(stmt.execution_options(preserve_rowcount=True)).rowcount == 1:
                 return
             self._stale(conn, resource, fence)
         for _ in range(3):

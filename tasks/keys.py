@@ -48,9 +48,14 @@ def bind_arguments(
         ) from exc
     bound.apply_defaults()
     out = dict(bound.arguments)
+    names = set(sig.parameters)
     for name, p in sig.parameters.items():  # flatten *args / **kwargs for stable keys
         if p.kind is p.VAR_KEYWORD and name in out:
-            out.update(out.pop(name))
+            extra = out.pop(name)
+            if names.isdisjoint(extra):
+                out.update(extra)
+            else:  # a keyword named like a parameter (f(args=[1]) vs f(1)): keep it apart
+                out[name] = extra
         elif p.kind is p.VAR_POSITIONAL and name in out:
             out[name] = list(out[name])
     return out
