@@ -8,8 +8,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from redis import Redis
-from sqlalchemy import BigInteger, Column, Connection, Engine, MetaData, String, Table, select
+from sqlalchemy import BigInteger, Column, Connection, Engine, MetaData, String, Table, func, select
 from sqlalchemy import update as sql_update
+from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -41,8 +42,9 @@ class SqlFenceGuard:
 
     Call `check_and_advance` first inside the transaction that writes the resource,
     and let StaleFence propagate: the transaction rolls back and nothing is written.
-    PostgreSQL and SQLite use one upsert statement; other dialects (MySQL/MariaDB)
-    use an UPDATE, then an INSERT under a savepoint.
+    PostgreSQL and SQLite use one conditional upsert; MySQL/MariaDB an upsert keeping
+    the greater token, then a locking read; other dialects an UPDATE, then an INSERT
+    under a savepoint.
     """
 
     table = fences
@@ -63,6 +65,23 @@ class SqlFenceGuard:
             if conn.execute(stmt.execution_options(preserve_rowcount=True)).rowcount == 1:
                 return
             self._stale(conn, resource, fence)
+        if dialect in ("mysql", "mariadb"):
+            # One upsert: an UPDATE that misses takes a gap lock, and two such transactions
+            # inserting into one gap deadlock under REPEATABLE READ.
+            mins = mysql_insert(self.table).values(resource=resource, fence=fence)
+            conn.execute(
+                mins.on_duplicate_key_update(
+                    fence=func.greatest(self.table.c.fence, mins.inserted.fence)
+                )
+            )
+            last = conn.execute(
+                select(self.table.c.fence)
+                .where(self.table.c.resource == resource)
+                .with_for_update()
+            ).scalar_one()
+            if int(last) > fence:
+                raise StaleFence(resource=resource, fence=fence, last=int(last))
+            return
         for _ in range(3):
             if self._advance(conn, resource, fence):
                 return

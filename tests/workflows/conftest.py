@@ -39,23 +39,6 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 
 @pytest.fixture
-def concurrent_writers(request: pytest.FixtureRequest) -> None:
-    """Marks a test with concurrent fenced writers as a known failure on MariaDB.
-
-    SqlFenceGuard's MySQL path (UPDATE, then INSERT under a savepoint) deadlocks on InnoDB
-    gap locks at REPEATABLE READ when two transactions fence two *new* resources in the
-    same index gap; the deadlock rolls the transaction back and surfaces as "SAVEPOINT
-    sa_savepoint_1 does not exist". The workflow code passes these tests on MariaDB at READ
-    COMMITTED; remove this fixture once the guard is fixed.
-    """
-    params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("database_url") == "mariadb":
-        request.applymarker(
-            pytest.mark.xfail(reason="SqlFenceGuard gap-lock deadlock on InnoDB", strict=False)
-        )
-
-
-@pytest.fixture
 def app(redis_url: str, database_url: str) -> Iterator[Celery]:
     """An eager Celery app whose runtime locks on the test's Redis and writes the test's ledger."""
     app = eager_app(redis_url, database_url)

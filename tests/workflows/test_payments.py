@@ -183,9 +183,7 @@ def test_a_zombie_that_wrote_first_is_not_repeated_by_the_new_holder(app: Celery
     assert _payment_count(app, account) == 1
 
 
-def test_concurrent_payments_on_one_account_all_apply_and_never_overdraw(
-    app: Celery, concurrent_writers: None
-) -> None:
+def test_concurrent_payments_on_one_account_all_apply_and_never_overdraw(app: Celery) -> None:
     """Many payments share one account: none is refused as stale, none applied twice."""
     task = _charge_task(app)
     account = _open(app, balance=50_000)

@@ -116,9 +116,7 @@ def test_a_refusal_is_stored_and_replayed(app: Celery, redis_client: redis.Redis
     assert unknown["status"] == "refused" and unknown["reason"] == "unknown sku"
 
 
-def test_concurrent_orders_from_threads_never_oversell(
-    app: Celery, concurrent_writers: None
-) -> None:
+def test_concurrent_orders_from_threads_never_oversell(app: Celery) -> None:
     task = _reserve_task(app)
     initial = 40
     sku = _sku(app, initial)
@@ -143,7 +141,7 @@ def test_concurrent_orders_from_threads_never_oversell(
 
 
 def test_concurrent_orders_from_processes_never_oversell(
-    app: Celery, redis_url: str, database_url: str, concurrent_writers: None
+    app: Celery, redis_url: str, database_url: str
 ) -> None:
     task = _reserve_task(app)
     initial = 30
