@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 from celery import Task, shared_task
 from celery._state import _task_stack
@@ -160,6 +160,25 @@ class SingletonTask(Task):  # type: ignore[misc]
             if job is not None:
                 self._runtime().executor.release(job.lease)
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+
+@overload
+def singleton_task(fn: Callable[..., Any], /) -> SingletonTask: ...
+
+
+@overload
+def singleton_task(
+    *,
+    app: Any = None,
+    key: KeySelector = None,
+    ttl: float | None = None,
+    on_conflict: ConflictPolicy = "skip",
+    wait_timeout: float | None = None,
+    result_ttl: float | None = None,
+    dedupe_on_publish: bool = False,
+    base: type[SingletonTask] = SingletonTask,
+    **celery_options: Any,
+) -> Callable[[Callable[..., Any]], SingletonTask]: ...
 
 
 def singleton_task(

@@ -128,7 +128,7 @@ def _declined(terms: dict[str, Any], reason: str, balance: int | None) -> dict[s
     return {"status": "declined", "reason": reason, **terms, "balance_cents": balance}
 
 
-@singleton_task(  # type: ignore[untyped-decorator]  # returns a Celery task
+@singleton_task(
     bind=True,
     name=CHARGE,
     key=["payment_id"],

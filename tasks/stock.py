@@ -148,7 +148,7 @@ def apply_reservation(
     return dict(tx.result)
 
 
-@singleton_task(  # type: ignore[untyped-decorator]  # returns a Celery task
+@singleton_task(
     bind=True,
     name=RESERVE,
     key=["order_id"],
@@ -235,7 +235,7 @@ def _explicit_key(request: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-@singleton_task(bind=True, name=RECONCILE)  # type: ignore[untyped-decorator]
+@singleton_task(bind=True, name=RECONCILE)
 def reconcile_stock(self: SingletonTask) -> dict[str, Any]:
     """Nightly stock check, once per scheduled slot.
 
