@@ -173,4 +173,6 @@ class MemoryBackend(LockBackend):
             self.clock.sleep(timeout)
             return
         with self._cond:
+            if self._live(key) is None:  # released before we got here: don't miss its wake-up
+                return
             self._cond.wait(timeout)

@@ -11,9 +11,10 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
+from locks.errors import LockError
 from locks.lease import Lease
 from tasks.context import JobContext, current_job, current_lease
-from tasks.errors import ArgumentsNotSerializable, TaskError
+from tasks.errors import ArgumentsNotSerializable
 from tasks.executor import CONFLICT_POLICIES, ConflictPolicy, JobSpec
 from tasks.keys import KeySelector, bind_arguments, fingerprint, job_key
 from tasks.runtime import Runtime, runtime_for
@@ -83,6 +84,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             held = rt.backend.claim_publish(key, task_id, self._dedupe_ttl(rt, options))
             if held is not None:
                 return self.AsyncResult(held)
+            try:
+                return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
+            except BaseException:
+                rt.backend.clear_publish(key)  # nothing was queued: the next publish must go out
+                raise
         return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
 
     def _dedupe_ttl(self, rt: Runtime, options: dict[str, Any]) -> float:
@@ -155,7 +161,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if not final and not req.called_directly and not req.is_eager:
             try:
                 job = current_job()
-            except TaskError:
+            except LockError:  # no body running (a conflict retry): no lease to release
                 job = None
             if job is not None:
                 self._runtime().executor.release(job.lease)

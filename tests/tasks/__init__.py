@@ -1,0 +1,1 @@
+"""Tests of the task layer: keys, executor, effects and @singleton_task without workers."""

@@ -1,0 +1,121 @@
+"""Fixtures for task-layer tests: lock backends, an executor, SQL URLs and Celery apps."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from config import Settings
+from locks import Backoff, LeaseKeeper, LockBackend, MemoryBackend, RedisBackend
+from tasks import Executor, JobSpec, Runtime, install
+from tasks.metrics import Metrics
+
+
+def unique(prefix: str = "job") -> str:
+    """A name no other test uses (keys, resources, task names)."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def spec_for(key: str, **overrides: Any) -> JobSpec:
+    """A JobSpec with test-friendly defaults: long TTL, short waits."""
+    fields: dict[str, Any] = {
+        "name": "tests.job",
+        "key": key,
+        "fingerprint": "fp-" + key,
+        "ttl": 30.0,
+        "result_ttl": 600.0,
+        "on_conflict": "skip",
+        "wait_timeout": 5.0,
+    }
+    fields.update(overrides)
+    return JobSpec(**fields)
+
+
+@pytest.fixture
+def redis_backend(redis_url: str) -> Iterator[RedisBackend]:
+    """A RedisBackend on the flushed private server."""
+    backend = RedisBackend.from_url(redis_url, prefix="jobfence")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def other_redis_backend(redis_url: str) -> Iterator[RedisBackend]:
+    """A second, independent client on the same server (another 'worker')."""
+    backend = RedisBackend.from_url(redis_url, prefix="jobfence")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(params=["redis", "memory"])
+def backend(request: pytest.FixtureRequest) -> LockBackend:
+    """Each executor test runs on a real Redis server and on the in-process backend."""
+    if request.param == "redis":
+        got: LockBackend = request.getfixturevalue("redis_backend")
+        return got
+    return MemoryBackend()
+
+
+@pytest.fixture
+def keeper() -> Iterator[LeaseKeeper]:
+    k = LeaseKeeper()
+    yield k
+    k.stop()
+
+
+@pytest.fixture
+def metrics() -> Metrics:
+    return Metrics()
+
+
+@pytest.fixture
+def executor(backend: LockBackend, keeper: LeaseKeeper, metrics: Metrics) -> Executor:
+    return Executor(backend, keeper, backoff=Backoff(0.005, 0.05), metrics=metrics)
+
+
+@pytest.fixture
+def redis_executor(redis_backend: RedisBackend, keeper: LeaseKeeper, metrics: Metrics) -> Executor:
+    return Executor(redis_backend, keeper, backoff=Backoff(0.005, 0.05), metrics=metrics)
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def sql_url(request: pytest.FixtureRequest) -> str:
+    """The ledger database: SQLite file, scratch PostgreSQL, scratch MariaDB."""
+    fixture = {"sqlite": "sqlite_url", "postgresql": "pg_url", "mariadb": "mariadb_url"}
+    url: str = request.getfixturevalue(fixture[request.param])
+    return url
+
+
+AppFactory = Callable[..., Celery]
+
+
+@pytest.fixture
+def make_app(redis_url: str) -> Iterator[AppFactory]:
+    """Builds Celery apps with a jobfence runtime on the private Redis; closes them after."""
+    made: list[tuple[Celery, Runtime | None]] = []
+
+    def factory(*, eager: bool = True, installed: bool = True, **settings: Any) -> Celery:
+        """`eager=False` publishes to a Redis broker on the private server (no worker)."""
+        app = Celery(unique("jobfence-tests"), set_as_current=False)
+        app.conf.update(
+            task_always_eager=eager,
+            task_eager_propagates=True,
+            task_serializer="json",
+            result_serializer="json",
+            accept_content=["json"],
+            broker_url="memory://localhost/" if eager else redis_url,
+            result_backend=None,
+        )
+        runtime = install(app, Settings(lock_url=redis_url, **settings)) if installed else None
+        made.append((app, runtime))
+        return app
+
+    yield factory
+    for app, runtime in made:
+        if runtime is not None:
+            runtime.close()
+        app.close()
