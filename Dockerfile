@@ -1,0 +1,21 @@
+# The jobfence image: workers, beats and flower all run from it (see docker-compose.yml).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY config ./config
+COPY locks ./locks
+COPY tasks ./tasks
+COPY worker ./worker
+RUN pip install ".[postgres]" "flower>=2.0" \
+    && useradd --create-home --uid 10001 jobfence
+USER jobfence
+
+# Celery's warm shutdown on SIGTERM lets running jobs finish; give it time in compose.
+STOPSIGNAL SIGTERM
+CMD ["celery", "-A", "worker.celery_app", "worker", "--loglevel=INFO"]

@@ -1,0 +1,237 @@
+"""create_app, the start-up checks (against real Redis servers) and the signal wiring."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery, signals
+
+from config import Settings, UnsafeSettings
+from locks import RedisBackend
+from tasks import runtime_for, singleton_task
+from tests.servers import RedisServer, free_port
+from worker.app import (
+    BEAT_SCHEDULER,
+    RECONCILE_ENTRY,
+    RECONCILE_TASK,
+    broker_urls,
+    create_app,
+    redis_db_url,
+)
+from worker.checks import EX_CONFIG, StartupRefused, StartupWarning, enforce, run_checks
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _settings(lock_url: str, **overrides: object) -> Settings:
+    return Settings(lock_url=lock_url, **overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def make_app() -> Iterator[Callable[..., Celery]]:
+    """Builds apps and closes their runtimes at teardown."""
+    apps: list[Celery] = []
+
+    def build(settings: Settings, **kwargs: object) -> Celery:
+        app = create_app(settings, include=[], **kwargs)  # type: ignore[arg-type]
+        apps.append(app)
+        return app
+
+    yield build
+    for app in apps:
+        runtime_for(app).close()
+
+
+# --------------------------------------------------------------------------- create_app
+
+
+def test_app_is_json_only_acks_late_with_the_visibility_timeout(make_app, redis_url):
+    app = make_app(_settings(redis_url, visibility_timeout=120.0))
+    conf = app.conf
+    assert conf.accept_content == ["json"]
+    assert conf.result_accept_content == ["json"]
+    assert conf.task_serializer == conf.result_serializer == "json"
+    assert conf.task_acks_late is True
+    assert conf.task_reject_on_worker_lost is True
+    assert conf.worker_prefetch_multiplier == 1
+    options = conf.broker_transport_options
+    assert options["visibility_timeout"] == 120.0
+    assert options["unacked_restore_throttle"] == 1
+    assert options["unacked_restore_interval"] <= 10
+    assert conf.beat_scheduler == BEAT_SCHEDULER
+
+
+def test_broker_and_results_default_to_databases_1_and_2_of_the_lock_server(make_app):
+    app = make_app(_settings("redis://:secret@127.0.0.1:7001/0"))
+    assert app.conf.broker_url == "redis://:secret@127.0.0.1:7001/1"
+    assert app.conf.result_backend == "redis://:secret@127.0.0.1:7001/2"
+
+
+def test_explicit_broker_and_result_backend_win(make_app):
+    settings = _settings(
+        "redis://127.0.0.1:7001/0",
+        broker_url="redis://127.0.0.1:7002/5",
+        result_backend="redis://127.0.0.1:7003/6",
+    )
+    assert broker_urls(settings) == ("redis://127.0.0.1:7002/5", "redis://127.0.0.1:7003/6")
+
+
+def test_redis_db_url_keeps_tls_options():
+    assert redis_db_url("rediss://h:6380/0?ssl_cert_reqs=none", 2) == (
+        "rediss://h:6380/2?ssl_cert_reqs=none"
+    )
+
+
+def test_a_unix_socket_lock_url_needs_an_explicit_broker():
+    with pytest.raises(UnsafeSettings, match="JOBFENCE_BROKER_URL"):
+        broker_urls(_settings("unix:///run/redis.sock?db=0"))
+
+
+def test_creating_the_app_talks_to_no_server(make_app):
+    closed = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens here
+    app = make_app(_settings(closed))
+    assert isinstance(runtime_for(app).backend, RedisBackend)
+
+
+def test_the_app_ships_the_nightly_reconciliation(make_app, redis_url):
+    app = make_app(_settings(redis_url), reconcile_at="15 4 * * *")
+    entry = app.conf.beat_schedule[RECONCILE_ENTRY]
+    assert entry["task"] == RECONCILE_TASK
+    assert entry["schedule"].hour == {4} and entry["schedule"].minute == {15}
+    assert make_app(_settings(redis_url), reconcile_at=None).conf.beat_schedule == {}
+
+
+def test_the_default_includes_are_the_shipped_task_modules_that_exist():
+    app = create_app(_settings("redis://127.0.0.1:7001/0"))
+    try:
+        expected = [
+            m
+            for m in ("tasks.payments", "tasks.stock")
+            if (REPO_ROOT / (m.replace(".", "/") + ".py")).exists()
+        ]
+        assert list(app.conf.include) == expected
+    finally:
+        runtime_for(app).close()
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def test_checks_pass_on_a_safe_setup(make_app, redis_url):
+    app = make_app(_settings(redis_url))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert enforce(app, runtime_for(app)) == []
+
+
+def test_checks_refuse_pickle(make_app, redis_url):
+    app = make_app(_settings(redis_url))
+    app.conf.accept_content = ["json", "pickle"]
+    with pytest.raises(StartupRefused, match="pickle"):
+        enforce(app, runtime_for(app))
+
+
+def test_checks_refuse_a_lock_server_that_may_evict_keys(make_app, fresh_redis):
+    fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
+    app = make_app(_settings(fresh_redis.url))
+    with pytest.raises(StartupRefused, match="maxmemory-policy 'allkeys-lru'") as err:
+        enforce(app, runtime_for(app))
+    assert err.value.field == "JOBFENCE_LOCK_URL"
+    assert "noeviction" in err.value.fix
+
+
+def test_checks_warn_when_config_is_disabled(make_app):
+    with RedisServer(extra_args=["--rename-command", "CONFIG", ""]) as server:
+        app = make_app(_settings(server.url))
+        with pytest.warns(StartupWarning, match="cannot read maxmemory-policy"):
+            enforce(app, runtime_for(app))
+
+
+def test_checks_refuse_an_unreachable_lock_server(make_app):
+    app = make_app(_settings(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5))
+    with pytest.raises(StartupRefused, match="cannot reach the lock server"):
+        enforce(app, runtime_for(app))
+
+
+def test_checks_refuse_a_ttl_not_shorter_than_the_visibility_timeout(make_app, redis_url):
+    app = make_app(_settings(redis_url, default_ttl=60.0, visibility_timeout=60.0))
+    with pytest.raises(StartupRefused, match="not shorter than the broker's visibility") as err:
+        enforce(app, runtime_for(app))
+    assert err.value.field == "JOBFENCE_DEFAULT_TTL"
+
+
+def test_checks_refuse_a_task_ttl_not_shorter_than_the_visibility_timeout(make_app, redis_url):
+    app = make_app(_settings(redis_url, visibility_timeout=100.0))
+
+    @singleton_task(app=app, name="long.job", ttl=100.0)
+    def long_job() -> None: ...
+
+    with pytest.raises(StartupRefused, match=r"task long\.job ttl"):
+        enforce(app, runtime_for(app))
+
+
+def test_checks_refuse_memory_locks_for_a_real_worker(make_app):
+    app = make_app(_settings("memory://"))
+    findings = run_checks(app, runtime_for(app))
+    assert [f.setting for f in findings if f.refuse] == ["JOBFENCE_LOCK_URL"]
+    app.conf.task_always_eager = True
+    assert not [f for f in run_checks(app, runtime_for(app)) if f.refuse]
+
+
+def test_checks_refuse_a_broker_that_may_evict_messages(make_app, redis_url):
+    with RedisServer() as broker:
+        broker.client().config_set("maxmemory-policy", "volatile-lru")
+        app = make_app(_settings(redis_url, broker_url=broker.url))
+        with pytest.raises(StartupRefused, match=r"broker .* maxmemory-policy 'volatile-lru'"):
+            enforce(app, runtime_for(app))
+
+
+@pytest.mark.parametrize("program", ["worker", "beat"])
+def test_a_real_worker_or_beat_refuses_to_start_with_a_clear_message(fresh_redis, program):
+    fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
+    env = {**os.environ, "JOBFENCE_LOCK_URL": fresh_redis.url}
+    args = [sys.executable, "-m", "celery", "-A", "worker.celery_app", program]
+    if program == "worker":
+        args += ["--pool", "solo"]
+    done = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == EX_CONFIG, output
+    assert f"refusing to start the {program}" in output
+    assert "maxmemory-policy 'allkeys-lru'" in output
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def _keeping(app: Celery) -> bool:
+    """Whether the app's keeper thread runs."""
+    thread = runtime_for(app).keeper._thread
+    return thread is not None and thread.is_alive()
+
+
+def test_process_init_starts_the_keeper_and_shutdown_closes_the_runtime(make_app, redis_url):
+    app = make_app(_settings(redis_url))
+    assert not _keeping(app)
+    signals.worker_process_init.send(sender="test@host")
+    assert _keeping(app)
+    signals.worker_process_shutdown.send(sender="test@host", pid=os.getpid(), exitcode=0)
+    assert not _keeping(app)
+
+
+def test_worker_shutdown_closes_only_its_own_apps_runtime(make_app, redis_url):
+    mine, other = make_app(_settings(redis_url)), make_app(_settings(redis_url))
+    for app in (mine, other):
+        runtime_for(app).keeper.start()
+
+    class FakeWorker:  # the signal's sender: only its `.app` is read
+        app = mine
+
+    signals.worker_shutdown.send(sender=FakeWorker())
+    assert not _keeping(mine)
+    assert _keeping(other)

@@ -1,0 +1,346 @@
+"""Beat leader election on a real Redis, and one run per (entry, slot) even with two beats."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.beat import ScheduleEntry
+from celery.schedules import crontab, schedule
+
+from config import Settings
+from locks import LeaseKeeper, RedisBackend
+from tasks import HEADER, runtime_for
+from tests.servers import RedisServer, wait_for
+from worker.app import create_app
+from worker.beat import (
+    LEADER_KEY,
+    LeaderScheduler,
+    format_slot,
+    interval_slot,
+    last_cron_fire,
+    slot_key,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TTL = 1.5
+RECORD = "beat-test.record"  # the task in tests/worker/slot_app.py (not imported here: it
+# builds an app on import, as `celery -A` needs)
+ENTRY = "hourly-record"
+
+
+class Clock:
+    """The schedules' notion of now: fixed, moved by the test."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+# --------------------------------------------------------------------------- slots
+
+
+@pytest.fixture
+def utc_app() -> Iterator[Celery]:
+    app = create_app(Settings(lock_url="memory://"), include=[], beat_schedule={})
+    yield app
+    runtime_for(app).close()
+
+
+def test_interval_slots_are_aligned_to_the_epoch():
+    now = datetime(2030, 1, 1, 2, 30, 7, 500000, tzinfo=UTC)
+    assert interval_slot(timedelta(seconds=10), now) == datetime(2030, 1, 1, 2, 30, 0, tzinfo=UTC)
+    assert interval_slot(timedelta(hours=1), now) == datetime(2030, 1, 1, 2, 0, tzinfo=UTC)
+
+
+def test_a_crontab_slot_is_its_latest_firing_at_or_before_now(utc_app):
+    nightly = crontab(minute=30, hour=2, app=utc_app)
+    at = datetime(2030, 1, 2, 1, 0, tzinfo=UTC)
+    assert last_cron_fire(nightly, at) == datetime(2030, 1, 1, 2, 30, tzinfo=UTC)
+    exactly = datetime(2030, 1, 2, 2, 30, tzinfo=UTC)
+    assert last_cron_fire(nightly, exactly) == exactly
+    late = datetime(2030, 1, 2, 2, 31, 59, tzinfo=UTC)
+    assert last_cron_fire(nightly, late) == exactly
+
+
+def test_a_weekly_crontab_slot_goes_back_to_its_weekday(utc_app):
+    mondays = crontab(minute=0, hour=6, day_of_week="mon", app=utc_app)
+    wednesday = datetime(2030, 1, 2, 12, 0, tzinfo=UTC)  # 2030-01-02 is a Wednesday
+    assert last_cron_fire(mondays, wednesday) == datetime(2029, 12, 31, 6, 0, tzinfo=UTC)
+
+
+def test_the_slot_key_names_the_entry_and_the_utc_slot(utc_app):
+    nightly = crontab(minute=30, hour=2, app=utc_app)
+    entry = ScheduleEntry(name="nightly", task="t", schedule=nightly, app=utc_app)
+    at = datetime(2030, 1, 1, 3, 0, tzinfo=UTC)
+    assert slot_key(entry, at) == "nightly@2030-01-01T02:30:00Z"
+    assert format_slot(datetime(2030, 1, 1, tzinfo=UTC) + timedelta(microseconds=5)) == (
+        "2030-01-01T00:00:00.000005Z"
+    )
+
+
+def test_interval_entries_fall_due_once_per_aligned_period(utc_app):
+    clock = Clock(datetime(2030, 1, 1, 2, 0, 3, tzinfo=UTC))
+    sched = LeaderScheduler(utc_app, lazy=True)
+    every10 = schedule(timedelta(seconds=10), nowfun=clock, app=utc_app)
+    entry = ScheduleEntry(
+        name="every10", task="t", schedule=every10, last_run_at=clock.now, app=utc_app
+    )
+    due, wait = sched.is_due(entry)
+    assert not due and wait == pytest.approx(7.0)
+    clock.now += timedelta(seconds=7)  # 02:00:10, the next grid point
+    due, wait = sched.is_due(entry)
+    assert due and wait == pytest.approx(10.0)
+
+
+# --------------------------------------------------------------------------- election
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return Settings(lock_url=redis_url, default_ttl=TTL, socket_timeout=0.3)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(datetime(2030, 1, 1, 2, 30, 5, tzinfo=UTC))
+
+
+@pytest.fixture
+def beat_app(settings: Settings, clock: Clock) -> Iterator[Celery]:
+    app = create_app(
+        settings,
+        include=[],
+        beat_schedule={
+            ENTRY: {"task": RECORD, "schedule": schedule(timedelta(hours=1), nowfun=clock)}
+        },
+    )
+    yield app
+    runtime_for(app).close()
+
+
+@pytest.fixture
+def make_scheduler(beat_app: Celery, clock: Clock) -> Iterator[Callable[..., LeaderScheduler]]:
+    """Schedulers with a keeper each (so one can die alone); the entry is due at once."""
+    made: list[tuple[LeaderScheduler, LeaseKeeper]] = []
+
+    def build(**kwargs: Any) -> LeaderScheduler:
+        keeper = LeaseKeeper(fraction=1 / 3)
+        sched = LeaderScheduler(beat_app, keeper=keeper, **kwargs)
+        sched.schedule[ENTRY].last_run_at = clock.now - timedelta(hours=2)
+        made.append((sched, keeper))
+        return sched
+
+    yield build
+    for sched, keeper in made:
+        sched.close()
+        keeper.stop()
+
+
+def _db(url: str, db: int) -> str:
+    return url.rsplit("/", 1)[0] + f"/{db}"
+
+
+@pytest.fixture
+def broker(redis_url: str) -> Iterator[redis.Redis]:
+    """The broker database (1) of the shared server."""
+    client = redis.Redis.from_url(_db(redis_url, 1))
+    yield client
+    client.close()
+
+
+def queued(broker: redis.Redis) -> list[dict[str, Any]]:
+    """The messages waiting in the default queue, oldest first."""
+    return [json.loads(raw) for raw in reversed(broker.lrange("celery", 0, -1))]
+
+
+def run_beat(sched: LeaderScheduler, until: Callable[[], bool], timeout: float) -> float:
+    """Drive `sched` as `celery beat` does (tick, sleep what it asks) until `until()`;
+    return the seconds it took."""
+    started = time.monotonic()
+    deadline = started + timeout
+    while not until():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(max(0.0, min(sched.tick(), deadline - time.monotonic())))
+    return time.monotonic() - started
+
+
+def test_only_the_leader_dispatches(make_scheduler, broker, settings):
+    a, b = make_scheduler(), make_scheduler()
+    for _ in range(3):
+        a.tick()
+        b.tick()
+    assert a.is_leader and not b.is_leader
+    messages = queued(broker)
+    assert len(messages) == 1
+    assert messages[0]["headers"][HEADER] == f"{ENTRY}@2030-01-01T02:00:00Z"
+    backend = RedisBackend.from_settings(settings)
+    try:
+        info = backend.inspect(LEADER_KEY)
+    finally:
+        backend.close()
+    assert info is not None and a.lease is not None and info.fence == a.lease.fence
+    assert info.pid == os.getpid() and info.task_name == "celery.beat"
+
+
+def test_the_leader_keeps_its_lease_past_the_ttl(make_scheduler, broker):
+    a, b = make_scheduler(), make_scheduler()
+    a.tick()
+    b.tick()
+    deadline = time.monotonic() + 2 * TTL
+    while time.monotonic() < deadline:  # two TTLs of standby polling, as beat would
+        time.sleep(b.tick())
+        assert not b.is_leader
+    assert a.is_leader
+
+
+def test_a_standby_takes_over_within_one_ttl_after_the_leader_dies(make_scheduler, broker):
+    a, b = make_scheduler(), make_scheduler()
+    a.tick()
+    b.tick()
+    assert a.is_leader and not b.is_leader
+    a.keeper.stop()  # the leader dies: no release, no more heartbeats
+    took = run_beat(b, lambda: b.is_leader, timeout=3 * TTL)
+    assert took <= TTL + b.standby_poll + 0.3
+    assert not a.is_leader  # past its deadline: it would not dispatch if it woke up
+    # The new leader dispatches the entry again (it cannot know the old one did), under the
+    # same slot key, so a @singleton_task runs it once.
+    keys = [m["headers"][HEADER] for m in queued(broker)]
+    assert keys == [f"{ENTRY}@2030-01-01T02:00:00Z"] * 2
+
+
+def test_a_leader_that_shuts_down_hands_over_at_once(make_scheduler):
+    a, b = make_scheduler(), make_scheduler()
+    a.tick()
+    b.tick()
+    a.close()
+    b.tick()
+    assert b.is_leader
+
+
+def test_a_leader_that_lost_its_lease_stops_dispatching(make_scheduler, broker, settings, clock):
+    a, b = make_scheduler(), make_scheduler()
+    a.tick()
+    assert len(queued(broker)) == 1
+    backend = RedisBackend.from_settings(settings)
+    try:
+        backend.force_release(LEADER_KEY)  # e.g. an operator, or the lock server lost it
+    finally:
+        backend.close()
+    b.tick()
+    assert b.is_leader
+    wait_for(
+        lambda: a.lease is None or a.lease.lost,
+        timeout=2 * TTL,
+        message="the old leader never noticed it lost the lease",
+    )
+    clock.now += timedelta(hours=1)  # the next slot falls due
+    a.tick()
+    assert not a.is_leader
+    b.tick()
+    keys = [m["headers"][HEADER] for m in queued(broker)]
+    assert keys == [
+        f"{ENTRY}@2030-01-01T02:00:00Z",  # a, as leader
+        f"{ENTRY}@2030-01-01T02:00:00Z",  # b, on taking over: same slot
+        f"{ENTRY}@2030-01-01T03:00:00Z",  # b only
+    ]
+
+
+# --------------------------------------------------------------------------- real processes
+
+
+def _beat_env(server: RedisServer) -> dict[str, str]:
+    return {
+        "JOBFENCE_LOCK_URL": server.url,
+        "JOBFENCE_DEFAULT_TTL": "2",
+        "JOBFENCE_SOCKET_TIMEOUT": "0.5",
+    }
+
+
+def test_two_real_beats_elect_one_and_the_standby_takes_over_after_a_kill(
+    fresh_redis, process_group
+):
+    ttl = 2.0
+    beats = [
+        process_group.spawn(
+            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "beat", "-l", "INFO"],
+            env=_beat_env(fresh_redis), cwd=REPO_ROOT, name=f"beat-{i}",
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    pids = {p.pid for p in beats}
+    backend = RedisBackend.from_url(fresh_redis.url)
+    try:
+
+        def leader_pid() -> int | None:
+            info = backend.inspect(LEADER_KEY)
+            return info.pid if info is not None and info.pid in pids else None
+
+        first = wait_for(leader_pid, timeout=60, message=lambda: process_group.log_of(beats[0]))
+        leader = next(p for p in beats if p.pid == first)
+        standby = next(p for p in beats if p.pid != first)
+        os.killpg(leader.pid, signal.SIGKILL)  # our own child's group; the harness reaps it
+        killed_at = time.monotonic()
+        wait_for(
+            lambda: leader_pid() == standby.pid,
+            timeout=3 * ttl,
+            message=lambda: process_group.log_of(standby),
+        )
+        took = time.monotonic() - killed_at
+        assert took <= ttl + 1.0, took
+        assert standby.poll() is None
+    finally:
+        backend.close()
+
+
+def test_two_beats_dispatching_the_same_slot_run_the_task_once(
+    make_scheduler, broker, clock, settings, process_group
+):
+    # Split brain: each beat holds its own leader key, so both dispatch every slot.
+    a = make_scheduler(leader_key="beat-leader-a")
+    b = make_scheduler(leader_key="beat-leader-b")
+    for _ in range(2):
+        a.tick()
+        b.tick()
+    assert a.is_leader and b.is_leader
+    assert len(queued(broker)) == 2  # each dispatched the 02:00 slot once
+    clock.now += timedelta(hours=1)
+    a.tick()
+    b.tick()
+    keys = [m["headers"][HEADER] for m in queued(broker)]
+    assert keys == [f"{ENTRY}@2030-01-01T02:00:00Z"] * 2 + [f"{ENTRY}@2030-01-01T03:00:00Z"] * 2
+
+    record = redis.Redis.from_url(_db(settings.lock_url, 3))
+    env = {
+        "JOBFENCE_LOCK_URL": settings.lock_url,
+        "JOBFENCE_DEFAULT_TTL": str(TTL),
+        "JOBFENCE_SOCKET_TIMEOUT": "0.3",
+        "SLOT_RECORD_URL": _db(settings.lock_url, 3),
+    }
+    worker = process_group.spawn(
+        [sys.executable, "-m", "celery", "-A", "tests.worker.slot_app", "worker",
+         "--pool", "solo", "-l", "INFO", "--without-gossip", "--without-mingle"],
+        env=env, cwd=REPO_ROOT, name="slot-worker",
+    )  # fmt: skip
+    wait_for(
+        lambda: broker.llen("celery") == 0 and broker.hlen("unacked") == 0,
+        timeout=60,
+        message=lambda: process_group.log_of(worker),
+    )
+    runs = [json.loads(r) for r in record.lrange("runs", 0, -1)]
+    record.close()
+    assert len(runs) == 2, runs
+    assert len({r["key"] for r in runs}) == 2

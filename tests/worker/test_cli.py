@@ -1,0 +1,285 @@
+"""`python -m worker`: lock administration against a private Redis, and a real local fleet."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from locks import Lease, NotOwner, OwnerMeta, RedisBackend
+from tests.servers import wait_for
+from worker.cli import _load_main
+from worker.procs import pid_alive
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HOSTNAME = os.uname().nodename
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        env={**os.environ, **env},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def env(redis_url: str) -> dict[str, str]:
+    return {"JOBFENCE_LOCK_URL": redis_url, "JOBFENCE_DEFAULT_TTL": "5"}
+
+
+@pytest.fixture
+def backend(redis_url: str) -> Iterator[RedisBackend]:
+    b = RedisBackend.from_url(redis_url)
+    yield b
+    b.close()
+
+
+def dead_pid() -> int:
+    """The pid of a process of ours that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def hold(
+    backend: RedisBackend, key: str, *, pid: int, host: str = HOSTNAME, ttl: float = 60.0
+) -> Lease:
+    lease = backend.try_acquire(
+        key, ttl, meta=OwnerMeta(host=host, pid=pid, task_id=f"id-{key}", task_name="t.job")
+    )
+    assert lease is not None
+    return lease
+
+
+def age_heartbeat(client: redis.Redis, key: str, seconds: float) -> None:
+    """Make the holder of `key` look silent for `seconds` (as a frozen holder would)."""
+    now_s, now_us = client.time()
+    then_ms = int(now_s * 1000 + now_us // 1000 - seconds * 1000)
+    client.hset(f"jobfence:lock:{{{key}}}", "heartbeat_ms", then_ms)
+
+
+# --------------------------------------------------------------------------- locks
+
+
+def test_locks_list_shows_holders_but_never_owner_tokens(env, backend):
+    leases = [hold(backend, "orders:1", pid=os.getpid()), hold(backend, "stock:9", pid=1)]
+    done = run_cli("locks", "list", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert [item["key"] for item in listed] == ["orders:1", "stock:9"]
+    assert listed[0]["pid"] == os.getpid() and listed[0]["fence"] == leases[0].fence
+    assert all("owner" not in item for item in listed)
+    text = run_cli("locks", "list", env=env).stdout
+    for lease in leases:
+        assert lease.owner not in done.stdout and lease.owner not in text
+    assert "orders:1" in text and "t.job [id-orders:1]" in text
+
+
+def test_locks_list_filters_with_a_glob(env, backend):
+    hold(backend, "orders:1", pid=os.getpid())
+    hold(backend, "stock:9", pid=os.getpid())
+    done = run_cli("locks", "list", "--match", "orders:*", "--json", env=env)
+    assert [item["key"] for item in json.loads(done.stdout)] == ["orders:1"]
+
+
+def test_locks_inspect_shows_one_lock_or_says_it_is_free(env, backend):
+    lease = hold(backend, "orders:1", pid=os.getpid())
+    done = run_cli("locks", "inspect", "orders:1", env=env)
+    assert done.returncode == 0
+    assert f"fence:          {lease.fence}" in done.stdout
+    assert f"pid {os.getpid()}" in done.stdout
+    assert lease.owner not in done.stdout
+    missing = run_cli("locks", "inspect", "orders:2", env=env)
+    assert missing.returncode == 1 and "not held" in missing.stdout
+
+
+def test_locks_release_needs_force_and_then_takes_the_lock_from_its_holder(env, backend):
+    lease = hold(backend, "orders:1", pid=os.getpid())
+    refused = run_cli("locks", "release", "orders:1", env=env)
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    assert backend.inspect("orders:1") is not None
+    done = run_cli("locks", "release", "orders:1", "--force", env=env)
+    assert done.returncode == 0 and "released" in done.stdout
+    assert backend.inspect("orders:1") is None
+    with pytest.raises(NotOwner):  # the old holder finds out at its next heartbeat
+        backend.extend(lease)
+    again = run_cli("locks", "release", "orders:1", "--force", env=env)
+    assert again.returncode == 1 and "not held" in again.stdout
+
+
+def test_locks_orphans_finds_dead_pids_on_this_host_and_silent_holders(env, backend, redis_client):
+    hold(backend, "alive", pid=os.getpid())
+    hold(backend, "dead-pid", pid=dead_pid())
+    hold(backend, "elsewhere", pid=dead_pid(), host="another-host")  # pid says nothing there
+    hold(backend, "silent", pid=1, host="another-host")
+    age_heartbeat(redis_client, "silent", 11.0)  # > 2 x TTL (5 s)
+    done = run_cli("locks", "orphans", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    found = {item["key"]: item["reason"] for item in json.loads(done.stdout)}
+    assert set(found) == {"dead-pid", "silent"}
+    assert "is not running on" in found["dead-pid"]
+    assert "no heartbeat for" in found["silent"]
+    released = run_cli("locks", "orphans", "--release", env=env)
+    assert released.returncode == 0
+    assert "dead-pid: released" in released.stdout and "silent: released" in released.stdout
+    assert sorted(i.key for i in backend.scan()) == ["alive", "elsewhere"]
+
+
+def test_the_check_command_reports_an_evicting_lock_server(fresh_redis):
+    env = {"JOBFENCE_LOCK_URL": fresh_redis.url}
+    assert run_cli("check", env=env).returncode == 0
+    fresh_redis.client().config_set("maxmemory-policy", "allkeys-random")
+    done = run_cli("check", env=env)
+    assert done.returncode == 1
+    assert "REFUSED" in done.stdout and "allkeys-random" in done.stdout
+
+
+def test_bench_without_a_name_prints_its_usage(env):
+    done = run_cli("bench", env=env)
+    assert done.returncode == 2 and "bench {locks|celery}" in done.stderr
+
+
+def test_a_missing_optional_command_says_so(capsys):
+    assert _load_main("worker.no_such_module", "the thing", "not written yet") is None
+    assert "the thing is not available" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- fleet
+
+
+class Output:
+    """Collects a process's output lines on a thread, so the test can wait for one."""
+
+    def __init__(self, stream: object) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            self.lines.append(line.rstrip("\n"))
+
+    def find(self, pattern: str) -> re.Match[str] | None:
+        for line in list(self.lines):
+            if m := re.search(pattern, line):
+                return m
+        return None
+
+    def text(self, last: int = 80) -> str:
+        return "\n".join(self.lines[-last:])
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+class RunningFleet:
+    """`python -m worker fleet ...` with the embedded stack, up and ready."""
+
+    def __init__(self, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JOBFENCE_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "fleet", *args],
+            env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        self.out = Output(self.proc.stdout)
+
+    def wait_ready(self) -> None:
+        wait_for(lambda: self.out.find(r"^fleet: ready: "), timeout=120, message=self.out.text)
+        text = "\n".join(self.out.lines)
+        self.pids = {m: int(p) for m, p in re.findall(r"^fleet: (\S+) pid (\d+)$", text, re.M)}
+        stack = self.out.find(r"^fleet: embedded redis-server pid (\d+) at (\S+) \(data in (\S+)\)")
+        assert stack is not None
+        self.redis_pid, self.redis_url, self.data_dir = int(stack[1]), stack[2], Path(stack[3])
+        self.pool = [c for pid in self.pids.values() for c in _children(pid)]
+        self.everything = [*self.pids.values(), *self.pool, self.redis_pid]
+
+    def close(self) -> None:
+        """Stop it if a test left it running: Ctrl-C first, SIGKILL as a last resort."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its children get SIGTERM from
+                self.proc.wait()  # the kernel (parent-death signal)
+        self.out.join(timeout=10)
+
+
+def test_fleet_starts_real_workers_and_stops_everything_on_ctrl_c():
+    fleet = RunningFleet("--workers", "2", "--concurrency", "1")
+    try:
+        fleet.wait_ready()
+        assert fleet.out.find(r"^fleet: ready: 2 workers, 1 beats")
+        assert sorted(fleet.pids) == ["beat-1", "worker-1", "worker-2"]
+        client = redis.Redis.from_url(fleet.redis_url, decode_responses=True)
+        assert client.ping()
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        client.close()
+        assert len(fleet.pool) >= 2  # one prefork child per worker
+
+        fleet.proc.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal sends
+        assert fleet.proc.wait(timeout=90) == 0, fleet.out.text()
+    finally:
+        fleet.close()
+    out = fleet.out
+    assert out.find(r"^fleet: stopped$"), out.text()
+    for name in ("worker-1", "worker-2", "beat-1"):
+        assert out.find(rf"^fleet: {name} \(pid \d+\) exited with 0$"), out.text()
+    assert [pid for pid in fleet.everything if pid_alive(pid)] == []
+    assert not fleet.data_dir.exists()
+
+
+def test_a_fleet_killed_outright_leaves_no_process_behind():
+    fleet = RunningFleet("--workers", "1", "--concurrency", "1", "--no-beat")
+    try:
+        fleet.wait_ready()
+        os.killpg(fleet.proc.pid, signal.SIGKILL)  # no chance to clean up
+        fleet.proc.wait()
+        wait_for(
+            lambda: not [pid for pid in fleet.everything if pid_alive(pid)],
+            timeout=60,
+            message=lambda: f"still alive: {[p for p in fleet.everything if pid_alive(p)]}",
+        )
+    finally:
+        fleet.close()
+        if hasattr(fleet, "data_dir"):
+            shutil.rmtree(fleet.data_dir, ignore_errors=True)
+
+
+def test_fleet_stops_when_a_worker_cannot_start(fresh_redis):
+    fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "fleet", "--workers", "1", "--no-beat"],
+        env={**os.environ, "JOBFENCE_LOCK_URL": fresh_redis.url}, cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout
+    assert "refusing to start the worker" in done.stdout
+    assert "exited on its own; stopping" in done.stdout
+    assert time.monotonic() - started < 60

@@ -1,0 +1,166 @@
+"""The composition root: `create_app(settings)` builds the Celery app and its jobfence runtime."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from celery import Celery
+from celery.schedules import crontab
+
+from config import Settings, UnsafeSettings, load_settings
+from config.settings import ENV_PREFIX
+from tasks import install
+from worker import checks, signals
+
+log = logging.getLogger(__name__)
+
+TASK_MODULES: tuple[str, ...] = ("tasks.payments", "tasks.stock")
+RECONCILE_TASK = "tasks.stock.reconcile_stock"
+RECONCILE_ENTRY = "reconcile-stock-nightly"
+DEFAULT_RECONCILE_AT = "30 2 * * *"  # cron fields: minute hour day-of-month month day-of-week (UTC)
+BEAT_SCHEDULER = "worker.beat:LeaderScheduler"
+JSON_ONLY = ["json"]
+
+
+def redis_db_url(url: str, db: int) -> str:
+    """The same redis:// or rediss:// server as `url`, database `db`."""
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "db"]
+    return urlunsplit(parts._replace(path=f"/{db}", query=urlencode(query)))
+
+
+def broker_urls(settings: Settings) -> tuple[str, str]:
+    """(broker, result backend): the settings', else databases 1 and 2 of the lock server."""
+    scheme = urlsplit(settings.lock_url).scheme
+    if scheme == "memory":
+        defaults = ("memory://", "cache+memory://")
+    elif scheme in ("redis", "rediss"):
+        defaults = (redis_db_url(settings.lock_url, 1), redis_db_url(settings.lock_url, 2))
+    elif settings.broker_url and settings.result_backend:
+        defaults = (settings.broker_url, settings.result_backend)
+    else:  # kombu and Celery spell unix sockets their own ways: no safe guess
+        raise UnsafeSettings(
+            f"{ENV_PREFIX}BROKER_URL",
+            f"cannot derive the broker and result backend from a {scheme}:// lock URL",
+            f"set {ENV_PREFIX}BROKER_URL and {ENV_PREFIX}RESULT_BACKEND",
+        )
+    return settings.broker_url or defaults[0], settings.result_backend or defaults[1]
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    """Visibility timeout, and kombu's unacked-restore sweep tuned so redelivery really happens.
+
+    kombu's Redis transport sweeps for expired unacked messages only every
+    `unacked_restore_interval * unacked_restore_throttle` seconds (10 x 10 by default), and a
+    worker killed mid-sweep holds the sweep mutex for `unacked_mutex_expire` (300 s).
+    """
+    vt = settings.visibility_timeout
+    return {
+        "visibility_timeout": vt,
+        "unacked_restore_interval": min(10.0, max(0.5, vt / 20)),
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": min(300.0, max(5.0, vt / 4)),
+    }
+
+
+def parse_crontab(text: str) -> crontab:
+    """`"30 2 * * *"` (minute hour day-of-month month day-of-week) as a Celery crontab."""
+    fields = text.split()
+    if len(fields) != 5:
+        raise ValueError(
+            f"crontab {text!r} needs 5 fields: minute hour day-of-month month day-of-week"
+        )
+    minute, hour, day_of_month, month_of_year, day_of_week = fields
+    return crontab(
+        minute=minute,
+        hour=hour,
+        day_of_month=day_of_month,
+        month_of_year=month_of_year,
+        day_of_week=day_of_week,
+    )
+
+
+def default_beat_schedule(reconcile_at: str | None = DEFAULT_RECONCILE_AT) -> dict[str, Any]:
+    """The shipped periodic jobs: stock reconciliation, nightly (None: no entry)."""
+    if reconcile_at is None:
+        return {}
+    return {
+        RECONCILE_ENTRY: {
+            "task": RECONCILE_TASK,
+            "schedule": parse_crontab(reconcile_at),
+            # A run that waited this long in the queue is stale; the next night's run is due.
+            "options": {"expires": 12 * 3600},
+        }
+    }
+
+
+def available_modules(names: Sequence[str]) -> list[str]:
+    """The task modules that exist (imported by the worker later, never here)."""
+    found = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is None:
+            log.warning("task module %s not found; its tasks are not registered", name)
+        else:
+            found.append(name)
+    return found
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """The Celery settings every jobfence app runs with (DESIGN §5)."""
+    broker, backend = broker_urls(settings)
+    return {
+        "broker_url": broker,
+        "result_backend": backend,
+        "broker_transport_options": transport_options(settings),
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "event_serializer": "json",
+        "accept_content": JSON_ONLY,
+        "result_accept_content": JSON_ONLY,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "enable_utc": True,
+        "timezone": "UTC",
+        "beat_scheduler": BEAT_SCHEDULER,
+    }
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    main: str = "jobfence",
+    include: Sequence[str] | None = None,
+    beat_schedule: Mapping[str, Any] | None = None,
+    reconcile_at: str | None = DEFAULT_RECONCILE_AT,
+    **conf: Any,
+) -> Celery:
+    """Build the Celery app from `settings` (default: JOBFENCE_* from the environment).
+
+    Nothing here talks to a server: the start-up checks run when a worker or beat starts
+    (`celeryd_init` / `beat_init`). `include` defaults to the shipped task modules that
+    exist; `beat_schedule` replaces the shipped schedule (`reconcile_at` moves the nightly
+    reconciliation, None drops it); `conf` overrides Celery settings.
+    """
+    settings = settings if settings is not None else load_settings()
+    modules = available_modules(TASK_MODULES if include is None else include)
+    app = Celery(main, include=modules)
+    app.conf.update(celery_config(settings))
+    app.conf.beat_schedule = (
+        dict(beat_schedule) if beat_schedule is not None else default_beat_schedule(reconcile_at)
+    )
+    if conf:
+        app.conf.update(conf)
+    runtime = install(app, settings)
+    signals.connect(app, runtime)
+    checks.connect(app, runtime)
+    return app

@@ -1,0 +1,251 @@
+"""Beat leader election on the lock backend, and one idempotency key per (entry, scheduled slot).
+
+Any number of `celery beat` processes may run. Each tick a beat that does not lead tries
+to take the lease "beat-leader"; the leader keeps it with the LeaseKeeper and dispatches
+only while it holds it. Election is the fast path: a frozen leader can outlive its lease
+and dispatch beside its successor. So every dispatch carries the idempotency key
+`"<entry name>@<slot>"`, the slot being the scheduled time of that run (ISO-8601 UTC), and
+two beats that dispatch the same run produce one key, so a @singleton_task runs once per slot.
+
+Slots: an interval entry runs on the epoch-aligned grid (every 10 s means at :00, :10, ...),
+so beats started at different times agree; a crontab entry's slot is its latest firing time
+at or before now; other schedules (solar) fall back to their due time, to the second.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import logging
+import math
+from datetime import UTC, date, datetime, time, timedelta, tzinfo
+from typing import Any
+
+from celery.beat import ScheduleEntry, Scheduler, event_t
+from celery.schedules import BaseSchedule, crontab, schedstate, schedule
+
+from locks import Busy, LeaseKeeper, LockBackend, LockError
+from locks.backend import default_meta
+from locks.lease import Lease
+from tasks import HEADER, SingletonTask, runtime_for
+
+log = logging.getLogger(__name__)
+
+LEADER_KEY = "beat-leader"
+MAX_STANDBY_POLL = 1.0  # seconds between a standby's attempts, at most
+CRON_LOOKBACK_DAYS = 366 * 4 + 1  # a crontab fires at least once in four years (Feb 29)
+
+
+# --------------------------------------------------------------------------- slots
+
+
+def _aware(sched: BaseSchedule, dt: datetime) -> datetime:
+    return sched.maybe_make_aware(dt)  # type: ignore[no-any-return]
+
+
+def last_cron_fire(cron: crontab, now: datetime) -> datetime:
+    """The latest time at or before `now` at which `cron` fires, in the crontab's timezone."""
+    tz: tzinfo = cron.tz
+    wall = _aware(cron, now).astimezone(tz).replace(tzinfo=None)
+    today = wall.date()
+    for back in range(CRON_LOOKBACK_DAYS):
+        day: date = today - timedelta(days=back)
+        if not (
+            day.month in cron.month_of_year
+            and day.day in cron.day_of_month
+            and day.isoweekday() % 7 in cron.day_of_week
+        ):
+            continue
+        for hour in sorted(cron.hour, reverse=True):
+            if back == 0 and hour > wall.hour:
+                continue
+            latest = wall.minute if back == 0 and hour == wall.hour else 59
+            minutes = [m for m in cron.minute if m <= latest]
+            if minutes:
+                return datetime.combine(day, time(hour, max(minutes)), tzinfo=tz)
+    raise ValueError(f"{cron!r} does not fire in the {CRON_LOOKBACK_DAYS} days before {now}")
+
+
+def interval_slot(run_every: timedelta, now: datetime) -> datetime:
+    """The start of the epoch-aligned period of length `run_every` that contains `now`."""
+    period = run_every.total_seconds()
+    if period <= 0:
+        raise ValueError(f"interval must be positive, got {run_every}")
+    start = math.floor(now.timestamp() / period) * period
+    return datetime.fromtimestamp(start, UTC)
+
+
+def slot_time(entry: ScheduleEntry, now: datetime) -> datetime:
+    """The scheduled time of the run of `entry` that is due at `now` (aware, UTC)."""
+    sched = entry.schedule
+    if isinstance(sched, crontab):
+        at = last_cron_fire(sched, now)
+    elif isinstance(sched, schedule):
+        at = interval_slot(sched.run_every, _aware(sched, now))
+    else:
+        remaining = sched.remaining_estimate(_aware(sched, entry.last_run_at))
+        at = (_aware(sched, now) + min(remaining, timedelta(0))).replace(microsecond=0)
+    return at.astimezone(UTC)
+
+
+def format_slot(at: datetime) -> str:
+    """ISO-8601 UTC with a Z, to the second (microseconds only if the slot has them)."""
+    spec = "microseconds" if at.microsecond else "seconds"
+    return at.astimezone(UTC).replace(tzinfo=None).isoformat(timespec=spec) + "Z"
+
+
+def slot_key(entry: ScheduleEntry, now: datetime) -> str:
+    """The idempotency key of the run of `entry` due at `now`: `"<entry name>@<slot>"`."""
+    return f"{entry.name}@{format_slot(slot_time(entry, now))}"
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+class LeaderScheduler(Scheduler):  # type: ignore[misc]
+    """A beat Scheduler that dispatches only while it holds the leader lease.
+
+    Celery settings (optional): `jobfence_beat_leader_key` (default "beat-leader"),
+    `jobfence_beat_ttl` (default JOBFENCE_DEFAULT_TTL). A standby polls every
+    min(ttl/3, 1 s), so it takes over at most about one TTL after the leader died, and
+    at once after a leader that shut down cleanly (it releases the lease).
+    """
+
+    _heap: list[Any] | None
+
+    def __init__(
+        self,
+        app: Any,
+        *args: Any,
+        backend: LockBackend | None = None,
+        keeper: LeaseKeeper | None = None,
+        leader_key: str | None = None,
+        ttl: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        runtime = runtime_for(app)
+        self.backend = backend or runtime.backend
+        self.keeper = keeper or runtime.keeper
+        self.leader_key = leader_key or app.conf.get("jobfence_beat_leader_key") or LEADER_KEY
+        self.ttl = float(ttl or app.conf.get("jobfence_beat_ttl") or runtime.settings.default_ttl)
+        self.standby_poll = min(self.ttl / 3, MAX_STANDBY_POLL)
+        self.lease: Lease | None = None
+        self._standby_logged = False
+        super().__init__(app, *args, **kwargs)
+
+    # -- election ----------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.lease is not None and self.lease.held
+
+    def elect(self) -> bool:
+        """Keep or take the leader lease; True while this scheduler leads."""
+        if self.lease is not None:
+            if self.lease.held:
+                return True
+            log.warning("beat: lost the leader lease %r; dispatching stops", self.leader_key)
+            # Owner-checked: frees the key at once if it is in fact still ours (a late
+            # heartbeat), and does nothing if a successor holds it.
+            self._let_go()
+        try:
+            got = self.backend.attempt(
+                self.leader_key, self.ttl, meta=default_meta(task_name="celery.beat")
+            )
+        except LockError as exc:
+            log.warning("beat: cannot reach the lock backend for the election: %s", exc)
+            return False
+        if isinstance(got, Busy):
+            if not self._standby_logged:
+                log.info("beat: standing by; another beat holds %r", self.leader_key)
+                self._standby_logged = True
+            return False
+        self.lease = got
+        self.keeper.keep(got)
+        self._standby_logged = False
+        self._heap = None  # re-evaluate every entry: some may have fallen due meanwhile
+        log.info(
+            "beat: leading (lease %r, fence %d, ttl %gs)", self.leader_key, got.fence, self.ttl
+        )
+        return True
+
+    def _let_go(self) -> None:
+        """Stop keeping the lease and release it (owner-checked)."""
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return
+        self.keeper.drop(lease)
+        try:
+            lease.release()
+        except LockError as exc:
+            log.warning("beat: could not release the leader lease: %s", exc)
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        if not self.elect():
+            return self.standby_poll
+        return float(super().tick(*args, **kwargs))
+
+    def close(self) -> None:
+        """Release the lease (a standby takes over at its next poll), then close as usual."""
+        try:
+            self._let_go()
+        finally:
+            super().close()
+
+    # -- slots -------------------------------------------------------------------
+    def is_due(self, entry: ScheduleEntry) -> schedstate:
+        """Interval entries run on the epoch-aligned grid; others as Celery decides."""
+        sched = entry.schedule
+        if isinstance(sched, crontab) or not isinstance(sched, schedule):
+            return entry.is_due()
+        period = sched.run_every.total_seconds()
+        now = _aware(sched, sched.now()).timestamp()
+        last = _aware(sched, entry.last_run_at).timestamp()
+        current = math.floor(now / period)
+        return schedstate(current > math.floor(last / period), (current + 1) * period - now)
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        """Like Celery's, but with this scheduler's `is_due` (the aligned grid)."""
+        heap: list[Any] = []
+        for entry in self.schedule.values():
+            try:
+                is_due, next_call = self.is_due(entry)
+            except Exception:
+                is_due, next_call = self._is_due_failed(entry)
+            heap.append(event_t(self._when(entry, 0 if is_due else next_call) or 0, 5, entry))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def apply_async(
+        self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        """Publish `entry` with the idempotency key of its slot in the message headers."""
+        key = slot_key(entry, entry.default_now())
+        if advance:
+            entry = self.reserve(entry)
+        stamped = copy.copy(entry)
+        headers = dict(entry.options.get("headers") or {})
+        headers[HEADER] = key
+        stamped.options = {**entry.options, "headers": headers}
+        log.info("beat: dispatching %s as %s", entry.task, key)
+        return super().apply_async(stamped, producer=producer, advance=False, **kwargs)
+
+    def setup_schedule(self) -> None:
+        super().setup_schedule()
+        for entry in self.schedule.values():
+            task = self.app.tasks.get(entry.task)
+            if (
+                task is not None
+                and not isinstance(task, SingletonTask)
+                and not str(entry.task).startswith("celery.")
+            ):
+                log.warning(
+                    "beat: periodic task %s is not a @singleton_task: two beats (or a frozen "
+                    "leader) could run one slot twice",
+                    entry.task,
+                )
+
+    @property
+    def info(self) -> str:
+        return (
+            f"    . leader election: {self.leader_key!r} on {self.backend.name}, ttl {self.ttl:g}s"
+        )

@@ -1,0 +1,13 @@
+"""The app for `celery -A worker.celery_app worker|beat`: built from JOBFENCE_* when imported."""
+
+import sys
+
+from config import UnsafeSettings
+from worker.app import create_app
+from worker.checks import EX_CONFIG
+
+try:
+    app = create_app()
+except UnsafeSettings as exc:
+    print(f"jobfence: refusing to start: unsafe settings\n  - {exc}", file=sys.stderr)
+    raise SystemExit(EX_CONFIG) from None

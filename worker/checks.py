@@ -1,0 +1,284 @@
+"""Start-up checks that refuse unsafe settings when a worker or beat starts (DESIGN §6)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from config import UnsafeSettings
+from config.settings import ENV_PREFIX
+from locks import RedisBackend
+from tasks import Runtime, SingletonTask
+
+EX_CONFIG = 78  # sysexits.h: configuration error
+JSON_TYPES = ("json", "application/json")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+class StartupWarning(UserWarning):
+    """A start-up check could not verify something, or found a risky but legal setting."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem found at start-up; `refuse` ones stop the process."""
+
+    refuse: bool
+    setting: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.problem}. Fix: {self.fix}"
+
+
+class StartupRefused(UnsafeSettings):
+    """Start-up found settings that break the safety argument; lists every refusal."""
+
+    def __init__(self, findings: list[Finding]) -> None:
+        first = findings[0]
+        super().__init__(first.setting, first.problem, first.fix)
+        self.findings = findings
+        self.args = ("\n".join(f"  - {f}" for f in findings),)
+
+
+def redact(url: str) -> str:
+    """`url` without its password, fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _refuse(setting: str, problem: str, fix: str) -> Finding:
+    return Finding(True, setting, problem, fix)
+
+
+def _warn(setting: str, problem: str, fix: str) -> Finding:
+    return Finding(False, setting, problem, fix)
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def check_serializers(conf: Any) -> Iterator[Finding]:
+    accepted = list(conf.accept_content or ())
+    result_accepted = list(conf.result_accept_content or accepted)
+    used = [conf.task_serializer, conf.result_serializer]
+    bad = sorted({c for c in [*accepted, *result_accepted, *used] if c not in JSON_TYPES})
+    if bad:
+        yield _refuse(
+            "accept_content / task_serializer / result_serializer",
+            f"the app accepts or sends {bad}: pickle (and yaml, msgpack extensions) run or "
+            "decode arbitrary data from the broker",
+            f"accept and send only json ({ENV_PREFIX}ACCEPT_CONTENT='[\"json\"]')",
+        )
+
+
+def _policy(client: redis.Redis) -> str:
+    reply = client.config_get("maxmemory-policy")
+    value = reply.get("maxmemory-policy", "")
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def check_eviction(client: redis.Redis, what: str, setting: str, url: str) -> Iterator[Finding]:
+    """Refuse a Redis that may evict keys; warn if CONFIG is disabled (cannot tell)."""
+    try:
+        policy = _policy(client)
+    except ResponseError as exc:
+        yield _warn(
+            setting,
+            f"cannot read maxmemory-policy of the {what} at {redact(url)} ({exc}; CONFIG is "
+            "disabled or not permitted), so eviction of lock and fence keys is not ruled out",
+            "make sure the server runs with maxmemory-policy noeviction",
+        )
+        return
+    if policy != "noeviction":
+        yield _refuse(
+            setting,
+            f"the {what} at {redact(url)} has maxmemory-policy {policy!r}: under memory "
+            "pressure it may evict lock, fence and job-record keys, and then two holders or "
+            "a repeated effect follow",
+            "run redis-server with --maxmemory-policy noeviction "
+            "(CONFIG SET maxmemory-policy noeviction, and in redis.conf)",
+        )
+
+
+def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
+    settings = runtime.settings
+    setting = f"{ENV_PREFIX}LOCK_URL"
+    if urlsplit(settings.lock_url).scheme == "memory" and not conf.task_always_eager:
+        yield _refuse(
+            setting,
+            "memory:// locks live in one process; worker processes would not see each "
+            "other's locks",
+            "point it at a Redis server, e.g. redis://127.0.0.1:6379/0",
+        )
+        return
+    backend = runtime.backend
+    if not isinstance(backend, RedisBackend):
+        return
+    try:
+        backend.client.ping()
+    except RedisError as exc:
+        yield _refuse(
+            setting,
+            f"cannot reach the lock server at {redact(settings.lock_url)}: {exc}",
+            "start it, or fix the URL",
+        )
+        return
+    yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
+
+
+def _same_server(a: str, b: str) -> bool:
+    pa, pb = urlsplit(a), urlsplit(b)
+    if pa.scheme == "unix" or pb.scheme == "unix":
+        return pa.path == pb.path
+    return (pa.hostname, pa.port or 6379) == (pb.hostname, pb.port or 6379)
+
+
+def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
+    """A Redis broker that evicts loses messages: refuse it (skipped if it is the lock server)."""
+    url = str(conf.broker_url or "")
+    if urlsplit(url).scheme not in REDIS_SCHEMES or _same_server(url, runtime.settings.lock_url):
+        return
+    timeout = runtime.settings.socket_timeout
+    client = redis.Redis.from_url(
+        url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        try:
+            client.ping()
+        except RedisError as exc:
+            yield _warn(
+                f"{ENV_PREFIX}BROKER_URL",
+                f"cannot reach the broker at {redact(url)} yet ({exc}); its eviction policy "
+                "is unchecked",
+                "make sure the broker runs with maxmemory-policy noeviction",
+            )
+            return
+        yield from check_eviction(client, "broker", f"{ENV_PREFIX}BROKER_URL", url)
+    finally:
+        client.close()
+
+
+def _singleton_ttls(tasks: Iterable[Any]) -> Iterator[tuple[str, float]]:
+    for task in tasks:
+        if isinstance(task, SingletonTask) and task.jobfence_ttl:
+            yield task.name, float(task.jobfence_ttl)
+
+
+def check_timeouts(conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()) -> Iterator[Finding]:
+    """Lease TTLs below the visibility timeout; the longest countdown below it too."""
+    settings = runtime.settings
+    options = dict(conf.broker_transport_options or {})
+    if "visibility_timeout" not in options:
+        return
+    vt = float(options["visibility_timeout"])
+    why = (
+        "a crashed worker's message comes back after the visibility timeout and must find "
+        "the dead holder's lease expired by then"
+    )
+    if settings.default_ttl >= vt:
+        yield _refuse(
+            f"{ENV_PREFIX}DEFAULT_TTL",
+            f"the lease TTL {settings.default_ttl:g}s is not shorter than the broker's "
+            f"visibility timeout {vt:g}s: {why}",
+            f"lower {ENV_PREFIX}DEFAULT_TTL or raise {ENV_PREFIX}VISIBILITY_TIMEOUT",
+        )
+    for name, ttl in _singleton_ttls(tasks):
+        if ttl >= vt:
+            yield _refuse(
+                f"task {name} ttl",
+                f"its lease TTL {ttl:g}s is not shorter than the visibility timeout {vt:g}s: {why}",
+                f"lower the task's ttl= or raise {ENV_PREFIX}VISIBILITY_TIMEOUT",
+            )
+    if settings.max_countdown and vt <= settings.max_countdown:
+        yield _refuse(
+            "broker_transport_options.visibility_timeout",
+            f"{vt:g}s is not longer than the longest countdown ({settings.max_countdown:g}s): "
+            "the broker redelivers every such job while it waits",
+            f"leave the visibility timeout to {ENV_PREFIX}VISIBILITY_TIMEOUT",
+        )
+
+
+def check_delivery(conf: Any) -> Iterator[Finding]:
+    if not conf.task_acks_late:
+        yield _warn(
+            "task_acks_late",
+            "is off: a message is acked before its task runs, so a crashed worker loses it",
+            "leave task_acks_late=True (jobfence gates redeliveries)",
+        )
+    if not conf.task_reject_on_worker_lost:
+        yield _warn(
+            "task_reject_on_worker_lost",
+            "is off: a job whose pool process died is acked as failed instead of redelivered",
+            "leave task_reject_on_worker_lost=True",
+        )
+
+
+def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
+    """Every finding for `app` (talks to the lock server and a Redis broker)."""
+    conf = app.conf
+    return [
+        *check_serializers(conf),
+        *check_delivery(conf),
+        *check_timeouts(conf, runtime, app.tasks.values()),
+        *check_lock_backend(conf, runtime),
+        *check_broker(conf, runtime),
+    ]
+
+
+def enforce(app: Any, runtime: Runtime) -> list[Finding]:
+    """Warn about soft findings; raise StartupRefused if any finding refuses."""
+    findings = run_checks(app, runtime)
+    for finding in findings:
+        if not finding.refuse:
+            warnings.warn(str(finding), StartupWarning, stacklevel=2)
+    refusals = [f for f in findings if f.refuse]
+    if refusals:
+        raise StartupRefused(refusals)
+    return findings
+
+
+def enforce_or_exit(app: Any, runtime: Runtime, what: str) -> None:
+    """`enforce`, turning a refusal into a clear message on stderr and exit status 78."""
+    try:
+        enforce(app, runtime)
+    except StartupRefused as exc:
+        print(
+            f"jobfence: refusing to start the {what}: unsafe settings\n{exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(EX_CONFIG) from None
+
+
+def connect(app: Any, runtime: Runtime) -> None:
+    """Run the checks when a worker (celeryd_init) or beat (beat_init) of `app` starts."""
+    from celery import signals
+
+    from worker.signals import keep_alive
+
+    def on_worker_init(sender: Any = None, instance: Any = None, **_: Any) -> None:
+        if getattr(instance, "app", None) is app:
+            enforce_or_exit(app, runtime, "worker")
+
+    def on_beat_init(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            enforce_or_exit(app, runtime, "beat")
+
+    keep_alive(app, on_worker_init, on_beat_init)
+    signals.celeryd_init.connect(on_worker_init, weak=True)
+    signals.beat_init.connect(on_beat_init, weak=True)

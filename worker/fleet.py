@@ -1,0 +1,240 @@
+"""`python -m worker fleet`: N real `celery worker` processes and beats, stopped on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO
+
+from config import Settings, UnsafeSettings, load_settings
+from config.settings import ENV_PREFIX
+from worker import procs
+from worker.embedded import EmbeddedStack, EmbeddedStackError
+
+READY_LINE = re.compile(r"@\S+ ready\.\s*$")
+BEAT_READY_LINE = re.compile(r"beat: Starting\.\.\.")
+
+
+class FleetError(RuntimeError):
+    """A fleet process exited during start-up or did not get ready in time."""
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    workers: int = 2
+    concurrency: int = 2
+    beats: int = 1
+    broker: str | None = None
+    lock_url: str | None = None
+    database: str | None = None
+    app: str = "worker.celery_app"
+    pool: str = "prefork"
+    loglevel: str = "INFO"
+    shutdown_timeout: float = 30.0
+    startup_timeout: float = 60.0
+    extra_env: Mapping[str, str] = field(default_factory=dict)  # more variables for children
+
+
+@dataclass
+class Member:
+    """One started process of the fleet and the thread that copies its output."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    ready: threading.Event = field(default_factory=threading.Event)
+    pump: threading.Thread | None = None
+
+
+class Fleet:
+    """Starts the processes, forwards their output with a name prefix, stops them all.
+
+    Every process leads its own session, so the terminal's Ctrl-C reaches only this
+    program, which turns it into a warm shutdown (SIGTERM to each worker and beat), then
+    SIGKILLs whatever is left of each process group after `shutdown_timeout`. A second
+    Ctrl-C kills at once. Only processes started here are ever signalled.
+    """
+
+    def __init__(self, options: FleetOptions, out: IO[str] | None = None) -> None:
+        self.options = options
+        self.out = out or sys.stdout
+        self.members: list[Member] = []
+        self.stack: EmbeddedStack | None = None
+        self._signals = 0
+        self._wake = threading.Event()
+        self._print_lock = threading.Lock()
+
+    # -- output ---------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        with self._print_lock:
+            self.out.write(f"fleet: {text}\n")
+            self.out.flush()
+
+    def _pump(self, member: Member, stream: IO[bytes]) -> None:
+        beat = member.name.startswith("beat")
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            if (BEAT_READY_LINE if beat else READY_LINE).search(line):
+                member.ready.set()
+                self._wake.set()
+            with self._print_lock:
+                self.out.write(f"[{member.name}] {line}\n")
+                self.out.flush()
+        stream.close()
+
+    # -- set-up ---------------------------------------------------------------------
+    def environment(self) -> dict[str, str]:
+        """Variables for the children: `extra_env` and the options' URLs; with no lock or
+        broker URL there or in the environment, an embedded stack's (started here)."""
+        o = self.options
+        env = dict(o.extra_env)
+        if o.lock_url:
+            env[f"{ENV_PREFIX}LOCK_URL"] = o.lock_url
+        if o.broker:
+            env[f"{ENV_PREFIX}BROKER_URL"] = o.broker
+        names = {f"{ENV_PREFIX}{name.upper()}": name for name in Settings.model_fields}
+        settings = load_settings(**{names[k]: v for k, v in env.items() if k in names})
+        configured = {"lock_url", "broker_url"} & settings.model_fields_set
+        if not configured:
+            self.stack = EmbeddedStack().start()
+            env.update(self.stack.env())
+            self.say(
+                f"embedded redis-server pid {self.stack.pid} at {self.stack.lock_url} "
+                f"(data in {self.stack.workdir})"
+            )
+            self.say(f"embedded ledger {self.stack.database_url}")
+        if o.database:
+            env[f"{ENV_PREFIX}DATABASE_URL"] = o.database
+        return env
+
+    def _start(self, name: str, args: list[str], env: Mapping[str, str]) -> None:
+        proc = procs.spawn(args, env=env, stdout=subprocess.PIPE)
+        member = Member(name, proc)
+        assert proc.stdout is not None
+        member.pump = threading.Thread(
+            target=self._pump, args=(member, proc.stdout), name=f"pump-{name}", daemon=True
+        )
+        member.pump.start()
+        self.members.append(member)
+        self.say(f"{name} pid {proc.pid}")
+
+    def start(self) -> None:
+        o = self.options
+        env = {**os.environ, **self.environment(), "PYTHONUNBUFFERED": "1"}
+        celery = [sys.executable, "-m", "celery", "-A", o.app]
+        for i in range(1, o.workers + 1):
+            self._start(
+                f"worker-{i}",
+                [*celery, "worker", "--loglevel", o.loglevel, "--concurrency",
+                 str(o.concurrency), "--pool", o.pool, "--hostname", f"fleet-{i}@%h"],
+                env,
+            )  # fmt: skip
+        for i in range(1, o.beats + 1):  # LeaderScheduler keeps no schedule file
+            self._start(f"beat-{i}", [*celery, "beat", "--loglevel", o.loglevel], env)
+
+    # -- running --------------------------------------------------------------------
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self._signals += 1
+        self._wake.set()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every process reported ready; FleetError if one exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while not all(m.ready.is_set() for m in self.members):
+            dead = self._failed()
+            if dead is not None:
+                raise FleetError(f"{dead.name} (pid {dead.proc.pid}) exited during start-up")
+            if time.monotonic() >= deadline:
+                waiting = ", ".join(m.name for m in self.members if not m.ready.is_set())
+                raise FleetError(f"{waiting} not ready within {timeout:g}s")
+            self._wake.wait(0.1)
+            self._wake.clear()
+
+    def _failed(self) -> Member | None:
+        for m in self.members:
+            if procs.exited(m.proc):
+                return m
+        return None
+
+    def watch(self) -> int:
+        """Wait for Ctrl-C (0) or for a process that exits on its own (1)."""
+        announced = False
+        started = time.monotonic()
+        while not self._signals:
+            dead = self._failed()
+            if dead is not None:
+                self.say(f"{dead.name} (pid {dead.proc.pid}) exited on its own; stopping")
+                return 1
+            if not announced and all(m.ready.is_set() for m in self.members):
+                announced = True
+                self.say(
+                    f"ready: {self.options.workers} workers, {self.options.beats} beats "
+                    "(Ctrl-C to stop)"
+                )
+            elif not announced and time.monotonic() - started > self.options.startup_timeout:
+                announced = True
+                waiting = [m.name for m in self.members if not m.ready.is_set()]
+                self.say(f"still waiting for {', '.join(waiting)} to report ready")
+            self._wake.wait(0.2)
+            self._wake.clear()
+        return 0
+
+    def stop(self) -> None:
+        """Warm shutdown, SIGKILL after the deadline (or at a second Ctrl-C), reap all."""
+        if self.members:
+            self.say(
+                f"stopping {len(self.members)} processes (warm shutdown, up to "
+                f"{self.options.shutdown_timeout:g}s; Ctrl-C again to kill now)"
+            )
+        seen = self._signals
+        for m in self.members:
+            procs.signal_leader(m.proc, signal.SIGCONT)
+            procs.signal_leader(m.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.options.shutdown_timeout
+        while not all(procs.exited(m.proc) for m in self.members):
+            if self._signals > seen or time.monotonic() >= deadline:
+                self.say("killing what is left")
+                break
+            self._wake.wait(0.1)
+            self._wake.clear()
+        for m in self.members:
+            code = procs.finish(m.proc)
+            self.say(f"{m.name} (pid {m.proc.pid}) exited with {code}")
+        for m in self.members:
+            if m.pump is not None:
+                m.pump.join(timeout=5)
+        if self.stack is not None:
+            self.stack.stop()
+            self.say("embedded redis-server stopped")
+            self.stack = None
+
+    def run(self) -> int:
+        handlers = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            try:
+                self.start()
+            except (UnsafeSettings, EmbeddedStackError, OSError) as exc:
+                self.say(f"cannot start: {exc}")
+                return 2
+            code = self.watch()
+        finally:
+            try:
+                self.stop()
+            finally:
+                for sig, old in handlers.items():
+                    signal.signal(sig, old)
+        self.say("stopped")
+        return code
+
+
+def run_fleet(options: FleetOptions, out: IO[str] | None = None) -> int:
+    return Fleet(options, out).run()
