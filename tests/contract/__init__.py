@@ -1,0 +1,1 @@
+"""The lock-backend contract: one suite run against every LockBackend."""

@@ -1,0 +1,105 @@
+"""The `backend` fixture: every contract test runs once per lock backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from locks import LockBackend, MemoryBackend, RedisBackend
+from tests.servers import RedisServer
+
+# To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
+# builds a BackendHarness: how to open another client (usable in a forked child) and, where
+# the server allows it, how to count round trips and how to lose all its data.
+BACKENDS = ["redis", "memory"]
+
+
+@dataclass
+class BackendHarness:
+    """A backend under test plus what the contract needs to know about its server."""
+
+    name: str
+    backend: LockBackend
+    # Opens another client on the same server. None: the backend lives in one process only.
+    connect: Callable[[], LockBackend] | None
+    # Requests (round trips) the server has handled so far; None if it cannot tell.
+    requests: Callable[[], int] | None = None
+    # Restarts the server with all its data lost; None if that cannot be done.
+    lose_data: Callable[[], None] | None = None
+    _opened: list[LockBackend] = field(default_factory=list)
+
+    @property
+    def multiprocess(self) -> bool:
+        return self.connect is not None
+
+    def another_client(self) -> LockBackend:
+        """A second, independent client on the same server (the same object for memory)."""
+        if self.connect is None:
+            return self.backend
+        other = self.connect()
+        self._opened.append(other)
+        return other
+
+    def close(self) -> None:
+        for b in [*self._opened, self.backend]:
+            b.close()
+
+
+SCRIPT_ENTRY_POINTS = {f"cmdstat_{c}" for c in ("eval", "evalsha", "eval_ro", "evalsha_ro")}
+
+
+def _redis_requests(server: RedisServer) -> Callable[[], int]:
+    """Script calls the server ran (INFO commandstats counts commands inside scripts too)."""
+    admin = server.client(decode_responses=True)
+
+    def count() -> int:
+        stats = admin.info("commandstats")
+        return sum(int(v["calls"]) for k, v in stats.items() if k in SCRIPT_ENTRY_POINTS)
+
+    return count
+
+
+def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
+    if name == "redis":
+        server: RedisServer = request.getfixturevalue("fresh_redis")
+        url = server.url
+
+        def connect() -> LockBackend:
+            return RedisBackend.from_url(url, prefix="contract")
+
+        def lose_data() -> None:
+            server.restart()
+
+        return BackendHarness(
+            name=name,
+            backend=connect(),
+            connect=connect,
+            requests=_redis_requests(server),
+            lose_data=lose_data,
+        )
+    if name == "memory":
+        return BackendHarness(name=name, backend=MemoryBackend(), connect=None)
+    raise AssertionError(f"no contract harness for backend {name!r}")
+
+
+@pytest.fixture(params=BACKENDS)
+def harness(request: pytest.FixtureRequest) -> Iterator[BackendHarness]:
+    h = _harness(request.param, request)
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def backend(harness: BackendHarness) -> LockBackend:
+    """The LockBackend under test (one per parameter of BACKENDS)."""
+    return harness.backend
+
+
+@pytest.fixture
+def multiprocess(harness: BackendHarness) -> BackendHarness:
+    """The harness, for tests that need several OS processes on one server."""
+    if not harness.multiprocess:
+        pytest.skip(f"{harness.name} backend lives in one process")
+    return harness
