@@ -31,9 +31,10 @@ fences = Table(
 def _check_args(resource: str, fence: int) -> None:
     if not isinstance(resource, str) or not resource or len(resource) > 255:
         raise LockError(f"resource must be a string of 1..255 characters, got {resource!r}")
-    if not isinstance(fence, int) or isinstance(fence, bool) or fence < 0:
+    # SQL keeps fences in a signed BIGINT; refuse what it cannot hold rather than fail there.
+    if not isinstance(fence, int) or isinstance(fence, bool) or not 0 <= fence < 2**63:
         raise LockError(
-            f"fence must be a non-negative int (lease.fence), got {fence!r}", key=resource
+            f"fence must be an int in [0, 2**63) (lease.fence), got {fence!r}", key=resource
         )
 
 

@@ -269,11 +269,6 @@ def test_redis_guard_equal_accepted_lower_refused(redis_client: redis.Redis) -> 
         g.write(r, -1, [("SET", "rg:value", "x")])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fenced_write.lua compares tokens with tonumber (doubles): above 2**53 neighbouring "
-    "tokens compare equal, so a stale one is accepted and the stored fence moves backwards",
-)
 def test_redis_guard_exact_above_2_pow_53(redis_client: redis.Redis) -> None:
     g = RedisFenceGuard(redis_client)
     r = _resource()
