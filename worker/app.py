@@ -14,7 +14,7 @@ from celery.schedules import crontab
 from config import Settings, UnsafeSettings, load_settings
 from config.settings import ENV_PREFIX
 from tasks import install
-from worker import checks, signals
+from worker import checks, journal, signals
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ def create_app(
     if conf:
         app.conf.update(conf)
     runtime = install(app, settings)
+    journal.connect(runtime)  # the demo's execution journal, when JOBFENCE_DEMO_JOURNAL_URL is set
     signals.connect(app, runtime)
     checks.connect(app, runtime)
     return app
