@@ -21,9 +21,10 @@ class Ledger:
     """Per-job execution records in Redis, written by workers and read by tests.
 
     Keys (``<prefix>:<job_id>:...``): ``starts`` and ``effects`` and ``ends`` are lists of
-    JSON records; ``running`` counts bodies currently inside the task, so the ``concurrent``
-    field of a start record is how many bodies of that job were running at that moment
-    (an overlap when > 1); ``release`` opens the gate that gated tasks wait on.
+    JSON records, and so is ``outcomes`` (how each delivery ended, whether or not its body
+    ran); ``running`` counts bodies currently inside the task, so the ``concurrent`` field
+    of a start record is how many bodies of that job were running at that moment (an
+    overlap when > 1); ``release`` opens the gate that gated tasks wait on.
     """
 
     def __init__(self, client: redis.Redis, prefix: str = "ledger") -> None:
@@ -62,6 +63,10 @@ class Ledger:
         pipe.rpush(self.key(job_id, "ends"), json.dumps(self._stamp(info)))
         pipe.execute()
 
+    def outcome(self, job_id: str, **info: Any) -> None:
+        """Record how one delivery ended (state, value), whether or not the body ran."""
+        self.client.rpush(self.key(job_id, "outcomes"), json.dumps(self._stamp(info)))
+
     def released(self, job_id: str) -> bool:
         return bool(self.client.exists(self.key(job_id, "release")))
 
@@ -88,6 +93,11 @@ class Ledger:
 
     def end_count(self, job_id: str) -> int:
         return int(self.client.llen(self.key(job_id, "ends")))
+
+    def outcomes(self, job_id: str, task_id: str | None = None) -> list[dict[str, Any]]:
+        """Delivery outcomes of ``job_id`` in the order they ended (optionally one task id's)."""
+        records = _decode(self.client.lrange(self.key(job_id, "outcomes"), 0, -1))
+        return [r for r in records if task_id is None or r.get("task_id") == task_id]
 
     def max_concurrent(self, job_id: str) -> int:
         """The most bodies of ``job_id`` seen running at once (1 = never overlapped)."""

@@ -239,3 +239,21 @@ def test_killed_worker_main_process_job_runs_again_after_visibility_timeout(
     assert starts[1]["worker"].split("@")[0] != f"w{index}"
     assert starts[1]["redelivered"] is True
     assert starts[1]["t"] - starts[0]["t"] >= VISIBILITY_TIMEOUT - 0.1
+
+
+def test_retry_of_a_naively_locked_task_is_refused_by_its_own_lock(ctl: Controls) -> None:
+    job = ctl.job()
+    task_id = ctl.send("control.naive_retry", job)
+    # The lock taken by the first attempt is still there when its retry arrives (Celery
+    # skips after_return for RETRY), so the retry gives up and the job never takes effect.
+    blocked = wait_for(
+        lambda: ctl.ledger.outcomes(job, task_id),
+        REDELIVERY_DEADLINE,
+        interval=0.02,
+        message=lambda: ctl.explain(job),
+    )
+    ctl.fleet.wait_idle(ctl.broker)
+    assert blocked[0]["blocked"] is True and blocked[0]["retries"] == 1, blocked
+    starts = ctl.ledger.starts(job)
+    assert len(starts) == 1 and starts[0]["retries"] == 0, ctl.explain(job)
+    assert ctl.ledger.effect_count(job) == 0, ctl.explain(job)

@@ -82,3 +82,41 @@ def gated(self: Task, job_id: str, timeout: float = 30.0, effect_first: bool = F
         count = book.effect(job_id, phase="after", **meta)
     book.end(job_id, timed_out=False, **meta)
     return count
+
+
+class NaiveLockTask(Task):  # type: ignore[misc]
+    """The blog posts' lock: SET NX with a TTL when the body starts, DEL in ``after_return``."""
+
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        book = ledger()
+        book.client.delete(book.key(str(args[0]), "naive_lock"))
+
+
+@app.task(
+    name="control.naive_retry",
+    bind=True,
+    base=NaiveLockTask,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=2,
+)
+def naive_retry(self: Task, job_id: str) -> int | None:
+    """Take the naive lock, ``self.retry()`` once, then have the effect.
+
+    Celery skips ``after_return`` for RETRY, so the retry finds the lock still held by its
+    own first attempt: it records an ``outcome`` with ``blocked`` and gives up.
+    """
+    book = ledger()
+    meta = _delivery(self)
+    if not book.client.set(book.key(job_id, "naive_lock"), str(self.request.id), nx=True, ex=30):
+        book.outcome(job_id, blocked=True, **meta)
+        return None
+    book.start(job_id, **meta)
+    if self.request.retries == 0:
+        book.end(job_id, **meta)
+        raise self.retry(countdown=0)
+    count = book.effect(job_id, **meta)
+    book.end(job_id, **meta)
+    return count
