@@ -134,13 +134,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             if self.dedupe_on_publish:
                 rt.backend.clear_publish(key)  # a failed job may be submitted afresh
             raise
+        # A countdown the broker would outwait redelivers the message while it waits;
+        # coming back early only means deferring once more.
+        countdown = min(out.countdown, max(0.1, s.visibility_timeout / 2))
         if out.status == "defer":
             # Our own earlier delivery holds the lease: come back after it ends, and let
             # this copy go without a result (the real one is stored under the same id).
-            self.signature_from_request(req, countdown=out.countdown).apply_async()
+            self.signature_from_request(req, countdown=countdown).apply_async()
             raise Ignore()
         if out.status == "retry":
-            raise self.retry(countdown=out.countdown)
+            raise self.retry(countdown=countdown)
         return out.value
 
     def retry(
