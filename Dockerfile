@@ -12,6 +12,7 @@ COPY config ./config
 COPY locks ./locks
 COPY tasks ./tasks
 COPY worker ./worker
+COPY bench ./bench
 RUN pip install ".[postgres]" "flower>=2.0" \
     && useradd --create-home --uid 10001 jobfence
 USER jobfence

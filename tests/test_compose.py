@@ -135,3 +135,13 @@ def test_workers_and_beats_wait_for_healthy_servers(services):
         depends = services[name]["depends_on"]
         assert depends["redis"]["condition"] == "service_healthy"
         assert depends["postgres"]["condition"] == "service_healthy"
+
+
+def test_the_image_copies_every_package_pyproject_installs() -> None:
+    import tomllib
+
+    packages = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]
+    copied = set(re.findall(r"^COPY (\S+) \./\1$", (REPO_ROOT / "Dockerfile").read_text(), re.M))
+    assert set(packages) <= copied, f"Dockerfile misses {sorted(set(packages) - copied)}"
