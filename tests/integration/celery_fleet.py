@@ -24,6 +24,7 @@ from tests.servers import ProcessGroup, _signal_process, _tail, _wait_exited, wa
 
 __all__ = [
     "HOOKS_MODULE",
+    "POOLS",
     "REPO_ROOT",
     "Fleet",
     "FleetError",
@@ -34,6 +35,8 @@ __all__ = [
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Worker pools a ``Fleet`` can run (``--pool``); only prefork has pool child processes.
+POOLS = ("prefork", "threads", "solo")
 HOOKS_MODULE = "tests.integration.fleet_hooks"
 
 
@@ -70,6 +73,21 @@ class WorkerProcess:
     def exited(self) -> bool:
         """True once the main process has exited (checked without reaping it)."""
         return _wait_exited(self.proc, 0.0)
+
+    def exit_status(self) -> int | None:
+        """The main process's exit code (``-n``: killed by signal n); ``None`` while it runs.
+
+        Read without reaping it, like :attr:`exited`.
+        """
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped elsewhere
+            return self.proc.poll()
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _proc_state(pid: int) -> str | None:
@@ -111,7 +129,7 @@ def broker_backlog(broker: redis.Redis, queues: Sequence[str] = ("celery",)) -> 
 
 
 class Fleet:
-    """N real ``celery -A <app_module> worker`` processes (prefork) on a private broker.
+    """N real ``celery -A <app_module> worker`` processes (``pool``: prefork by default).
 
     Workers are ``w0@%h`` .. ``w{N-1}@%h``, started with ``--without-gossip --without-mingle
     --without-heartbeat -O fair --prefetch-multiplier 1``; each leads its own process group
@@ -142,6 +160,7 @@ class Fleet:
         *,
         workers: int = 2,
         concurrency: int = 2,
+        pool: str = "prefork",
         env: Mapping[str, str] | None = None,
         base_dir: str | os.PathLike[str] | None = None,
         ready_timeout: float = 30.0,
@@ -151,7 +170,10 @@ class Fleet:
     ) -> None:
         if workers < 1 or concurrency < 1:
             raise ValueError("a fleet needs at least one worker with concurrency >= 1")
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
         self.app_module = app_module
+        self.pool = pool
         self.size = workers
         self.concurrency = concurrency
         self.ready_timeout = ready_timeout
@@ -185,7 +207,7 @@ class Fleet:
         """The argv of worker ``index``."""
         return [
             sys.executable, "-m", "celery", "-A", self.app_module, "worker",
-            "--pool=prefork", f"--concurrency={self.concurrency}",
+            f"--pool={self.pool}", f"--concurrency={self.concurrency}",
             "-n", f"w{index}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-O", "fair", "--prefetch-multiplier=1",
@@ -433,6 +455,22 @@ class Fleet:
 
     # -- stopping -------------------------------------------------------------------
 
+    def begin_warm_shutdown(self, index: int) -> WorkerProcess:
+        """Send worker ``index``'s main process SIGTERM (warm shutdown) and return at once.
+
+        Its running tasks finish first; watch :meth:`shutting_down` and ``exited``.
+        """
+        worker = self.worker(index)
+        if worker.exited:
+            raise FleetError(f"worker {index} (pid {worker.pid}) is not running")
+        _signal_process(worker.proc, signal.SIGCONT, True)  # a stopped process can't shut down
+        _signal_process(worker.proc, signal.SIGTERM, False)
+        return worker
+
+    def shutting_down(self, index: int) -> bool:
+        """True once worker ``index``'s main process has handled a shutdown signal."""
+        return (self.state_dir / "shutting-down" / str(self.main_pid(index))).exists()
+
     def stop_worker(self, index: int, timeout: float = 10.0) -> bool:
         """Warm shutdown of worker ``index`` (SIGTERM), SIGKILL of its group after ``timeout``.
 
@@ -479,7 +517,8 @@ class Fleet:
 
     def __repr__(self) -> str:
         states = ["up" if self.alive(i) else "down" for i in range(self.size)]
-        return f"<Fleet {self.app_module} x{self.size}({self.concurrency}) {' '.join(states)}>"
+        shape = f"x{self.size}({self.pool} {self.concurrency})"
+        return f"<Fleet {self.app_module} {shape} {' '.join(states)}>"
 
     def describe(self) -> dict[str, Any]:
         """Pids of every live main and pool process, for debugging output."""

@@ -10,6 +10,9 @@ Layout under ``$FLEET_STATE_DIR``:
     (``task_prerun`` .. ``task_postrun``; a killed process leaves its file behind).
 ``events.jsonl``
     One JSON line per ``prerun`` / ``postrun``, appended with ``O_APPEND``.
+``shutting-down/<main pid>``
+    Written by the worker's main process when it handles SIGTERM, SIGINT or SIGQUIT
+    (``worker_shutting_down``, sent from Celery's signal handler).
 """
 
 from __future__ import annotations
@@ -80,6 +83,17 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
             "worker": int(os.environ.get(INDEX_ENV, "-1")),
             "t": time.time(),
         },
+    )
+
+
+@signals.worker_shutting_down.connect
+def _on_worker_shutting_down(sig: Any = None, how: Any = None, **_: Any) -> None:
+    state = _state_dir()
+    if state is None:
+        return
+    _write_atomic(
+        state / "shutting-down" / str(os.getpid()),
+        {"pid": os.getpid(), "sig": str(sig), "how": str(how), "t": time.time()},
     )
 
 
