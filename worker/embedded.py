@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Self
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from config import Settings, load_settings
 from config.settings import ENV_PREFIX
-from worker import procs
+from worker.redis_server import HOST, RedisServer, RedisServerError, free_port
 
-HOST = "127.0.0.1"
+__all__ = ["HOST", "EmbeddedStack", "EmbeddedStackError", "free_port"]
 
-
-class EmbeddedStackError(RuntimeError):
-    """The embedded redis-server could not be started."""
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port that was free a moment ago (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+#: The embedded redis-server could not be started (the same class as RedisServerError).
+EmbeddedStackError = RedisServerError
 
 
 class EmbeddedStack:
@@ -59,9 +44,7 @@ class EmbeddedStack:
         self.keep = keep
         self._given_dir = Path(workdir) if workdir is not None else None
         self._dir: Path | None = None
-        self._port: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self._server: RedisServer | None = None
 
     # -- what it offers ------------------------------------------------------------
     @property
@@ -71,23 +54,25 @@ class EmbeddedStack:
         return self._dir
 
     @property
-    def port(self) -> int:
-        if self._port is None:
+    def server(self) -> RedisServer:
+        if self._server is None:
             raise RuntimeError("EmbeddedStack is not started")
-        return self._port
+        return self._server
+
+    @property
+    def port(self) -> int:
+        return self.server.port
 
     @property
     def pid(self) -> int:
-        if self._proc is None:
-            raise RuntimeError("EmbeddedStack is not started")
-        return self._proc.pid
+        return self.server.pid
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and not procs.exited(self._proc)
+        return self._server is not None and self._server.running
 
     def redis_url(self, db: int = 0) -> str:
-        return f"redis://{HOST}:{self.port}/{db}"
+        return self.server.db_url(db)
 
     @property
     def lock_url(self) -> str:
@@ -111,7 +96,7 @@ class EmbeddedStack:
 
     @property
     def log_path(self) -> Path:
-        return self.workdir / "redis.log"
+        return self.server.log_path
 
     def env(self) -> dict[str, str]:
         """The JOBFENCE_* variables that point a process at this stack."""
@@ -133,19 +118,13 @@ class EmbeddedStack:
         return load_settings(**{**urls, **overrides})
 
     def client(self, db: int = 0) -> redis.Redis:
-        """A new client (caller closes it) that fails fast instead of retrying."""
-        return redis.Redis(
-            host=HOST,
-            port=self.port,
-            db=db,
-            socket_timeout=2.0,
-            socket_connect_timeout=2.0,
-            retry=Retry(NoBackoff(), 0),
-        )
+        """A new client (caller closes it; `stop()` at the latest) that fails fast instead of
+        retrying."""
+        return self.server.client(db=db, socket_timeout=2.0)
 
     # -- life cycle ----------------------------------------------------------------
     def start(self) -> Self:
-        if self._proc is not None:
+        if self._server is not None:
             return self
         if shutil.which(self.executable) is None and not Path(self.executable).is_file():
             raise EmbeddedStackError(
@@ -158,77 +137,21 @@ class EmbeddedStack:
             self._dir = self._given_dir
         else:
             self._dir = Path(tempfile.mkdtemp(prefix="jobfence-stack-"))
+        self._server = RedisServer(
+            executable=self.executable, workdir=self._dir, startup_timeout=self.startup_timeout
+        )
         try:
-            for attempt in range(5):  # free_port() races with other programs
-                self._port = free_port()
-                try:
-                    self._spawn_and_wait()
-                    return self
-                except EmbeddedStackError as exc:
-                    if attempt == 4 or "Address already in use" not in str(exc):
-                        raise
+            self._server.start()
         except BaseException:
             self.stop()
             raise
-        raise AssertionError("unreachable")
-
-    def _command(self) -> list[str]:
-        return [
-            self.executable,
-            "--port", str(self.port),
-            "--bind", HOST,
-            "--daemonize", "no",
-            "--save", "",
-            "--appendonly", "no",
-            "--maxmemory-policy", "noeviction",
-            "--dir", str(self.workdir),
-            "--logfile", str(self.log_path),
-        ]  # fmt: skip
-
-    def _spawn_and_wait(self) -> None:
-        self._log = open(self.workdir / "redis.stdio.log", "ab")  # noqa: SIM115
-        self._proc = procs.spawn(self._command(), stdout=self._log)
-        client = self.client()
-        deadline = time.monotonic() + self.startup_timeout
-        try:
-            while True:
-                if procs.exited(self._proc):
-                    tail = self._log_tail()
-                    self._reap()
-                    raise EmbeddedStackError(f"redis-server exited during start-up:\n{tail}")
-                with contextlib.suppress(redis.RedisError):
-                    if client.ping():
-                        return
-                if time.monotonic() >= deadline:
-                    self._reap()
-                    raise EmbeddedStackError(
-                        f"redis-server did not answer PING within {self.startup_timeout:g}s"
-                    )
-                time.sleep(0.01)
-        finally:
-            client.close()
-
-    def _log_tail(self, lines: int = 20) -> str:
-        text = ""
-        for path in (self.log_path, self.workdir / "redis.stdio.log"):
-            with contextlib.suppress(OSError):
-                text += path.read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def _reap(self) -> None:
-        if self._proc is not None:
-            procs.finish(self._proc)
-            self._proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop redis-server (SIGTERM, SIGKILL after `timeout`) and delete the directory."""
-        if self._proc is not None:
-            procs.stop([self._proc], timeout=timeout)
-            self._proc = None
-        self._reap()
+        if self._server is not None:
+            self._server.stop(timeout)
+            self._server = None
         if self._dir is not None and not self.keep and self._given_dir is None:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._dir = None
@@ -245,5 +168,5 @@ class EmbeddedStack:
         self.stop()
 
     def __repr__(self) -> str:
-        where = f" at {self.lock_url}" if self._port is not None and self.running else ""
+        where = f" at {self.lock_url}" if self.running else ""
         return f"<EmbeddedStack{where}>"

@@ -20,7 +20,8 @@ from typing import Any, Self
 import redis
 
 from tests.integration.fleet_hooks import INDEX_ENV, STATE_DIR_ENV, safe_name
-from tests.servers import ProcessGroup, _signal_process, _tail, _wait_exited, wait_for
+from tests.servers import ProcessGroup, wait_for
+from worker import procs
 
 __all__ = [
     "HOOKS_MODULE",
@@ -72,39 +73,14 @@ class WorkerProcess:
     @property
     def exited(self) -> bool:
         """True once the main process has exited (checked without reaping it)."""
-        return _wait_exited(self.proc, 0.0)
+        return procs.exited(self.proc)
 
     def exit_status(self) -> int | None:
         """The main process's exit code (``-n``: killed by signal n); ``None`` while it runs.
 
         Read without reaping it, like :attr:`exited`.
         """
-        if self.proc.returncode is not None:
-            return self.proc.returncode
-        try:
-            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:  # reaped elsewhere
-            return self.proc.poll()
-        if info is None:
-            return None
-        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _proc_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` from /proc (``None`` if it does not exist)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    try:
-        return stat.rsplit(")", 1)[1].split()[0]
-    except IndexError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    state = _proc_state(pid)
-    return state is not None and state not in ("Z", "X")
+        return procs.exit_status(self.proc)
 
 
 def broker_backlog(broker: redis.Redis, queues: Sequence[str] = ("celery",)) -> dict[str, int]:
@@ -239,7 +215,7 @@ class Fleet:
                 if w.exited:
                     raise FleetError(
                         f"worker {w.index} (pid {w.pid}) exited during start-up\n"
-                        f"--- {w.log_path} ---\n{_tail(w.log_path, 60)}"
+                        f"--- {w.log_path} ---\n{procs.tail(w.log_path, 60)}"
                     )
             return all((self.state_dir / "ready" / str(w.pid)).exists() for w in workers)
 
@@ -302,11 +278,11 @@ class Fleet:
             pids = [int(p) for p in raw.split()]
         except FileNotFoundError:
             pids = []
-        return [p for p in pids if _alive(p) and self.owns(p)]
+        return [p for p in pids if procs.pid_alive(p) and self.owns(p)]
 
     def owns(self, pid: int) -> bool:
         """True if ``pid`` is alive and in the process group of a worker this fleet started."""
-        if not _alive(pid):
+        if not procs.pid_alive(pid):
             return False
         try:
             pgid = os.getpgid(pid)
@@ -359,7 +335,7 @@ class Fleet:
 
     def log_tail(self, index: int, lines: int = 60) -> str:
         worker = self.worker(index)
-        return f"--- {worker.log_path} ---\n{_tail(worker.log_path, lines)}"
+        return f"--- {worker.log_path} ---\n{procs.tail(worker.log_path, lines)}"
 
     def logs(self, lines: int = 40) -> str:
         """The tails of every current worker's log, for assertion messages."""
@@ -404,9 +380,9 @@ class Fleet:
         if worker.exited:
             raise FleetError(f"worker {index} (pid {worker.pid}) is not running")
         # The leader is not reaped until stop(), so its pgid cannot have been reused.
-        _signal_process(worker.proc, signal.SIGKILL, with_children)
+        procs.signal_process(worker.proc, signal.SIGKILL, group=with_children)
         self._paused.discard(worker.pid)
-        if not _wait_exited(worker.proc, timeout):
+        if not procs.wait_exited(worker.proc, timeout):
             raise FleetError(f"worker {index} (pid {worker.pid}) survived SIGKILL")
         if with_children:
             pids = [p for p in self._paused if not self.owns(p)]
@@ -419,7 +395,7 @@ class Fleet:
         self._require_owned(pid)
         os.kill(pid, signal.SIGKILL)
         self._paused.discard(pid)
-        wait_for(lambda: not _alive(pid), timeout, message=f"pid {pid} survived SIGKILL")
+        wait_for(lambda: not procs.pid_alive(pid), timeout, message=f"pid {pid} survived SIGKILL")
 
     def pause(self, pid: int, timeout: float = 5.0) -> None:
         """SIGSTOP a process of this fleet (main or pool child); returns once it is stopped."""
@@ -427,7 +403,7 @@ class Fleet:
         os.kill(pid, signal.SIGSTOP)
         self._paused.add(pid)
         wait_for(
-            lambda: _proc_state(pid) in ("T", "t", None),
+            lambda: procs.proc_state(pid) in ("T", "t", None),
             timeout,
             message=f"pid {pid} did not stop",
         )
@@ -438,7 +414,7 @@ class Fleet:
         os.kill(pid, signal.SIGCONT)
         self._paused.discard(pid)
         wait_for(
-            lambda: _proc_state(pid) not in ("T", "t"),
+            lambda: procs.proc_state(pid) not in ("T", "t"),
             timeout,
             message=f"pid {pid} did not continue",
         )
@@ -463,8 +439,8 @@ class Fleet:
         worker = self.worker(index)
         if worker.exited:
             raise FleetError(f"worker {index} (pid {worker.pid}) is not running")
-        _signal_process(worker.proc, signal.SIGCONT, True)  # a stopped process can't shut down
-        _signal_process(worker.proc, signal.SIGTERM, False)
+        procs.signal_group(worker.proc, signal.SIGCONT)  # a stopped process can't shut down
+        procs.signal_leader(worker.proc, signal.SIGTERM)
         return worker
 
     def shutting_down(self, index: int) -> bool:
@@ -477,10 +453,10 @@ class Fleet:
         Returns True if it exited within ``timeout`` on its own.
         """
         worker = self.worker(index)
-        _signal_process(worker.proc, signal.SIGCONT, True)  # a stopped process can't shut down
-        _signal_process(worker.proc, signal.SIGTERM, False)
-        clean = _wait_exited(worker.proc, timeout)
-        _signal_process(worker.proc, signal.SIGKILL, True)  # leader unreaped: pgid is still ours
+        procs.signal_group(worker.proc, signal.SIGCONT)  # a stopped process can't shut down
+        procs.signal_leader(worker.proc, signal.SIGTERM)
+        clean = procs.wait_exited(worker.proc, timeout)
+        procs.signal_group(worker.proc, signal.SIGKILL)  # leader unreaped: pgid is still ours
         return clean
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -488,11 +464,11 @@ class Fleet:
         left after ``timeout``, and reap every process this fleet ever started."""
         live = [w for w in self._slots if w is not None and not w.exited]
         for w in live:
-            _signal_process(w.proc, signal.SIGCONT, True)
-            _signal_process(w.proc, signal.SIGTERM, False)
+            procs.signal_group(w.proc, signal.SIGCONT)
+            procs.signal_leader(w.proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for w in live:
-            _wait_exited(w.proc, max(0.0, deadline - time.monotonic()))
+            procs.wait_exited(w.proc, max(0.0, deadline - time.monotonic()))
         self._group.stop_all(timeout=1.0)  # SIGTERM, then SIGKILL, every group; reaps all
         self._slots = [None] * self.size
         self._all.clear()  # reaped: their pids may belong to strangers from now on
