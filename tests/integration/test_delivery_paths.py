@@ -356,8 +356,9 @@ def test_retries_keep_the_key_end_failed_and_a_fresh_submission_runs(
     assert len(sng.preruns(result.id)) == attempts
     record = sng.record(key)
     assert record is not None and record.state == "FAILED", record
-    assert result.state == "FAILURE"
-    assert type(result.result).__name__ == "NotReady"
+    # Not asserted: result.state. Celery stores an attempt's RETRY after publishing the
+    # retry, so with a zero countdown a late RETRY can overwrite the last attempt's FAILURE.
+    assert "NotReady" in record.result
 
     sng.ledger.release(job)  # from now on the body succeeds
     fresh = sng.send(name, job, **options)
