@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import redis
 import redis_lock
+from redis.connection import AbstractConnection
 
 import locks
 from locks import Lease, RedisBackend
@@ -84,7 +85,7 @@ class Server(Protocol):
 
 
 class LocalRedis:
-    """Fallback when tests/servers.py is not importable: one private, non-persistent server."""
+    """Fallback when worker/redis_server.py is not importable: a private, non-persistent server."""
 
     def __init__(self, executable: str = "redis-server", startup_timeout: float = 10.0) -> None:
         self.executable = executable
@@ -168,9 +169,9 @@ class LocalRedis:
 
 
 def start_private_redis(executable: str = "redis-server") -> Server:
-    """Start a private redis-server (tests/servers.py's RedisServer if importable)."""
+    """Start a private redis-server (worker.redis_server's RedisServer if importable)."""
     try:
-        from tests.servers import RedisServer
+        from worker.redis_server import RedisServer
     except ImportError:
         return LocalRedis(executable).start()
     try:
@@ -312,21 +313,22 @@ def _time_pairs(pair: Callable[[], None], n: int) -> tuple[float, float]:
 def _count_round_trips(case: PairCase, n: int) -> float:
     """Commands sent per pair (none of the contenders pipelines, so one each is a round trip).
 
-    Counted by wrapping the client's execute_command outside the timed rounds.
+    Counted outside the timed rounds by wrapping redis-py's Connection.send_packed_command,
+    which every command goes through, whichever client path a lock takes to its connection.
     """
     calls = 0
-    original: Callable[..., Any] = case.client.execute_command
+    original: Callable[..., Any] = AbstractConnection.send_packed_command
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
+    def counting(self: AbstractConnection, *args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
-        return original(*args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    case.client.execute_command = counting  # type: ignore[method-assign]
+    AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
     try:
         _time_pairs(case.pair, n)
     finally:
-        del case.client.execute_command
+        AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
     return calls / n
 
 
@@ -646,6 +648,8 @@ def format_report(report: dict[str, Any]) -> str:
         "  cpu µs: this process's CPU per pair; srv µs: redis-server main-thread CPU per pair",
         f"  (INFO cpu, over {SERVER_PROBE_PAIRS} pairs); RTTs: round trips per pair",
         "  redis-py Lock + INCR fence: context only; its counter restarts if Redis loses its data",
+        "  jobfence sends its scripts on connections its backend keeps out of redis-py's pool;",
+        "  the others check one out of the pool per command (redis-py's default path)",
         "",
         f"wake-up: holder here, one waiter in another process already blocked "
         f"(first failed attempt seen, then {cfg['settle_ms'][0]:.0f}-"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -63,10 +64,29 @@ class JobRecord:
 BeginResult = Lease | Busy | JobRecord
 
 
+_process_meta: OwnerMeta | None = None  # this process's host and pid, built on first use
+
+
+def _forget_process_meta() -> None:
+    global _process_meta
+    _process_meta = None
+
+
+os.register_at_fork(after_in_child=_forget_process_meta)  # a forked child has its own pid
+
+
 def default_meta(task_id: str = "", task_name: str = "") -> OwnerMeta:
-    return OwnerMeta(
-        host=socket.gethostname(), pid=os.getpid(), task_id=task_id, task_name=task_name
-    )
+    """This host and process (cached per process), with the given task id and name."""
+    global _process_meta
+    meta = _process_meta
+    if meta is None:
+        meta = _process_meta = OwnerMeta(host=socket.gethostname(), pid=os.getpid())
+    if not task_id and not task_name:
+        return meta
+    return OwnerMeta(host=meta.host, pid=meta.pid, task_id=task_id, task_name=task_name)
+
+
+_BAD_KEY_CHARS = re.compile(r"[{}*?\[\]\n]")
 
 
 def validate_key(key: str) -> None:
@@ -74,7 +94,7 @@ def validate_key(key: str) -> None:
         raise LockError(f"lock key must be a non-empty string, got {key!r}")
     if len(key) > MAX_KEY_LENGTH:
         raise LockError(f"lock key longer than {MAX_KEY_LENGTH} characters; hash it first")
-    if any(c in key for c in "{}*?[]\n"):
+    if _BAD_KEY_CHARS.search(key):
         raise LockError(f"lock key {key!r} contains one of '{{}}*?[]' or a newline; hash it first")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import weakref
@@ -58,6 +59,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._due: weakref.WeakKeyDictionary[Lease, float] = weakref.WeakKeyDictionary()
         self._thread: threading.Thread | None = None
+        self._wake_at = math.inf  # when the thread will next wake by itself (inf: awake)
 
     # -- public ----------------------------------------------------------------
     def start(self) -> None:
@@ -70,13 +72,19 @@ class LeaseKeeper:
         if self.on_lost is not None:
             lease.on_lost(self.on_lost)
         with self._mutex:
-            self._due[lease] = self.clock.monotonic() + lease.ttl * self.fraction
+            due = self.clock.monotonic() + lease.ttl * self.fraction
+            self._due[lease] = due
             self._start_locked()
-        self._wake.set()
+            # Wake the thread only if it would sleep past this lease's first extension: a
+            # wake-up for every job is a thread switch on the hot path, for nothing.
+            wake = due < self._wake_at
+        if wake:
+            self._wake.set()
 
     def _start_locked(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
+            self._wake_at = math.inf  # a new thread ticks at once
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
 
@@ -105,7 +113,11 @@ class LeaseKeeper:
             except Exception:  # never die silently: log, and keep keeping
                 log.exception("lease keeper tick failed")
                 wait = 0.05
+            with self._mutex:  # `keep` wakes us if something falls due before this
+                self._wake_at = self.clock.monotonic() + wait
             self._wake.wait(wait)
+            with self._mutex:  # awake: the next tick sees whatever `keep` adds now
+                self._wake_at = math.inf
             self._wake.clear()
 
     def tick(self) -> float:

@@ -16,7 +16,7 @@ from locks.lease import Lease
 from tasks.context import JobContext, current_job, current_lease
 from tasks.errors import ArgumentsNotSerializable
 from tasks.executor import CONFLICT_POLICIES, ConflictPolicy, JobSpec
-from tasks.keys import KeySelector, bind_arguments, fingerprint, job_key
+from tasks.keys import KeySelector, bind_arguments, identity
 from tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
@@ -58,8 +58,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         """(job key, argument fingerprint) for these arguments."""
         secret = self._runtime().settings.secret_bytes()
         arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}))
-        key = job_key(secret, self.name, arguments, selector=self.jobfence_key, explicit=explicit)
-        return key, fingerprint(secret, arguments)
+        return identity(secret, self.name, arguments, selector=self.jobfence_key, explicit=explicit)
 
     # -- publishing --------------------------------------------------------------
     def apply_async(

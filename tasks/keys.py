@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import inspect
@@ -14,18 +15,31 @@ from tasks.errors import ArgumentsNotSerializable
 KeySelector = Sequence[str] | Callable[..., Any] | None
 
 
+# Built once: json.dumps with these options would build an encoder on every call.
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
+
 def canonical_json(value: Any, *, what: str = "arguments") -> str:
     """Sorted keys, no whitespace, no NaN: equal values give equal text."""
     try:
-        return json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
+        return _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:
         raise ArgumentsNotSerializable(
             f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict); "
             "pass ids instead of objects",
             cause=exc,
         ) from exc
+
+
+@functools.lru_cache(maxsize=1024)
+def _shape(fn: Callable[..., Any]) -> tuple[inspect.Signature, tuple[str, ...] | None]:
+    """inspect.signature once per function (it is rebuilt on every call otherwise), and
+    the parameter names if every parameter is a plain positional-or-keyword one."""
+    sig = inspect.signature(fn)
+    plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+    return sig, tuple(sig.parameters) if plain else None
 
 
 def bind_arguments(
@@ -36,7 +50,12 @@ def bind_arguments(
     skip_first: bool = False,
 ) -> dict[str, Any]:
     """Arguments by parameter name, defaults applied, so f(1) and f(x=1) give one key."""
-    sig = inspect.signature(fn)
+    try:
+        sig, plain = _shape(fn)
+    except TypeError:  # an unhashable callable: no cache
+        sig, plain = inspect.signature(fn), None
+    if plain is not None and not skip_first and not kwargs and len(args) == len(plain):
+        return dict(zip(plain, args, strict=True))  # what the general path gives, faster
     if skip_first:
         params = list(sig.parameters.values())[1:]
         sig = sig.replace(parameters=params)
@@ -62,7 +81,7 @@ def bind_arguments(
 
 
 def _hmac(secret: bytes, text: str) -> str:
-    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+    return hmac.digest(secret, text.encode(), hashlib.sha256).hex()  # one-shot, in C
 
 
 def select_arguments(arguments: dict[str, Any], selector: KeySelector) -> Any:
@@ -89,10 +108,34 @@ def job_key(
 ) -> str:
     """`<task name>:<hmac>`; arguments never appear in the key."""
     unique = explicit if explicit is not None else select_arguments(arguments, selector)
-    digest = _hmac(secret, task_name + "\n" + canonical_json(unique))
-    return f"{task_name}:{digest[:40]}"
+    return _key_of(secret, task_name, canonical_json(unique))
 
 
 def fingerprint(secret: bytes, arguments: dict[str, Any]) -> str:
     """A digest of all arguments, to tell a duplicate from a conflicting reuse of a key."""
-    return _hmac(secret, canonical_json(arguments))[:32]
+    return _fingerprint_of(secret, canonical_json(arguments))
+
+
+def identity(
+    secret: bytes,
+    task_name: str,
+    arguments: dict[str, Any],
+    *,
+    selector: KeySelector = None,
+    explicit: str | None = None,
+) -> tuple[str, str]:
+    """(job_key, fingerprint) at once: the arguments' JSON is built once when both use it."""
+    text = canonical_json(arguments)
+    if explicit is None and selector is None:
+        key = _key_of(secret, task_name, text)
+    else:
+        key = job_key(secret, task_name, arguments, selector=selector, explicit=explicit)
+    return key, _fingerprint_of(secret, text)
+
+
+def _key_of(secret: bytes, task_name: str, unique_json: str) -> str:
+    return f"{task_name}:{_hmac(secret, task_name + chr(10) + unique_json)[:40]}"
+
+
+def _fingerprint_of(secret: bytes, arguments_json: str) -> str:
+    return _hmac(secret, arguments_json)[:32]

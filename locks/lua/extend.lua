@@ -7,7 +7,6 @@ if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
   return 0
 end
 local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'heartbeat_ms',
-  string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))
+redis.call('HSET', KEYS[1], 'heartbeat_ms', t[1] .. string.sub(string.format('%06d', t[2]), 1, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1

@@ -4,7 +4,7 @@
 -- Returns a list with, for each lock, 1 if extended, 0 if not ours (that one unchanged).
 redis.replicate_commands()
 local t = redis.call('TIME')
-local now_ms = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local now_ms = t[1] .. string.sub(string.format('%06d', t[2]), 1, 3)
 local out = {}
 for i, key in ipairs(KEYS) do
   if redis.call('HGET', key, 'owner') == ARGV[2 * i - 1] then
