@@ -248,7 +248,7 @@ def reconcile_stock(self: SingletonTask) -> dict[str, Any]:
         raise InvalidInput(
             "idempotency_key",
             "reconcile_stock runs once per scheduled slot and needs the slot as its key: "
-            'publish it with apply_async(idempotency_key="<entry>:<slot>") or from beat',
+            'publish it with apply_async(idempotency_key="<entry>@<slot>") or from beat',
         )
     return apply_reconciliation(runtime_for(self.app).effects, self.job)
 
