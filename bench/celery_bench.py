@@ -1,0 +1,373 @@
+"""Celery benchmark: plain task, @singleton_task, celery-once and celery-singleton on one fleet."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import celery
+import redis
+from celery.result import EagerResult
+from celery.utils import uuid
+
+from bench.locks_bench import BenchError, Server, start_private_redis
+
+APP_MODULE = "bench.celery_bench_app"
+PLAIN = "plain Celery task"
+JOBFENCE = "jobfence @singleton_task"
+ONCE = "celery-once QueueOnce"
+SINGLETON = "celery-singleton Singleton"
+CONTENDERS = {PLAIN: "plain", JOBFENCE: "jobfence", ONCE: "once", SINGLETON: "singleton"}
+WARMUP_JOBS = 200  # per contender, untimed: forks, connections and scripts are ready after
+POLL = 0.005  # seconds between counter polls
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Contender:
+    name: str
+    task: Any  # the Celery task object
+    seconds: list[float] = field(default_factory=list)  # publish start -> last job executed
+    publish_seconds: list[float] = field(default_factory=list)
+    storm_queued: int = 0  # storm messages that reached the broker
+    storm_executions: int = 0  # storm bodies run
+
+
+# --------------------------------------------------------------------------- the fleet
+
+
+class Fleet:
+    """Celery worker processes started by this bench (and only those are ever stopped)."""
+
+    def __init__(self, base_url: str, workers: int, concurrency: int, logdir: Path) -> None:
+        self.base_url = base_url
+        self.workers = workers
+        self.concurrency = concurrency
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, counters: redis.Redis, ready_key: str, url_env: str) -> None:
+        env = dict(os.environ)
+        env[url_env] = self.base_url
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        nonce = secrets.token_hex(3)
+        for i in range(self.workers):
+            command = [
+                sys.executable, "-m", "celery", "-A", APP_MODULE, "worker",
+                "--loglevel", "WARNING",
+                "--pool", "prefork",
+                "--concurrency", str(self.concurrency),
+                "--hostname", f"cbench{i}-{nonce}@%h",
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+            ]  # fmt: skip
+            log = open(self.logdir / f"worker{i}.log", "ab")  # noqa: SIM115
+            try:
+                self.procs.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=REPO_ROOT,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group: ours to stop
+                    )
+                )
+            finally:
+                log.close()
+        deadline = time.monotonic() + 120
+        while int(counters.get(ready_key) or 0) < self.workers:
+            dead = [p.pid for p in self.procs if p.poll() is not None]
+            if dead:
+                raise BenchError(f"worker(s) {dead} exited at start-up\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"workers not ready within 120 s\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        parts = []
+        for path in sorted(self.logdir.glob("worker*.log")):
+            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}")
+        return "\n".join(parts)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Warm shutdown (SIGTERM to each worker we started), then its process group if stuck."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                # Not reaped yet, so its pid (and the group it leads: its pool) is still ours.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = []
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _wait_count(
+    counters: redis.Redis, key: str, target: int, timeout: float, fleet: Fleet
+) -> float:
+    """Poll `key` until it reaches `target`; return the perf_counter time it was seen there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if int(counters.get(key) or 0) >= target:
+            return time.perf_counter()
+        if time.monotonic() > deadline:
+            got = int(counters.get(key) or 0)
+            raise BenchError(f"{key}: {got} of {target} within {timeout:g} s\n{fleet.log_tail()}")
+        if any(p.poll() is not None for p in fleet.procs):
+            raise BenchError(f"a worker died during the run\n{fleet.log_tail()}")
+        time.sleep(POLL)
+
+
+def run_jobs(
+    c: Contender,
+    mod: ModuleType,
+    counters: redis.Redis,
+    fleet: Fleet,
+    tag: str,
+    jobs: int,
+    timeout: float,
+) -> tuple[float, float]:
+    """Publish `jobs` distinct jobs; return (publish seconds, publish start -> last executed)."""
+    publish = c.task.apply_async
+    started = time.perf_counter()
+    for i in range(jobs):
+        publish((tag, i))
+    published = time.perf_counter()
+    done = _wait_count(counters, mod.EXEC_PREFIX + tag, jobs, timeout, fleet)
+    return published - started, done - started
+
+
+def _was_queued(c: Contender, result: Any, task_id: str) -> bool:
+    """Did this publish reach the broker? The peers answer a duplicate without queueing it."""
+    if c.name == ONCE:
+        return not isinstance(result, EagerResult)  # a graceful duplicate: REJECTED, not sent
+    if c.name == SINGLETON:
+        return bool(result.id == task_id)  # a duplicate returns the queued task's result
+    return True
+
+
+def run_storm(
+    c: Contender,
+    mod: ModuleType,
+    counters: redis.Redis,
+    fleet: Fleet,
+    tag: str,
+    copies: int,
+    timeout: float,
+) -> tuple[int, int]:
+    """Publish one job `copies` times while the fleet runs; return (queued, executions)."""
+    queued = 0
+    for _ in range(copies):
+        task_id = uuid()
+        result = c.task.apply_async((tag, 0), task_id=task_id)
+        queued += _was_queued(c, result, task_id)
+    _wait_count(counters, mod.HANDLED_PREFIX + tag, queued, timeout, fleet)
+    return queued, int(counters.get(mod.EXEC_PREFIX + tag) or 0)
+
+
+def run(args: argparse.Namespace, server: Server, logdir: Path) -> dict[str, Any]:
+    base_url = server.url.rsplit("/", 1)[0]
+    url_env = "JOBFENCE_BENCH_REDIS_URL"
+    os.environ[url_env] = base_url  # read by the app module when imported below
+
+    mod = importlib.import_module(APP_MODULE)
+    if base_url != mod.BASE_URL:
+        raise BenchError(f"{APP_MODULE} was imported before the bench chose its server")
+    counters = redis.Redis.from_url(mod.LOCK_URL, socket_timeout=10.0)
+    fleet = Fleet(base_url, args.workers, args.concurrency, logdir)
+    contenders = [Contender(name, getattr(mod, attr)) for name, attr in CONTENDERS.items()]
+    run_id = secrets.token_hex(4)
+    try:
+        fleet.start(counters, mod.READY_KEY, url_env)
+        for c in contenders:
+            tag = f"warm-{CONTENDERS[c.name]}-{run_id}"
+            run_jobs(c, mod, counters, fleet, tag, WARMUP_JOBS, 120)
+        for r in range(args.rounds):
+            shift = r % len(contenders)  # rotate the order so drift hits all alike
+            for c in contenders[shift:] + contenders[:shift]:
+                tag = f"jobs-{CONTENDERS[c.name]}-{run_id}-{r}"
+                pub, total = run_jobs(c, mod, counters, fleet, tag, args.jobs, args.timeout)
+                c.publish_seconds.append(pub)
+                c.seconds.append(total)
+                if not args.json:
+                    print(
+                        f"  round {r + 1}: {c.name:<28} {args.jobs / total:8.0f} jobs/s", flush=True
+                    )
+        for c in contenders:
+            tag = f"{mod.STORM_TAG}{CONTENDERS[c.name]}-{run_id}"
+            c.storm_queued, c.storm_executions = run_storm(
+                c, mod, counters, fleet, tag, args.storm, args.timeout
+            )
+    finally:
+        fleet.stop()
+        counters.close()
+    return build_report(args, contenders, server)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def build_report(
+    args: argparse.Namespace, contenders: list[Contender], server: Server
+) -> dict[str, Any]:
+    base = next(c for c in contenders if c.name == PLAIN)
+
+    def vs_plain(c: Contender) -> float:
+        # Per-round ratios (the contenders ran side by side in time) resist load drift.
+        return statistics.median(b / s for b, s in zip(base.seconds, c.seconds, strict=True))
+
+    rows = [
+        {
+            "name": c.name,
+            "jobs_per_s": round(args.jobs / statistics.median(c.seconds), 1),
+            "jobs_per_s_rounds": [round(args.jobs / s, 1) for s in c.seconds],
+            "publish_per_s": round(args.jobs / statistics.median(c.publish_seconds), 1),
+            "vs_plain": round(vs_plain(c), 3),
+            "storm_queued": c.storm_queued,
+            "storm_executions": c.storm_executions,
+        }
+        for c in contenders
+    ]
+    by = {r["name"]: r for r in rows}
+    jf = by[JOBFENCE]
+    return {
+        "server": {"url": server.url},
+        "python": platform.python_version(),
+        "versions": {"celery": celery.__version__, "redis-py": redis.__version__},
+        "config": {
+            "jobs": args.jobs,
+            "storm": args.storm,
+            "workers": args.workers,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+            "pool": "prefork",
+            "acks_late": True,
+            "results": "ignored by every task (ignore_result=True); jobfence still writes "
+            "its DONE record, which is its idempotency layer",
+        },
+        "contenders": rows,
+        "targets": {
+            "jobfence_at_least_0.9x_plain": jf["vs_plain"] >= 0.9,
+            "jobfence_ahead_of_peers": all(
+                jf["vs_plain"] > by[p]["vs_plain"] for p in (ONCE, SINGLETON)
+            ),
+        },
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    out = [
+        "jobfence Celery benchmark",
+        f"  celery {report['versions']['celery']}, redis-py {report['versions']['redis-py']}, "
+        f"python {report['python']}; private redis-server at {report['server']['url']} "
+        "(broker, locks, results)",
+        f"  fleet: {cfg['workers']} worker(s) x {cfg['concurrency']} prefork processes; "
+        f"acks_late for all; results ignored by all",
+        "",
+        f"{cfg['jobs']} distinct jobs per contender, median of {cfg['rounds']} interleaved "
+        "round(s), publish start -> last body run;",
+        f"storm: one job published {cfg['storm']} times while the fleet runs",
+        "",
+        f"  {'contender':<28} {'jobs/s':>8} {'publish/s':>10} {'vs plain':>9} "
+        f"{'storm: queued':>14} {'executions':>11}",
+    ]
+    for r in report["contenders"]:
+        out.append(
+            f"  {r['name']:<28} {r['jobs_per_s']:>8.0f} {r['publish_per_s']:>10.0f} "
+            f"{r['vs_plain']:>8.2f}x {r['storm_queued']:>14} {r['storm_executions']:>11}"
+        )
+    t = report["targets"]
+    jf = next(r for r in report["contenders"] if r["name"] == JOBFENCE)
+    out += [
+        "  vs plain: median over rounds of plain's round time / this contender's (>1 faster)",
+        "",
+        "targets",
+        f"  @singleton_task >= 0.9x plain Celery: {jf['vs_plain']:.2f}x  "
+        f"{'MET' if t['jobfence_at_least_0.9x_plain'] else 'MISSED'}",
+        f"  ahead of celery-once and celery-singleton: "
+        f"{'MET' if t['jobfence_ahead_of_peers'] else 'MISSED'}",
+    ]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.celery_bench",
+        description="Jobs/s and duplicate storms: plain Celery, jobfence, celery-once, "
+        "celery-singleton on one fleet of real worker processes.",
+    )
+    p.add_argument("--jobs", type=int, default=5000, help="distinct jobs per round (5000)")
+    p.add_argument("--storm", type=int, default=1000, help="copies of the storm job (1000)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (2)")
+    p.add_argument("--concurrency", type=int, default=2, help="pool size per worker (2)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per contender (3)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+    args = p.parse_args(argv)
+    for name in ("jobs", "storm", "workers", "concurrency", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 on success, 1 if --check and a target is missed, 2 on failure."""
+    args = parse_args(argv)
+    logdir = Path(tempfile.mkdtemp(prefix="jobfence-celery-bench-"))
+    try:
+        server = start_private_redis(args.redis_server)
+    except BenchError as exc:
+        print(f"bench: cannot start a private redis-server: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if not args.json:
+            print(f"running on private redis-server at {server.url} ...", flush=True)
+        report = run(args, server, logdir)
+    except (BenchError, redis.RedisError) as exc:
+        print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        server.stop()
+        shutil.rmtree(logdir, ignore_errors=True)
+    print(json.dumps(report) if args.json else format_report(report))
+    if args.check and not all(report["targets"].values()):
+        return 1
+    return 0
+
+
+_: Callable[[list[str] | None], int] = main  # the signature `python -m worker bench` calls
+
+if __name__ == "__main__":
+    sys.exit(main())

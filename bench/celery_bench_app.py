@@ -1,0 +1,110 @@
+"""The Celery benchmark's app: one trivial task per contender, all on one broker and fleet."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery, signals
+from celery_once import QueueOnce
+from celery_singleton import Singleton
+
+from config import Settings
+from tasks import install, singleton_task
+
+# The bench sets this to its private redis-server (redis://127.0.0.1:PORT) before it imports
+# this module and in the environment of every worker it starts.
+URL_ENV = "JOBFENCE_BENCH_REDIS_URL"
+BASE_URL = os.environ.get(URL_ENV, "redis://127.0.0.1:6379").rstrip("/")
+BROKER_URL = f"{BASE_URL}/0"
+LOCK_URL = f"{BASE_URL}/1"  # jobfence, celery-once and celery-singleton locks; the counters
+RESULT_URL = f"{BASE_URL}/2"
+
+EXEC_PREFIX = "cbench:exec:"  # + tag: task bodies run
+HANDLED_PREFIX = "cbench:handled:"  # + tag: deliveries finished (storm tags only)
+READY_KEY = "cbench:ready"  # workers ready to consume
+STORM_TAG = "storm-"
+LOCK_TIMEOUT = 600  # seconds: celery-once and celery-singleton lock expiry
+
+app = Celery("cbench", broker=BROKER_URL, backend=RESULT_URL)
+app.conf.update(
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    task_ignore_result=True,  # every task below also says ignore_result=True
+    task_acks_late=True,  # jobfence's default, given to all four alike
+    task_reject_on_worker_lost=True,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    ONCE={
+        "backend": "celery_once.backends.Redis",
+        "settings": {"url": LOCK_URL, "default_timeout": LOCK_TIMEOUT},
+    },
+    singleton_backend_url=LOCK_URL,
+    singleton_key_prefix="cbench-singleton:",
+    singleton_lock_expiry=LOCK_TIMEOUT,
+)
+install(app, Settings(lock_url=LOCK_URL, key_prefix="cbench-jobfence"))
+
+_client: redis.Redis | None = None
+_client_pid = 0
+
+
+def counters() -> redis.Redis:
+    """A client for the counters, one per process (workers fork after import)."""
+    global _client, _client_pid
+    if _client is None or _client_pid != os.getpid():
+        _client = redis.Redis.from_url(LOCK_URL, socket_timeout=5.0)
+        _client_pid = os.getpid()
+    return _client
+
+
+def count(tag: str) -> None:
+    """The whole body of every contender: count one execution under `tag`."""
+    counters().incr(EXEC_PREFIX + tag)
+
+
+def _plain(tag: str, job: int) -> None:
+    count(tag)
+
+
+def _jobfence(tag: str, job: int) -> None:
+    count(tag)
+
+
+def _once(tag: str, job: int) -> None:
+    count(tag)
+
+
+def _singleton(tag: str, job: int) -> None:
+    count(tag)
+
+
+# Same trivial body, results ignored and acks_late for all four; only the gate differs.
+plain = app.task(name="cbench.plain", ignore_result=True, acks_late=True)(_plain)
+jobfence = singleton_task(app=app, name="cbench.jobfence", ignore_result=True)(_jobfence)
+once = app.task(
+    name="cbench.once",
+    base=QueueOnce,
+    once={"graceful": True},
+    ignore_result=True,
+    acks_late=True,
+)(_once)
+singleton = app.task(name="cbench.singleton", base=Singleton, ignore_result=True, acks_late=True)(
+    _singleton
+)
+
+
+def _handled(args: Any = None, **_: Any) -> None:
+    """Count every finished delivery of a storm job, whether its body ran or not."""
+    if args and isinstance(args[0], str) and args[0].startswith(STORM_TAG):
+        counters().incr(HANDLED_PREFIX + args[0])
+
+
+def _ready(**_: Any) -> None:
+    counters().incr(READY_KEY)
+
+
+signals.task_postrun.connect(_handled, weak=False)
+signals.worker_ready.connect(_ready, weak=False)
