@@ -12,17 +12,12 @@ import multiprocessing
 import platform
 import random
 import secrets
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Protocol
 
 import redis
@@ -31,6 +26,7 @@ from redis.connection import AbstractConnection
 
 import locks
 from locks import Lease, RedisBackend
+from worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
 # with exactly these, so the comparison is between lock algorithms, not client settings.
@@ -84,96 +80,8 @@ class Server(Protocol):
     def stop(self, timeout: float = 10.0) -> None: ...
 
 
-class LocalRedis:
-    """Fallback when worker/redis_server.py is not importable: a private, non-persistent server."""
-
-    def __init__(self, executable: str = "redis-server", startup_timeout: float = 10.0) -> None:
-        self.executable = executable
-        self.startup_timeout = startup_timeout
-        self.port = 0
-        self.workdir = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> LocalRedis:
-        self.workdir = tempfile.mkdtemp(prefix="jobfence-bench-redis-")
-        for _ in range(5):  # the free port can be taken before redis-server binds it
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.port = s.getsockname()[1]
-            options = {
-                "port": str(self.port),
-                "bind": "127.0.0.1",
-                "save": "",
-                "appendonly": "no",
-                "dir": self.workdir,
-                "daemonize": "no",
-            }
-            command = [self.executable]
-            for name, value in options.items():
-                command += [f"--{name}", value]
-            log = open(Path(self.workdir) / "redis.log", "ab")  # noqa: SIM115
-            try:
-                self.proc = subprocess.Popen(
-                    command,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                self.stop()
-                raise BenchError(f"cannot run {self.executable!r}: {exc}") from exc
-            finally:
-                log.close()
-            if self._wait_for_ping():
-                return self
-            self._stop_proc()
-        log_text = (Path(self.workdir) / "redis.log").read_text(errors="replace")[-2000:]
-        self.stop()
-        raise BenchError(f"redis-server did not answer PING\n{log_text}")
-
-    def _wait_for_ping(self) -> bool:
-        assert self.proc is not None
-        probe = redis.Redis(port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0)
-        deadline = time.monotonic() + self.startup_timeout
-        try:
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                with contextlib.suppress(redis.RedisError):
-                    if probe.ping():
-                        return True
-                time.sleep(0.01)
-            return False
-        finally:
-            probe.close()
-
-    def _stop_proc(self, timeout: float = 10.0) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop_proc(timeout)
-        if self.workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-
 def start_private_redis(executable: str = "redis-server") -> Server:
-    """Start a private redis-server (worker.redis_server's RedisServer if importable)."""
-    try:
-        from worker.redis_server import RedisServer
-    except ImportError:
-        return LocalRedis(executable).start()
+    """Start a private, non-persistent redis-server (worker.redis_server) on a free port."""
     try:
         return RedisServer(executable=executable).start()
     except RuntimeError as exc:
