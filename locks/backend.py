@@ -140,8 +140,9 @@ class LockBackend(ABC):
     ) -> BeginResult:
         """Acquire `key` unless its job record says DONE (then return the record).
 
-        With `record=True` a grant also marks the job RUNNING under the new fence; a
-        FAILED record does not stop a new run.
+        With `record=True` a FAILED record does not stop a new run (the grant clears it);
+        while the job runs, the lock itself says who runs it. `fingerprint` is kept for
+        backends that store it with the grant; Redis compares it at commit and replay.
         """
         validate_key(key)
         ttl_ms = validate_ttl(ttl)

@@ -187,7 +187,7 @@ class RedisBackend(LockBackend):
             reply = self._call(
                 "begin",
                 [k.lock(key), k.fence(key), k.record(key)],
-                [owner, ttl_ms, retention, "1", meta.task_id, holder, fingerprint],
+                [owner, ttl_ms, retention, "1", meta.task_id, holder],
                 key,
             )
         else:

@@ -57,7 +57,7 @@ class Outcome:
 class Executor:
     """Runs job bodies under a lease. No Celery here: the task layer translates outcomes.
 
-    Round trips on Redis for a job that runs: one `begin` (DONE check, grant, RUNNING),
+    Round trips on Redis for a job that runs: one `begin` (DONE check and grant),
     one `commit` (DONE record and release), plus the keeper's batched extensions.
     """
 

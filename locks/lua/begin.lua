@@ -3,7 +3,6 @@
 -- ARGV[1] owner token  ARGV[2] ttl ms  ARGV[3] fence retention ms
 -- ARGV[4] '1' to consult and write the job record, '0' for a plain lock
 -- ARGV[5] task id  ARGV[6] holder: "host\npid\ntask name"
--- ARGV[7] argument fingerprint (written into the RUNNING record; only with ARGV[4] '1')
 -- Returns fence                          granted: the new fence, a decimal string
 --         {0, pttl, task_id}             held by another owner; pttl ms left (-1: no expiry)
 --         {2, state, fingerprint, result, fence, finished_ms}   the job is already DONE
@@ -44,11 +43,9 @@ end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence, 'task_id', ARGV[5],
   'holder', ARGV[6], 'acquired_ms', t[1] .. string.sub(us, 1, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if job then
-  if rec[1] then
-    redis.call('DEL', KEYS[3])
-  end
-  redis.call('HSET', KEYS[3], 'state', 'RUNNING', 'fence', fence, 'fingerprint', ARGV[7])
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+-- A running job needs no record of its own: the lock hash says who runs it, under which
+-- fence. A FAILED record from an earlier run goes, so the record only ever shows a result.
+if job and rec[1] then
+  redis.call('DEL', KEYS[3])
 end
 return fence

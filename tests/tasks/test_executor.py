@@ -60,7 +60,7 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
 def hold(
     backend: LockBackend, key: str, *, task_id: str = "holder", fp: str = "", ttl: float = 30
 ) -> Lease:
-    """Another worker's grant of `key` (RUNNING record, as the executor would write it)."""
+    """Another worker's grant of `key` (as the executor would take it)."""
     got = backend.begin(
         key,
         ttl,
