@@ -12,11 +12,11 @@ COPY config ./config
 COPY locks ./locks
 COPY tasks ./tasks
 COPY worker ./worker
-COPY bench ./bench
+COPY jobfence ./jobfence
 RUN pip install ".[postgres]" "flower>=2.0" \
     && useradd --create-home --uid 10001 jobfence
 USER jobfence
 
 # Celery's warm shutdown on SIGTERM lets running jobs finish; give it time in compose.
 STOPSIGNAL SIGTERM
-CMD ["celery", "-A", "worker.celery_app", "worker", "--loglevel=INFO"]
+CMD ["celery", "-A", "jobfence.worker.celery_app", "worker", "--loglevel=INFO"]

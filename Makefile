@@ -4,7 +4,7 @@
 
 demo:
 	./.ci/setup --venv-only
-	.venv/bin/python -m worker demo $(ARGS)
+	.venv/bin/python -m jobfence demo $(ARGS)
 
 test:
 	./.ci/setup
@@ -12,10 +12,10 @@ test:
 
 lint:
 	./.ci/setup --venv-only
-	.venv/bin/ruff check config locks tasks worker tests bench
+	.venv/bin/ruff check jobfence config locks tasks worker tests
 	.venv/bin/mypy
 
 bench:
 	./.ci/setup --venv-only
-	.venv/bin/python -m worker bench locks $(ARGS)
-	.venv/bin/python -m worker bench celery $(ARGS)
+	.venv/bin/python -m jobfence bench locks $(ARGS)
+	.venv/bin/python -m jobfence bench celery $(ARGS)

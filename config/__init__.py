@@ -1,7 +1,7 @@
 """Settings and the error root for jobfence."""
 
-from config.errors import JobfenceError, UnsafeSettings
-from config.settings import InsecureSettingsWarning, Settings, load_settings
+from jobfence.config.errors import JobfenceError, UnsafeSettings
+from jobfence.config.settings import InsecureSettingsWarning, Settings, load_settings
 
 __all__ = [
     "InsecureSettingsWarning",

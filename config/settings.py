@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from config.errors import UnsafeSettings
+from jobfence.config.errors import UnsafeSettings
 
 ENV_PREFIX = "JOBFENCE_"
 DEV_SECRET = "jobfence-insecure-dev-secret"

@@ -1,10 +1,12 @@
 """Leases with fencing tokens, a heartbeat keeper, blocking acquire and fence guards."""
 
-from locks.acquire import Backoff, acquire
-from locks.api import Locker, open_backend
-from locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
-from locks.clock import SYSTEM_CLOCK, Clock, ManualClock, SystemClock
-from locks.errors import (
+from jobfence.locks.acquire import Backoff, acquire
+from jobfence.locks.api import Locker, open_backend
+from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backends.memory import MemoryBackend
+from jobfence.locks.backends.redis import RedisBackend
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock, ManualClock, SystemClock
+from jobfence.locks.errors import (
     AcquireTimeout,
     BackendUnavailable,
     LeaseLost,
@@ -12,11 +14,9 @@ from locks.errors import (
     NotOwner,
     StaleFence,
 )
-from locks.guards import RedisFenceGuard, SqlFenceGuard
-from locks.keeper import LeaseKeeper
-from locks.lease import Lease, OwnerMeta
-from locks.memory_backend import MemoryBackend
-from locks.redis_backend import RedisBackend
+from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
+from jobfence.locks.keeper import LeaseKeeper
+from jobfence.locks.lease import Lease, OwnerMeta
 
 __all__ = [
     "SYSTEM_CLOCK",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from locks.backend import LockBackend
-from locks.errors import AcquireTimeout, LockError
-from locks.lease import Lease, OwnerMeta
+from jobfence.locks.backend import LockBackend
+from jobfence.locks.errors import AcquireTimeout, LockError
+from jobfence.locks.lease import Lease, OwnerMeta
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
-from locks.acquire import Backoff, acquire
-from locks.backend import LockBackend, default_meta
-from locks.errors import AcquireTimeout, LeaseLost
-from locks.keeper import LeaseKeeper
-from locks.lease import Lease
+from jobfence.locks.acquire import Backoff, acquire
+from jobfence.locks.backend import LockBackend, default_meta
+from jobfence.locks.errors import AcquireTimeout, LeaseLost
+from jobfence.locks.keeper import LeaseKeeper
+from jobfence.locks.lease import Lease
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -123,11 +123,11 @@ def open_backend(url: str, **options: Any) -> LockBackend:
     """A backend for `url`'s scheme; optional backends are imported only when asked for."""
     scheme = url.split("://", 1)[0]
     if scheme in ("redis", "rediss", "unix"):
-        from locks.redis_backend import RedisBackend
+        from jobfence.locks.backends.redis import RedisBackend
 
         return RedisBackend.from_url(url, **options)
     if scheme == "memory":
-        from locks.memory_backend import MemoryBackend
+        from jobfence.locks.backends.memory import MemoryBackend
 
         return MemoryBackend(**{k: v for k, v in options.items() if k == "clock"})
     raise ValueError(f"no lock backend for scheme {scheme!r}; use redis://, rediss:// or unix://")

@@ -10,9 +10,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from locks.clock import SYSTEM_CLOCK, Clock
-from locks.errors import LockError, NotOwner
-from locks.lease import Lease, OwnerMeta, new_owner_token
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import LockError, NotOwner
+from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 
 MAX_KEY_LENGTH = 512
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from config.errors import JobfenceError
+from jobfence.config.errors import JobfenceError
 
 
 class LockError(JobfenceError):

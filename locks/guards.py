@@ -15,9 +15,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
-from locks.errors import LockError, StaleFence
-from locks.keys import KeySpace
-from locks.scripts import load_scripts
+from jobfence.locks.backends.redis_scripts import load_scripts
+from jobfence.locks.errors import LockError, StaleFence
+from jobfence.locks.keys import KeySpace
 
 metadata = MetaData()
 fences = Table(

@@ -10,12 +10,12 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from locks.clock import SYSTEM_CLOCK, Clock
-from locks.errors import LeaseLost
-from locks.lease import Lease
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import LeaseLost
+from jobfence.locks.lease import Lease
 
 if TYPE_CHECKING:
-    from locks.backend import LockBackend
+    from jobfence.locks.backend import LockBackend
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from locks.errors import LeaseLost
+from jobfence.locks.errors import LeaseLost
 
 if TYPE_CHECKING:
-    from locks.backend import LockBackend
-    from locks.clock import Clock
+    from jobfence.locks.backend import LockBackend
+    from jobfence.locks.clock import Clock
 
 # Extensions are requested ahead of the deadline; a lease counts as lost this
 # fraction of its TTL early, to leave room for clock drift between hosts.

@@ -1,11 +1,16 @@
 """Idempotency keys, the lock-gated executor and @singleton_task for Celery."""
 
-from tasks.celery_task import HEADER, SingletonTask, singleton_task
-from tasks.context import JobContext, current_job, current_lease
-from tasks.effects import EffectTx, SqlEffects, make_engine
-from tasks.errors import ArgumentsNotSerializable, DuplicateJob, IdempotencyConflict, TaskError
-from tasks.executor import DUPLICATE, SUPERSEDED, Executor, JobSpec, Outcome
-from tasks.runtime import Runtime, install, runtime_for
+from jobfence.tasks.celery_task import HEADER, SingletonTask, singleton_task
+from jobfence.tasks.context import JobContext, current_job, current_lease
+from jobfence.tasks.effects import EffectTx, SqlEffects, make_engine
+from jobfence.tasks.errors import (
+    ArgumentsNotSerializable,
+    DuplicateJob,
+    IdempotencyConflict,
+    TaskError,
+)
+from jobfence.tasks.executor import DUPLICATE, SUPERSEDED, Executor, JobSpec, Outcome
+from jobfence.tasks.runtime import Runtime, install, runtime_for
 
 __all__ = [
     "DUPLICATE",

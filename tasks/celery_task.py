@@ -11,13 +11,13 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from locks.errors import LockError
-from locks.lease import Lease
-from tasks.context import JobContext, current_job, current_lease
-from tasks.errors import ArgumentsNotSerializable
-from tasks.executor import CONFLICT_POLICIES, ConflictPolicy, JobSpec
-from tasks.keys import KeySelector, bind_arguments, identity
-from tasks.runtime import Runtime, runtime_for
+from jobfence.locks.errors import LockError
+from jobfence.locks.lease import Lease
+from jobfence.tasks.context import JobContext, current_job, current_lease
+from jobfence.tasks.errors import ArgumentsNotSerializable
+from jobfence.tasks.executor import CONFLICT_POLICIES, ConflictPolicy, JobSpec
+from jobfence.tasks.keys import KeySelector, bind_arguments, identity
+from jobfence.tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
 PASSTHROUGH = (Retry, Ignore, Reject)

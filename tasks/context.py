@@ -5,8 +5,8 @@ from __future__ import annotations
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from locks.errors import LockError
-from locks.lease import Lease
+from jobfence.locks.errors import LockError
+from jobfence.locks.lease import Lease
 
 
 @dataclass(frozen=True)

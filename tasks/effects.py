@@ -24,10 +24,10 @@ from sqlalchemy import (
     select,
 )
 
-from locks.guards import SqlFenceGuard
-from tasks.context import JobContext
-from tasks.errors import IdempotencyConflict
-from tasks.keys import canonical_json
+from jobfence.locks.guards import SqlFenceGuard
+from jobfence.tasks.context import JobContext
+from jobfence.tasks.errors import IdempotencyConflict
+from jobfence.tasks.keys import canonical_json
 
 metadata = MetaData()
 jobs = Table(

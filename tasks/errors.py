@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from locks.errors import LockError
+from jobfence.locks.errors import LockError
 
 
 class TaskError(LockError):

@@ -8,15 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from locks.acquire import Backoff
-from locks.backend import Busy, JobRecord, LockBackend, default_meta
-from locks.errors import AcquireTimeout, LeaseLost, StaleFence
-from locks.keeper import LeaseKeeper
-from locks.lease import Lease
-from tasks.context import JobContext, reset_current, set_current
-from tasks.errors import DuplicateJob, IdempotencyConflict
-from tasks.keys import canonical_json
-from tasks.metrics import Metrics
+from jobfence.locks.acquire import Backoff
+from jobfence.locks.backend import Busy, JobRecord, LockBackend, default_meta
+from jobfence.locks.errors import AcquireTimeout, LeaseLost, StaleFence
+from jobfence.locks.keeper import LeaseKeeper
+from jobfence.locks.lease import Lease
+from jobfence.tasks.context import JobContext, reset_current, set_current
+from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict
+from jobfence.tasks.keys import canonical_json
+from jobfence.tasks.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tasks.errors import ArgumentsNotSerializable
+from jobfence.tasks.errors import ArgumentsNotSerializable
 
 KeySelector = Sequence[str] | Callable[..., Any] | None
 

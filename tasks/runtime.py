@@ -5,16 +5,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from config.settings import Settings
-from locks.acquire import Backoff
-from locks.api import open_backend
-from locks.backend import LockBackend
-from locks.keeper import LeaseKeeper
-from locks.lease import Lease
-from tasks.effects import SqlEffects, make_engine
-from tasks.errors import NotInstalled
-from tasks.executor import Executor
-from tasks.metrics import Metrics
+from jobfence.config.settings import Settings
+from jobfence.locks.acquire import Backoff
+from jobfence.locks.api import open_backend
+from jobfence.locks.backend import LockBackend
+from jobfence.locks.keeper import LeaseKeeper
+from jobfence.locks.lease import Lease
+from jobfence.tasks.effects import SqlEffects, make_engine
+from jobfence.tasks.errors import NotInstalled
+from jobfence.tasks.executor import Executor
+from jobfence.tasks.metrics import Metrics
 
 log = logging.getLogger(__name__)
 APP_ATTRIBUTE = "jobfence_runtime"

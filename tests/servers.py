@@ -20,8 +20,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
-from worker import procs
-from worker.redis_server import HOST, RedisServer, RedisServerError, free_port
+from jobfence.worker import procs
+from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
 
 __all__ = [
     "HOST",

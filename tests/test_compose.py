@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from config import Settings
-from config.settings import ENV_PREFIX
+from jobfence.config import Settings
+from jobfence.config.settings import ENV_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = REPO_ROOT / "docker-compose.yml"
@@ -88,7 +88,7 @@ def test_the_apps_and_modules_named_in_commands_exist(services):
     argvs = all_commands(services)
     apps = {option(a, "-A", "--app") for a in argvs} - {None}
     modules = {option(a, "-m") for a in argvs if a[0].startswith("python")} - {None}
-    assert apps == {"worker.celery_app"}
+    assert apps == {"jobfence.worker.celery_app"}
     for module in modules:
         assert importlib.util.find_spec(str(module)) is not None, module
     # Import the app as `celery -A` does, in a clean process with no JOBFENCE_* set.
@@ -107,7 +107,7 @@ def test_the_worker_service_can_scale(services):
     assert "container_name" not in worker
     assert "ports" not in worker, "a fixed host port stops `--scale worker=N`"
     argv = words(worker["command"])
-    assert argv[:4] == ["celery", "-A", "worker.celery_app", "worker"]
+    assert argv[:4] == ["celery", "-A", "jobfence.worker.celery_app", "worker"]
     hostname = option(argv, "--hostname", "-n")
     assert hostname is not None and "%h" in hostname, "replicas need distinct node names"
 
@@ -137,11 +137,11 @@ def test_workers_and_beats_wait_for_healthy_servers(services):
         assert depends["postgres"]["condition"] == "service_healthy"
 
 
-def test_the_image_copies_every_package_pyproject_installs() -> None:
-    import tomllib
-
-    packages = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"
-    ]
+def test_the_image_copies_every_folder_the_jobfence_package_maps() -> None:
+    root = REPO_ROOT / "jobfence"
+    needed = {"jobfence"} | {
+        Path(os.readlink(p)).name for p in root.iterdir() if p.is_symlink()
+    }
+    assert needed >= {"jobfence", "config", "locks", "tasks", "worker"}
     copied = set(re.findall(r"^COPY (\S+) \./\1$", (REPO_ROOT / "Dockerfile").read_text(), re.M))
-    assert set(packages) <= copied, f"Dockerfile misses {sorted(set(packages) - copied)}"
+    assert needed <= copied, f"Dockerfile misses {sorted(needed - copied)}"

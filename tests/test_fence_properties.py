@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from locks import (
+from jobfence.locks import (
     LockBackend,
     ManualClock,
     MemoryBackend,
@@ -22,8 +22,8 @@ from locks import (
     SqlFenceGuard,
     StaleFence,
 )
-from locks.backend import validate_ttl
-from locks.lease import Lease
+from jobfence.locks.backend import validate_ttl
+from jobfence.locks.lease import Lease
 from tests.servers import RedisServer
 
 KEYS = ["a", "b", "c"]

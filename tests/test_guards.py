@@ -12,7 +12,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from locks import LockError, RedisFenceGuard, SqlFenceGuard, StaleFence
+from jobfence.locks import LockError, RedisFenceGuard, SqlFenceGuard, StaleFence
 from tests.servers import wait_for
 
 metadata = sa.MetaData()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from locks import (
+from jobfence.locks import (
     BackendUnavailable,
     Lease,
     LeaseKeeper,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from config import (
+from jobfence.config import (
     InsecureSettingsWarning,
     JobfenceError,
     Settings,

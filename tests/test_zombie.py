@@ -13,7 +13,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from locks import (
+from jobfence.locks import (
     LeaseKeeper,
     RedisBackend,
     RedisFenceGuard,

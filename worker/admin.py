@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from config import Settings
-from locks import LockBackend, LockInfo, RedisBackend, open_backend
-from worker.procs import pid_alive
+from jobfence.config import Settings
+from jobfence.locks import LockBackend, LockInfo, RedisBackend, open_backend
+from jobfence.worker.procs import pid_alive
 
 DEFAULT_STALE_FACTOR = 2.0
 

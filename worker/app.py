@@ -11,18 +11,18 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from celery import Celery
 from celery.schedules import crontab
 
-from config import Settings, UnsafeSettings, load_settings
-from config.settings import ENV_PREFIX
-from tasks import install
-from worker import checks, journal, signals
+from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.config.settings import ENV_PREFIX
+from jobfence.tasks import install
+from jobfence.worker import checks, journal, signals
 
 log = logging.getLogger(__name__)
 
-TASK_MODULES: tuple[str, ...] = ("tasks.payments", "tasks.stock")
+TASK_MODULES: tuple[str, ...] = ("jobfence.tasks.shop.payments", "jobfence.tasks.shop.stock")
 RECONCILE_TASK = "tasks.stock.reconcile_stock"
 RECONCILE_ENTRY = "reconcile-stock-nightly"
 DEFAULT_RECONCILE_AT = "30 2 * * *"  # cron fields: minute hour day-of-month month day-of-week (UTC)
-BEAT_SCHEDULER = "worker.beat:LeaderScheduler"
+BEAT_SCHEDULER = "jobfence.worker.beat:LeaderScheduler"
 JSON_ONLY = ["json"]
 
 

@@ -24,10 +24,10 @@ from typing import Any
 from celery.beat import ScheduleEntry, Scheduler, event_t
 from celery.schedules import BaseSchedule, crontab, schedstate, schedule
 
-from locks import Busy, LeaseKeeper, LockBackend, LockError
-from locks.backend import default_meta
-from locks.lease import Lease
-from tasks import HEADER, SingletonTask, runtime_for
+from jobfence.locks import Busy, LeaseKeeper, LockBackend, LockError
+from jobfence.locks.backend import default_meta
+from jobfence.locks.lease import Lease
+from jobfence.tasks import HEADER, SingletonTask, runtime_for
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 import sys
 
-from config import UnsafeSettings
-from worker.app import create_app
-from worker.checks import EX_CONFIG
+from jobfence.config import UnsafeSettings
+from jobfence.worker.app import create_app
+from jobfence.worker.checks import EX_CONFIG
 
 try:
     app = create_app()

@@ -14,10 +14,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from config import UnsafeSettings
-from config.settings import ENV_PREFIX
-from locks import RedisBackend
-from tasks import Runtime, SingletonTask
+from jobfence.config import UnsafeSettings
+from jobfence.config.settings import ENV_PREFIX
+from jobfence.locks import RedisBackend
+from jobfence.tasks import Runtime, SingletonTask
 
 EX_CONFIG = 78  # sysexits.h: configuration error
 JSON_TYPES = ("json", "application/json")
@@ -269,7 +269,7 @@ def connect(app: Any, runtime: Runtime) -> None:
     """Run the checks when a worker (celeryd_init) or beat (beat_init) of `app` starts."""
     from celery import signals
 
-    from worker.signals import keep_alive
+    from jobfence.worker.signals import keep_alive
 
     def on_worker_init(sender: Any = None, instance: Any = None, **_: Any) -> None:
         if getattr(instance, "app", None) is app:

@@ -1,4 +1,4 @@
-"""`python -m worker <command>`: fleet, locks admin, start-up check, benchmarks and the demo."""
+"""`python -m jobfence <command>`: fleet, locks admin, start-up check, benchmarks and the demo."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from config import Settings, UnsafeSettings, load_settings
-from locks import LockBackend, LockError
+from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.locks import LockBackend, LockError
 
 PASSTHROUGH = ("bench", "demo")  # commands whose arguments belong to another program
-BENCHES = {"locks": "bench.locks_bench", "celery": "bench.celery_bench"}
+BENCHES = {
+    "locks": "jobfence.worker.bench.locks_bench",
+    "celery": "jobfence.worker.bench.celery_bench",
+}
 
 
 # --------------------------------------------------------------------------- parser
@@ -21,7 +24,7 @@ BENCHES = {"locks": "bench.locks_bench", "celery": "bench.celery_bench"}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m worker",
+        prog="python -m jobfence",
         description="jobfence operations: a local fleet, lock administration, benchmarks.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -62,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="warm-shutdown deadline before SIGKILL (default 30)",
     )
-    fleet.add_argument("--app", default="worker.celery_app", help=argparse.SUPPRESS)
+    fleet.add_argument("--app", default="jobfence.worker.celery_app", help=argparse.SUPPRESS)
 
     locks = sub.add_parser("locks", help="list, inspect, release locks; find orphans")
     locks.add_argument(
@@ -120,7 +123,7 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from worker.fleet import FleetOptions, run_fleet
+    from jobfence.worker.fleet import FleetOptions, run_fleet
 
     options = FleetOptions(
         workers=args.workers,
@@ -146,7 +149,7 @@ def _emit(data: Any) -> None:
 
 
 def cmd_locks(args: argparse.Namespace) -> int:
-    from worker import admin
+    from jobfence.worker import admin
 
     settings = _settings(args.lock_url)
     backend = admin.open_admin_backend(settings)
@@ -163,7 +166,7 @@ def cmd_locks(args: argparse.Namespace) -> int:
 
 
 def _locks_list(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:
-    from worker import admin
+    from jobfence.worker import admin
 
     infos = sorted(backend.scan(args.match), key=lambda i: i.key)
     now = admin.server_time(backend)
@@ -177,7 +180,7 @@ def _locks_list(args: argparse.Namespace, settings: Settings, backend: LockBacke
 
 
 def _locks_inspect(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:
-    from worker import admin
+    from jobfence.worker import admin
 
     info = backend.inspect(args.key)
     record = backend.job_record(args.key)
@@ -216,7 +219,7 @@ def _locks_release(args: argparse.Namespace, settings: Settings, backend: LockBa
 
 
 def _locks_orphans(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:
-    from worker import admin
+    from jobfence.worker import admin
 
     stale_after = args.stale_factor * settings.default_ttl
     orphans = admin.find_orphans(backend, stale_after=stale_after, match=args.match)
@@ -240,9 +243,9 @@ def _locks_orphans(args: argparse.Namespace, settings: Settings, backend: LockBa
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from tasks import runtime_for
-    from worker.app import create_app
-    from worker.checks import run_checks
+    from jobfence.tasks import runtime_for
+    from jobfence.worker.app import create_app
+    from jobfence.worker.checks import run_checks
 
     app = create_app(load_settings())
     app.loader.import_default_modules()  # the task modules, as a worker imports them
@@ -274,7 +277,7 @@ def _load_main(module: str, what: str, hint: str) -> Callable[[list[str]], int] 
 
 def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: python -m worker bench {{{'|'.join(BENCHES)}}} [ARGS...]", file=sys.stderr)
+        print(f"usage: python -m jobfence bench {{{'|'.join(BENCHES)}}} [ARGS...]", file=sys.stderr)
         return 2
     main = _load_main(
         BENCHES[argv[0]],
@@ -286,7 +289,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def cmd_demo(argv: list[str]) -> int:
-    main = _load_main("worker.demo", "the demo", "it is not written yet")
+    main = _load_main("jobfence.worker.demo", "the demo", "it is not written yet")
     return 2 if main is None else int(main(argv) or 0)
 
 

@@ -1,4 +1,4 @@
-"""`python -m worker demo`: a real fleet works through a storm of duplicate, retried and
+"""`python -m jobfence demo`: a real fleet works through a storm of duplicate, retried and
 crashed jobs, and a report checked against the ledger proves nothing took effect twice."""
 
 from __future__ import annotations
@@ -20,16 +20,23 @@ from typing import IO, Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from config import Settings, UnsafeSettings, load_settings
-from config.settings import ENV_PREFIX
-from tasks.effects import jobs as jobs_table
-from tasks.effects import make_engine
-from tasks.ledger import accounts, create_schema, open_account, payments, reservations, seed_stock
-from tasks.ledger import stock as stock_table
-from worker import journal, procs
-from worker.app import create_app
-from worker.embedded import EmbeddedStack
-from worker.fleet import Fleet, FleetOptions
+from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.config.settings import ENV_PREFIX
+from jobfence.tasks.effects import jobs as jobs_table
+from jobfence.tasks.effects import make_engine
+from jobfence.tasks.shop.ledger import (
+    accounts,
+    create_schema,
+    open_account,
+    payments,
+    reservations,
+    seed_stock,
+)
+from jobfence.tasks.shop.ledger import stock as stock_table
+from jobfence.worker import journal, procs
+from jobfence.worker.app import create_app
+from jobfence.worker.embedded import EmbeddedStack
+from jobfence.worker.fleet import Fleet, FleetOptions
 
 CURRENCY = "EUR"
 DEMO_TTL = 3.0  # short, so a frozen worker outlives its leases within seconds
@@ -453,7 +460,7 @@ def as_json(report: Report) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m worker demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m jobfence demo", description=__doc__)
     p.add_argument("--workers", type=int, default=3, help="worker processes (>= 3 for chaos)")
     p.add_argument("--concurrency", type=int, default=2, help="pool processes per worker")
     p.add_argument("--jobs", type=int, default=300, help="distinct jobs")

@@ -1,4 +1,4 @@
-"""`python -m worker fleet`: N real `celery worker` processes and beats, stopped on Ctrl-C."""
+"""`python -m jobfence fleet`: N real `celery worker` processes and beats, stopped on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 
-from config import Settings, UnsafeSettings, load_settings
-from config.settings import ENV_PREFIX
-from worker import procs
-from worker.embedded import EmbeddedStack, EmbeddedStackError
+from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.config.settings import ENV_PREFIX
+from jobfence.worker import procs
+from jobfence.worker.embedded import EmbeddedStack, EmbeddedStackError
 
 READY_LINE = re.compile(r"@\S+ ready\.\s*$")
 BEAT_READY_LINE = re.compile(r"beat: Starting\.\.\.")
@@ -35,7 +35,7 @@ class FleetOptions:
     broker: str | None = None
     lock_url: str | None = None
     database: str | None = None
-    app: str = "worker.celery_app"
+    app: str = "jobfence.worker.celery_app"
     pool: str = "prefork"
     loglevel: str = "INFO"
     shutdown_timeout: float = 30.0

@@ -10,8 +10,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tasks.executor import JobSpec
-from tasks.runtime import Runtime
+from jobfence.tasks.executor import JobSpec
+from jobfence.tasks.runtime import Runtime
 
 JOURNAL_ENV = "JOBFENCE_DEMO_JOURNAL_URL"
 PREFIX = "jobfence-demo:events:"

@@ -20,7 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from worker import procs
+from jobfence.worker import procs
 
 __all__ = ["HOST", "RedisServer", "RedisServerError", "free_port"]
 

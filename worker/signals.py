@@ -8,7 +8,7 @@ from typing import Any
 
 from celery import signals
 
-from tasks import Runtime
+from jobfence.tasks import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from locks import LockBackend, MemoryBackend, RedisBackend
+from jobfence.locks import LockBackend, MemoryBackend, RedisBackend
 from tests.servers import RedisServer
 
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from locks import (
+from jobfence.locks import (
     AcquireTimeout,
     BackendUnavailable,
     Backoff,
@@ -32,7 +32,7 @@ from locks import (
     OwnerMeta,
     acquire,
 )
-from locks.lease import new_owner_token
+from jobfence.locks.lease import new_owner_token
 from tests.contract.conftest import BackendHarness
 from tests.servers import wait_for
 

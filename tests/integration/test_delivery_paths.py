@@ -23,8 +23,8 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
-from locks.backend import JobRecord
-from tasks import DUPLICATE, SUPERSEDED, ArgumentsNotSerializable, Runtime, runtime_for
+from jobfence.locks.backend import JobRecord
+from jobfence.tasks import DUPLICATE, SUPERSEDED, ArgumentsNotSerializable, Runtime, runtime_for
 from tests.integration.apps import singleton_app
 from tests.integration.apps.common import app_env
 from tests.integration.celery_fleet import Fleet, FleetFactory, broker_backlog

@@ -14,8 +14,8 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from locks.backend import LockBackend, LockInfo
-from tasks import DUPLICATE, runtime_for
+from jobfence.locks.backend import LockBackend, LockInfo
+from jobfence.tasks import DUPLICATE, runtime_for
 from tests.integration.apps import pool_app
 from tests.integration.apps.common import app_env
 from tests.integration.celery_fleet import POOLS, Fleet, FleetFactory, broker_backlog

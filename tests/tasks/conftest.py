@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from config import Settings
-from locks import Backoff, LeaseKeeper, LockBackend, MemoryBackend, RedisBackend
-from tasks import Executor, JobSpec, Runtime, install
-from tasks.metrics import Metrics
+from jobfence.config import Settings
+from jobfence.locks import Backoff, LeaseKeeper, LockBackend, MemoryBackend, RedisBackend
+from jobfence.tasks import Executor, JobSpec, Runtime, install
+from jobfence.tasks.metrics import Metrics
 
 
 def unique(prefix: str = "job") -> str:

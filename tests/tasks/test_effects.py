@@ -13,10 +13,17 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from locks import SYSTEM_CLOCK, Backoff, Lease, LeaseKeeper, MemoryBackend, RedisBackend
-from locks.errors import StaleFence
-from tasks import Executor, IdempotencyConflict, JobContext, SqlEffects, current_job, make_engine
-from tasks.effects import jobs as jobs_table
+from jobfence.locks import SYSTEM_CLOCK, Backoff, Lease, LeaseKeeper, MemoryBackend, RedisBackend
+from jobfence.locks.errors import StaleFence
+from jobfence.tasks import (
+    Executor,
+    IdempotencyConflict,
+    JobContext,
+    SqlEffects,
+    current_job,
+    make_engine,
+)
+from jobfence.tasks.effects import jobs as jobs_table
 from tests.servers import wait_for
 from tests.tasks.conftest import spec_for, unique
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from locks import (
+from jobfence.locks import (
     AcquireTimeout,
     Backoff,
     Lease,
@@ -21,8 +21,8 @@ from locks import (
     NotOwner,
     StaleFence,
 )
-from locks.backend import default_meta
-from tasks import (
+from jobfence.locks.backend import default_meta
+from jobfence.tasks import (
     DUPLICATE,
     SUPERSEDED,
     ArgumentsNotSerializable,
@@ -33,7 +33,7 @@ from tasks import (
     current_job,
     current_lease,
 )
-from tasks.metrics import Metrics
+from jobfence.tasks.metrics import Metrics
 from tests.servers import wait_for
 from tests.tasks.conftest import spec_for, unique
 

@@ -14,8 +14,8 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks import ArgumentsNotSerializable, singleton_task
-from tasks.keys import bind_arguments, canonical_json, fingerprint, job_key
+from jobfence.tasks import ArgumentsNotSerializable, singleton_task
+from jobfence.tasks.keys import bind_arguments, canonical_json, fingerprint, job_key
 from tests.tasks.conftest import AppFactory, unique
 
 SECRET = b"test-secret"

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import redis
 
-from locks import Backoff, Lease, LeaseKeeper, RedisBackend
-from tasks import Executor, JobContext, runtime_for, singleton_task
+from jobfence.locks import Backoff, Lease, LeaseKeeper, RedisBackend
+from jobfence.tasks import Executor, JobContext, runtime_for, singleton_task
 from tests.servers import RedisServer, wait_for
 from tests.tasks.conftest import AppFactory, spec_for, unique
 

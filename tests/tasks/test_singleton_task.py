@@ -11,9 +11,9 @@ from celery import Celery
 from celery.exceptions import MaxRetriesExceededError
 from kombu.exceptions import OperationalError
 
-from locks import AcquireTimeout, Lease, LockError
-from locks.backend import default_meta
-from tasks import (
+from jobfence.locks import AcquireTimeout, Lease, LockError
+from jobfence.locks.backend import default_meta
+from jobfence.tasks import (
     DUPLICATE,
     HEADER,
     ArgumentsNotSerializable,
@@ -24,7 +24,7 @@ from tasks import (
     runtime_for,
     singleton_task,
 )
-from tasks.errors import NotInstalled
+from jobfence.tasks.errors import NotInstalled
 from tests.servers import free_port
 from tests.tasks.conftest import AppFactory, unique
 

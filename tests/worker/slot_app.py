@@ -12,8 +12,8 @@ from typing import Any
 
 import redis
 
-from tasks import current_job, singleton_task
-from worker.app import create_app
+from jobfence.tasks import current_job, singleton_task
+from jobfence.worker.app import create_app
 
 RECORD = "beat-test.record"
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 from celery import Celery, signals
 
-from config import Settings, UnsafeSettings
-from locks import RedisBackend
-from tasks import runtime_for, singleton_task
-from tests.servers import RedisServer, free_port
-from worker.app import (
+from jobfence.config import Settings, UnsafeSettings
+from jobfence.locks import RedisBackend
+from jobfence.tasks import runtime_for, singleton_task
+from jobfence.worker.app import (
     BEAT_SCHEDULER,
     RECONCILE_ENTRY,
     RECONCILE_TASK,
@@ -24,7 +23,8 @@ from worker.app import (
     create_app,
     redis_db_url,
 )
-from worker.checks import EX_CONFIG, StartupRefused, StartupWarning, enforce, run_checks
+from jobfence.worker.checks import EX_CONFIG, StartupRefused, StartupWarning, enforce, run_checks
+from tests.servers import RedisServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def test_the_default_includes_are_the_shipped_task_modules_that_exist():
     try:
         expected = [
             m
-            for m in ("tasks.payments", "tasks.stock")
+            for m in ("jobfence.tasks.shop.payments", "jobfence.tasks.shop.stock")
             if (REPO_ROOT / (m.replace(".", "/") + ".py")).exists()
         ]
         assert list(app.conf.include) == expected
@@ -196,7 +196,7 @@ def test_checks_refuse_a_broker_that_may_evict_messages(make_app, redis_url):
 def test_a_real_worker_or_beat_refuses_to_start_with_a_clear_message(fresh_redis, program):
     fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
     env = {**os.environ, "JOBFENCE_LOCK_URL": fresh_redis.url}
-    args = [sys.executable, "-m", "celery", "-A", "worker.celery_app", program]
+    args = [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", program]
     if program == "worker":
         args += ["--pool", "solo"]
     done = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

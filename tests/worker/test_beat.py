@@ -18,12 +18,11 @@ from celery import Celery
 from celery.beat import ScheduleEntry
 from celery.schedules import crontab, schedule
 
-from config import Settings
-from locks import LeaseKeeper, RedisBackend
-from tasks import HEADER, runtime_for
-from tests.servers import RedisServer, wait_for
-from worker.app import create_app
-from worker.beat import (
+from jobfence.config import Settings
+from jobfence.locks import LeaseKeeper, RedisBackend
+from jobfence.tasks import HEADER, runtime_for
+from jobfence.worker.app import create_app
+from jobfence.worker.beat import (
     LEADER_KEY,
     LeaderScheduler,
     format_slot,
@@ -31,6 +30,7 @@ from worker.beat import (
     last_cron_fire,
     slot_key,
 )
+from tests.servers import RedisServer, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TTL = 1.5
@@ -276,7 +276,8 @@ def test_two_real_beats_elect_one_and_the_standby_takes_over_after_a_kill(
     ttl = 2.0
     beats = [
         process_group.spawn(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "beat", "-l", "INFO"],
+            [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "beat",
+             "-l", "INFO"],
             env=_beat_env(fresh_redis), cwd=REPO_ROOT, name=f"beat-{i}",
         )
         for i in range(2)

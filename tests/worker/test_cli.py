@@ -1,4 +1,4 @@
-"""`python -m worker`: lock administration against a private Redis, and a real local fleet."""
+"""`python -m jobfence`: lock administration against a private Redis, and a real local fleet."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from locks import Lease, NotOwner, OwnerMeta, RedisBackend
+from jobfence.locks import Lease, NotOwner, OwnerMeta, RedisBackend
+from jobfence.worker.cli import _load_main
+from jobfence.worker.procs import pid_alive
 from tests.servers import wait_for
-from worker.cli import _load_main
-from worker.procs import pid_alive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOSTNAME = os.uname().nodename
@@ -28,7 +28,7 @@ HOSTNAME = os.uname().nodename
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
+        [sys.executable, "-m", "jobfence", *args],
         env={**os.environ, **env},
         cwd=REPO_ROOT,
         capture_output=True,
@@ -155,7 +155,7 @@ def test_bench_without_a_name_prints_its_usage(env):
 
 
 def test_a_missing_optional_command_says_so(capsys):
-    assert _load_main("worker.no_such_module", "the thing", "not written yet") is None
+    assert _load_main("jobfence.worker.no_such_module", "the thing", "not written yet") is None
     assert "the thing is not available" in capsys.readouterr().err
 
 
@@ -196,13 +196,13 @@ def _children(pid: int) -> list[int]:
 
 
 class RunningFleet:
-    """`python -m worker fleet ...` with the embedded stack, up and ready."""
+    """`python -m jobfence fleet ...` with the embedded stack, up and ready."""
 
     def __init__(self, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("JOBFENCE_")}
         env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "fleet", *args],
+            [sys.executable, "-m", "jobfence", "fleet", *args],
             env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         )  # fmt: skip
@@ -275,7 +275,7 @@ def test_fleet_stops_when_a_worker_cannot_start(fresh_redis):
     fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "worker", "fleet", "--workers", "1", "--no-beat"],
+        [sys.executable, "-m", "jobfence", "fleet", "--workers", "1", "--no-beat"],
         env={**os.environ, "JOBFENCE_LOCK_URL": fresh_redis.url}, cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert, update
 
-from tasks.effects import jobs as jobs_table
-from tasks.effects import make_engine
-from tasks.ledger import accounts, payments, reservations, stock
-from worker.demo import (
+from jobfence.tasks.effects import jobs as jobs_table
+from jobfence.tasks.effects import make_engine
+from jobfence.tasks.shop.ledger import accounts, payments, reservations, stock
+from jobfence.worker.demo import (
     DemoOptions,
     Job,
     Report,
@@ -44,7 +44,7 @@ def test_a_small_demo_run_passes_and_prints_one_json_object(tmp_path: Path) -> N
         [
             sys.executable,
             "-m",
-            "worker",
+            "jobfence",
             "demo",
             "--jobs",
             "30",
@@ -140,7 +140,7 @@ def ledger(tmp_path: Path) -> tuple[object, list[Job], dict[Job, str], object]:
 
 
 def _now() -> object:
-    from tasks.ledger import now
+    from jobfence.tasks.shop.ledger import now
 
     return now()
 

@@ -6,16 +6,17 @@ from typing import Any
 
 from celery import Celery
 
-import tasks.payments
-import tasks.stock
-from config import Settings
-from tasks import install, runtime_for
-from tasks.faults import DemoFaults, install_faults
-from tasks.ledger import create_schema
+import jobfence.tasks.shop.payments
+import jobfence.tasks.shop.stock
+from jobfence.config import Settings
+from jobfence.tasks import install, runtime_for
+from jobfence.tasks.shop.faults import DemoFaults, install_faults
+from jobfence.tasks.shop.ledger import create_schema
 
 __all__ = ["eager_app", "reserve_in_process"]
 
-WORKFLOW_MODULES = (tasks.payments, tasks.stock)  # imported: their shared tasks register
+# imported: their shared tasks register
+WORKFLOW_MODULES = (jobfence.tasks.shop.payments, jobfence.tasks.shop.stock)
 
 
 def eager_app(
@@ -52,7 +53,7 @@ def reserve_in_process(
 ) -> None:
     """Process target: wait at the ``start`` barrier, reserve ``orders``, put the results."""
     app = eager_app(lock_url, database_url, create=False)
-    task = app.tasks[tasks.stock.RESERVE]
+    task = app.tasks[jobfence.tasks.shop.stock.RESERVE]
     results: list[tuple[str, Any]] = []
     try:
         start.wait(60)

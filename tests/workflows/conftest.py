@@ -11,7 +11,7 @@ from celery import Celery
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
-from tasks import runtime_for
+from jobfence.tasks import runtime_for
 from tests.workflows import eager_app
 
 

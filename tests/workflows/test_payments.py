@@ -13,10 +13,10 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select, update
 
-from locks import StaleFence
-from tasks import SUPERSEDED, IdempotencyConflict, JobContext, JobSpec, runtime_for
-from tasks.faults import DemoFaults, TransientError, install_faults
-from tasks.ledger import (
+from jobfence.locks import StaleFence
+from jobfence.tasks import SUPERSEDED, IdempotencyConflict, JobContext, JobSpec, runtime_for
+from jobfence.tasks.shop.faults import DemoFaults, TransientError, install_faults
+from jobfence.tasks.shop.ledger import (
     InvalidInput,
     accounts,
     balance_of,
@@ -24,7 +24,7 @@ from tasks.ledger import (
     payment_rows,
     payments,
 )
-from tasks.payments import CHARGE, apply_charge
+from jobfence.tasks.shop.payments import CHARGE, apply_charge
 from tests.workflows import eager_app
 
 
@@ -275,7 +275,7 @@ def test_a_demo_fault_fails_the_first_attempt_and_the_retry_charges_once(
         pid = _id("pay")
         with pytest.raises(TransientError):
             task(pid, account, 100, "EUR")  # called directly there is no retry: it shows
-        with caplog.at_level(logging.INFO, logger="tasks.faults"):
+        with caplog.at_level(logging.INFO, logger="jobfence.tasks.shop.faults"):
             result = task.delay(pid, account, 100, "EUR").get()  # fails, retries, charges
         assert result["status"] == "charged"
         assert [r for r in caplog.records if "fails its first attempt" in r.getMessage()]

@@ -13,9 +13,9 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select, update
 
-from locks import StaleFence
-from tasks import DUPLICATE, SUPERSEDED, IdempotencyConflict, JobContext, runtime_for
-from tasks.ledger import (
+from jobfence.locks import StaleFence
+from jobfence.tasks import DUPLICATE, SUPERSEDED, IdempotencyConflict, JobContext, runtime_for
+from jobfence.tasks.shop.ledger import (
     InvalidInput,
     reservations,
     reserved_total,
@@ -24,7 +24,7 @@ from tasks.ledger import (
     stock_of,
     stock_reconciliations,
 )
-from tasks.stock import RECONCILE, RESERVE, apply_reservation, last_report
+from jobfence.tasks.shop.stock import RECONCILE, RESERVE, apply_reservation, last_report
 from tests.workflows import reserve_in_process
 
 

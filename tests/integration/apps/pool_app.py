@@ -26,10 +26,10 @@ from typing import Any
 
 from celery import Celery, Task, signals
 
-from tasks import current_job, runtime_for, singleton_task
+from jobfence.tasks import current_job, runtime_for, singleton_task
+from jobfence.worker import signals as wiring
 from tests.integration.apps import singleton_app
 from tests.integration.ledger import Ledger
-from worker import signals as wiring
 
 __all__ = ["HOLD_TASK", "create_app", "keeper_threads", "process_inits"]
 

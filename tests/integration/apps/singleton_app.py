@@ -28,9 +28,9 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery, Task, signals
 
-from config import Settings
-from locks.errors import StaleFence
-from tasks import (
+from jobfence.config import Settings
+from jobfence.locks.errors import StaleFence
+from jobfence.tasks import (
     SingletonTask,
     SqlEffects,
     current_job,

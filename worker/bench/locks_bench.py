@@ -24,9 +24,9 @@ import redis
 import redis_lock
 from redis.connection import AbstractConnection
 
-import locks
-from locks import Lease, RedisBackend
-from worker.redis_server import RedisServer
+from jobfence import locks
+from jobfence.locks import Lease, RedisBackend
+from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
 # with exactly these, so the comparison is between lock algorithms, not client settings.

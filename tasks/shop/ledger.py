@@ -24,9 +24,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
-from config.errors import JobfenceError
-from tasks.context import JobContext
-from tasks.effects import SqlEffects
+from jobfence.config.errors import JobfenceError
+from jobfence.tasks.context import JobContext
+from jobfence.tasks.effects import SqlEffects
 
 ID_MAX = 128
 AMOUNT_MAX = 10**15  # well inside JSON's exact integers (2**53)

@@ -27,9 +27,9 @@ import redis
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from bench.locks_bench import BenchError, Server, start_private_redis
+from jobfence.worker.bench.locks_bench import BenchError, Server, start_private_redis
 
-APP_MODULE = "bench.celery_bench_app"
+APP_MODULE = "jobfence.worker.bench.celery_bench_app"
 PLAIN = "plain Celery task"
 JOBFENCE = "jobfence @singleton_task"
 ONCE = "celery-once QueueOnce"
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-_: Callable[[list[str] | None], int] = main  # the signature `python -m worker bench` calls
+_: Callable[[list[str] | None], int] = main  # the signature `python -m jobfence bench` calls
 
 if __name__ == "__main__":
     sys.exit(main())

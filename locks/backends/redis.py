@@ -14,13 +14,13 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from config.settings import Settings
-from locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
-from locks.clock import SYSTEM_CLOCK, Clock
-from locks.errors import BackendUnavailable
-from locks.keys import KeySpace
-from locks.lease import OwnerMeta
-from locks.scripts import load_scripts
+from jobfence.config.settings import Settings
+from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backends.redis_scripts import load_scripts
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import BackendUnavailable
+from jobfence.locks.keys import KeySpace
+from jobfence.locks.lease import OwnerMeta
 
 SIGNAL_LIFETIME_MS = 2000
 DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0

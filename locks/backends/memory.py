@@ -9,9 +9,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
-from locks.clock import SYSTEM_CLOCK, Clock
-from locks.lease import OwnerMeta
+from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.lease import OwnerMeta
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from config.errors import JobfenceError, UnsafeSettings
+from jobfence.config.errors import JobfenceError, UnsafeSettings
 
 log = logging.getLogger(__name__)
 APP_ATTRIBUTE = "jobfence_demo_faults"

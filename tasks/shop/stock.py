@@ -47,13 +47,14 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from tasks.celery_task import HEADER, SingletonTask, singleton_task
-from tasks.context import JobContext
-from tasks.effects import SqlEffects
-from tasks.errors import IdempotencyConflict
-from tasks.faults import TransientError, faults_for
-from tasks.keys import canonical_json
-from tasks.ledger import (
+from jobfence.tasks.celery_task import HEADER, SingletonTask, singleton_task
+from jobfence.tasks.context import JobContext
+from jobfence.tasks.effects import SqlEffects
+from jobfence.tasks.errors import IdempotencyConflict
+from jobfence.tasks.keys import canonical_json
+from jobfence.tasks.runtime import runtime_for
+from jobfence.tasks.shop.faults import TransientError, faults_for
+from jobfence.tasks.shop.ledger import (
     QTY_MAX,
     InvalidInput,
     check_id,
@@ -64,7 +65,6 @@ from tasks.ledger import (
     stock,
     stock_reconciliations,
 )
-from tasks.runtime import runtime_for
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from celery import Celery, signals
 from celery_once import QueueOnce
 from celery_singleton import Singleton
 
-from config import Settings
-from tasks import install, singleton_task
+from jobfence.config import Settings
+from jobfence.tasks import install, singleton_task
 
 # The bench sets this to its private redis-server (redis://127.0.0.1:PORT) before it imports
 # this module and in the environment of every worker it starts.

@@ -1,4 +1,4 @@
-"""Loads the Lua scripts shipped in locks/lua once per Redis client."""
+"""Loads the Lua scripts shipped in locks/backends/lua once per Redis client."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ SCRIPT_NAMES = ("begin", "extend", "extend_many", "release", "commit", "fenced_w
 
 @cache
 def script_source(name: str) -> str:
-    return resources.files("locks").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+    lua = resources.files("jobfence.locks.backends").joinpath("lua", f"{name}.lua")
+    return lua.read_text(encoding="utf-8")
 
 
 def load_scripts(client: Any) -> dict[str, Any]:

@@ -14,12 +14,13 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from tasks.celery_task import SingletonTask, singleton_task
-from tasks.context import JobContext
-from tasks.effects import SqlEffects
-from tasks.errors import IdempotencyConflict
-from tasks.faults import TransientError, faults_for
-from tasks.ledger import (
+from jobfence.tasks.celery_task import SingletonTask, singleton_task
+from jobfence.tasks.context import JobContext
+from jobfence.tasks.effects import SqlEffects
+from jobfence.tasks.errors import IdempotencyConflict
+from jobfence.tasks.runtime import runtime_for
+from jobfence.tasks.shop.faults import TransientError, faults_for
+from jobfence.tasks.shop.ledger import (
     AMOUNT_MAX,
     accounts,
     check_currency,
@@ -29,7 +30,6 @@ from tasks.ledger import (
     now,
     payments,
 )
-from tasks.runtime import runtime_for
 
 CHARGE = "tasks.payments.charge"
 

@@ -1,0 +1,55 @@
+"""jobfence: Celery jobs that run at most once at a time across a fleet, effects applied once.
+
+The public names live here; ``jobfence.config``, ``jobfence.locks``, ``jobfence.tasks`` and
+``jobfence.worker`` hold the rest. Imports flow one way: config -> locks -> tasks -> worker.
+"""
+
+from jobfence.config import JobfenceError, Settings, UnsafeSettings, load_settings
+from jobfence.locks import (
+    AcquireTimeout,
+    BackendUnavailable,
+    Lease,
+    LeaseLost,
+    Locker,
+    LockError,
+    NotOwner,
+    RedisFenceGuard,
+    SqlFenceGuard,
+    StaleFence,
+)
+from jobfence.tasks import (
+    ArgumentsNotSerializable,
+    IdempotencyConflict,
+    SingletonTask,
+    current_job,
+    current_lease,
+    install,
+    singleton_task,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcquireTimeout",
+    "ArgumentsNotSerializable",
+    "BackendUnavailable",
+    "IdempotencyConflict",
+    "JobfenceError",
+    "Lease",
+    "LeaseLost",
+    "LockError",
+    "Locker",
+    "NotOwner",
+    "RedisFenceGuard",
+    "Settings",
+    "SingletonTask",
+    "SqlFenceGuard",
+    "StaleFence",
+    "UnsafeSettings",
+    "__version__",
+    "current_job",
+    "current_lease",
+    "install",
+    "load_settings",
+    "singleton_task",
+]
