@@ -81,6 +81,12 @@ class Settings(BaseSettings):
         default=0.0,
         description="Longest countdown/ETA the application uses, in seconds (0: not declared).",
     )
+    max_crashed_deliveries: int = Field(
+        default=5,
+        ge=0,
+        description="Times a job may be granted again after a delivery that lost its worker "
+        "mid-body (no record) before it is recorded FAILED as a poison message (0: no cap).",
+    )
     accept_content: tuple[str, ...] = Field(
         default=("json",), description="Serialisers Celery workers accept."
     )

@@ -7,6 +7,7 @@ from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
     DuplicateJob,
     IdempotencyConflict,
+    PoisonMessage,
     TaskError,
 )
 from jobfence.tasks.executor import DUPLICATE, SUPERSEDED, Executor, JobSpec, Outcome
@@ -24,6 +25,7 @@ __all__ = [
     "JobContext",
     "JobSpec",
     "Outcome",
+    "PoisonMessage",
     "Runtime",
     "SingletonTask",
     "SqlEffects",

@@ -20,6 +20,9 @@ from jobfence.tasks.keys import KeySelector, bind_arguments, identity
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
+#: Set on the copy a delivery re-publishes when its own earlier delivery holds the lease
+#: (it crashed, or still runs): a grant of that copy counts towards the poison cap.
+DEFERRED_HEADER = "jobfence_deferred"
 PASSTHROUGH = (Retry, Ignore, Reject)
 
 
@@ -122,6 +125,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             result_ttl=self.result_ttl or s.result_ttl,
             on_conflict=self.on_conflict,
             wait_timeout=s.acquire_timeout if self.wait_timeout is None else self.wait_timeout,
+            suspect=_after_a_crash(req),
+            max_crashed=s.max_crashed_deliveries,
         )
         try:
             out = rt.executor.run(
@@ -139,7 +144,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         if out.status == "defer":
             # Our own earlier delivery holds the lease: come back after it ends, and let
             # this copy go without a result (the real one is stored under the same id).
-            self.signature_from_request(req, countdown=countdown).apply_async()
+            headers = {**(req.headers or {}), DEFERRED_HEADER: 1}
+            if explicit:
+                headers[HEADER] = explicit
+            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
             raise Ignore()
         if out.status == "retry":
             raise self.retry(countdown=countdown)
@@ -168,6 +176,19 @@ class SingletonTask(Task):  # type: ignore[misc]
             if job is not None:
                 self._runtime().executor.release(job.lease)
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+
+def _after_a_crash(req: Any) -> bool:
+    """True if this delivery may follow one that died mid-body: the broker redelivered it
+    (acks_late, reject_on_worker_lost, visibility timeout), or it is our deferred copy."""
+    info = req.delivery_info or {}
+    headers = req.headers or {}
+    return bool(
+        info.get("redelivered")
+        or headers.get("redelivered")
+        or headers.get(DEFERRED_HEADER)
+        or getattr(req, DEFERRED_HEADER, None)
+    )
 
 
 @overload

@@ -23,3 +23,7 @@ class ArgumentsNotSerializable(TaskError, TypeError):
 
 class NotInstalled(TaskError):
     """The Celery app has no jobfence runtime; call tasks.install(app, settings)."""
+
+
+class PoisonMessage(TaskError):
+    """A job's deliveries kept losing their worker mid-body; it is recorded FAILED, not rerun."""

@@ -10,11 +10,11 @@ from typing import Any, Literal
 
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.backend import Busy, JobRecord, LockBackend, default_meta
-from jobfence.locks.errors import AcquireTimeout, LeaseLost, StaleFence
+from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LeaseLost, StaleFence
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
 from jobfence.tasks.context import JobContext, reset_current, set_current
-from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict
+from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage
 from jobfence.tasks.keys import canonical_json
 from jobfence.tasks.metrics import Metrics
 
@@ -42,6 +42,11 @@ class JobSpec:
     task_id: str = ""
     on_conflict: ConflictPolicy = "skip"
     wait_timeout: float = 10.0
+    # This delivery may follow one that died mid-body (broker redelivery, or our deferred
+    # copy of one); such grants are counted per key, and past `max_crashed` the job is
+    # recorded FAILED instead of run again (0: no cap).
+    suspect: bool = False
+    max_crashed: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ class Executor:
         if isinstance(got, Outcome):
             return got
         lease = got
+        if spec.suspect and spec.max_crashed:
+            self._cap_crashes(spec, lease)
         ctx = JobContext(
             key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id
         )
@@ -210,6 +217,33 @@ class Executor:
                 state,
                 lease.fence,
             )
+
+    def _cap_crashes(self, spec: JobSpec, lease: Lease) -> None:
+        """Count a grant that follows a delivery which may have died; past the cap, give up.
+
+        A message that kills its worker every time would otherwise loop for ever under
+        acks_late + reject_on_worker_lost. Giving up records FAILED (so later copies replay
+        it), logs one dead-letter line (task name and key, never the arguments) and raises.
+        """
+        try:
+            count = self.backend.count_delivery(spec.key, spec.result_ttl)
+        except BackendUnavailable:
+            count = None  # best effort: running the body again is what no cap would do
+        if count is None or count <= spec.max_crashed:
+            return
+        message = (
+            f"gave up after {count - 1} deliveries that ended without a record (their worker "
+            f"was lost mid-body); limit JOBFENCE_MAX_CRASHED_DELIVERIES={spec.max_crashed}"
+        )
+        failed = canonical_json({"error": PoisonMessage.__name__, "message": message})
+        self._finish(spec, lease, "FAILED", failed)
+        self.backend.reset_deliveries(spec.key)  # a resubmission starts with a fresh budget
+        self.metrics.executions.labels(spec.name, "poisoned").inc()
+        self._note("poisoned", spec, lease.fence)
+        log.error(
+            "dead-letter: task %s key %s recorded FAILED: %s", spec.name, spec.key, message
+        )
+        raise PoisonMessage(message, key=spec.key, fence=lease.fence)
 
     def _superseded(self, spec: JobSpec, lease: Lease, exc: BaseException) -> None:
         if isinstance(exc, StaleFence):

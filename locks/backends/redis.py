@@ -327,6 +327,23 @@ class RedisBackend(LockBackend):
         except RedisError as exc:
             raise BackendUnavailable("redis clear_publish failed", key=key, cause=exc) from exc
 
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        name = self.keys.deliveries(key)
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.incr(name)
+                pipe.pexpire(name, window_ms)
+                count, _ = pipe.execute()
+        except RedisError as exc:
+            raise BackendUnavailable("redis count_delivery failed", key=key, cause=exc) from exc
+        return int(count)
+
+    def _reset_deliveries(self, key: str) -> None:
+        try:
+            self.client.delete(self.keys.deliveries(key))
+        except RedisError as exc:
+            raise BackendUnavailable("redis reset_deliveries failed", key=key, cause=exc) from exc
+
     def forget(self, key: str) -> bool:
         return bool(self.client.delete(self.keys.record(key)))
 

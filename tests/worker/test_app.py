@@ -23,7 +23,14 @@ from jobfence.worker.app import (
     create_app,
     redis_db_url,
 )
-from jobfence.worker.checks import EX_CONFIG, StartupRefused, StartupWarning, enforce, run_checks
+from jobfence.worker.checks import (
+    EX_CONFIG,
+    StartupRefused,
+    StartupWarning,
+    enforce,
+    lock_server_down,
+    run_checks,
+)
 from tests.servers import RedisServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -153,10 +160,13 @@ def test_checks_warn_when_config_is_disabled(make_app):
             enforce(app, runtime_for(app))
 
 
-def test_checks_refuse_an_unreachable_lock_server(make_app):
+def test_checks_warn_and_start_when_the_lock_server_is_unreachable(make_app):
+    # A fleet restarted during a lock-server outage waits for it (fault row h), never
+    # crash-loops: the finding is a warning that says so, not a refusal.
     app = make_app(_settings(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5))
-    with pytest.raises(StartupRefused, match="cannot reach the lock server"):
-        enforce(app, runtime_for(app))
+    with pytest.warns(StartupWarning, match="cannot reach the lock server.*starting anyway"):
+        findings = enforce(app, runtime_for(app))
+    assert lock_server_down(findings)
 
 
 def test_checks_refuse_a_ttl_not_shorter_than_the_visibility_timeout(make_app, redis_url):
