@@ -3,7 +3,7 @@
 ``celery -A tests.faults.fenced_app worker`` builds the app with ``create_app()`` from the
 ``JOBFENCE_*`` variables, exactly as ``jobfence.worker.celery_app`` does (start-up checks
 included), and registers ``fault.poison``: a ``@singleton_task`` whose body counts its
-delivery in ``LEDGER_URL`` and then kills its own pool process.
+delivery in ``LEDGER_URL`` and then kills its own pool process; and :mod:`tests.faults.hold`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from jobfence.config import UnsafeSettings
 from jobfence.tasks import SingletonTask, singleton_task
 from jobfence.worker.app import create_app
 from jobfence.worker.checks import EX_CONFIG
+from tests.faults import hold
 
 POISON = "fault.poison"
 
@@ -37,6 +38,7 @@ def poison(self: SingletonTask, job_id: str) -> None:
 def build() -> Celery:
     app = create_app()
     singleton_task(app=app, name=POISON, bind=True, shared=False)(poison)
+    hold.connect()
     return app
 
 

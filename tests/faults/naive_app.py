@@ -31,6 +31,7 @@ from celery import Celery, Task
 
 from jobfence.tasks.effects import make_engine
 from jobfence.tasks.shop.ledger import accounts
+from tests.faults import hold
 from tests.integration.apps.common import make_app
 
 __all__ = ["charges", "create_app", "create_schema", "deliveries_key", "metadata"]
@@ -163,6 +164,7 @@ def create_app(env: Mapping[str, str], name: str = "naive_app") -> Celery:
     app.task(name="naive.charge_once", **reliable)(charge_once)
     app.task(name="naive.charge_locked", bind=True, acks_late=False)(charge_locked)
     app.task(name="naive.poison", **reliable)(poison)
+    hold.connect()
     return app
 
 

@@ -40,9 +40,11 @@ LEASE_TTL = 2.0
 VISIBILITY_TIMEOUT = 4.0
 NAIVE_APP = "tests.faults.naive_app"
 FENCED_APP = "tests.faults.fenced_app"
-#: Redis databases: broker 0, results 1, ledger (delivery counters) 2.
+#: Redis databases: broker 0, results 1, ledger (delivery counters) 2 on the broker server;
+#: locks 0 and the hold flag (tests.faults.hold) 3 on the lock server.
 RESULTS_DB = 1
 LEDGER_DB = 2
+HOLD_DB = 3
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Rig:
             "BROKER_URL": self.broker.url,
             "LOCK_URL": self.lock_url,
             "LEDGER_URL": self.broker.db_url(LEDGER_DB),
+            "HOLD_URL": self.locks.db_url(HOLD_DB),
             "DATABASE_URL": self.database_url,
             "VISIBILITY_TIMEOUT": repr(VISIBILITY_TIMEOUT),
             "JOBFENCE_BROKER_URL": self.broker.url,

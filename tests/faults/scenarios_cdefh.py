@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from jobfence.worker.faults_report import Outcome, Scenario, Side
-from tests.faults import fenced_app, naive_app
-from tests.faults.rig import LEDGER_DB, Rig, plan_payments, wait_until
+from tests.faults import fenced_app, hold, naive_app
+from tests.faults.rig import HOLD_DB, LEDGER_DB, Rig, plan_payments, wait_until
 from tests.integration.celery_fleet import Fleet
 
 #: Generous: the box is shared and loaded.
@@ -50,36 +50,36 @@ def row_c(side: Side, workdir: Path, full: bool) -> Outcome:
         return rig.tally(planned, f"restart at {at}/{n} charged")
 
 
-# -- d: the broker restarts (data kept) while acks are due ----------------------------------
+# -- d: the broker restarts (data kept) and acks are lost ----------------------------------
 
 
 def row_d(side: Side, workdir: Path, full: bool) -> Outcome:
-    """Bodies running when the broker dies finish while it is down, so their acks are lost;
-    it comes back with its data (AOF), and their messages are delivered again.
+    """Bodies commit their charges and are held before the ack; the broker is SIGKILLed and
+    comes back with its data (AOF, so the delivered-unacked messages survive); then the
+    workers are SIGKILLed before acking. The broker delivers those messages again.
 
     Naive: a plain acks_late task (Celery's "reliable" settings) that charges.
     """
-    n = 12 if full else 6
+    n = 12 if full else 4
     planned = plan_payments("d", n)
-    with Rig(side, workdir, persistent_broker=True, body_ms=1500.0) as rig:
+    with Rig(side, workdir, persistent_broker=True, body_ms=200.0) as rig:
+        flag = rig.client(rig.locks, HOLD_DB)
+        hold.raise_flag(flag)
         fleet = rig.fleet(workers=2, concurrency=2)
         rig.publish(rig.charge_task("naive.charge"), planned)
-        running = wait_until(
-            lambda: len(pids) >= 3 and pids if (pids := fleet.executing_pids()) else None,
+        committed = wait_until(
+            lambda: rig.done(planned) >= min(n, 4) and rig.done(planned),
             60.0,
-            "bodies running on three or more pool processes",
+            "four bodies committed and held before their ack",
         )
-        before = rig.done(planned)
         rig.broker.kill()
-        # The running bodies commit their charges with the broker down; their acks fail.
-        wait_until(
-            lambda: rig.done(planned) >= before + len(running) or not fleet.executing_pids(),
-            30.0,
-            "the running bodies to finish",
-        )
         rig.broker.start()  # same port, AOF replayed: queue and unacked messages kept
+        for index in range(fleet.size):
+            fleet.kill_worker(index, with_children=True)  # the acks are never sent
+        hold.lower_flag(flag)
+        fleet.ensure_running()
         rig.settle(fleet, planned, SETTLE_TIMEOUT)
-        return rig.tally(planned, f"broker down with {len(running)} bodies running")
+        return rig.tally(planned, f"{committed} committed, unacked, at the restart")
 
 
 # -- e: a message that kills its worker every time -----------------------------------------
@@ -204,7 +204,7 @@ def row_h(side: Side, workdir: Path, full: bool) -> Outcome:
     Naive: a plain Redis lock around the charge (SET NX EX, DEL), Celery's defaults."""
     n = 10 if full else 4
     first = plan_payments("h1", n)
-    second = plan_payments("h2", n)
+    second = plan_payments("h2", 2 * n)  # more than the 4 pool processes: some wait queued
     with Rig(side, workdir, start_locks=False, body_ms=800.0) as rig:
         fleet = rig.fleet(workers=2, concurrency=2)  # must start with no lock server
         task = rig.charge_task("naive.charge_locked")
@@ -230,7 +230,7 @@ def _preruns(fleet: Fleet) -> int:
 
 SCENARIOS = [
     Scenario("c", "lock server restarts, all data lost, mid payment storm", row_c),
-    Scenario("d", "broker restarts (AOF kept) while acks are due: acks lost", row_d),
+    Scenario("d", "broker restarts (AOF kept), workers die after commit: acks lost", row_d),
     Scenario("e", "a message that kills its worker every time", row_e),
     Scenario("f", "worker SIGKILLed holding prefetched messages (multiplier 4)", row_f),
     Scenario("h", "lock server down when workers start, and again mid-run", row_h),
