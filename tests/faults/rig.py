@@ -69,6 +69,7 @@ class Rig:
     persistent_broker: bool = False
     start_locks: bool = True
     body_ms: float = 300.0  # the body's work before its effect
+    hold_acks: bool = False  # connect tests.faults.hold: bodies wait before their ack on a flag
     env_extra: dict[str, str] = field(default_factory=dict)
     fleets: list[Fleet] = field(default_factory=list)
 
@@ -136,7 +137,6 @@ class Rig:
             "BROKER_URL": self.broker.url,
             "LOCK_URL": self.lock_url,
             "LEDGER_URL": self.broker.db_url(LEDGER_DB),
-            "HOLD_URL": self.locks.db_url(HOLD_DB),
             "DATABASE_URL": self.database_url,
             "VISIBILITY_TIMEOUT": repr(VISIBILITY_TIMEOUT),
             "JOBFENCE_BROKER_URL": self.broker.url,
@@ -149,6 +149,7 @@ class Rig:
             "JOBFENCE_KEY_SECRET": secrets.token_hex(16),
             "JOBFENCE_DEMO_DELAY_MIN_MS": delay,
             "JOBFENCE_DEMO_DELAY_MAX_MS": delay,
+            **({"HOLD_URL": self.locks.db_url(HOLD_DB)} if self.hold_acks else {}),
             **self.env_extra,
         }
 

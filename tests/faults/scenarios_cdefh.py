@@ -62,7 +62,7 @@ def row_d(side: Side, workdir: Path, full: bool) -> Outcome:
     """
     n = 12 if full else 4
     planned = plan_payments("d", n)
-    with Rig(side, workdir, persistent_broker=True, body_ms=200.0) as rig:
+    with Rig(side, workdir, persistent_broker=True, hold_acks=True, body_ms=200.0) as rig:
         flag = rig.client(rig.locks, HOLD_DB)
         hold.raise_flag(flag)
         fleet = rig.fleet(workers=2, concurrency=2)
