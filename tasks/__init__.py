@@ -10,10 +10,20 @@ from jobfence.tasks.errors import (
     PoisonMessage,
     TaskError,
 )
-from jobfence.tasks.executor import DUPLICATE, SUPERSEDED, Executor, JobSpec, Outcome
+from jobfence.tasks.executor import (
+    DROPPED,
+    DUPLICATE,
+    SUPERSEDED,
+    Executor,
+    JobSpec,
+    Outcome,
+    Redelivery,
+    RedeliveryLimitReached,
+)
 from jobfence.tasks.runtime import Runtime, install, runtime_for
 
 __all__ = [
+    "DROPPED",
     "DUPLICATE",
     "HEADER",
     "SUPERSEDED",
@@ -26,6 +36,8 @@ __all__ = [
     "JobSpec",
     "Outcome",
     "PoisonMessage",
+    "Redelivery",
+    "RedeliveryLimitReached",
     "Runtime",
     "SingletonTask",
     "SqlEffects",
