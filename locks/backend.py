@@ -255,16 +255,8 @@ class LockBackend(ABC):
         validate_key(key)
         return self._count_delivery(key, validate_ttl(window))
 
-    def reset_deliveries(self, key: str) -> None:
-        """Forget `key`'s delivery count (after the job was given up and recorded)."""
-        validate_key(key)
-        self._reset_deliveries(key)
-
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         return None
-
-    def _reset_deliveries(self, key: str) -> None:  # noqa: B027 - optional hook
-        pass
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free connections."""

@@ -407,8 +407,11 @@ class Executor:
         """Count a grant that follows a delivery which may have died; past the cap, give up.
 
         A message that kills its worker every time would otherwise loop for ever under
-        acks_late + reject_on_worker_lost. Giving up records FAILED (so later copies replay
-        it), logs one dead-letter line (task name and key, never the arguments) and raises.
+        acks_late + reject_on_worker_lost. Giving up records FAILED, logs one dead-letter
+        line (task name and key, never the arguments) and raises. The count is kept: a FAILED
+        record does not stop a new grant, so another copy of the same message (the broker's
+        and the worker's requeue can both exist) must find the job given up too. A fresh
+        submission still runs once; only crash-suspect deliveries are refused.
         """
         try:
             count = self.backend.count_delivery(spec.key, spec.result_ttl)
@@ -416,18 +419,25 @@ class Executor:
             count = None  # best effort: running the body again is what no cap would do
         if count is None or count <= spec.max_crashed:
             return
+        crashed = min(count - 1, spec.max_crashed)
         message = (
-            f"gave up after {count - 1} deliveries that ended without a record (their worker "
+            f"gave up after {crashed} deliveries that ended without a record (their worker "
             f"was lost mid-body); limit JOBFENCE_MAX_CRASHED_DELIVERIES={spec.max_crashed}"
         )
         failed = canonical_json({"error": PoisonMessage.__name__, "message": message})
         self._finish(spec, lease, "FAILED", failed)
-        self.backend.reset_deliveries(spec.key)  # a resubmission starts with a fresh budget
         self.metrics.executions.labels(spec.name, "poisoned").inc()
         self._note("poisoned", spec, lease.fence)
-        log.error(
-            "dead-letter: task %s key %s recorded FAILED: %s", spec.name, spec.key, message
-        )
+        if count == spec.max_crashed + 1:
+            log.error(
+                "dead-letter: task %s key %s recorded FAILED: %s", spec.name, spec.key, message
+            )
+        else:
+            log.warning(
+                "task %s key %s: another copy of a dead-lettered job refused (FAILED kept)",
+                spec.name,
+                spec.key,
+            )
         raise PoisonMessage(message, key=spec.key, fence=lease.fence)
 
     def _superseded(self, spec: JobSpec, lease: Lease, exc: BaseException) -> None:

@@ -170,10 +170,6 @@ class MemoryBackend(LockBackend):
             self._deliveries[key] = (count, now + window_ms / 1000)
             return count
 
-    def _reset_deliveries(self, key: str) -> None:
-        with self._cond:
-            self._deliveries.pop(key, None)
-
     def forget(self, key: str) -> bool:
         with self._cond:
             return self._records.pop(key, None) is not None

@@ -341,12 +341,6 @@ class RedisBackend(LockBackend):
             raise BackendUnavailable("redis count_delivery failed", key=key, cause=exc) from exc
         return int(count)
 
-    def _reset_deliveries(self, key: str) -> None:
-        try:
-            self.client.delete(self.keys.deliveries(key))
-        except RedisError as exc:
-            raise BackendUnavailable("redis reset_deliveries failed", key=key, cause=exc) from exc
-
     def forget(self, key: str) -> bool:
         return bool(self.client.delete(self.keys.record(key)))
 
