@@ -44,6 +44,7 @@ CURRENCY = "EUR"
 DEMO_TTL = 3.0  # short, so a frozen worker outlives its leases within seconds
 VISIBILITY_TIMEOUT = 10.0
 MAX_COUNTDOWN = 5.0
+LOCK_OUTAGE = 1.5  # seconds the lock server stays down when the chaos restarts it
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,7 @@ class Chaos:
         self.say = say
         self.report = report
         self.timer: threading.Timer | None = None
+        self.lock_timer: threading.Timer | None = None
         if lock_server is None:
             say("chaos: no lock-server restart (the lock server is not the demo's own)")
 
@@ -293,15 +295,24 @@ class Chaos:
             self.timer.start()
         if self.lock_server is not None and frac >= 0.5:
             server, self.lock_server = self.lock_server, None
-            server.restart()  # SIGKILL, then a new empty server on the same port
+            server.kill()  # a crash: every lock, fence and job record is gone
             self.report.lock_restarts += 1
             self.report.lock_restart_at = f"{int(frac * 100)}%"
-            self.say(f"chaos: lock redis-server restarted with all its data lost (now pid "
-                     f"{server.pid}); the broker keeps the queue")
+            self.say(f"chaos: SIGKILL the lock redis-server; it comes back empty in "
+                     f"{LOCK_OUTAGE:g}s (the broker, apart, keeps the queue)")
+
+            def come_back() -> None:
+                server.start()  # same port, no data
+                self.say(f"chaos: lock redis-server back (pid {server.pid}), empty")
+
+            self.lock_timer = threading.Timer(LOCK_OUTAGE, come_back)
+            self.lock_timer.daemon = True
+            self.lock_timer.start()
 
     def finish(self) -> None:
-        if self.timer is not None:
-            self.timer.join()
+        for timer in (self.timer, self.lock_timer):
+            if timer is not None:
+                timer.join()
 
 
 def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
@@ -477,7 +488,8 @@ def render(report: Report) -> str:
         f"{r.reserved} reserved, {r.refused} refused",
         f"  chaos                     SIGKILL {r.killed_worker or '-'}; SIGSTOP "
         f"{r.frozen_worker or '-'} for {r.frozen_s:g}s; lock server "
-        + (f"restarted empty at {r.lock_restart_at}" if r.lock_restarts else "not restarted"),
+        + (f"down {LOCK_OUTAGE:g}s at {r.lock_restart_at}, back empty" if r.lock_restarts
+           else "not restarted"),
         f"  leases lost, redelivered  {r.leases_lost}, {r.redelivered}   (by the freeze and "
         "the lock-server restart; jobs delivered again, never dropped)",
         f"  conflicting re-sends      {r.conflicts_refused}/{r.conflicts_probed} refused",
