@@ -47,6 +47,8 @@ class Outcome:
         return self.broken if self.broken is not None else bool(self.double or self.lost)
 
     def cell(self) -> str:
+        if not self.jobs:  # a row judged by its tests, not by counted jobs
+            return self.detail
         text = f"{self.double} double / {self.lost} lost of {self.jobs}"
         return f"{text}; {self.detail}" if self.detail else text
 
