@@ -69,6 +69,7 @@ class ReplyRule:
     action: Action
     delay: float = 0.0
     times: int = 1
+    errors: bool = False  # act on error replies too (by default they pass, uncounted)
     fired: threading.Event = field(default_factory=threading.Event)
     count: int = 0  # how many replies it has acted on
 
@@ -209,11 +210,18 @@ class _Link:
                     if rule is None:
                         out += reply
                         continue
+                    if reply.startswith((b"-", b"!")) and not rule.errors:
+                        # An error reply (NOSCRIPT, say): the command did nothing, so it
+                        # is not the fault asked for. Pass it on; the rule waits for the next.
+                        self.proxy._give_back(rule)
+                        out += reply
+                        continue
                     if rule.action == "drop":
                         pass
                     elif rule.action == "delay":
                         self._send(out)
                         out.clear()
+                        rule.fired.set()  # the server has answered: the fault is under way
                         time.sleep(rule.delay)
                         out += reply
                     elif rule.action == "reset":
@@ -358,6 +366,10 @@ class FaultProxy:
     def clear_rules(self) -> None:
         with self._mutex:
             self._rules.clear()
+
+    def _give_back(self, rule: ReplyRule) -> None:
+        with self._mutex:
+            rule.count -= 1
 
     def _rule_for(self, cmd: Command) -> ReplyRule | None:
         with self._mutex:
