@@ -9,10 +9,20 @@ from jobfence.tasks.errors import (
     IdempotencyConflict,
     TaskError,
 )
-from jobfence.tasks.executor import DUPLICATE, SUPERSEDED, Executor, JobSpec, Outcome
+from jobfence.tasks.executor import (
+    DROPPED,
+    DUPLICATE,
+    SUPERSEDED,
+    Executor,
+    JobSpec,
+    Outcome,
+    Redelivery,
+    RedeliveryLimitReached,
+)
 from jobfence.tasks.runtime import Runtime, install, runtime_for
 
 __all__ = [
+    "DROPPED",
     "DUPLICATE",
     "HEADER",
     "SUPERSEDED",
@@ -24,6 +34,8 @@ __all__ = [
     "JobContext",
     "JobSpec",
     "Outcome",
+    "Redelivery",
+    "RedeliveryLimitReached",
     "Runtime",
     "SingletonTask",
     "SqlEffects",
