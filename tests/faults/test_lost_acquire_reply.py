@@ -109,7 +109,7 @@ def deliver(
             statuses.append(outcome.status)
             if outcome.status in ("ran", "replayed"):
                 return statuses
-            if outcome.status not in ("defer", "retry"):
+            if outcome.status not in ("defer", "retry", "redeliver"):
                 raise AssertionError(f"the job was given up: {statuses}")
             pause = min(max(outcome.countdown, 0.01), 0.2)
         if time.monotonic() > deadline:
