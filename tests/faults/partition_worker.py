@@ -76,9 +76,11 @@ def run_jobfence(args: argparse.Namespace, events: Events) -> None:
     def body(job: JobContext) -> str:
         lease = job.lease
         events.emit("holding", fence=job.fence, deadline=lease.deadline - lease.drift)
+        lease.on_lost(lambda _lease, cause: events.emit("marked", cause=type(cause).__name__))
         reported = False
 
         def watch() -> None:
+            # From `deadline` on, lease.check() raises: the lease no longer counts.
             nonlocal reported
             if not reported and lease.lost:
                 reported = True
