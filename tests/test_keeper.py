@@ -566,3 +566,25 @@ def test_extension_period_is_a_third_of_the_ttl_while_jobs_come_and_go(
         f"{count} extensions in {elapsed:.2f}s; every TTL/3 is {expected:.1f}"
     )
     backend.close()
+
+
+def test_one_broken_lock_in_a_batch_does_not_cost_the_others_their_leases(
+    redis_url: str, redis_client: Any, keeper_factory: Any
+) -> None:
+    """A lock key overwritten with another type is refused alone; the batch goes through."""
+    backend = RedisBackend.from_url(redis_url, socket_timeout=0.3)
+    losses = LossLog()
+    keeper = keeper_factory(on_lost=losses)
+    leases = [_take(backend, _key("batch"), 0.6) for _ in range(3)]
+    broken = leases[1]
+    redis_client.set(backend.keys.lock(broken.key), "not a lock hash")
+    for lease in leases:
+        keeper.keep(lease)
+    assert losses.event.wait(5.0), "the overwritten lock was never refused"
+    until = time.monotonic() + 1.5  # more than two TTLs
+    while time.monotonic() < until:
+        assert leases[0].held and leases[2].held
+        time.sleep(0.05)
+    assert [c[0] for c in losses.calls] == [broken]
+    assert isinstance(losses.calls[0][1], NotOwner)
+    backend.close()
