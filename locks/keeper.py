@@ -231,6 +231,8 @@ class LeaseKeeper:
             bid = id(lease.backend)
             if bid in busy:
                 continue  # its lane wakes us when the call in flight returns
+            if due == math.inf:  # sent to a lane that stopped before its call: due now
+                due = now
             interval = lease.ttl * self.fraction
             if due - now <= interval * COALESCE_FRACTION:
                 batches.setdefault(bid, (lease.backend, []))[1].append(lease)

@@ -1,6 +1,6 @@
 """Idempotency keys, the lock-gated executor and @singleton_task for Celery."""
 
-from jobfence.tasks.celery_task import HEADER, SingletonTask, singleton_task
+from jobfence.tasks.celery_task import HEADER, JobNotSettled, SingletonTask, singleton_task
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.effects import EffectTx, SqlEffects, make_engine
 from jobfence.tasks.errors import (
@@ -33,6 +33,7 @@ __all__ = [
     "Executor",
     "IdempotencyConflict",
     "JobContext",
+    "JobNotSettled",
     "JobSpec",
     "Outcome",
     "PoisonMessage",

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -446,43 +446,57 @@ def test_refusal_of_one_lease_in_a_batch_spares_the_others(keeper_factory: Any) 
 # --------------------------------------------------------------------------- real Redis faults
 
 
+class StallOnExtend(RedisBackend):
+    """A RedisBackend that, once armed, runs `stall` just as it sends an extension."""
+
+    stall: Callable[[], None] | None = None
+
+    def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        stall, self.stall = self.stall, None
+        if stall is not None:
+            stall()
+        return super()._extend_many(items)
+
+
 def test_heartbeat_timeout_during_a_short_stall_keeps_the_lease_and_the_job_runs_once(
     fresh_redis: RedisServer, keeper_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A 0.6 s server stall with a 0.3 s socket timeout: one heartbeat times out, no loss.
 
-    The interval (0.3 s) is shorter than the part of the stall in which a call times
-    out, so an extension always lands in it; the test checks that it did.
+    The stall starts just as an extension is sent, so that extension surely times out.
     """
     from jobfence.locks import Backoff
     from jobfence.tasks import Executor
     from tests.tasks.conftest import spec_for
 
-    backend = RedisBackend.from_url(fresh_redis.url, socket_timeout=0.3)
+    backend = StallOnExtend.from_url(fresh_redis.url, socket_timeout=0.3)
     losses, extends = LossLog(), ExtendLog()
     keeper = keeper_factory(on_lost=losses, on_extend=extends)
     executor = Executor(backend, keeper, backoff=Backoff(0.005, 0.05))
     runs: list[int] = []
-    stalled = threading.Event()
+    resumed = threading.Event()
+
+    def stall() -> None:
+        fresh_redis.pause()
+
+        def resume() -> None:
+            fresh_redis.resume()
+            resumed.set()
+
+        threading.Timer(0.6, resume).start()
 
     def body(ctx: Any) -> int:
         runs.append(ctx.fence)
-        wait_for(lambda: len(extends.calls) >= 1, 5.0, message="no extension before the stall")
-        with caplog.at_level("WARNING", logger="jobfence.locks.keeper"):
-            fresh_redis.pause()
-            try:
-                time.sleep(0.6)  # the fault itself: a 0.6 s stall of the server
-            finally:
-                fresh_redis.resume()
-            stalled.set()
-            seen = len(extends.calls)
-            wait_for(lambda: len(extends.calls) > seen, 5.0, message="no extension after")
+        backend.stall = stall  # the next extension meets a 0.6 s stall
+        assert resumed.wait(10.0), "the stall never happened"
+        seen = len(extends.calls)
+        wait_for(lambda: len(extends.calls) > seen, 5.0, message="no extension after the stall")
         ctx.check()  # the lease is still ours
         return ctx.fence
 
     key = _key("stall")
-    out = executor.run(spec_for(key, ttl=0.9), body)
-    assert stalled.is_set()
+    with caplog.at_level("WARNING", logger="jobfence.locks.keeper"):
+        out = executor.run(spec_for(key, ttl=2.0), body)
     assert any("lease extension failed" in r.getMessage() for r in caplog.records), (
         "no extension timed out during the stall: the fault did not bite"
     )
@@ -565,4 +579,26 @@ def test_extension_period_is_a_third_of_the_ttl_while_jobs_come_and_go(
     assert 0.75 * expected <= count <= 1.1 * expected + 1, (
         f"{count} extensions in {elapsed:.2f}s; every TTL/3 is {expected:.1f}"
     )
+    backend.close()
+
+
+def test_one_broken_lock_in_a_batch_does_not_cost_the_others_their_leases(
+    redis_url: str, redis_client: Any, keeper_factory: Any
+) -> None:
+    """A lock key overwritten with another type is refused alone; the batch goes through."""
+    backend = RedisBackend.from_url(redis_url, socket_timeout=0.3)
+    losses = LossLog()
+    keeper = keeper_factory(on_lost=losses)
+    leases = [_take(backend, _key("batch"), 0.6) for _ in range(3)]
+    broken = leases[1]
+    redis_client.set(backend.keys.lock(broken.key), "not a lock hash")
+    for lease in leases:
+        keeper.keep(lease)
+    assert losses.event.wait(5.0), "the overwritten lock was never refused"
+    until = time.monotonic() + 1.5  # more than two TTLs
+    while time.monotonic() < until:
+        assert leases[0].held and leases[2].held
+        time.sleep(0.05)
+    assert [c[0] for c in losses.calls] == [broken]
+    assert isinstance(losses.calls[0][1], NotOwner)
     backend.close()
