@@ -44,7 +44,7 @@ CURRENCY = "EUR"
 DEMO_TTL = 3.0  # short, so a frozen worker outlives its leases within seconds
 VISIBILITY_TIMEOUT = 10.0
 MAX_COUNTDOWN = 5.0
-LOCK_OUTAGE = 1.5  # seconds the lock server stays down when the chaos restarts it
+LOCK_OUTAGE = DEMO_TTL  # seconds the lock server stays down: running leases run out
 
 
 @dataclass(frozen=True)
@@ -343,9 +343,10 @@ def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
             fleet.wait_ready(60.0)
             say(f"fleet ready: {opts.workers} workers x {opts.concurrency}; publishing "
                 f"{len(storm.publishes)} messages for {len(storm.jobs)} jobs")
-            for job, countdown in storm.publishes:
-                app.tasks[job.task].apply_async(job.args, countdown=countdown)
-            report.published = len(storm.publishes)
+            # Published from a thread, so the chaos strikes at its own points of progress
+            # while the storm is still coming in.
+            publisher = Publisher(app, storm)
+            publisher.start()
             own_locks = stack.server if stack is not None and stack.lock_url == lock_url else None
             chaos = Chaos(fleet, say, report, own_locks) if opts.chaos else None
             progress = Progress(len(storm.jobs), err)
@@ -356,10 +357,15 @@ def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
                 progress.show(done)
                 if chaos is not None:
                     chaos.on_progress(done / len(storm.jobs))
-                if done >= len(storm.jobs) and queue_idle(env[f"{ENV_PREFIX}BROKER_URL"]):
+                if (done >= len(storm.jobs) and not publisher.is_alive()
+                        and queue_idle(env[f"{ENV_PREFIX}BROKER_URL"])):
                     break
                 time.sleep(0.25)
             progress.close()
+            publisher.join()
+            report.published = publisher.published
+            if publisher.error:
+                report.problems.append(f"publishing failed: {publisher.error}")
             if chaos is not None:
                 chaos.finish()
             probe_conflicts(app, storm, opts, report, say)
@@ -370,6 +376,28 @@ def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
         engine.dispose()
     report.elapsed_s = round(time.monotonic() - started, 2)
     return report
+
+
+class Publisher(threading.Thread):
+    """Publishes the storm's messages in order on one producer connection."""
+
+    def __init__(self, app: Any, storm: Storm) -> None:
+        super().__init__(name="demo-publisher", daemon=True)
+        self.app = app
+        self.storm = storm
+        self.published = 0
+        self.error = ""
+
+    def run(self) -> None:
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for job, countdown in self.storm.publishes:
+                    self.app.tasks[job.task].apply_async(
+                        job.args, countdown=countdown, producer=producer
+                    )
+                    self.published += 1
+        except Exception as exc:  # reported as a problem: the storm is incomplete
+            self.error = f"{type(exc).__name__}: {exc}"
 
 
 def probe_conflicts(app: Any, storm: Storm, opts: DemoOptions, report: Report,
