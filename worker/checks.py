@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 EX_CONFIG = 78  # sysexits.h: configuration error
 #: Longest pause between two probes of a lock server that was down at start-up.
 LOCK_PROBE_CAP = 30.0
+LOCK_SERVER_DOWN = "lock-server-down"
 JSON_TYPES = ("json", "application/json")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -43,6 +44,7 @@ class Finding:
     setting: str
     problem: str
     fix: str
+    code: str = ""  # a stable name for findings the start-up acts on (LOCK_SERVER_DOWN)
 
     def __str__(self) -> str:
         return f"{self.setting}: {self.problem}. Fix: {self.fix}"
@@ -141,12 +143,14 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     except RedisError as exc:
         # Not a refusal: a fleet restarted during a lock-server outage must come up and
         # wait, not crash-loop. Jobs delivered meanwhile are redelivered until it answers.
-        yield _warn(
+        yield Finding(
+            False,
             setting,
             f"cannot reach the lock server at {redact(settings.lock_url)} at start-up "
             f"({type(exc).__name__}: {exc}); starting anyway: jobs wait and are redelivered "
             "until it answers, and its eviction policy is checked when it does",
             "start the lock server, or fix the URL if it is wrong",
+            code=LOCK_SERVER_DOWN,
         )
         return
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
@@ -154,9 +158,7 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
 
 def lock_server_down(findings: Iterable[Finding]) -> bool:
     """True if the findings say the lock server did not answer at start-up."""
-    return any(
-        not f.refuse and f.problem.startswith("cannot reach the lock server") for f in findings
-    )
+    return any(f.code == LOCK_SERVER_DOWN for f in findings)
 
 
 def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threading.Thread:
