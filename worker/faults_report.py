@@ -165,7 +165,12 @@ def render(results: Sequence[RowResult]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobfence faults", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m jobfence faults",
+        description="Run every fault scenario of tests/faults against a naive task and against "
+        "jobfence, each on private servers and real worker fleets, and print one table. Exits "
+        "non-zero if jobfence breaks in any row. Run from the repository root.",
+    )
     p.add_argument("--rows", default="", help="only these rows, e.g. 'c,e' (default: all)")
     p.add_argument("--quick", action="store_true", help="the suite's small sizes, not the full")
     p.add_argument("--workdir", help="keep fleet logs and ledgers here (default: a temp dir)")
