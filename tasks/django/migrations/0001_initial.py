@@ -55,5 +55,6 @@ class Migration(migrations.Migration):  # type: ignore[misc]
     # The state first, so the RunPython below sees the models it creates.
     operations = [
         migrations.SeparateDatabaseAndState(state_operations=state_operations),
-        migrations.RunPython(create_missing_tables, drop_tables),
+        # Not atomic: MySQL cannot roll back DDL, and Django refuses DDL inside a transaction there.
+        migrations.RunPython(create_missing_tables, drop_tables, atomic=False),
     ]
