@@ -26,14 +26,15 @@ import sqlalchemy as sa
 from celery import Celery
 
 from tests.integration.celery_fleet import Fleet
-from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
+from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer, wait_for
 
 pytest.importorskip("django")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCK_DB, RESULT_DB = 1, 2
-SLOW_PAYMENTS = (3, 17)  # of the first storm: held 3 s, past the 1 s visibility timeout
+# Held 3 s, past the 1 s visibility timeout: two of the first storm, and the frozen holders.
+SLOW_PAYMENTS = (3, 17, FROZEN_PAYMENT := 701, FROZEN_PLAIN_PAYMENT := 702)
 INITIAL_BALANCE = 1_000_000
 COPIES = 5
 PAYMENTS = 30
@@ -48,6 +49,7 @@ class Shop:
     locks: redis.Redis
     client: Celery
     fleet: Fleet
+    hold_dir: Path
 
     def manage(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -105,6 +107,33 @@ class Shop:
         found = (int(json.loads(r[0])["payment_id"]) for r in rows)
         return Counter(p for p in found if p in wanted)
 
+    def payment_rows(self, payment_id: int) -> list[Any]:
+        return self.rows(
+            "SELECT via, fence, pid FROM shop_payment WHERE payment_id = :p ORDER BY id",
+            p=payment_id,
+        )
+
+    def holders(self, payment_id: int) -> list[int]:
+        """Pids of the pool processes that reached the hold of ``payment_id``, in no order."""
+        return [int(p.suffix[1:]) for p in self.hold_dir.glob(f"{payment_id}.*")]
+
+    def freeze_holder_until_charged(self, task: str, payment_id: int, account: int) -> int:
+        """Publish once; SIGSTOP the process holding the payment until another has charged
+        it (the broker redelivers after the visibility timeout); resume; return its pid."""
+        self.client.send_task(task, args=[payment_id, account, 300])
+        [frozen] = wait_for(
+            lambda: self.holders(payment_id), 60, 0.02, message=self.fleet.logs
+        )
+        with self.fleet.paused(frozen):
+            wait_for(
+                lambda: self.payment_rows(payment_id),
+                60,
+                0.1,
+                message=lambda: f"nobody took over payment {payment_id}\n" + self.fleet.logs(),
+            )
+        self.fleet.wait_idle(self.broker, timeout=60)
+        return frozen
+
     def fence(self, payment_id: int) -> int:
         [(value,)] = self.rows(
             "SELECT fence FROM jobfence_fences WHERE resource = :r", r=f"payment:{payment_id}"
@@ -126,6 +155,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         pytest.skip(reason)
     leaked = [k for k in os.environ if k.startswith("JOBFENCE_")]
     saved = {k: os.environ.pop(k) for k in leaked}  # settings.py alone configures jobfence
+    hold_dir = tmp_path_factory.mktemp("holds")
     with PostgresDatabase() as db, RedisServer() as server:
         env = {
             "DJANGO_SETTINGS_MODULE": "tests.django_project.settings",
@@ -135,6 +165,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
             "SHOP_RESULT_BACKEND": server.db_url(RESULT_DB),
             "SHOP_SLOW_PAYMENTS": ",".join(str(p) for p in SLOW_PAYMENTS),
             "SHOP_SLOW_SECONDS": "3",
+            "SHOP_HOLD_DIR": str(hold_dir),
             "VISIBILITY_TIMEOUT": "1.0",
             "UNACKED_RESTORE_INTERVAL": "0.5",
         }
@@ -149,7 +180,9 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
             base_dir=tmp_path_factory.mktemp("django-fleet"),
             ready_timeout=60,
         )
-        shop = Shop(env, engine, server.client(), server.client(db=LOCK_DB), client, fleet)
+        shop = Shop(
+            env, engine, server.client(), server.client(db=LOCK_DB), client, fleet, hold_dir
+        )
         migrated = shop.manage("migrate", "--noinput")
         assert migrated.returncode == 0, migrated.stderr
         try:
@@ -216,6 +249,29 @@ def test_stale_fence_write_is_refused_and_rolled_back(shop: Shop) -> None:
     assert current.get(timeout=60) == "written"  # the same write with the current token
     assert shop.payments_per_id("fenced", [901]) == Counter({901: 1})
     assert shop.balances([account]) == {account: INITIAL_BALANCE - 750}
+
+
+def test_frozen_holder_is_fenced_off_after_a_newer_holder_charged(shop: Shop) -> None:
+    """SIGSTOP past the lease: a newer holder charges; the old one wakes and is refused."""
+    [account] = shop.open_accounts(701)[:1]
+    frozen = shop.freeze_holder_until_charged("shop.charge", FROZEN_PAYMENT, account)
+
+    [(via, fence, pid)] = shop.payment_rows(FROZEN_PAYMENT)
+    assert (via, pid != frozen) == ("jobfence", True)
+    assert shop.fence(FROZEN_PAYMENT) == fence  # the stale token advanced nothing
+    assert shop.done_rows([FROZEN_PAYMENT]) == Counter({FROZEN_PAYMENT: 1})
+    assert shop.balances([account]) == {account: INITIAL_BALANCE - 300}
+
+
+def test_control_a_frozen_plain_task_charges_twice(shop: Shop) -> None:
+    [account] = shop.open_accounts(801)[:1]
+    frozen = shop.freeze_holder_until_charged(
+        "shop.charge_plain", FROZEN_PLAIN_PAYMENT, account
+    )
+    wait_for(lambda: len(shop.payment_rows(FROZEN_PLAIN_PAYMENT)) >= 2, 30, 0.1)
+    pids = [pid for _, _, pid in shop.payment_rows(FROZEN_PLAIN_PAYMENT)]
+    assert frozen in pids and len(pids) >= 2
+    assert shop.balances([account])[account] <= INITIAL_BALANCE - 600
 
 
 def test_control_the_same_storm_through_a_plain_shared_task_charges_twice(shop: Shop) -> None:

@@ -1,14 +1,16 @@
 """The shop's tasks: a payment charged under jobfence, its naive twin, and a stale writer.
 
-``SHOP_SLOW_PAYMENTS`` (comma list of payment ids) makes ``shop.charge`` hold those payments
-for ``SHOP_SLOW_SECONDS`` before charging, longer than the broker's visibility timeout, so
-the broker redelivers them while they run.
+``SHOP_SLOW_PAYMENTS`` (comma list of payment ids) makes ``shop.charge`` and
+``shop.charge_plain`` hold those payments for ``SHOP_SLOW_SECONDS`` before charging, longer
+than the broker's visibility timeout, so the broker redelivers them while they run. While
+it holds, a process marks ``$SHOP_HOLD_DIR/<payment>.<pid>`` (for tests that freeze it).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from celery import shared_task
@@ -24,6 +26,9 @@ from tests.django_project.shop.models import Account, Payment
 def _hold_if_slow(payment_id: int) -> None:
     slow = {int(p) for p in os.environ.get("SHOP_SLOW_PAYMENTS", "").split(",") if p}
     if payment_id in slow:
+        hold_dir = os.environ.get("SHOP_HOLD_DIR")
+        if hold_dir:
+            Path(hold_dir, f"{payment_id}.{os.getpid()}").touch()
         time.sleep(float(os.environ.get("SHOP_SLOW_SECONDS", "3")))
 
 
@@ -55,6 +60,7 @@ def charge(self: Any, payment_id: int, account_id: int, amount_cents: int) -> di
 @shared_task(name="shop.charge_plain")
 def charge_plain(payment_id: int, account_id: int, amount_cents: int) -> dict[str, Any]:
     """The control: the same effect with no lock, no fence and no DONE record."""
+    _hold_if_slow(payment_id)
     with transaction.atomic():
         _charge(payment_id, account_id, amount_cents, "plain", None)
     return {"payment_id": payment_id, "charged": amount_cents}
