@@ -20,6 +20,8 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
+from jobfence.config.errors import UnsafeSettings
+
 
 class UnknownDjangoSetting(UserWarning):
     """A JOBFENCE_* name in Django settings that no jobfence setting has (a typo, usually)."""
@@ -33,8 +35,19 @@ def django_settings() -> Any | None:
         from django.conf import settings
     except ImportError:  # DJANGO_SETTINGS_MODULE set, Django not installed: nothing to read
         return None
-    if not settings.configured and not os.environ.get("DJANGO_SETTINGS_MODULE"):
+    module = os.environ.get("DJANGO_SETTINGS_MODULE")
+    if not settings.configured and not module:
         return None
+    try:
+        settings.INSTALLED_APPS  # noqa: B018 -- loads the settings module now, once
+    except Exception as exc:
+        # Only an ImportError's text (a module name) is shown: settings.py may hold secrets.
+        why = f"{type(exc).__name__}: {exc}" if isinstance(exc, ImportError) else type(exc).__name__
+        raise UnsafeSettings(
+            "DJANGO_SETTINGS_MODULE",
+            f"Django settings {module!r} (read for JOBFENCE_* names) fail to load: {why}",
+            "put the Django project on PYTHONPATH, or unset DJANGO_SETTINGS_MODULE",
+        ) from None
     return settings
 
 

@@ -203,6 +203,23 @@ def test_import_jobfence_and_settings_never_import_django() -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_a_django_settings_module_that_fails_to_load_is_named() -> None:
+    code = (
+        "from jobfence.config import Settings, UnsafeSettings\n"
+        "try:\n"
+        "    Settings()\n"
+        "except UnsafeSettings as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "no_such_project.settings"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("DJANGO_SETTINGS_MODULE: ")
+    assert "no_such_project" in done.stdout and "unset DJANGO_SETTINGS_MODULE" in done.stdout
+
+
 # --------------------------------------------------------------------------- the guard
 
 
