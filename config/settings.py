@@ -8,8 +8,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from jobfence.config.django_source import django_sources
 from jobfence.config.errors import UnsafeSettings
 
 ENV_PREFIX = "JOBFENCE_"
@@ -84,6 +85,19 @@ class Settings(BaseSettings):
     accept_content: tuple[str, ...] = Field(
         default=("json",), description="Serialisers Celery workers accept."
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """init > env > .env > Django settings (config/django_source.py) > secret files."""
+        django = django_sources(settings_cls)
+        return (init_settings, env_settings, dotenv_settings, *django, file_secret_settings)
 
     @field_validator("key_prefix")
     @classmethod
