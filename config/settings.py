@@ -82,6 +82,15 @@ class Settings(BaseSettings):
         default=0.0,
         description="Longest countdown/ETA the application uses, in seconds (0: not declared).",
     )
+    redelivery_limit: int = Field(
+        default=20,
+        description="Redeliveries of a job whose fate is unknown (lock server down, lease lost, "
+        "commit unanswered) before it is given up with a FAILED record; apart from max_retries.",
+    )
+    redelivery_delay: float = Field(
+        default=1.0,
+        description="First redelivery countdown in seconds; it doubles, with jitter, up to 60 s.",
+    )
     accept_content: tuple[str, ...] = Field(
         default=("json",), description="Serialisers Celery workers accept."
     )
@@ -180,6 +189,18 @@ def refuse_unsafe(s: Settings) -> None:
             f"{p}FENCE_RETENTION",
             "must be at least the lease TTL",
             "keep fence counters for days, e.g. 2592000",
+        )
+    if s.redelivery_limit < 0:
+        raise UnsafeSettings(
+            f"{p}REDELIVERY_LIMIT",
+            f"must be >= 0, got {s.redelivery_limit}",
+            "use 0 to give a job up at its first unknown outcome, or e.g. 20",
+        )
+    if not 0 < s.redelivery_delay <= 60:
+        raise UnsafeSettings(
+            f"{p}REDELIVERY_DELAY",
+            f"must be > 0 and at most 60 seconds, got {s.redelivery_delay}",
+            "use a first redelivery countdown such as 1",
         )
     bad = [c for c in s.accept_content if c not in ("json", "application/json")]
     if bad:

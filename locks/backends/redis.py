@@ -187,7 +187,7 @@ class RedisBackend(LockBackend):
             reply = self._call(
                 "begin",
                 [k.lock(key), k.fence(key), k.record(key)],
-                [owner, ttl_ms, retention, "1", meta.task_id, holder],
+                [owner, ttl_ms, retention, "1", meta.task_id, holder, fingerprint],
                 key,
             )
         else:
@@ -201,8 +201,11 @@ class RedisBackend(LockBackend):
             return int(reply)  # granted: the new fence
         if int(reply[0]) == 0:
             pttl = int(reply[1])
-            return Busy(ttl_left=pttl / 1000 if pttl >= 0 else float("inf"),
-                        task_id=_s(reply[2]) if len(reply) > 2 else "")
+            return Busy(
+                ttl_left=pttl / 1000 if pttl >= 0 else float("inf"),
+                task_id=_s(reply[2]) if len(reply) > 2 else "",
+                fingerprint=_s(reply[3]) if len(reply) > 3 else "",
+            )
         _, state, fp, result, fence, finished_ms = (_s(x) for x in reply)
         return JobRecord(
             state=state,
