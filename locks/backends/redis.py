@@ -113,6 +113,10 @@ class RedisBackend(LockBackend):
         self.client = client
         self.keys = KeySpace(prefix)
         self.fence_retention_ms = int(fence_retention * 1000)
+        # The highest fence this client has been granted, on any key: the floor of the next
+        # grant, so fences keep increasing if the server loses its data and its clock steps
+        # back (fences are server microseconds, so one floor serves every key).
+        self.fence_floor = 0
         self.scripts = load_scripts(client)
         # Plain redis.Redis clients get a lane; anything else (a cluster client, a mock)
         # is called through its own evalsha.
@@ -187,18 +191,22 @@ class RedisBackend(LockBackend):
             reply = self._call(
                 "begin",
                 [k.lock(key), k.fence(key), k.record(key)],
-                [owner, ttl_ms, retention, "1", meta.task_id, holder, fingerprint],
+                [owner, ttl_ms, retention, "1", meta.task_id, holder, fingerprint,
+                 self.fence_floor],
                 key,
-            )
+            )  # fmt: skip
         else:
             reply = self._call(
                 "begin",
                 [k.lock(key), k.fence(key)],
-                [owner, ttl_ms, retention, "0", meta.task_id, holder],
+                [owner, ttl_ms, retention, "0", meta.task_id, holder, "", self.fence_floor],
                 key,
             )
         if not isinstance(reply, list):
-            return int(reply)  # granted: the new fence
+            granted = int(reply)  # the new fence
+            if granted > self.fence_floor:  # racing threads may keep an older grant: a floor
+                self.fence_floor = granted
+            return granted
         if int(reply[0]) == 0:
             pttl = int(reply[1])
             return Busy(

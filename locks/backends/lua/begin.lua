@@ -4,13 +4,16 @@
 -- ARGV[4] '1' to consult and write the job record, '0' for a plain lock
 -- ARGV[5] task id  ARGV[6] holder: "host\npid\ntask name"
 -- ARGV[7] argument fingerprint of the job (job grants only; kept in the lock hash)
+-- ARGV[8] fence floor: the highest fence this client has seen from this server ('0': none)
 -- Returns fence                          granted: the new fence, a decimal string
 --         {0, pttl, task_id, fingerprint}   held by another owner; pttl ms left (-1: none)
 --         {2, state, fingerprint, result, fence, finished_ms}   the job is already DONE
 -- A refusal marks the lock 'waiters', so its release wakes whoever waits on the signal list
 -- (the mark is made before the caller can start waiting, so no release is missed).
--- The fence is max(last + 1, server time in microseconds), so it keeps increasing
--- even after the server lost every key, unless its clock steps back.
+-- The fence is max(last + 1, server time in microseconds, floor + 1), so it keeps
+-- increasing even after the server lost every key; if its clock also stepped back, the
+-- floor still keeps it above every fence this client has seen (other clients' lower fences
+-- are refused by the fence guards of resources that saw a higher one).
 redis.replicate_commands()
 local job = ARGV[4] == '1'
 local rec
@@ -40,6 +43,10 @@ if not ok then
 end
 if last and tonumber(last) >= tonumber(t[1]) * 1000000 + tonumber(t[2]) then
   fence = string.format('%.0f', tonumber(last) + 1)
+  redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
+end
+if ARGV[8] and tonumber(ARGV[8]) >= tonumber(fence) then
+  fence = string.format('%.0f', tonumber(ARGV[8]) + 1)
   redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence, 'task_id', ARGV[5],
