@@ -106,7 +106,7 @@ def test_unsafe_settings_never_leave_a_pydantic_error(monkeypatch: pytest.Monkey
     monkeypatch.setenv("JOBFENCE_ACCEPT_CONTENT", '["pickle"]')
     with pytest.raises(UnsafeSettings) as refused:
         load_settings()
-    assert refused.value.__cause__ is None and refused.value.__suppress_context__
+    assert refused.value.__cause__ is None and refused.value.__context__ is None
 
 
 def test_valid_defaults_load_without_warnings() -> None:

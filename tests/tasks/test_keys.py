@@ -14,7 +14,8 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobfence.tasks import ArgumentsNotSerializable, singleton_task
+from jobfence.config import JobfenceError
+from jobfence.tasks import ArgumentsNotSerializable, BadArguments, singleton_task
 from jobfence.tasks.keys import bind_arguments, canonical_json, fingerprint, job_key
 from tests.tasks.conftest import AppFactory, unique
 
@@ -202,11 +203,17 @@ def test_nan_and_infinity_are_refused(value: float) -> None:
         canonical_json({"nested": [value]})
 
 
-def test_arguments_not_matching_the_signature_are_refused() -> None:
-    with pytest.raises(ArgumentsNotSerializable, match="signature of charge"):
+def test_arguments_not_matching_the_signature_are_a_type_error_like_a_plain_call() -> None:
+    with pytest.raises(TypeError) as plain:
+        charge(1, amount=1, bogus=2)  # type: ignore[call-arg]
+    with pytest.raises(BadArguments) as unknown:
         bind_arguments(charge, (1,), {"amount": 1, "bogus": 2})
-    with pytest.raises(ArgumentsNotSerializable, match="signature of charge"):
-        bind_arguments(charge, (), {"amount": 1})
+    assert str(unknown.value) == str(plain.value)  # charge() got an unexpected keyword argument
+    assert "'bogus'" in str(unknown.value)
+    assert not isinstance(unknown.value, ArgumentsNotSerializable)  # nothing is unserialisable
+    assert isinstance(unknown.value, TypeError) and isinstance(unknown.value, JobfenceError)
+    with pytest.raises(BadArguments, match=r"^shop\.charge\(\) missing a required argument: 'account'"):
+        bind_arguments(charge, (), {"amount": 1}, name="shop.charge")
 
 
 def test_publish_refuses_non_json_arguments_before_anything_is_sent(

@@ -87,7 +87,7 @@ def test_decorator_accepts_valid_options(make_app: AppFactory) -> None:
         dedupe_on_publish=True,
     )
     assert isinstance(task, SingletonTask)
-    assert (task.jobfence_key, task.jobfence_ttl, task.on_conflict) == (["x"], 5, "wait")
+    assert (task.jobfence_key, task.jobfence_ttl, task.on_conflict) == (("x",), 5, "wait")
     assert (task.wait_timeout, task.result_ttl, task.dedupe_on_publish) == (0, 60, True)
 
 
