@@ -343,7 +343,10 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[st
     for name in sorted({n for n in names if n.upper().startswith(ENV_PREFIX)}):
         if name.upper() in known:
             continue
-        close = difflib.get_close_matches(name.upper(), sorted(known), n=1, cutoff=0.6)
-        out.append((name, close[0] if close else None))
+        # Compared without the shared prefix, which would make every name look close.
+        tails = sorted(k.removeprefix(ENV_PREFIX) for k in known)
+        tail = name.upper().removeprefix(ENV_PREFIX)
+        close = difflib.get_close_matches(tail, tails, n=1, cutoff=0.6)
+        out.append((name, ENV_PREFIX + close[0] if close else None))
     return out
 

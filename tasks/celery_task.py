@@ -207,7 +207,7 @@ def _check_key_names(func: Callable[..., Any], key: KeySelector, *, bound: bool)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TaskDefinitionError(
                 f"key names {k!r}, which is not a parameter of "
-                f"{func.__qualname__}({', '.join(names)}){hint}"
+                f"{func.__name__}({', '.join(names)}){hint}"
             )
 
 

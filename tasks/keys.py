@@ -137,7 +137,8 @@ def bind_arguments(
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
-        raise BadArguments(f"{name or getattr(fn, '__qualname__', fn)}() {exc}") from None
+        problem = _mismatch(sig, kwargs, exc)
+        raise BadArguments(f"{name or getattr(fn, '__name__', fn)}() {problem}") from None
     bound.apply_defaults()
     out = dict(bound.arguments)
     names = set(sig.parameters)
@@ -151,6 +152,17 @@ def bind_arguments(
         elif p.kind is p.VAR_POSITIONAL and name in out:
             out[name] = list(out[name])
     return out
+
+
+def _mismatch(sig: inspect.Signature, kwargs: Mapping[str, Any], exc: TypeError) -> str:
+    """What is wrong, as a plain call says it: an unknown keyword before a missing argument."""
+    params = sig.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for k in kwargs:
+            p = params.get(k)
+            if p is None or p.kind is p.POSITIONAL_ONLY:
+                return f"got an unexpected keyword argument {k!r}"
+    return str(exc)
 
 
 def _hmac(secret: bytes, text: str) -> str:
