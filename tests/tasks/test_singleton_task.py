@@ -114,7 +114,7 @@ def test_key_as_one_string_means_that_one_argument(make_app: AppFactory) -> None
     task = define(app, charge, key="payment_id")
     assert task.jobfence_key == ("payment_id",)
     assert task.delay("p-1", 100).get() == 100
-    # The same payment id with another amount is the same job: its result is replayed...
+    # The same payment id with another amount is the same job, so this is a conflicting reuse.
     with pytest.raises(IdempotencyConflict):
         task.delay("p-1", 999).get()
     assert task.delay("p-2", 999).get() == 999

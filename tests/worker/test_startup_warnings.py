@@ -1,0 +1,82 @@
+"""Unknown JOBFENCE_* variables: reported by `check`, warned when a real worker starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+from celery import Celery
+
+from jobfence.config import Settings
+from jobfence.tasks import install
+from jobfence.worker.checks import EX_CONFIG, StartupWarning, check_environment, enforce
+from tests.servers import RedisServer
+from tests.worker.test_cli import REPO_ROOT
+
+TYPO = "JOBFENCE_DEFAULT_TLL"
+SUGGESTION = "did you mean JOBFENCE_DEFAULT_TTL?"
+VALUE = "value-never-shown-41"
+
+
+def _without_jobfence_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.upper().startswith("JOBFENCE_")}
+
+
+def test_check_environment_warns_with_the_closest_name_and_no_value() -> None:
+    (finding,) = check_environment({TYPO: VALUE, "JOBFENCE_DEMO_SEED": "x", "HOME": "/"})
+    assert not finding.refuse
+    assert finding.setting == TYPO
+    assert SUGGESTION in str(finding) and VALUE not in str(finding)
+
+
+def test_enforce_warns_about_an_unknown_variable(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("JOBFENCE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv(TYPO, VALUE)
+    app = Celery("startup-warnings", set_as_current=False)
+    app.conf.update(accept_content=["json"], task_acks_late=True, task_reject_on_worker_lost=True)
+    runtime = install(app, Settings(lock_url=redis_url))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            enforce(app, runtime)  # a warning, not a refusal
+    finally:
+        runtime.close()
+    texts = [str(w.message) for w in caught if issubclass(w.category, StartupWarning)]
+    assert any(t.startswith(TYPO) and SUGGESTION in t for t in texts), texts
+
+
+def test_the_check_command_reports_an_unknown_variable(fresh_redis: RedisServer) -> None:
+    env = {"JOBFENCE_LOCK_URL": fresh_redis.url, TYPO: VALUE}
+    done = subprocess.run(
+        [sys.executable, "-m", "jobfence", "check"],
+        env={**_without_jobfence_variables(), **env},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # warned, not refused
+    assert f"warning: {TYPO}: " in done.stdout and SUGGESTION in done.stdout
+    assert VALUE not in done.stdout + done.stderr
+    assert "start-up checks: passed" in done.stdout
+
+
+def test_a_real_worker_warns_at_start_up(fresh_redis: RedisServer) -> None:
+    # An evicting lock server makes the worker stop right after its checks: the warning about
+    # the typo must be out by then, beside the refusal.
+    fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
+    env = {**_without_jobfence_variables(), "JOBFENCE_LOCK_URL": fresh_redis.url, TYPO: VALUE}
+    args = [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "worker",
+            "--pool", "solo"]  # fmt: skip
+    done = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == EX_CONFIG, output
+    assert TYPO in output and SUGGESTION in output, output
+    assert VALUE not in output
