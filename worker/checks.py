@@ -16,7 +16,7 @@ from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings
 from jobfence.config.settings import ENV_PREFIX, unknown_variables
-from jobfence.config.urls import redact
+from jobfence.config.urls import check_url, redact
 from jobfence.locks import RedisBackend
 from jobfence.locks.backends.redis import tls_hint
 from jobfence.tasks import Runtime, SingletonTask
@@ -145,7 +145,15 @@ def _same_server(a: str, b: str) -> bool:
 def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     """A Redis broker that evicts loses messages: refuse it (skipped if it is the lock server)."""
     url = str(conf.broker_url or "")
-    if urlsplit(url).scheme not in REDIS_SCHEMES or _same_server(url, runtime.settings.lock_url):
+    if urlsplit(url).scheme not in REDIS_SCHEMES:
+        return
+    try:  # the app's own broker_url need not have passed Settings' checks
+        check_url(url, variable="broker_url", schemes=None, what="broker URL",
+                  example="redis://127.0.0.1:6379/1")
+    except UnsafeSettings as bad:
+        yield _refuse(bad.field, bad.problem, bad.fix)
+        return
+    if _same_server(url, runtime.settings.lock_url):
         return
     timeout = runtime.settings.socket_timeout
     client = redis.Redis.from_url(

@@ -1,4 +1,4 @@
-"""Unknown JOBFENCE_* variables: reported by `check`, warned when a real worker starts."""
+"""Start-up checks that help: unknown JOBFENCE_* variables (check, a real worker), bad URLs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ from celery import Celery
 
 from jobfence.config import Settings
 from jobfence.tasks import install
-from jobfence.worker.checks import EX_CONFIG, StartupWarning, check_environment, enforce
+from jobfence.worker.checks import (
+    EX_CONFIG,
+    StartupWarning,
+    check_broker,
+    check_environment,
+    enforce,
+)
 from tests.servers import RedisServer
 from tests.worker.test_cli import REPO_ROOT
 
@@ -80,3 +86,16 @@ def test_a_real_worker_warns_at_start_up(fresh_redis: RedisServer) -> None:
     assert done.returncode == EX_CONFIG, output
     assert TYPO in output and SUGGESTION in output, output
     assert VALUE not in output
+
+
+def test_an_apps_own_broker_url_with_a_bad_port_is_refused_in_one_line(redis_url: str) -> None:
+    app = Celery("bad-broker", set_as_current=False)
+    app.conf.update(broker_url="redis://:hunter2-pw@127.0.0.1:99999/1")
+    runtime = install(app, Settings(lock_url=redis_url))
+    try:
+        (finding,) = check_broker(app.conf, runtime)
+    finally:
+        runtime.close()
+    assert finding.refuse and finding.setting == "broker_url"
+    assert "port 99999" in finding.problem and "redis://127.0.0.1:6379/1" in finding.fix
+    assert "hunter2-pw" not in str(finding) and "\n" not in str(finding)
