@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import shutil
+import ssl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobfence.config import Settings
 from jobfence.locks import BackendUnavailable, RedisBackend
+from jobfence.locks.backends.redis import tls_hint
 from jobfence.tasks import Runtime
 from jobfence.worker.checks import check_lock_backend
 from tests.servers import RedisServer, free_port
@@ -121,3 +124,22 @@ def test_the_start_up_check_gives_the_tls_hint_as_the_fix(fresh_redis: RedisServ
 
 class _Conf:
     task_always_eager = False
+
+
+def _chained(outer: Exception, inner: BaseException) -> Exception:
+    outer.__cause__ = inner
+    return outer
+
+
+def test_an_ssl_error_on_an_open_connection_is_no_handshake_problem() -> None:
+    # A server that went away mid-reply on a TLS connection: redis-py's read error.
+    mid_reply = _chained(
+        RedisConnectionError("Error while reading from 10.0.0.1:6380"),
+        ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:2427)"),
+    )
+    assert tls_hint(mid_reply) is None
+    at_connect = _chained(
+        RedisConnectionError("Error 1 connecting to 10.0.0.1:6380. [SSL: WRONG_VERSION_NUMBER]"),
+        ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)"),
+    )
+    assert (tls_hint(at_connect) or "").startswith("TLS handshake with the lock server failed")

@@ -56,13 +56,16 @@ def tls_hint(exc: BaseException) -> str | None:
                 "TLS handshake with the lock server failed: its certificate did not verify "
                 f"({getattr(e, 'verify_message', None) or 'untrusted'}); {CA_FILE_HINT}"
             )
-    for e in seen:
-        text = str(e).lower()
-        if isinstance(e, ssl.SSLError) or "handshake" in text or "ssl" in text:
-            return (
-                "TLS handshake with the lock server failed: is it serving TLS on this port? "
-                f"A plain Redis port needs redis://, not rediss://; {CA_FILE_HINT}"
-            )
+    texts = [str(e).lower() for e in seen]
+    # Only failures while connecting: an SSL error on an open connection (a server that
+    # went away mid-reply) is no handshake problem.
+    connecting = any("connecting to" in t or "handshake" in t for t in texts)
+    if connecting and any(isinstance(e, ssl.SSLError) or "handshake" in t
+                          for e, t in zip(seen, texts, strict=True)):
+        return (
+            "TLS handshake with the lock server failed: is it serving TLS on this port? "
+            f"A plain Redis port needs redis://, not rediss://; {CA_FILE_HINT}"
+        )
     return None
 
 
