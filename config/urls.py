@@ -23,8 +23,10 @@ def redact(url: str) -> str:
         return url
     match = _SCHEME.match(url)
     head, rest = (url[: match.end()], url[match.end() :]) if match else ("", url)
-    end = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
-    at = rest.rfind("@", 0, end)  # the last '@' before the query: a password may hold '@' or '/'
+    # The last '@' before the query: a password may hold '@', '/' or '#' (these URLs have no
+    # fragments); one holding '?' must be percent-encoded for any client to read it anyway.
+    q = rest.find("?")
+    at = rest.rfind("@", 0, q if q >= 0 else len(rest))
     if at >= 0:
         userinfo, rest = rest[:at], rest[at + 1 :]
         user, colon, _ = userinfo.partition(":")
@@ -44,11 +46,19 @@ def redact(url: str) -> str:
     return head + rest
 
 
-def _authority(url: str) -> str:
+def _split_userinfo(url: str) -> tuple[str, str]:
+    """(userinfo, the rest after it) of a URL with a scheme, the way `redact` splits it."""
     rest = url.split("://", 1)[1]
+    query = rest.find("?")
+    at = rest.rfind("@", 0, query if query >= 0 else len(rest))
+    return (rest[:at], rest[at + 1 :]) if at >= 0 else ("", rest)
+
+
+def _authority(url: str) -> str:
+    rest = _split_userinfo(url)[1]
     for sep in "/?#":
         rest = rest.split(sep, 1)[0]
-    return rest.rpartition("@")[2]
+    return rest
 
 
 def _host_port(url: str) -> tuple[str, str]:
@@ -94,6 +104,13 @@ def check_url(
             f"scheme {scheme!r} is not a {what} jobfence supports "
             f"(use {', '.join(s + '://' for s in schemes)})",
             fix,
+        )
+    if any(c in _split_userinfo(url)[0] for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password, which clients read "
+            "as the end of the host part",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
         )
     port = _port_problem(url)
     if port:

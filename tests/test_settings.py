@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import string
 import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jobfence.config import (
     InsecureSettingsWarning,
@@ -219,6 +222,8 @@ INVALID_BESIDE_SECRETS: list[tuple[dict[str, str], str]] = [
     ({"DATABASE_URL": f"postgresql://app:{PASSWORD}@db:5x/shop"}, "JOBFENCE_DATABASE_URL"),
     ({"BROKER_URL": f"amqp://app:{PASSWORD}@mq:70000//"}, "JOBFENCE_BROKER_URL"),
     ({"KEY_PREFIX": "my app"}, "JOBFENCE_KEY_PREFIX"),
+    ({"LOCK_URL": f"redis://:{PASSWORD}#x@10.0.0.1:6379/0"}, "JOBFENCE_LOCK_URL"),
+    ({"LOCK_URL": f"redis://:{PASSWORD}/x@10.0.0.1:6379/0"}, "JOBFENCE_LOCK_URL"),
 ]
 
 
@@ -328,7 +333,8 @@ def test_good_lock_urls_pass(url: str) -> None:
         ("amqp://u:p/w@d@mq:99999//", "amqp://u:***@mq:99999//"),  # invalid, still redacted
         ("u:pw@h:6379", "u:***@h:6379"),  # no scheme
         ("redis://h:6379/0?password=pw&db=1", "redis://h:6379/0?password=***&db=1"),
-        ("redis://h/0#frag@x", "redis://h/0#frag@x"),
+        ("redis://:pw#1@h/0", "redis://:***@h/0"),
+        ("redis://h/0?user=a@b.example", "redis://h/0?user=a@b.example"),
     ],
 )
 def test_redact_hides_passwords_even_in_broken_urls(url: str, shown: str) -> None:
@@ -390,3 +396,18 @@ def test_the_environment_and_the_env_file_are_both_checked(
         ("JOBFENCE_KEY_SECRT", "JOBFENCE_KEY_SECRET"),
         ("JOBFENCE_SOCKET_TIMEOT", "JOBFENCE_SOCKET_TIMEOUT"),
     ]
+
+
+@given(
+    scheme=st.sampled_from(["redis", "rediss", "amqp", "postgresql+psycopg", ""]),
+    user=st.text(alphabet="abcxyz-_.", max_size=8),
+    password=st.text(alphabet=string.ascii_letters + string.digits + "/@:#%!", min_size=6),
+    tail=st.sampled_from(["h:6379/0", "h:99999/x", "[::1]:6379", "h", "h/0?db=1"]),
+)
+def test_redact_never_fails_and_never_shows_the_password(
+    scheme: str, user: str, password: str, tail: str
+) -> None:
+    url = f"{scheme}://" * bool(scheme) + f"{user}:{password}@{tail}"
+    shown = redact(url)
+    assert password not in shown
+    assert shown.endswith(tail)
