@@ -407,7 +407,5 @@ def test_the_environment_and_the_env_file_are_both_checked(
 def test_redact_never_fails_and_never_shows_the_password(
     scheme: str, user: str, password: str, tail: str
 ) -> None:
-    url = f"{scheme}://" * bool(scheme) + f"{user}:{password}@{tail}"
-    shown = redact(url)
-    assert password not in shown
-    assert shown.endswith(tail)
+    head = f"{scheme}://" * bool(scheme)
+    assert redact(f"{head}{user}:{password}@{tail}") == f"{head}{user}:***@{tail}"
