@@ -99,3 +99,21 @@ def test_an_apps_own_broker_url_with_a_bad_port_is_refused_in_one_line(redis_url
     assert finding.refuse and finding.setting == "broker_url"
     assert "port 99999" in finding.problem and "redis://127.0.0.1:6379/1" in finding.fix
     assert "hunter2-pw" not in str(finding) and "\n" not in str(finding)
+
+
+def test_the_check_command_refuses_bad_settings_without_showing_secrets() -> None:
+    env = {
+        **_without_jobfence_variables(),
+        "JOBFENCE_KEY_SECRET": "s3cr3t-Key-Value-0042",
+        "JOBFENCE_LOCK_URL": "redis://:hunter2-Pa55@127.0.0.1:99999/0",
+        "JOBFENCE_DEFAULT_TTL": "soon",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "jobfence", "check"],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "JOBFENCE_LOCK_URL" in output and "JOBFENCE_DEFAULT_TTL" in output
+    assert "s3cr3t-Key-Value-0042" not in output and "hunter2-Pa55" not in output
+    assert "Traceback" not in output
