@@ -192,15 +192,19 @@ def _normalise_key(key: Any) -> KeySelector:
 
 
 def _check_key_names(func: Callable[..., Any], key: KeySelector, *, bound: bool) -> None:
-    """Refuse, at decoration, a key naming something that is not a parameter of `func`."""
-    if key is None or callable(key) or isinstance(key, str):
+    """Refuse, at decoration, a key naming something that is not a parameter of `func`, or
+    a key callable that cannot take `func`'s arguments by name."""
+    if key is None or isinstance(key, str):
         return
     params = list(inspect.signature(func).parameters.values())
     if bound and params:
         params = params[1:]  # `self`, the task: never part of a key
+    names = [p.name for p in params]
+    if callable(key):
+        _check_key_callable(func, key, names)
+        return
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return  # any name may arrive through **kwargs
-    names = [p.name for p in params]
     for k in key:
         if k not in names:
             close = difflib.get_close_matches(k, names, n=1)
@@ -209,6 +213,21 @@ def _check_key_names(func: Callable[..., Any], key: KeySelector, *, bound: bool)
                 f"key names {k!r}, which is not a parameter of "
                 f"{func.__name__}({', '.join(names)}){hint}"
             )
+
+
+def _check_key_callable(
+    func: Callable[..., Any], key: Callable[..., Any], names: list[str]
+) -> None:
+    try:
+        inspect.signature(key).bind(**dict.fromkeys(names))
+    except TypeError as exc:
+        raise TaskDefinitionError(
+            f"key callable {getattr(key, '__name__', key)!r} is called with the arguments of "
+            f"{func.__name__}({', '.join(names)}) by name, and {exc}; "
+            "accept them all (add **_ for those it ignores)"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): it is tried at publish
+        return
 
 
 @overload
@@ -262,7 +281,8 @@ def singleton_task(
     key = _normalise_key(key)
     options = {
         "base": base,
-        "jobfence_key": key,
+        # Options become class attributes: a plain function there would be bound as a method.
+        "jobfence_key": staticmethod(key) if callable(key) else key,
         "jobfence_ttl": ttl,
         "on_conflict": on_conflict,
         "wait_timeout": wait_timeout,

@@ -87,6 +87,11 @@ def test_decorator_validates_its_options(
         ([], "key=[] names no argument"),
         (7, "key must be an argument name"),
         ([b"order_id"], "key must be an argument name"),
+        (
+            lambda order_id: order_id,
+            "key callable '<lambda>' is called with the arguments of charge(order_id, amount) "
+            "by name, and got an unexpected keyword argument 'amount'",
+        ),
     ],
 )
 def test_a_key_that_cannot_work_is_refused_at_decoration(
@@ -101,6 +106,16 @@ def test_a_key_that_cannot_work_is_refused_at_decoration(
         define(app, charge, key=key, bind=True)
     assert str(refused.value).startswith(message)
     assert isinstance(refused.value, ValueError) and isinstance(refused.value, JobfenceError)
+
+
+def test_a_key_callable_taking_every_argument_is_accepted(make_app: AppFactory) -> None:
+    app = make_app()
+
+    def charge(order_id: str, amount: int) -> int:
+        return amount
+
+    task = define(app, charge, key=lambda order_id, **_: order_id)
+    assert task.identity(("o-1", 5), {})[0] == task.identity(("o-1", 9), {})[0]
 
 
 def test_key_as_one_string_means_that_one_argument(make_app: AppFactory) -> None:
