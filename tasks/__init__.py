@@ -5,8 +5,10 @@ from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.effects import EffectTx, SqlEffects, make_engine
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
+    BadArguments,
     DuplicateJob,
     IdempotencyConflict,
+    TaskDefinitionError,
     TaskError,
 )
 from jobfence.tasks.executor import (
@@ -27,6 +29,7 @@ __all__ = [
     "HEADER",
     "SUPERSEDED",
     "ArgumentsNotSerializable",
+    "BadArguments",
     "DuplicateJob",
     "EffectTx",
     "Executor",
@@ -40,6 +43,7 @@ __all__ = [
     "Runtime",
     "SingletonTask",
     "SqlEffects",
+    "TaskDefinitionError",
     "TaskError",
     "current_job",
     "current_lease",
