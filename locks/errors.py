@@ -101,9 +101,10 @@ class PartialFencedWrite(LockError):
         self.index = index
         self.reason = reason
         self.replies = replies
+        applied = f"commands 1..{index - 1} applied" if index > 1 else "no command applied"
         super().__init__(
-            f"fenced write failed part way: commands 1..{index - 1} applied, command {index} "
-            f"failed ({reason}), the rest not run",
+            f"fenced write failed part way: {applied}, command {index} failed ({reason}), "
+            "the rest not run",
             key=resource,
             fence=fence,
         )

@@ -9,7 +9,7 @@ from typing import Any
 
 from redis import ConnectionPool, Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy import BigInteger, Column, Connection, Engine, MetaData, String, Table, func, select
 from sqlalchemy import update as sql_update
@@ -242,6 +242,17 @@ class RedisFenceGuard:
                 return list(self._evalsha(keys, args)), lost is not None
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 lost = exc  # the script may have run: only a resend tells, and it is safe
+            except ResponseError as exc:
+                # An error out of the script itself (not a command's: those are caught in
+                # it), e.g. out of memory. The server checks memory at a script's first
+                # write only, and every write but the commands' comes after them or is the
+                # first: so nothing was written.
+                raise FencedWriteRefused(
+                    resource=resource,
+                    fence=fence,
+                    index=None,
+                    reason=f"the server refused it: {exc}",
+                ) from exc
         raise BackendUnavailable(
             f"fenced write outcome unknown after {self.resends + 1} attempts; resend it with "
             "the same fence and write_id to learn it (a resend never applies twice)",

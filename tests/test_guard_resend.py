@@ -215,6 +215,22 @@ def test_an_unforeseeable_failure_says_what_was_applied_and_a_resend_applies_not
         assert _account(account) == (90, 1)
 
 
+def test_a_write_refused_for_memory_writes_nothing(fresh_redis: RedisServer) -> None:
+    client = fresh_redis.client()
+    guard = RedisFenceGuard(client)
+    client.hset("acct:1", "balance", 100)
+    guard.write("account:1", FENCE, PAY, write_id="before")
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) // 2)
+    for fence, write_id in [(FENCE + 1, ""), (FENCE, "same fence")]:
+        with pytest.raises(FencedWriteRefused, match=r"the server refused it: .*maxmemory"):
+            guard.write("account:1", fence, PAY, write_id=write_id)
+    client.config_set("maxmemory", 0)
+    assert _account(client) == (90, 1)
+    assert guard.last("account:1") == FENCE
+    client.close()
+
+
 def test_a_client_type_that_retries_on_its_own_is_refused(redis_server: RedisServer) -> None:
     class Wrapped(redis.Redis):
         """Not a plain redis.Redis: the guard cannot bypass its retries, so it must refuse."""
