@@ -163,7 +163,7 @@ class ForcedRelease:
     """What `locks release --force` did."""
 
     held: LockInfo | None  # the holder removed; None if the key was not held
-    floor: int | None  # a fence above the removed holder's, at or below every later grant
+    floor: int | None  # a fence above every earlier grant's, at or below every later one
     advanced: dict[str, int]  # guard resource -> the floor now in force there
 
 
@@ -180,9 +180,10 @@ def force_release(
     if resources and not isinstance(backend, RedisBackend):
         raise LockError("--fence-resource needs the Redis lock backend (the guard lives there)")
     held = backend.inspect(key)
-    if held is None:
+    if held is None and not resources:
         return ForcedRelease(None, None, {})
-    if not release_grant(backend, key, held.fence):
+    # Not held: a holder whose lease expired may still write, so the floors still rise.
+    if held is not None and not release_grant(backend, key, held.fence):
         raise LockError("the lock changed hands while it was being released; run again", key=key)
     floor = advance_fence(backend, key)
     advanced: dict[str, int] = {}

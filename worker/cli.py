@@ -225,17 +225,20 @@ def _locks_release(args: argparse.Namespace, settings: Settings, backend: LockBa
     done = admin.force_release(
         backend, args.key, resources=args.fence_resource, guard_prefix=settings.key_prefix
     )
-    if done.held is None:
-        print(f"{args.key}: not held")
-        return 1
     held = done.held
-    print(f"{args.key}: released (was fence {held.fence}, host {held.host}, pid {held.pid})")
-    print(f"{args.key}: fence advanced to {done.floor}; every later grant is above it")
+    if held is None:
+        print(f"{args.key}: not held")
+    else:
+        print(f"{args.key}: released (was fence {held.fence}, host {held.host}, pid {held.pid})")
+    if done.floor is not None:
+        print(f"{args.key}: fence advanced to {done.floor}; every later grant is above it")
     for resource, floor in done.advanced.items():
         print(
-            f"{resource}: guard floor now {floor}: writes with fence {held.fence} "
-            "(the removed holder's) fail with StaleFence from now on"
+            f"{resource}: guard floor now {floor}: writes with an earlier grant's fence "
+            f"(below {done.floor}) fail with StaleFence from now on"
         )
+    if held is None:
+        return 1
     if not done.advanced:
         print(
             f"the removed holder (fence {held.fence}) may still write until a newer fence is "

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobfence.locks import Lease, NotOwner, OwnerMeta, RedisBackend, RedisFenceGuard, procinfo
+from jobfence.locks import (
+    Lease,
+    NotOwner,
+    OwnerMeta,
+    RedisBackend,
+    RedisFenceGuard,
+    StaleFence,
+    procinfo,
+)
 from jobfence.worker import admin
 from jobfence.worker.cli import _load_main
 from jobfence.worker.procs import pid_alive, proc_state
@@ -271,7 +279,7 @@ def test_force_release_with_fence_resource_refuses_the_holders_writes_at_once(
     assert done.returncode == 0, done.stderr
     floor = int(re.search(r"fence advanced to (\d+)", done.stdout)[1])
     assert floor > fence
-    assert f"account:1: guard floor now {floor}" in done.stdout
+    assert f"account:1: guard floor now {floor}: writes with an earlier" in done.stdout
     assert ask_holder_to_write(client, 1) == f"stale {floor}"  # at once, no newer holder yet
     successor = backend.try_acquire("pay:1", 30)
     assert successor is not None and successor.fence > floor
@@ -279,6 +287,20 @@ def test_force_release_with_fence_resource_refuses_the_holders_writes_at_once(
     guard.write("account:1", successor.fence, [("RPUSH", "writes", "successor")])
     assert client.lrange("writes", 0, -1) == ["first", "successor"]
     client.close()
+
+
+def test_force_release_of_a_free_key_still_raises_the_floor(env, backend, redis_client):
+    """A holder whose lease expired may still write: the floor rises though nothing is held."""
+    expired = backend.try_acquire("pay:2", 30)
+    assert expired is not None and backend.release(expired)
+    guard = RedisFenceGuard(redis_client)
+    guard.write("account:2", expired.fence, [("RPUSH", "writes", "before")])
+    done = run_cli("locks", "release", "pay:2", "--force", "--fence-resource", "account:2", env=env)
+    assert done.returncode == 1 and "pay:2: not held" in done.stdout
+    assert "account:2: guard floor now" in done.stdout
+    with pytest.raises(StaleFence):
+        guard.write("account:2", expired.fence, [("RPUSH", "writes", "late")], write_id="late")
+    assert redis_client.lrange("writes", 0, -1) == [b"before"]
 
 
 def test_the_check_command_reports_an_evicting_lock_server(fresh_redis):
