@@ -201,6 +201,13 @@ def test_a_write_that_would_fail_midway_is_refused_whole(
     assert guard.last("account:1") == FENCE  # the fence did not advance either
 
 
+def test_commands_with_options_pass_the_check(account: redis.Redis) -> None:
+    guard = RedisFenceGuard(account)
+    commands = [("SET", "tmp:1", "x", "EX", "60"), ("EXPIRE", "acct:1", "60", "NX"), *PAY]
+    assert guard.write("account:1", FENCE, commands) == [b"OK", 1, 90, 1]
+    assert 0 < account.ttl("tmp:1") <= 60
+
+
 def test_an_unforeseeable_failure_says_what_was_applied_and_a_resend_applies_nothing(
     account: redis.Redis,
 ) -> None:

@@ -47,11 +47,11 @@ local commands = cjson.decode(body)
 -- t: the type the key must have if it exists ('' any); a: arity (negative: at least);
 -- ints/nums: argument positions that must be integers/numbers; incr: the current value must
 -- be an integer ('s' string, 'h' hash field) or a number ('sf', 'hf'); pairs: field/value
--- pairs from position 3; r: a read (the key keeps its type); make: the type the key has
--- afterwards (default t; none: deleted).
+-- pairs from position 3; r: a read (the key keeps its type); opt: options may follow (then
+-- the command is not checked); make: the type the key has afterwards (default t; none: deleted).
 -- Commands outside the table, or with options the table does not model, are not checked.
 local SPEC = {
-  SET = {t = '', a = 3, make = 'string'}, SETNX = {t = '', a = 3, make = 'string'},
+  SET = {t = '', a = 3, opt = 1, make = 'string'}, SETNX = {t = '', a = 3, make = 'string'},
   SETEX = {t = '', a = 4, ints = {3}, make = 'string'},
   PSETEX = {t = '', a = 4, ints = {3}, make = 'string'},
   GET = {r = 1, t = 'string', a = 2}, GETSET = {t = 'string', a = 3}, APPEND = {t = 'string', a = 3},
@@ -72,7 +72,8 @@ local SPEC = {
   ZINCRBY = {t = 'zset', a = 4, nums = {3}}, ZREM = {t = 'zset', a = -3},
   ZSCORE = {r = 1, t = 'zset', a = 3}, ZCARD = {r = 1, t = 'zset', a = 2},
   DEL = {t = '', a = -2, make = 'none'}, UNLINK = {t = '', a = -2, make = 'none'},
-  EXPIRE = {t = '', a = 3, ints = {3}}, PEXPIRE = {t = '', a = 3, ints = {3}},
+  EXPIRE = {t = '', a = 3, opt = 1, ints = {3}},
+  PEXPIRE = {t = '', a = 3, opt = 1, ints = {3}},
   PERSIST = {t = '', a = 2}, EXISTS = {r = 1, t = '', a = -2},
 }
 
@@ -102,7 +103,7 @@ local function check(cmd)
     return 'not a list of strings'
   end
   local spec = SPEC[string.upper(cmd[1])]
-  if not spec then return nil end
+  if not spec or (spec.opt and #cmd > spec.a) then return nil end
   if (spec.a > 0 and #cmd ~= spec.a) or (spec.a < 0 and #cmd < -spec.a) then
     return 'wrong number of arguments'
   end
