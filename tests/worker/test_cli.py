@@ -148,7 +148,10 @@ guard = RedisFenceGuard(client)
 guard.write(resource, lease.fence, [("RPUSH", "writes", "first")])
 client.rpush("holder:out", f"ready {lease.fence}")
 while True:
-    _, n = client.blpop(["holder:in"])
+    got = client.blpop(["holder:in"], timeout=1)  # short: redis-py's socket timeout is 5 s
+    if got is None:
+        continue
+    n = got[1]
     try:
         guard.write(resource, lease.fence, [("RPUSH", "writes", n)], write_id=n)
         client.rpush("holder:out", "written")
@@ -157,21 +160,24 @@ while True:
 """
 
 
-def start_holder(process_group, redis_url: str, key: str, *, ttl: float = 60.0):
+def start_holder(process_group, redis_url: str, key: str, *, ttl: float = 600.0):
     proc = process_group.spawn(
         [sys.executable, "-c", HOLDER, redis_url, key, "account:1", str(ttl)], name="holder"
     )
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    got = client.blpop(["holder:out"], timeout=60)
-    assert got is not None, "the holder did not start"
-    return proc, int(got[1].split()[1]), client
+    got = holder_says(client, timeout=90, what="the holder did not start")
+    return proc, int(got.split()[1]), client
+
+
+def holder_says(client: redis.Redis, *, timeout: float, what: str) -> str:
+    # Short blocking pops: redis-py's socket timeout (5 s by default) would cut a long one.
+    got = wait_for(lambda: client.blpop(["holder:out"], timeout=1), timeout=timeout, message=what)
+    return str(got[1])
 
 
 def ask_holder_to_write(client: redis.Redis, n: int) -> str:
     client.rpush("holder:in", str(n))
-    got = client.blpop(["holder:out"], timeout=30)
-    assert got is not None, "the holder did not answer"
-    return str(got[1])
+    return holder_says(client, timeout=60, what="the holder did not answer")
 
 
 def orphans(env: dict[str, str], *args: str) -> dict[str, dict[str, object]]:
@@ -183,12 +189,12 @@ def orphans(env: dict[str, str], *args: str) -> dict[str, dict[str, object]]:
 def test_orphans_never_releases_a_live_holder_with_a_long_ttl_and_an_old_heartbeat(
     env, backend, redis_client
 ):
-    """Its keeper beats every TTL/3: 40 s apart with a 120 s TTL, far beyond 2 x the default."""
-    lease = backend.try_acquire("long", 120.0)  # this very process, as a task would
+    """Its keeper beats every TTL/3: 200 s apart with a 600 s TTL, far beyond 2 x the default."""
+    lease = backend.try_acquire("long", 600.0)  # this very process, as a task would
     assert lease is not None
-    age_heartbeat(redis_client, "long", 30.0)  # > 2 x JOBFENCE_DEFAULT_TTL (5 s)
+    age_heartbeat(redis_client, "long", 60.0)  # > 2 x JOBFENCE_DEFAULT_TTL (5 s)
     assert "long" not in orphans(env, "--release")  # nothing wrong: not even reported
-    age_heartbeat(redis_client, "long", 70.0)  # 100 s: late for its own TTL: reported, kept
+    age_heartbeat(redis_client, "long", 340.0)  # 400 s: late for its own TTL: reported, kept
     found = orphans(env, "--release")["long"]
     assert found["dead"] is False and found["released"] is False
     assert "heartbeat is late" in str(found["reason"]) and "TTL" in str(found["reason"])
@@ -200,7 +206,7 @@ def test_orphans_never_releases_a_stopped_holder(env, redis_url, redis_client, p
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         wait_for(lambda: proc_state(proc.pid) == "T", timeout=10, message="not stopped")
-        age_heartbeat(redis_client, "frozen", 45.0)  # silent for most of its TTL
+        age_heartbeat(redis_client, "frozen", 400.0)  # silent for most of its TTL
         found = orphans(env, "--release")["frozen"]
         assert found["dead"] is False and found["released"] is False
         assert f"pid {proc.pid} is stopped" in str(found["reason"])
@@ -235,9 +241,9 @@ def test_orphans_releases_a_lock_whose_pid_was_reused(env, backend):
 
 
 def test_orphans_reports_but_never_releases_a_lock_held_elsewhere(env, backend, redis_client):
-    hold(backend, "elsewhere", pid=dead_pid(), host="another-host")  # its pid says nothing here
+    hold(backend, "elsewhere", pid=dead_pid(), host="another-host", ttl=600)  # pid says nothing
     hold(backend, "elsewhere-beating", pid=dead_pid(), host="another-host")
-    age_heartbeat(redis_client, "elsewhere", 50.0)  # late for its 60 s TTL
+    age_heartbeat(redis_client, "elsewhere", 400.0)  # late for its 600 s TTL
     found = orphans(env, "--release")
     assert set(found) == {"elsewhere"}
     assert found["elsewhere"]["dead"] is False and found["elsewhere"]["released"] is False
