@@ -31,7 +31,8 @@ from jobfence.tasks.effects import SqlEffects
 from tests.servers import RedisServer
 from tests.tcp_proxy import ReplyDroppingProxy
 
-# The fenced-write script before writes became idempotent: the naive control.
+# The fenced-write script before writes became idempotent (its exact token comparison
+# simplified): the naive control.
 NAIVE_FENCED_WRITE = """
 local last = redis.call('GET', KEYS[1])
 if last and tonumber(ARGV[1]) < tonumber(last) then return {0, last} end
