@@ -82,26 +82,36 @@ def build_parser() -> argparse.ArgumentParser:
     ins = lsub.add_parser("inspect", help="one lock: fence, holder, heartbeat, job record")
     ins.add_argument("key")
     ins.add_argument("--json", action="store_true")
-    rel = lsub.add_parser("release", help="remove a lock whatever its owner (needs --force)")
+    rel = lsub.add_parser(
+        "release",
+        help="remove a lock whatever its owner (needs --force)",
+        description="Remove a lock whatever its owner, then advance its fence (a grant taken "
+        "and released at once), so every later grant is above the removed holder's. The "
+        "removed holder's fenced writes fail once a newer fence was accepted for the same "
+        "resource; --fence-resource raises a Redis guard's floor now, so they fail at once.",
+    )
     rel.add_argument("key")
+    rel.add_argument("--force", action="store_true", help="yes, remove it whatever its owner")
     rel.add_argument(
-        "--force", action="store_true", help="yes, remove it: its holder's fenced writes will fail"
+        "--fence-resource",
+        action="append",
+        default=[],
+        metavar="RESOURCE",
+        help="a RedisFenceGuard resource (on the lock server) this key's holders write: raise "
+        "its floor to the new fence, so the removed holder's writes fail now (repeatable)",
     )
     orph = lsub.add_parser(
         "orphans",
-        help="locks whose owner is provably dead",
-        description="A lock is orphaned if its holder ran on this host and its pid is gone, "
-        "or its heartbeat is older than --stale-factor x TTL.",
+        help="locks whose owner is provably dead, and suspects",
+        description="A lock is orphaned only if its owner is provably dead: it ran on this "
+        "host, in this pid namespace, and its pid is gone or now belongs to a later process "
+        "(a stopped process is alive). A heartbeat late for the lock's own TTL, or a holder "
+        "elsewhere, is reported as a suspect and never released.",
     )
     orph.add_argument("--match", default="*", metavar="GLOB")
     orph.add_argument(
-        "--stale-factor",
-        type=float,
-        default=2.0,
-        metavar="N",
-        help="heartbeat older than N x JOBFENCE_DEFAULT_TTL (default 2)",
+        "--release", action="store_true", help="release the dead ones (owner-checked)"
     )
-    orph.add_argument("--release", action="store_true", help="force-release the orphans found")
     orph.add_argument("--json", action="store_true")
 
     sub.add_parser("check", help="run the start-up checks against the configured servers")
@@ -201,44 +211,72 @@ def _locks_inspect(args: argparse.Namespace, settings: Settings, backend: LockBa
 
 
 def _locks_release(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:
+    from jobfence.worker import admin
+
     if not args.force:
         print(
             f"refusing to release {args.key!r} without --force: only its holder can release "
-            "it safely. With --force the lock goes whatever its owner; the fence counter is "
-            "kept, so a live holder's fenced writes fail from then on.",
+            "it safely. With --force the lock goes whatever its owner and its fence is "
+            "advanced; the holder's fenced writes fail once a newer fence was accepted for "
+            "the same resource, or at once for each --fence-resource given.",
             file=sys.stderr,
         )
         return 2
-    held = backend.inspect(args.key)
-    if not backend.force_release(args.key):
+    done = admin.force_release(
+        backend, args.key, resources=args.fence_resource, guard_prefix=settings.key_prefix
+    )
+    held = done.held
+    if held is None:
         print(f"{args.key}: not held")
+    else:
+        print(f"{args.key}: released (was fence {held.fence}, host {held.host}, pid {held.pid})")
+    if done.floor is not None:
+        print(f"{args.key}: fence advanced to {done.floor}; every later grant is above it")
+    for resource, floor in done.advanced.items():
+        print(
+            f"{resource}: guard floor now {floor}: writes with an earlier grant's fence "
+            f"(below {done.floor}) fail with StaleFence from now on"
+        )
+    if held is None:
         return 1
-    holder = f" (was fence {held.fence}, host {held.host}, pid {held.pid})" if held else ""
-    print(f"{args.key}: released{holder}")
+    if not done.advanced:
+        print(
+            f"the removed holder (fence {held.fence}) may still write until a newer fence is "
+            "accepted by the resource it writes; to refuse it now, raise the resource's floor "
+            f"to {done.floor}: --fence-resource RESOURCE (Redis guard), or "
+            "SqlFenceGuard().check_and_advance(conn, RESOURCE, fence) in a transaction (SQL)"
+        )
     return 0
 
 
 def _locks_orphans(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:
     from jobfence.worker import admin
 
-    stale_after = args.stale_factor * settings.default_ttl
-    orphans = admin.find_orphans(backend, stale_after=stale_after, match=args.match)
+    orphans = admin.find_orphans(backend, match=args.match)
     released = []
     if args.release:
-        released = [o.info.key for o in orphans if backend.force_release(o.info.key)]
+        released = [
+            o.info.key
+            for o in orphans
+            if o.dead and admin.release_grant(backend, o.info.key, o.info.fence)
+        ]
     now = admin.server_time(backend)
     if args.json:
         _emit([
-            {**admin.info_dict(o.info, now), "reason": o.reason,
+            {**admin.info_dict(o.info, now), "reason": o.reason, "dead": o.dead,
+             "ttl": None if o.ttl is None else round(o.ttl, 3),
              "released": o.info.key in released}
             for o in orphans
         ])  # fmt: skip
     elif orphans:
-        print(admin.table([o.info for o in orphans], now, {o.info.key: o.reason for o in orphans}))
+        reasons = {o.info.key: ("DEAD: " if o.dead else "suspect: ") + o.reason for o in orphans}
+        print(admin.table([o.info for o in orphans], now, reasons))
         for key in released:
             print(f"{key}: released")
+        if any(not o.dead for o in orphans):
+            print("suspects are reported only: a late heartbeat or a holder elsewhere is no proof")
     else:
-        print("no orphaned locks")
+        print("no orphaned or suspect locks")
     return 0
 
 

@@ -227,7 +227,7 @@ class RedisBackend(LockBackend):
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
         k = self.keys
-        holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}"
+        holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
         retention = self.fence_retention_ms if self.fence_retention_ms > ttl_ms else ttl_ms
         if record:
             reply = self._call(
@@ -327,8 +327,9 @@ class RedisBackend(LockBackend):
         fence, task_id, holder, acq, hb, host, pid, task_name = (
             _s(f) if f is not None else "" for f in fields
         )
+        started = ""
         if holder:
-            host, pid, task_name = [*holder.split("\n", 2), "", ""][:3]
+            host, pid, task_name, started = [*holder.split("\n", 3), "", "", ""][:4]
         return LockInfo(
             key=key,
             fence=int(fence),
@@ -340,6 +341,7 @@ class RedisBackend(LockBackend):
             acquired_at=int(acq or 0) / 1000,
             # Not written at acquire: until the first extension it is the acquisition time.
             last_heartbeat=int(hb or acq or 0) / 1000,
+            process_start=started,
         )
 
     # -- admin and waiting --------------------------------------------------------
