@@ -10,7 +10,7 @@ from jobfence.tasks.errors import (
     TaskError,
 )
 from jobfence.tasks.executor import DUPLICATE, SUPERSEDED, Executor, JobSpec, Outcome
-from jobfence.tasks.runtime import Runtime, install, runtime_for
+from jobfence.tasks.runtime import Runtime, install, installed, runtime_for
 
 __all__ = [
     "DUPLICATE",
@@ -31,6 +31,7 @@ __all__ = [
     "current_job",
     "current_lease",
     "install",
+    "installed",
     "make_engine",
     "runtime_for",
     "singleton_task",
