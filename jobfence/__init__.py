@@ -26,6 +26,7 @@ from jobfence.tasks import (
     install,
     singleton_task,
 )
+from jobfence.worker.setup import setup
 
 __version__ = "0.1.0"
 
@@ -51,5 +52,6 @@ __all__ = [
     "current_lease",
     "install",
     "load_settings",
+    "setup",
     "singleton_task",
 ]

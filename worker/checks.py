@@ -75,11 +75,12 @@ def _warn(setting: str, problem: str, fix: str) -> Finding:
 def check_serializers(conf: Any) -> Iterator[Finding]:
     accepted = list(conf.accept_content or ())
     result_accepted = list(conf.result_accept_content or accepted)
-    used = [conf.task_serializer, conf.result_serializer]
+    used = [conf.task_serializer, conf.result_serializer, conf.event_serializer]
     bad = sorted({c for c in [*accepted, *result_accepted, *used] if c not in JSON_TYPES})
     if bad:
         yield _refuse(
-            "accept_content / task_serializer / result_serializer",
+            "accept_content / result_accept_content / task_serializer / result_serializer"
+            " / event_serializer",
             f"the app accepts or sends {bad}: pickle (and yaml, msgpack extensions) run or "
             "decode arbitrary data from the broker",
             f"accept and send only json ({ENV_PREFIX}ACCEPT_CONTENT='[\"json\"]')",
@@ -154,6 +155,8 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     if urlsplit(url).scheme not in REDIS_SCHEMES or _same_server(url, runtime.settings.lock_url):
         return
     timeout = runtime.settings.socket_timeout
+    # A user's own app (jobfence.setup) sets its broker itself, not through JOBFENCE_*.
+    setting = f"{ENV_PREFIX}BROKER_URL" if url == runtime.settings.broker_url else "broker_url"
     client = redis.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
     )
@@ -162,13 +165,13 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
             client.ping()
         except RedisError as exc:
             yield _warn(
-                f"{ENV_PREFIX}BROKER_URL",
+                setting,
                 f"cannot reach the broker at {redact(url)} yet ({exc}); its eviction policy "
                 "is unchecked",
                 "make sure the broker runs with maxmemory-policy noeviction",
             )
             return
-        yield from check_eviction(client, "broker", f"{ENV_PREFIX}BROKER_URL", url)
+        yield from check_eviction(client, "broker", setting, url)
     finally:
         client.close()
 
