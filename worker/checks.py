@@ -189,6 +189,14 @@ def check_timeouts(conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()) -> It
     if "visibility_timeout" not in options:
         return
     vt = float(options["visibility_timeout"])
+    if vt < settings.visibility_timeout:  # an app's own value, kept by jobfence.setup
+        yield _warn(
+            "broker_transport_options.visibility_timeout",
+            f"the app's {vt:g}s is shorter than {ENV_PREFIX}VISIBILITY_TIMEOUT "
+            f"({settings.visibility_timeout:g}s), by which jobfence sizes the countdown of a "
+            "deferred delivery: the broker may deliver it again while it waits",
+            f"set {ENV_PREFIX}VISIBILITY_TIMEOUT={vt:g}",
+        )
     why = (
         "a crashed worker's message comes back after the visibility timeout and must find "
         "the dead holder's lease expired by then"

@@ -14,7 +14,7 @@ import jobfence
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.tasks import installed, runtime_for, singleton_task
 from jobfence.worker.app import create_app, redis_db_url
-from jobfence.worker.checks import StartupRefused, enforce
+from jobfence.worker.checks import StartupRefused, StartupWarning, enforce
 from jobfence.worker.setup import BEAT_SCHEDULER, is_set_up, safe_config
 
 USER_BROKER = "redis://127.0.0.1:7009/4"  # never contacted: nothing here talks to a broker
@@ -100,8 +100,15 @@ def test_the_apps_transport_options_are_merged_over_jobfences(user_app, redis_ur
 def test_a_visibility_timeout_the_app_set_too_short_is_refused(user_app, redis_url):
     app = user_app(broker_transport_options={"visibility_timeout": 20})
     runtime = jobfence.setup(app, Settings(lock_url=redis_url, default_ttl=30.0))
-    with pytest.raises(StartupRefused, match="visibility timeout"):
+    with pytest.raises(StartupRefused, match="visibility timeout"), pytest.warns(StartupWarning):
         enforce(app, runtime)
+
+
+def test_an_app_visibility_timeout_below_jobfences_is_warned(user_app, redis_url):
+    app = user_app(broker_transport_options={"visibility_timeout": 600})
+    runtime = jobfence.setup(app, Settings(lock_url=redis_url, visibility_timeout=3600.0))
+    with pytest.warns(StartupWarning, match="JOBFENCE_VISIBILITY_TIMEOUT=600"):
+        assert not [f for f in enforce(app, runtime) if f.refuse]
 
 
 def test_configuration_loaded_after_setup_is_filled_in_too(redis_url):
