@@ -284,18 +284,20 @@ def test_control_a_plain_task_runs_every_duplicate_of_the_storm(
 # -- jobfence.setup(app) refuses unsafe settings at worker start, with a control ----------
 
 
-def _celery_worker(venv: Path) -> list[str]:
-    return [str(venv / "bin" / "celery"), "-A", "setup_tasks", "worker", "--pool", "solo",
-            "--loglevel", "INFO", "--without-gossip", "--without-mingle"]  # fmt: skip
+def _celery(venv: Path, program: str = "worker") -> list[str]:
+    args = [str(venv / "bin" / "celery"), "-A", "setup_tasks", program, "--loglevel", "INFO"]
+    if program == "worker":
+        args += ["--pool", "solo", "--without-gossip", "--without-mingle"]
+    return args
 
 
-def _refused(venv: Path, root: Path, env: dict[str, str]) -> str:
+def _refused(venv: Path, root: Path, env: dict[str, str], program: str = "worker") -> str:
     done = subprocess.run(
-        _celery_worker(venv), cwd=root, env=env, capture_output=True, text=True, timeout=120
+        _celery(venv, program), cwd=root, env=env, capture_output=True, text=True, timeout=120
     )
     output = done.stdout + done.stderr
     assert done.returncode == EX_CONFIG, output
-    assert "jobfence: refusing to start the worker: unsafe settings" in output
+    assert f"jobfence: refusing to start the {program}: unsafe settings" in output
     assert "ready." not in output
     return output
 
@@ -308,11 +310,13 @@ def test_a_set_up_app_accepting_pickle_refuses_to_start(
     assert "['pickle']" in output
 
 
+@pytest.mark.parametrize("program", ["worker", "beat"])
 def test_a_set_up_app_on_an_evicting_lock_server_refuses_to_start(
-    clean_venv: Path, project: Path, server: RedisServer, fresh_redis: RedisServer
+    clean_venv: Path, project: Path, server: RedisServer, fresh_redis: RedisServer, program: str
 ) -> None:
     fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
-    output = _refused(clean_venv, project, project_env(server, lock_url=fresh_redis.url))
+    env = project_env(server, lock_url=fresh_redis.url)
+    output = _refused(clean_venv, project, env, program)
     assert "JOBFENCE_LOCK_URL" in output
     assert "maxmemory-policy 'allkeys-lru'" in output
 
@@ -328,5 +332,5 @@ def test_control_without_setup_the_same_unsafe_worker_starts(
     env = project_env(
         server, lock_url=fresh_redis.url, PROJECT_ACCEPT_PICKLE="1", PROJECT_NO_SETUP="1"
     )
-    worker = start_worker(process_group, _celery_worker(clean_venv), project, env)
+    worker = start_worker(process_group, _celery(clean_venv), project, env)
     assert "refusing to start" not in process_group.log_of(worker, 400)
