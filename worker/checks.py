@@ -83,7 +83,8 @@ def check_serializers(conf: Any) -> Iterator[Finding]:
             " / event_serializer",
             f"the app accepts or sends {bad}: pickle (and yaml, msgpack extensions) run or "
             "decode arbitrary data from the broker",
-            f"accept and send only json ({ENV_PREFIX}ACCEPT_CONTENT='[\"json\"]')",
+            "accept and send only json: remove the others from the app's Celery settings "
+            "(left unset, jobfence.setup makes them JSON only)",
         )
 
 
