@@ -141,10 +141,12 @@ PROJECT = {
 # --------------------------------------------------------------------------- fixtures
 
 
-def _run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(args, capture_output=True, text=True, timeout=600, **kwargs)  # type: ignore[call-overload]
+def _run(
+    args: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
-    return done  # type: ignore[no-any-return]
+    return done
 
 
 @pytest.fixture(scope="module")
