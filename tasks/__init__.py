@@ -21,7 +21,7 @@ from jobfence.tasks.executor import (
     Redelivery,
     RedeliveryLimitReached,
 )
-from jobfence.tasks.runtime import Runtime, install, runtime_for
+from jobfence.tasks.runtime import Runtime, install, installed, runtime_for
 
 __all__ = [
     "DROPPED",
@@ -48,6 +48,7 @@ __all__ = [
     "current_job",
     "current_lease",
     "install",
+    "installed",
     "make_engine",
     "runtime_for",
     "singleton_task",

@@ -68,14 +68,16 @@ def _warn(setting: str, problem: str, fix: str) -> Finding:
 def check_serializers(conf: Any) -> Iterator[Finding]:
     accepted = list(conf.accept_content or ())
     result_accepted = list(conf.result_accept_content or accepted)
-    used = [conf.task_serializer, conf.result_serializer]
+    used = [conf.task_serializer, conf.result_serializer, conf.event_serializer]
     bad = sorted({c for c in [*accepted, *result_accepted, *used] if c not in JSON_TYPES})
     if bad:
         yield _refuse(
-            "accept_content / task_serializer / result_serializer",
+            "accept_content / result_accept_content / task_serializer / result_serializer"
+            " / event_serializer",
             f"the app accepts or sends {bad}: pickle (and yaml, msgpack extensions) run or "
             "decode arbitrary data from the broker",
-            f"accept and send only json ({ENV_PREFIX}ACCEPT_CONTENT=json)",
+            "accept and send only json: remove the others from the app's Celery settings "
+            "(left unset, jobfence.setup makes them JSON only)",
         )
 
 
@@ -156,6 +158,8 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     if _same_server(url, runtime.settings.lock_url):
         return
     timeout = runtime.settings.socket_timeout
+    # A user's own app (jobfence.setup) sets its broker itself, not through JOBFENCE_*.
+    setting = f"{ENV_PREFIX}BROKER_URL" if url == runtime.settings.broker_url else "broker_url"
     client = redis.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
     )
@@ -164,13 +168,13 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
             client.ping()
         except RedisError as exc:
             yield _warn(
-                f"{ENV_PREFIX}BROKER_URL",
+                setting,
                 f"cannot reach the broker at {redact(url)} yet ({exc}); its eviction policy "
                 "is unchecked",
                 "make sure the broker runs with maxmemory-policy noeviction",
             )
             return
-        yield from check_eviction(client, "broker", f"{ENV_PREFIX}BROKER_URL", url)
+        yield from check_eviction(client, "broker", setting, url)
     finally:
         client.close()
 
@@ -188,6 +192,14 @@ def check_timeouts(conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()) -> It
     if "visibility_timeout" not in options:
         return
     vt = float(options["visibility_timeout"])
+    if vt < settings.visibility_timeout:  # an app's own value, kept by jobfence.setup
+        yield _warn(
+            "broker_transport_options.visibility_timeout",
+            f"the app's {vt:g}s is shorter than {ENV_PREFIX}VISIBILITY_TIMEOUT "
+            f"({settings.visibility_timeout:g}s), by which jobfence sizes the countdown of a "
+            "deferred delivery: the broker may deliver it again while it waits",
+            f"set {ENV_PREFIX}VISIBILITY_TIMEOUT={vt:g}",
+        )
     why = (
         "a crashed worker's message comes back after the visibility timeout and must find "
         "the dead holder's lease expired by then"

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.locks import LockBackend, LockError
+from jobfence.worker.fleet import BUNDLED_APP
 
 PASSTHROUGH = ("bench", "demo")  # commands whose arguments belong to another program
 BENCHES = {
@@ -32,9 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = sub.add_parser(
         "fleet",
         help="run N real celery workers and the beat(s); Ctrl-C stops them cleanly",
-        description="Run real `celery worker` processes and beat(s) of worker.celery_app. "
-        "With no broker or lock URL (options or JOBFENCE_* variables) it starts an embedded "
-        "stack: a private redis-server and an SQLite ledger in a temporary directory.",
+        description="Run real `celery worker` processes and beat(s) of your Celery app "
+        "(--app), or of the bundled one. For the bundled app with no broker or lock URL "
+        "(options or JOBFENCE_* variables) it starts an embedded stack: a private "
+        "redis-server and an SQLite ledger in a temporary directory.",
+    )
+    fleet.add_argument(
+        "--app",
+        "-A",
+        default=BUNDLED_APP,
+        metavar="MODULE[:ATTR]",
+        help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app, or a module "
+        "holding `app`), imported from the current directory (default: the bundled app, "
+        f"{BUNDLED_APP})",
     )
     fleet.add_argument("--workers", type=_positive_int, default=2, metavar="N")
     fleet.add_argument(
@@ -53,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="beat processes; more than one shows the leader election",
     )
     beats.add_argument("--no-beat", action="store_true", help="start no beat")
-    fleet.add_argument("--broker", metavar="URL", help="Celery broker (JOBFENCE_BROKER_URL)")
+    fleet.add_argument(
+        "--broker",
+        metavar="URL",
+        help="the bundled app's Celery broker (JOBFENCE_BROKER_URL); your own app's broker "
+        "is set in your app",
+    )
     fleet.add_argument("--lock-backend", metavar="URL", help="lock server (JOBFENCE_LOCK_URL)")
     fleet.add_argument("--database", metavar="URL", help="ledger (JOBFENCE_DATABASE_URL)")
     fleet.add_argument("--pool", default="prefork", choices=["prefork", "solo", "threads"])
@@ -65,7 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="warm-shutdown deadline before SIGKILL (default 30)",
     )
-    fleet.add_argument("--app", default="jobfence.worker.celery_app", help=argparse.SUPPRESS)
 
     locks = sub.add_parser("locks", help="list, inspect, release locks; find orphans")
     locks.add_argument(
@@ -114,7 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     orph.add_argument("--json", action="store_true")
 
-    sub.add_parser("check", help="run the start-up checks against the configured servers")
+    check = sub.add_parser(
+        "check",
+        help="run the start-up checks against the configured servers",
+        description="Run the checks a worker of the app runs at start (serialisers, eviction "
+        "policy of the lock server and a Redis broker, TTLs against the visibility timeout) "
+        "and list every finding. Exit status 1 if any refuses.",
+    )
+    check.add_argument(
+        "--app",
+        "-A",
+        metavar="MODULE[:ATTR]",
+        help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app), imported from "
+        "the current directory (default: the bundled app)",
+    )
     sub.add_parser("bench", help="benchmarks: bench locks|celery [ARGS...]", add_help=False)
     sub.add_parser(
         "demo", help="the main job: a real fleet through a storm of duplicates", add_help=False
@@ -135,6 +165,18 @@ def _positive_int(text: str) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     from jobfence.worker.fleet import FleetOptions, run_fleet
 
+    if args.app != BUNDLED_APP:
+        if args.broker:
+            print(
+                "jobfence: --broker sets the bundled app's broker; your app "
+                f"{args.app} publishes to the broker it sets itself",
+                file=sys.stderr,
+            )
+            return 2
+        missing = missing_app_module(args.app)
+        if missing:
+            print(f"jobfence: {missing}", file=sys.stderr)
+            return 2
     options = FleetOptions(
         workers=args.workers,
         concurrency=args.concurrency,
@@ -280,14 +322,73 @@ def _locks_orphans(args: argparse.Namespace, settings: Settings, backend: LockBa
     return 0
 
 
+def app_module(spec: str) -> str:
+    """The module part of a `celery -A` app spec (`proj.tasks:app` -> `proj.tasks`)."""
+    return spec.split(":", 1)[0]
+
+
+def _cwd_importable() -> None:
+    # As `celery -A` does: the app is imported from the directory the command runs in.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def missing_app_module(spec: str) -> str | None:
+    """Why `spec`'s module cannot be imported from here (None if it can be found)."""
+    _cwd_importable()
+    module = app_module(spec)
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return (
+        f"--app {spec}: no module {module!r} importable from {os.getcwd()}; run from your "
+        "project's directory, or give the full dotted path (e.g. proj.tasks:app)"
+    )
+
+
+def load_app(spec: str) -> Any:
+    """The Celery app `spec` names, found as `celery -A` finds it."""
+    from celery.app.utils import find_app
+
+    missing = missing_app_module(spec)
+    if missing:
+        raise AppNotFound(missing)
+    try:
+        return find_app(spec)
+    except (AttributeError, ImportError) as exc:
+        raise AppNotFound(f"--app {spec}: no Celery app found there ({exc})") from None
+
+
+class AppNotFound(LookupError):
+    """`--app` names no importable Celery app."""
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from jobfence.tasks import runtime_for
-    from jobfence.worker.app import create_app
     from jobfence.worker.checks import run_checks
 
-    app = create_app(load_settings())
+    if args.app:
+        from jobfence.worker.setup import is_set_up
+
+        try:
+            app = load_app(args.app)
+        except AppNotFound as exc:
+            print(f"jobfence: {exc}", file=sys.stderr)
+            return 2
+        if not is_set_up(app):
+            print(
+                f"note: {args.app} is not set up with jobfence.setup(app): its workers do not "
+                "run these checks at start, and its Celery settings are its own"
+            )
+    else:
+        from jobfence.worker.app import create_app
+
+        app = create_app(load_settings())
     app.loader.import_default_modules()  # the task modules, as a worker imports them
-    runtime = runtime_for(app)
+    runtime = runtime_for(app)  # built from JOBFENCE_* if the app has none yet
     try:
         findings = run_checks(app, runtime)
     finally:

@@ -28,7 +28,6 @@ from jobfence.tasks import (
     runtime_for,
     singleton_task,
 )
-from jobfence.tasks.errors import NotInstalled
 from tests.servers import free_port
 from tests.tasks.conftest import AppFactory, unique
 
@@ -495,20 +494,3 @@ def test_publish_carries_the_idempotency_key_header(
     task.apply_async((1,), idempotency_key="invoice-9")
     message = json.loads(redis_client.lindex("celery", 0) or b"{}")
     assert message["headers"][HEADER] == "invoice-9"
-
-
-# -- not installed -------------------------------------------------------------------------
-
-
-def test_missing_install_raises_not_installed(make_app: AppFactory) -> None:
-    app = make_app(installed=False)
-    task = define(app, _f)
-    with pytest.raises(NotInstalled, match=r"tasks\.install\(app"):
-        task.delay(1)
-    with pytest.raises(NotInstalled):
-        task(1)
-    with pytest.raises(NotInstalled):
-        runtime_for(app)
-    publisher = make_app(eager=False, installed=False)
-    with pytest.raises(NotInstalled):
-        define(publisher, _f).delay(1)
