@@ -98,7 +98,8 @@ def create_tables(engine: Engine, tables: Sequence[Table]) -> list[str]:
 
 def ddl(dialect: Dialect, tables: Sequence[Table]) -> list[str]:
     """The CREATE statements of `tables` for `dialect`, each safe to run again."""
-    return [str(stmt.compile(dialect=dialect)).strip() for stmt in _statements(tables)]
+    texts = (str(stmt.compile(dialect=dialect)) for stmt in _statements(tables))
+    return ["\n".join(line.rstrip() for line in text.strip().splitlines()) for text in texts]
 
 
 def _statements(tables: Sequence[Table]) -> list[DDLElement]:
