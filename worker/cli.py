@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="jobfence operations: a local fleet, lock administration, benchmarks.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_migrate_parser(sub)
 
     fleet = sub.add_parser(
         "fleet",
@@ -106,7 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     orph.add_argument("--json", action="store_true")
 
     sub.add_parser("check", help="run the start-up checks against the configured servers")
-    _add_migrate_parser(sub)
     sub.add_parser("bench", help="benchmarks: bench locks|celery [ARGS...]", add_help=False)
     sub.add_parser(
         "demo", help="the main job: a real fleet through a storm of duplicates", add_help=False
@@ -282,6 +281,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    import os
+
     import sqlalchemy as sa
 
     from jobfence.config.settings import ENV_PREFIX
