@@ -45,9 +45,18 @@ def dispose_after_fork(engine: Engine) -> Engine:
     siblings: interleaved messages end in "server closed the connection unexpectedly".
     `dispose(close=False)` drops the child's references without closing the parent's
     sockets. Every engine jobfence builds or writes through is registered; returns `engine`.
+    An in-memory SQLite database lives in its connection: the child keeps its copy.
     """
-    _forked.add(engine)
+    if not _in_memory(engine):
+        _forked.add(engine)
     return engine
+
+
+def _in_memory(engine: Engine) -> bool:
+    url = engine.url
+    return url.get_backend_name() == "sqlite" and (
+        url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
+    )
 
 
 def _after_fork_in_child() -> None:

@@ -270,3 +270,58 @@ def test_workers_starting_at_once_all_run_their_first_job(kind: str) -> None:
         finally:
             engine.dispose()
         assert done == RACERS
+
+
+# -- engines across fork -------------------------------------------------------------------
+
+
+def session_in_child(engine: sa.Engine, out: Any) -> None:
+    """Forked child: how many parent connections its pool holds, and the session it gets."""
+    try:
+        idle = engine.pool.checkedin()  # type: ignore[attr-defined]
+        with engine.connect() as conn:
+            out.put((idle, conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()))
+    except BaseException:
+        out.put((-1, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["jobfence", "plain-control"])
+def test_a_forked_child_never_gets_the_parents_pooled_connection(
+    pg_url: str, registered: bool
+) -> None:
+    engine = make_engine(pg_url) if registered else sa.create_engine(pg_url, pool_pre_ping=True)
+    try:
+        with engine.connect() as conn:  # the parent touches the database: one idle connection
+            parent = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=session_in_child, args=(engine, out))
+        child.start()
+        idle, session = out.get(timeout=60)
+        child.join(30)
+        if registered:
+            assert (idle, session != parent) == (0, True), session
+        else:  # control: the plain engine hands the child the parent's own session
+            assert (idle, session) == (1, parent)
+        with engine.connect() as conn:  # and the parent's connection still works
+            assert conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one() == parent
+    finally:
+        engine.dispose()
+
+
+def test_an_in_memory_sqlite_database_survives_into_a_forked_child() -> None:
+    engine = make_engine("sqlite://")
+    try:
+        SqlEffects(engine).create_schema()
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+
+        def child() -> None:
+            out.put(sorted(sa.inspect(engine).get_table_names()))
+
+        proc = ctx.Process(target=child)
+        proc.start()
+        assert out.get(timeout=60) == sorted(NAMES)
+        proc.join(30)
+    finally:
+        engine.dispose()
