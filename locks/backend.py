@@ -48,6 +48,7 @@ class Busy:
 
     ttl_left: float
     task_id: str = ""  # the holder's task id, so a task can tell its own earlier attempt
+    fingerprint: str = ""  # the holder's argument fingerprint (job grants), to spot a conflict
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,9 @@ class LockBackend(ABC):
         """Acquire `key` unless its job record says DONE (then return the record).
 
         With `record=True` a FAILED record does not stop a new run (the grant clears it);
-        while the job runs, the lock itself says who runs it. `fingerprint` is kept for
-        backends that store it with the grant; Redis compares it at commit and replay.
+        while the job runs, the lock itself says who runs it. `fingerprint` is kept with
+        the grant and returned in `Busy`, so the same key with other arguments is a
+        conflict while the job runs, not only after DONE.
         """
         validate_key(key)
         ttl_ms = validate_ttl(ttl)

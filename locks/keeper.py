@@ -1,4 +1,4 @@
-"""LeaseKeeper: one thread per process extends every held lease, one round trip per backend."""
+"""LeaseKeeper: one keeper per process extends every held lease, one round trip per backend."""
 
 from __future__ import annotations
 
@@ -22,14 +22,65 @@ log = logging.getLogger(__name__)
 LostCallback = Callable[[Lease, BaseException], None]
 ExtendObserver = Callable[[str, float, int], None]  # backend name, seconds, leases
 
+#: Leases falling due within this fraction of an interval join the batch being sent, so
+#: leases taken at nearby times share a round trip; small, so none is extended much early.
+COALESCE_FRACTION = 0.1
+#: After a failed extension, try again after this fraction of the interval (while the
+#: lease's deadline leaves room): a blip costs one short delay, not the lease.
+RETRY_FRACTION = 0.15
+MIN_RETRY_DELAY = 0.01
+
+
+class _Lane:
+    """One backend's extension thread: a slow or failing server only delays its own leases."""
+
+    def __init__(self, keeper: LeaseKeeper, label: str) -> None:
+        self.keeper = keeper
+        self.busy = False
+        self._job: tuple[LockBackend, list[Lease]] | None = None
+        self._event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=label, daemon=True)
+        self.thread.start()
+
+    def submit(self, backend: LockBackend, leases: list[Lease]) -> None:
+        """Hand over a batch; the caller holds the keeper's mutex and saw `busy` False."""
+        self.busy = True
+        self._job = (backend, leases)
+        self._event.set()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def _run(self) -> None:
+        keeper = self.keeper
+        while not keeper._stop.is_set():
+            self._event.wait()
+            self._event.clear()
+            job, self._job = self._job, None
+            if job is None:
+                continue
+            try:
+                keeper._extend_batch(*job)
+            except Exception:  # never die silently: the scheduler retries what is left
+                log.exception("lease keeper lane failed on %s", job[0].name)
+            finally:
+                del job  # no strong reference to the leases while idle
+                with keeper._mutex:
+                    self.busy = False
+                keeper._wake.set()  # the scheduler may have skipped this backend meanwhile
+
 
 class LeaseKeeper:
     """Extends held leases every `fraction` of their TTL until released, lost or dropped.
 
     Leases are held by weak reference: a lease its caller dropped is not kept alive.
-    A failed extension marks the batch lost at once (a lease we could not confirm is
-    one we cannot trust); a lease past its deadline is marked lost too. Loss fires the
-    lease's callbacks and `on_lost`, and `lease.check()` raises from then on.
+    One scheduler thread decides what is due and marks leases lost at their deadline;
+    each backend's extensions run on a thread of their own, so a hung server never
+    delays another server's leases past their deadlines. A lease is lost only when the
+    server refuses its extension (another owner, or the key is gone) or its deadline
+    passes: a transient error (timeout, connection refused) is retried while the
+    deadline leaves room. Loss fires the lease's callbacks and `on_lost`, and
+    `lease.check()` raises from then on.
     """
 
     def __init__(
@@ -53,11 +104,12 @@ class LeaseKeeper:
         os.register_at_fork(after_in_child=lambda: (k := ref()) and k._reset())  # type: ignore[func-returns-value]
 
     def _reset(self) -> None:
-        # After fork the parent's thread is gone and its leases are not the child's to keep.
+        # After fork the parent's threads are gone and its leases are not the child's to keep.
         self._mutex = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._due: weakref.WeakKeyDictionary[Lease, float] = weakref.WeakKeyDictionary()
+        self._lanes: dict[int, _Lane] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = math.inf  # when the thread will next wake by itself (inf: awake)
 
@@ -85,6 +137,7 @@ class LeaseKeeper:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._wake_at = math.inf  # a new thread ticks at once
+            self._lanes = {}  # lanes of a stopped keeper have ended (or are ending)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
 
@@ -100,16 +153,23 @@ class LeaseKeeper:
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
+        with self._mutex:
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.wake()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
+        for lane in lanes:
+            if lane.thread is not threading.current_thread():
+                lane.thread.join(timeout)
         self._thread = None
 
-    # -- the thread -------------------------------------------------------------
+    # -- the threads --------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                wait = self.tick()
+                wait = self._schedule()
             except Exception:  # never die silently: log, and keep keeping
                 log.exception("lease keeper tick failed")
                 wait = 0.05
@@ -120,51 +180,92 @@ class LeaseKeeper:
                 self._wake_at = math.inf
             self._wake.clear()
 
-    def tick(self) -> float:
-        """Extend what is due; return seconds until the next thing is due."""
-        now = self.clock.monotonic()
-        batches: dict[int, tuple[LockBackend, list[Lease]]] = {}
-        next_wake = 1.0
+    def _schedule(self) -> float:
+        """The scheduler's tick: hand each backend's due leases to that backend's lane."""
         with self._mutex:
-            for lease, due in list(self._due.items()):
-                if lease.released or lease.lost:
-                    if not lease.released and lease.remaining() <= 0:
-                        lease.mark_lost(
-                            LeaseLost(
-                                "lease deadline passed before extension",
-                                key=lease.key,
-                                fence=lease.fence,
-                            )
-                        )
-                    del self._due[lease]
-                    continue
-                # Coalesce: whatever falls due within half an interval goes in this batch.
-                interval = lease.ttl * self.fraction
-                if due - now <= interval / 2:
-                    batches.setdefault(id(lease.backend), (lease.backend, []))[1].append(lease)
-                    self._due[lease] = now + interval
-                    next_wake = min(next_wake, interval)
-                else:
-                    next_wake = min(next_wake, due - now)
+            busy = {bid for bid, lane in self._lanes.items() if lane.busy}
+            batches, wait = self._collect(self.clock.monotonic(), busy)
+            for bid, (backend, leases) in batches.items():
+                lane = self._lanes.get(bid)
+                if lane is None or not lane.thread.is_alive():
+                    lane = self._lanes[bid] = _Lane(self, f"{self.name}:{backend.name}")
+                lane.submit(backend, leases)
+        return wait
+
+    def tick(self) -> float:
+        """Extend what is due in the calling thread; return seconds until the next thing is due.
+
+        For callers (and tests) that drive a stopped keeper themselves.
+        """
+        with self._mutex:
+            batches, wait = self._collect(self.clock.monotonic(), set())
         for backend, leases in batches.values():
             self._extend_batch(backend, leases)
-        return max(0.001, next_wake)
+        if batches:  # what was just sent has a new due time (a retry comes sooner)
+            with self._mutex:
+                now = self.clock.monotonic()
+                wait = min([wait, *(due - now for due in self._due.values())])
+        return max(0.001, wait)
+
+    def _collect(
+        self, now: float, busy: set[int]
+    ) -> tuple[dict[int, tuple[LockBackend, list[Lease]]], float]:
+        """Due leases per backend (skipping busy backends); mark leases past their deadline."""
+        batches: dict[int, tuple[LockBackend, list[Lease]]] = {}
+        next_wake = 1.0
+        for lease, due in list(self._due.items()):
+            if lease.released or lease.lost:
+                if not lease.released and lease.remaining() <= 0:
+                    lease.mark_lost(
+                        LeaseLost(
+                            "lease deadline passed before an extension was confirmed",
+                            key=lease.key,
+                            fence=lease.fence,
+                        )
+                    )
+                del self._due[lease]
+                continue
+            # Wake at the deadline at the latest, to declare the loss on time even while
+            # this lease's backend hangs in an extension.
+            next_wake = min(next_wake, lease.remaining())
+            bid = id(lease.backend)
+            if bid in busy:
+                continue  # its lane wakes us when the call in flight returns
+            if due == math.inf:  # sent to a lane that stopped before its call: due now
+                due = now
+            interval = lease.ttl * self.fraction
+            if due - now <= interval * COALESCE_FRACTION:
+                batches.setdefault(bid, (lease.backend, []))[1].append(lease)
+                self._due[lease] = math.inf  # in flight: _extend_batch sets the next due
+            else:
+                next_wake = min(next_wake, due - now)
+        return batches, max(0.001, next_wake)
 
     def _extend_batch(self, backend: LockBackend, leases: list[Lease]) -> None:
         started = self.clock.monotonic()
         try:
-            backend.extend_many(leases)  # marks refused leases lost itself
+            backend.extend_many(leases)  # marks the leases it refused lost itself
         except Exception as exc:
+            # Unknown outcome, not a refusal: the lease may well still be ours. Try again
+            # soon; only the deadline (or a refusal) makes it lost.
             log.warning(
-                "lease extension failed on %s for %d lease(s): %s",
+                "lease extension failed on %s for %d lease(s), retrying: %s",
                 backend.name,
                 len(leases),
                 type(exc).__name__,
             )
-            for lease in leases:
-                lease.mark_lost(
-                    LeaseLost("lease extension failed", key=lease.key, fence=lease.fence, cause=exc)
-                )
+            now = self.clock.monotonic()
+            self._set_due(
+                leases,
+                lambda le: now + max(MIN_RETRY_DELAY, le.ttl * self.fraction * RETRY_FRACTION),
+            )
             return
+        self._set_due(leases, lambda le: started + le.ttl * self.fraction)
         if self.on_extend is not None:
             self.on_extend(backend.name, self.clock.monotonic() - started, len(leases))
+
+    def _set_due(self, leases: list[Lease], when: Callable[[Lease], float]) -> None:
+        with self._mutex:
+            for lease in leases:
+                if lease in self._due:  # not dropped meanwhile
+                    self._due[lease] = when(lease)

@@ -1,32 +1,49 @@
 """Idempotency keys, the lock-gated executor and @singleton_task for Celery."""
 
-from jobfence.tasks.celery_task import HEADER, SingletonTask, singleton_task
+from jobfence.tasks.celery_task import HEADER, JobNotSettled, SingletonTask, singleton_task
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.effects import EffectTx, SqlEffects, make_engine
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
+    BadArguments,
     DuplicateJob,
     IdempotencyConflict,
+    TaskDefinitionError,
     TaskError,
 )
-from jobfence.tasks.executor import DUPLICATE, SUPERSEDED, Executor, JobSpec, Outcome
+from jobfence.tasks.executor import (
+    DROPPED,
+    DUPLICATE,
+    SUPERSEDED,
+    Executor,
+    JobSpec,
+    Outcome,
+    Redelivery,
+    RedeliveryLimitReached,
+)
 from jobfence.tasks.runtime import Runtime, install, runtime_for
 
 __all__ = [
+    "DROPPED",
     "DUPLICATE",
     "HEADER",
     "SUPERSEDED",
     "ArgumentsNotSerializable",
+    "BadArguments",
     "DuplicateJob",
     "EffectTx",
     "Executor",
     "IdempotencyConflict",
     "JobContext",
+    "JobNotSettled",
     "JobSpec",
     "Outcome",
+    "Redelivery",
+    "RedeliveryLimitReached",
     "Runtime",
     "SingletonTask",
     "SqlEffects",
+    "TaskDefinitionError",
     "TaskError",
     "current_job",
     "current_lease",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -14,20 +16,37 @@ from celery.utils import uuid
 from jobfence.locks.errors import LockError
 from jobfence.locks.lease import Lease
 from jobfence.tasks.context import JobContext, current_job, current_lease
-from jobfence.tasks.errors import ArgumentsNotSerializable
-from jobfence.tasks.executor import CONFLICT_POLICIES, ConflictPolicy, JobSpec
+from jobfence.tasks.errors import ArgumentsNotSerializable, TaskDefinitionError, TaskError
+from jobfence.tasks.executor import (
+    CONFLICT_POLICIES,
+    LEASE_LOST_POLICIES,
+    ConflictPolicy,
+    JobSpec,
+    LeaseLostPolicy,
+    Outcome,
+)
 from jobfence.tasks.keys import KeySelector, bind_arguments, identity
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
+#: How often the job came back because its fate was unknown (apart from Celery's retries).
+REDELIVERIES = "jobfence_redeliveries"
 PASSTHROUGH = (Retry, Ignore, Reject)
+
+log = logging.getLogger(__name__)
+
+
+class JobNotSettled(TaskError):
+    """Eager or direct call: the job's fate is unknown and there is no broker to come back
+    through (lock server unavailable, lease lost, commit unanswered). Call it again."""
 
 
 class SingletonTask(Task):  # type: ignore[misc]
     """A Celery task that runs at most once at a time per key, and takes effect once.
 
     Options (class attributes, or keywords of @singleton_task): `jobfence_key`,
-    `jobfence_ttl`, `on_conflict`, `wait_timeout`, `result_ttl`, `dedupe_on_publish`.
+    `jobfence_ttl`, `on_conflict`, `wait_timeout`, `result_ttl`, `dedupe_on_publish`,
+    `on_lease_lost`.
     """
 
     acks_late = True
@@ -36,6 +55,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     jobfence_key: KeySelector = None
     jobfence_ttl: float | None = None
     on_conflict: ConflictPolicy = "skip"
+    on_lease_lost: LeaseLostPolicy = "redeliver"
     wait_timeout: float | None = None
     result_ttl: float | None = None
     dedupe_on_publish: bool = False
@@ -56,8 +76,9 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def identity(self, args: Any, kwargs: Any, explicit: str | None = None) -> tuple[str, str]:
         """(job key, argument fingerprint) for these arguments."""
+        # Bound first: a wrong argument is the caller's TypeError, whatever the runtime's state.
+        arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}), name=self.name)
         secret = self._runtime().settings.secret_bytes()
-        arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}))
         return identity(secret, self.name, arguments, selector=self.jobfence_key, explicit=explicit)
 
     # -- publishing --------------------------------------------------------------
@@ -77,7 +98,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 raise ArgumentsNotSerializable("idempotency_key must be a non-empty string")
             headers[HEADER] = explicit
         key, _ = self.identity(args, kwargs, headers.get(HEADER))  # refuses non-JSON arguments
-        if self.dedupe_on_publish and not self.app.conf.task_always_eager:
+        redelivery = REDELIVERIES in headers  # the same task id again: no claim to make
+        if self.dedupe_on_publish and not self.app.conf.task_always_eager and not redelivery:
             task_id = task_id or uuid()
             rt = self._runtime()
             held = rt.backend.claim_publish(key, task_id, self._dedupe_ttl(rt, options))
@@ -110,7 +132,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _gated(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rt = self._runtime()
         req = self.request
-        explicit = (req.headers or {}).get(HEADER) or getattr(req, HEADER, None)
+        headers = req.headers or {}
+        explicit = headers.get(HEADER) or getattr(req, HEADER, None)
+        redeliveries = int(headers.get(REDELIVERIES) or getattr(req, REDELIVERIES, 0) or 0)
         key, fp = self.identity(args, kwargs, explicit)
         s = rt.settings
         spec = JobSpec(
@@ -122,6 +146,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             result_ttl=self.result_ttl or s.result_ttl,
             on_conflict=self.on_conflict,
             wait_timeout=s.acquire_timeout if self.wait_timeout is None else self.wait_timeout,
+            on_lease_lost=self.on_lease_lost,
+            redeliveries=redeliveries,
         )
         try:
             out = rt.executor.run(
@@ -143,7 +169,35 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise Ignore()
         if out.status == "retry":
             raise self.retry(countdown=countdown)
+        if out.status == "redeliver":
+            self._redeliver(out, key, redeliveries, countdown)
         return out.value
+
+    def _redeliver(self, out: Outcome, key: str, redeliveries: int, countdown: float) -> None:
+        """Publish this message again, same id and key, counted apart from `max_retries`.
+
+        A new message survives a broker restart and carries its countdown and count; the
+        current one is then acked (Ignore). If the publish fails, the current message goes
+        back to the broker instead (Reject with requeue): never dropped.
+        """
+        req = self.request
+        if req.called_directly or req.is_eager:
+            raise JobNotSettled(f"{out.reason}; call it again", key=key, fence=out.fence)
+        headers = {**(req.headers or {}), REDELIVERIES: redeliveries + 1}
+        log.warning(
+            "redelivering %s[%s] in %.2fs (redelivery %d): %s",
+            self.name,
+            req.id,
+            countdown,
+            redeliveries + 1,
+            out.reason,
+        )
+        try:
+            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
+        except Exception as exc:
+            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore()
 
     def retry(
         self,
@@ -170,6 +224,64 @@ class SingletonTask(Task):  # type: ignore[misc]
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
+def _normalise_key(key: Any) -> KeySelector:
+    """`key="payment_id"` means that one argument; a list or tuple, those; else a callable."""
+    if key is None or callable(key):
+        return key  # type: ignore[no-any-return]
+    if isinstance(key, str):
+        key = (key,)
+    if not isinstance(key, list | tuple) or not all(isinstance(k, str) for k in key):
+        raise TaskDefinitionError(
+            f"key must be an argument name, a list of argument names or a callable, "
+            f"got {type(key).__name__}"
+        )
+    if not key:
+        raise TaskDefinitionError(
+            "key=[] names no argument, so every call would share one key; "
+            "name the arguments that make a job unique, or leave key=None for all of them"
+        )
+    return tuple(key)
+
+
+def _check_key_names(func: Callable[..., Any], key: KeySelector, *, bound: bool) -> None:
+    """Refuse, at decoration, a key naming something that is not a parameter of `func`, or
+    a key callable that cannot take `func`'s arguments by name."""
+    if key is None or isinstance(key, str):
+        return
+    params = list(inspect.signature(func).parameters.values())
+    if bound and params:
+        params = params[1:]  # `self`, the task: never part of a key
+    names = [p.name for p in params]
+    if callable(key):
+        _check_key_callable(func, key, names)
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return  # any name may arrive through **kwargs
+    for k in key:
+        if k not in names:
+            close = difflib.get_close_matches(k, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TaskDefinitionError(
+                f"key names {k!r}, which is not a parameter of "
+                f"{func.__name__}({', '.join(names)}){hint}"
+            )
+
+
+def _check_key_callable(
+    func: Callable[..., Any], key: Callable[..., Any], names: list[str]
+) -> None:
+    try:
+        inspect.signature(key).bind(**dict.fromkeys(names))
+    except TypeError as exc:
+        raise TaskDefinitionError(
+            f"key callable {getattr(key, '__name__', key)!r} is called with the arguments of "
+            f"{func.__name__}({', '.join(names)}) by name, and {exc}; "
+            "accept them all (add **_ for those it ignores)"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): it is tried at publish
+        return
+
+
 @overload
 def singleton_task(fn: Callable[..., Any], /) -> SingletonTask: ...
 
@@ -181,6 +293,7 @@ def singleton_task(
     key: KeySelector = None,
     ttl: float | None = None,
     on_conflict: ConflictPolicy = "skip",
+    on_lease_lost: LeaseLostPolicy = "redeliver",
     wait_timeout: float | None = None,
     result_ttl: float | None = None,
     dedupe_on_publish: bool = False,
@@ -195,6 +308,7 @@ def singleton_task(
     key: KeySelector = None,
     ttl: float | None = None,
     on_conflict: ConflictPolicy = "skip",
+    on_lease_lost: LeaseLostPolicy = "redeliver",
     wait_timeout: float | None = None,
     result_ttl: float | None = None,
     dedupe_on_publish: bool = False,
@@ -203,21 +317,36 @@ def singleton_task(
 ) -> Any:
     """Like `shared_task` (or `app.task` with `app=`), gated by jobfence.
 
-    `key`: argument names (or a callable of the arguments) that make a job unique;
-    `on_conflict`: skip | wait | retry | raise. Celery options pass through unchanged.
+    `key`: the argument name (`"payment_id"`), argument names, or a callable of the
+    arguments that make a job unique; a name that is no parameter is refused here;
+    `on_conflict`: skip | wait | retry | raise. `on_lease_lost`: redeliver (default: a lease
+    lost with no proof of a newer holder delivers the job again) | drop (at most once, for
+    effects that cannot be fenced). Celery options pass through unchanged.
     """
     if on_conflict not in CONFLICT_POLICIES:
-        raise ValueError(f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}")
+        raise TaskDefinitionError(
+            f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
+        )
+    if on_lease_lost not in LEASE_LOST_POLICIES:
+        raise TaskDefinitionError(
+            f"on_lease_lost must be one of {LEASE_LOST_POLICIES}, got {on_lease_lost!r}; "
+            "'drop' runs the job at most once, 'redeliver' (the default) never loses it"
+        )
     for name, value in (("ttl", ttl), ("wait_timeout", wait_timeout), ("result_ttl", result_ttl)):
         if value is not None and value <= 0 and not (name == "wait_timeout" and value == 0):
-            raise ValueError(f"{name} must be positive seconds, got {value!r}")
+            raise TaskDefinitionError(f"{name} must be positive seconds, got {value!r}")
     if celery_options.get("serializer", "json") != "json":
-        raise ValueError("singleton tasks use the json serializer; pickle runs broker data")
+        raise TaskDefinitionError(
+            "singleton tasks use the json serializer; pickle runs broker data"
+        )
+    key = _normalise_key(key)
     options = {
         "base": base,
-        "jobfence_key": key,
+        # Options become class attributes: a plain function there would be bound as a method.
+        "jobfence_key": staticmethod(key) if callable(key) else key,
         "jobfence_ttl": ttl,
         "on_conflict": on_conflict,
+        "on_lease_lost": on_lease_lost,
         "wait_timeout": wait_timeout,
         "result_ttl": result_ttl,
         "dedupe_on_publish": dedupe_on_publish,
@@ -225,11 +354,7 @@ def singleton_task(
     }
 
     def decorate(func: Callable[..., Any]) -> Any:
-        if isinstance(key, list | tuple):
-            params = inspect.signature(func).parameters
-            unknown = [k for k in key if k not in params]
-            if unknown:
-                raise ValueError(f"key names {unknown} are not parameters of {func.__name__}")
+        _check_key_names(func, key, bound=bool(celery_options.get("bind")))
         return (app.task(**options) if app is not None else shared_task(**options))(func)
 
     if fn:

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.backend import Busy, JobRecord, LockBackend, default_meta
-from jobfence.locks.errors import AcquireTimeout, LeaseLost, StaleFence
+from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LeaseLost, StaleFence
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
 from jobfence.tasks.context import JobContext, reset_current, set_current
-from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict
+from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, TaskError
 from jobfence.tasks.keys import canonical_json
 from jobfence.tasks.metrics import Metrics
 
@@ -22,12 +24,49 @@ log = logging.getLogger(__name__)
 
 ConflictPolicy = Literal["skip", "wait", "retry", "raise"]
 CONFLICT_POLICIES: tuple[str, ...] = ("skip", "wait", "retry", "raise")
-Status = Literal["ran", "replayed", "duplicate", "superseded", "defer", "retry"]
+LeaseLostPolicy = Literal["redeliver", "drop"]
+LEASE_LOST_POLICIES: tuple[str, ...] = ("redeliver", "drop")
+Status = Literal[
+    "ran", "replayed", "duplicate", "superseded", "defer", "retry", "redeliver", "dropped"
+]
 
 Observer = Callable[[str, "JobSpec", int | None], None]  # event, job, fence
 
 DUPLICATE = {"jobfence": "duplicate"}
 SUPERSEDED = {"jobfence": "superseded"}
+DROPPED = {"jobfence": "dropped"}
+
+#: Commit attempts (at least) when the reply to a commit is lost; more while the lease lasts.
+COMMIT_ATTEMPTS = 3
+
+
+class RedeliveryLimitReached(TaskError):
+    """A job's fate stayed unknown through every redelivery allowed; it is given up, logged."""
+
+
+@dataclass(frozen=True)
+class Redelivery:
+    """How a job whose fate is unknown comes back: doubling delays with jitter, and a bound.
+
+    `limit` redeliveries at most (then a FAILED record where it can be written, and an
+    error); delay n is uniform in [d/2, d] with d = min(cap, base * 2**n).
+    """
+
+    limit: int = 20
+    base: float = 1.0
+    cap: float = 60.0
+    rng: random.Random = field(default_factory=random.Random, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or self.base <= 0 or self.cap < self.base:
+            raise ValueError(
+                f"redelivery needs limit >= 0 and 0 < base <= cap, got limit={self.limit} "
+                f"base={self.base} cap={self.cap}"
+            )
+
+    def delay(self, attempt: int) -> float:
+        step = min(self.cap, self.base * (2 ** min(attempt, 32)))
+        return float(step / 2 + self.rng.uniform(0, step / 2))
 
 
 @dataclass(frozen=True)
@@ -42,16 +81,24 @@ class JobSpec:
     task_id: str = ""
     on_conflict: ConflictPolicy = "skip"
     wait_timeout: float = 10.0
+    on_lease_lost: LeaseLostPolicy = "redeliver"
+    redeliveries: int = 0  # how often this job already came back with its fate unknown
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What happened to one delivery. `countdown` is set for `defer` and `retry`."""
+    """What happened to one delivery. `countdown` is set for `defer`, `retry`, `redeliver`.
+
+    `redeliver`: the job's fate is unknown (lock server unavailable, lease lost without
+    proof of a newer holder, commit outcome unknown); deliver it again with the same key,
+    never drop it. `reason` says why, for logs.
+    """
 
     status: Status
     value: Any = None
     fence: int | None = None
     countdown: float = 0.0
+    reason: str = ""
 
 
 class Executor:
@@ -68,11 +115,13 @@ class Executor:
         *,
         backoff: Backoff,
         metrics: Metrics | None = None,
+        redelivery: Redelivery | None = None,
     ) -> None:
         self.observers: list[Observer] = []  # told of every event: started, done, replayed...
         self.backend = backend
         self.keeper = keeper
         self.backoff = backoff
+        self.redelivery = redelivery or Redelivery()
         self.metrics = metrics or Metrics()
 
     def run(
@@ -97,9 +146,11 @@ class Executor:
             value = body(ctx)
             # Inside the try: an unstorable result is a failure that must release the lease.
             result = canonical_json(value, what=f"the result of {spec.name}")
-        except (StaleFence, LeaseLost) as exc:
+        except StaleFence as exc:  # proof: a newer holder wrote
             self._superseded(spec, lease, exc)
             return Outcome("superseded", SUPERSEDED, lease.fence)
+        except LeaseLost as exc:  # proof still to find
+            return self._lease_lost(spec, lease, exc)
         except passthrough:
             self.release(lease)
             self._note("released", spec, lease.fence)
@@ -116,13 +167,26 @@ class Executor:
             raise
         finally:
             reset_current(token)
-        self._finish(spec, lease, "DONE", result)
+        stored = self._finish(spec, lease, "DONE", result)
+        if stored is None:
+            # The body ran; whether its DONE record exists is unknown. Deliver again: the
+            # next delivery replays the record, or runs the body again (fenced, idempotent).
+            return self._redeliver(spec, "commit outcome unknown", lease.fence)
         self.metrics.executions.labels(spec.name, "done").inc()
         self._note("done", spec, lease.fence)
         return Outcome("ran", value, lease.fence)
 
     def begin(self, spec: JobSpec) -> Lease | Outcome:
-        """Acquire the job's lease, or say why not (replay, duplicate, defer, retry)."""
+        """Acquire the job's lease, or say why not (replay, duplicate, defer, retry, redeliver)."""
+        try:
+            return self._begin(spec)
+        except BackendUnavailable as exc:
+            log.warning(
+                "lock server unavailable before job %s ran: %s", spec.key, type(exc).__name__
+            )
+            return self._redeliver(spec, "lock server unavailable before the body ran", None)
+
+    def _begin(self, spec: JobSpec) -> Lease | Outcome:
         clock = self.backend.clock
         started = clock.monotonic()
         deadline = started + spec.wait_timeout
@@ -137,6 +201,12 @@ class Executor:
                 return got
             if isinstance(got, JobRecord):
                 return self._replay(spec, got)
+            if got.fingerprint and spec.fingerprint and got.fingerprint != spec.fingerprint:
+                raise IdempotencyConflict(
+                    "idempotency key in use by a running job with different arguments; use "
+                    "a new key or the original arguments",
+                    key=spec.key,
+                )
             if spec.task_id and got.task_id == spec.task_id:
                 # Our own earlier delivery holds it (redelivered or crashed): come back when
                 # its lease ends. Dropping this copy could lose the job if that holder died.
@@ -192,17 +262,42 @@ class Executor:
             "replayed", json.loads(record.result) if record.result else None, record.fence
         )
 
-    def _finish(self, spec: JobSpec, lease: Lease, state: str, result: str) -> None:
+    def _finish(self, spec: JobSpec, lease: Lease, state: str, result: str) -> bool | None:
+        """Commit the record: True if stored, False if the lease was not ours, None if unknown.
+
+        A commit whose reply is lost (timeout, connection error) may have run. It is
+        owner-checked, so it can be sent again: a repeat of one that ran finds no lock, and
+        the record then says whether it was ours.
+        """
         self.keeper.drop(lease)
         if lease.released:
-            return
-        stored = self.backend.commit(
-            lease,
-            state=state,
-            result=result,
-            fingerprint=spec.fingerprint,
-            result_ttl=spec.result_ttl,
-        )
+            return False
+        attempt = 0
+        while True:
+            try:
+                stored = self.backend.commit(
+                    lease,
+                    state=state,
+                    result=result,
+                    fingerprint=spec.fingerprint,
+                    result_ttl=spec.result_ttl,
+                )
+                if not stored and attempt:
+                    stored = self._stored_by(lease, state)
+                break
+            except BackendUnavailable as exc:
+                attempt += 1
+                if attempt >= COMMIT_ATTEMPTS and lease.remaining() <= 0:
+                    log.warning(
+                        "job %s: %s commit outcome unknown after %d attempts (fence=%s): %s",
+                        spec.key,
+                        state,
+                        attempt,
+                        lease.fence,
+                        type(exc).__name__,
+                    )
+                    return None
+                self.backend.clock.sleep(max(self.backoff.delay(attempt), 0.01))
         if not stored:
             log.warning(
                 "job %s finished after its lease was lost; %s record not stored (fence=%s)",
@@ -210,6 +305,96 @@ class Executor:
                 state,
                 lease.fence,
             )
+        return stored
+
+    def _stored_by(self, lease: Lease, state: str) -> bool:
+        """After a repeated commit found no lock: did the first one store our record?"""
+        record = self.backend.job_record(lease.key)
+        return record is not None and record.state == state and record.fence == lease.fence
+
+    def _lease_lost(self, spec: JobSpec, lease: Lease, exc: LeaseLost) -> Outcome:
+        """The body stopped on a lost lease: superseded only with proof, else redeliver."""
+        self.keeper.drop(lease)
+        try:
+            proof = self._newer_holder(spec, lease)
+        except BackendUnavailable:
+            proof = None
+        if proof is not None:
+            self._superseded(spec, lease, exc)
+            return Outcome("superseded", SUPERSEDED, lease.fence)
+        self._release_quietly(lease)
+        self.metrics.executions.labels(spec.name, "lease_lost").inc()
+        self._note("lease_lost", spec, lease.fence)
+        if spec.on_lease_lost == "drop":
+            log.error(
+                "job %s dropped after its lease was lost (fence=%s, on_lease_lost='drop'): "
+                "it may have run in part and will not run again",
+                spec.key,
+                lease.fence,
+            )
+            return Outcome("dropped", DROPPED, lease.fence)
+        log.warning(
+            "job %s lost its lease with no newer holder in sight (fence=%s): delivering again",
+            spec.key,
+            lease.fence,
+        )
+        return self._redeliver(spec, "lease lost without proof of a newer holder", lease.fence)
+
+    def _newer_holder(self, spec: JobSpec, lease: Lease) -> str | None:
+        """What proves the job moved on: a DONE record, or another owner on the lock."""
+        record = self.backend.job_record(spec.key)
+        if record is not None and record.state == "DONE":
+            return "done"
+        info = self.backend.inspect(spec.key)
+        if info is not None and info.fence != lease.fence:
+            return "held"
+        return None
+
+    def _release_quietly(self, lease: Lease) -> None:
+        # Owner-checked: frees the lock if the server still has it as ours; else it expires.
+        with contextlib.suppress(BackendUnavailable):
+            self.release(lease)
+
+    def _redeliver(self, spec: JobSpec, reason: str, fence: int | None) -> Outcome:
+        """Deliver the job again later; past the bound, record FAILED if possible and raise."""
+        if spec.redeliveries >= self.redelivery.limit:
+            return self._give_up(spec, reason)
+        self._note("redeliver", spec, fence)
+        return Outcome(
+            "redeliver",
+            fence=fence,
+            countdown=self.redelivery.delay(spec.redeliveries),
+            reason=reason,
+        )
+
+    def _give_up(self, spec: JobSpec, reason: str) -> Outcome:
+        """The last look: DONE replays, a live holder is a duplicate; else FAILED and raise."""
+        message = (
+            f"job given up after {spec.redeliveries} redeliveries ({reason}); "
+            "raise JOBFENCE_REDELIVERY_LIMIT or fix the lock server, then submit it again"
+        )
+        try:  # a FAILED record where one can be written, so the job's end is on record
+            got = self.backend.begin(
+                spec.key, spec.ttl, meta=default_meta(spec.task_id, spec.name), record=True
+            )
+            if isinstance(got, JobRecord):
+                return self._replay(spec, got)
+            if isinstance(got, Busy):
+                return Outcome("duplicate", DUPLICATE)
+            failed = {"error": "RedeliveryLimitReached", "message": message}
+            self.backend.commit(
+                got,
+                state="FAILED",
+                result=canonical_json(failed),
+                fingerprint=spec.fingerprint,
+                result_ttl=spec.result_ttl,
+            )
+        except BackendUnavailable:
+            pass
+        self.metrics.executions.labels(spec.name, "given_up").inc()
+        self._note("given_up", spec, None)
+        log.error("job %s %s", spec.key, message)
+        raise RedeliveryLimitReached(message, key=spec.key)
 
     def _superseded(self, spec: JobSpec, lease: Lease, exc: BaseException) -> None:
         if isinstance(exc, StaleFence):
@@ -222,4 +407,4 @@ class Executor:
         )
         self.metrics.executions.labels(spec.name, "superseded").inc()
         self._note("stale" if isinstance(exc, StaleFence) else "superseded", spec, lease.fence)
-        self.release(lease)
+        self._release_quietly(lease)

@@ -13,7 +13,7 @@ from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
 from jobfence.tasks.effects import SqlEffects, make_engine
 from jobfence.tasks.errors import NotInstalled
-from jobfence.tasks.executor import Executor
+from jobfence.tasks.executor import Executor, Redelivery
 from jobfence.tasks.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,9 @@ class Runtime:
             self.keeper,
             backoff=Backoff(settings.backoff_base, settings.backoff_cap),
             metrics=self.metrics,
+            redelivery=Redelivery(
+                limit=settings.redelivery_limit, base=settings.redelivery_delay
+            ),
         )
 
         self._effects: SqlEffects | None = None

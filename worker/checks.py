@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -15,8 +15,10 @@ from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings
-from jobfence.config.settings import ENV_PREFIX
+from jobfence.config.settings import ENV_PREFIX, unknown_variables
+from jobfence.config.urls import check_url, redact
 from jobfence.locks import RedisBackend
+from jobfence.locks.backends.redis import tls_hint
 from jobfence.tasks import Runtime, SingletonTask
 
 EX_CONFIG = 78  # sysexits.h: configuration error
@@ -51,15 +53,6 @@ class StartupRefused(UnsafeSettings):
         self.args = ("\n".join(f"  - {f}" for f in findings),)
 
 
-def redact(url: str) -> str:
-    """`url` without its password, fit for a log line."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
 
 def _refuse(setting: str, problem: str, fix: str) -> Finding:
     return Finding(True, setting, problem, fix)
@@ -82,7 +75,7 @@ def check_serializers(conf: Any) -> Iterator[Finding]:
             "accept_content / task_serializer / result_serializer",
             f"the app accepts or sends {bad}: pickle (and yaml, msgpack extensions) run or "
             "decode arbitrary data from the broker",
-            f"accept and send only json ({ENV_PREFIX}ACCEPT_CONTENT='[\"json\"]')",
+            f"accept and send only json ({ENV_PREFIX}ACCEPT_CONTENT=json)",
         )
 
 
@@ -132,10 +125,11 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     try:
         backend.client.ping()
     except RedisError as exc:
+        hint = tls_hint(exc) if urlsplit(settings.lock_url).scheme == "rediss" else None
         yield _refuse(
             setting,
             f"cannot reach the lock server at {redact(settings.lock_url)}: {exc}",
-            "start it, or fix the URL",
+            hint or "start it, or fix the URL",
         )
         return
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
@@ -151,7 +145,15 @@ def _same_server(a: str, b: str) -> bool:
 def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     """A Redis broker that evicts loses messages: refuse it (skipped if it is the lock server)."""
     url = str(conf.broker_url or "")
-    if urlsplit(url).scheme not in REDIS_SCHEMES or _same_server(url, runtime.settings.lock_url):
+    if urlsplit(url).scheme not in REDIS_SCHEMES:
+        return
+    try:  # the app's own broker_url need not have passed Settings' checks
+        check_url(url, variable="broker_url", schemes=None, what="broker URL",
+                  example="redis://127.0.0.1:6379/1")
+    except UnsafeSettings as bad:
+        yield _refuse(bad.field, bad.problem, bad.fix)
+        return
+    if _same_server(url, runtime.settings.lock_url):
         return
     timeout = runtime.settings.socket_timeout
     client = redis.Redis.from_url(
@@ -228,6 +230,16 @@ def check_delivery(conf: Any) -> Iterator[Finding]:
         )
 
 
+def check_environment(environ: Mapping[str, str] | None = None) -> Iterator[Finding]:
+    """Warn about JOBFENCE_* variables jobfence never reads: a typo leaves a default in force."""
+    for name, close in unknown_variables(environ):
+        yield _warn(
+            name,
+            "is not a jobfence setting, so it is ignored",
+            f"did you mean {close}?" if close else "remove it, or see the README's Settings table",
+        )
+
+
 def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
     """Every finding for `app` (talks to the lock server and a Redis broker)."""
     conf = app.conf
@@ -237,6 +249,7 @@ def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
         *check_timeouts(conf, runtime, app.tasks.values()),
         *check_lock_backend(conf, runtime),
         *check_broker(conf, runtime),
+        *check_environment(),
     ]
 
 

@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -59,6 +59,11 @@ class RedisServer:
     ``restart()`` comes back on the same port (with an empty data set). Its files (log,
     stdout/stderr) go to ``workdir`` if given (kept), else to a temporary directory that
     ``stop()`` deletes.
+
+    For fault tests: ``bind`` lists the addresses it listens on (the first is the one its
+    clients and ``url`` use; others, such as a veth address, serve ``url_for``);
+    ``prefix_command`` runs it under a wrapper (``ip netns exec NAME``, say) and ``env``
+    adds variables to its environment (``LD_PRELOAD`` of a clock faker, say).
     """
 
     def __init__(
@@ -69,8 +74,16 @@ class RedisServer:
         extra_args: Sequence[str] = (),
         startup_timeout: float = 10.0,
         workdir: str | os.PathLike[str] | None = None,
+        bind: Sequence[str] = (HOST,),
+        prefix_command: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        if not bind:
+            raise ValueError("bind must list at least one address, e.g. ('127.0.0.1',)")
         self._port: int | None = port
+        self._bind = tuple(bind)
+        self._prefix_command = tuple(prefix_command)
+        self._env = dict(env) if env is not None else None
         self._executable = executable
         self._extra_args = tuple(extra_args)
         self._startup_timeout = startup_timeout
@@ -92,11 +105,18 @@ class RedisServer:
 
     @property
     def host(self) -> str:
-        return HOST
+        """The address clients of this object connect to: the first of ``bind``."""
+        return self._bind[0]
 
     def db_url(self, db: int) -> str:
         """``redis://`` URL of database ``db`` of this server."""
-        return f"redis://{HOST}:{self.port}/{db}"
+        return self.url_for(self.host, db)
+
+    def url_for(self, host: str, db: int = 0) -> str:
+        """``redis://`` URL of database ``db`` through ``host``, one of the bound addresses."""
+        if host not in self._bind:
+            raise ValueError(f"host {host!r} is not one of the bound addresses {self._bind}")
+        return f"redis://{host}:{self.port}/{db}"
 
     @property
     def url(self) -> str:
@@ -163,7 +183,7 @@ class RedisServer:
         attempts = 5 if choose_port else 1
         for attempt in range(attempts):
             if choose_port:
-                self._port = free_port()
+                self._port = free_port(self.host)
             try:
                 self._spawn_and_wait()
                 return self
@@ -179,9 +199,10 @@ class RedisServer:
     def _command(self) -> list[str]:
         assert self._workdir is not None and self._port is not None
         return [
+            *self._prefix_command,
             self._executable,
             "--port", str(self._port),
-            "--bind", HOST,
+            "--bind", *self._bind,
             "--daemonize", "no",
             "--save", "",
             "--appendonly", "no",
@@ -189,6 +210,9 @@ class RedisServer:
             "--maxmemory-policy", "noeviction",
             "--logfile", str(self.log_path),
             "--loglevel", "notice",
+            # Protected mode refuses clients from any address but loopback; a server bound
+            # to another address (a test's private veth link) is meant to serve them.
+            *(["--protected-mode", "no"] if self._bind != (HOST,) else []),
             *self._extra_args,
         ]  # fmt: skip
 
@@ -197,7 +221,8 @@ class RedisServer:
         self._stdio = open(self.stdio_path, "ab")  # noqa: SIM115
         try:
             # A new session: Ctrl-C in the terminal must not hit the server first.
-            proc = procs.spawn(self._command(), stdout=self._stdio)
+            env = {**os.environ, **self._env} if self._env is not None else None
+            proc = procs.spawn(self._command(), stdout=self._stdio, env=env)
         except OSError as exc:
             self._close_stdio()
             raise RedisServerError(f"cannot run {self._executable!r}: {exc}") from exc
@@ -209,7 +234,7 @@ class RedisServer:
         self._finalizer = weakref.finalize(self, _kill_and_reap, proc, owned_dir)
 
         probe = redis.Redis(
-            host=HOST,
+            host=self.host,
             port=self.port,
             socket_timeout=1.0,
             socket_connect_timeout=1.0,
@@ -321,7 +346,7 @@ class RedisServer:
             "retry": Retry(NoBackoff(), 0),
         }
         options.update(kwargs)
-        client = redis.Redis(host=HOST, port=self.port, **options)
+        client = redis.Redis(host=self.host, port=self.port, **options)
         self._clients.append(client)
         return client
 
@@ -346,4 +371,4 @@ class RedisServer:
 
     def __repr__(self) -> str:
         state = "paused" if self._paused else ("running" if self.running else "stopped")
-        return f"<RedisServer {HOST}:{self._port} {state}>"
+        return f"<RedisServer {self.host}:{self._port} {state}>"

@@ -22,6 +22,7 @@ class _Held:
     meta: OwnerMeta
     acquired: float
     heartbeat: float
+    fingerprint: str = ""
 
 
 class MemoryBackend(LockBackend):
@@ -58,11 +59,13 @@ class MemoryBackend(LockBackend):
                     return rec[0]
             h = self._live(key)
             if h is not None:
-                return Busy(ttl_left=h.expires - now, task_id=h.meta.task_id)
+                return Busy(
+                    ttl_left=h.expires - now, task_id=h.meta.task_id, fingerprint=h.fingerprint
+                )
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
             self._held[key] = _Held(
-                owner, fence, now + ttl_ms / 1000, meta, time.time(), time.time()
+                owner, fence, now + ttl_ms / 1000, meta, time.time(), time.time(), fingerprint
             )
             return fence
 

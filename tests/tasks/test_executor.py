@@ -13,11 +13,13 @@ import pytest
 
 from jobfence.locks import (
     AcquireTimeout,
+    BackendUnavailable,
     Backoff,
     Lease,
     LeaseKeeper,
     LockBackend,
     LockError,
+    MemoryBackend,
     NotOwner,
     StaleFence,
 )
@@ -33,6 +35,7 @@ from jobfence.tasks import (
     current_job,
     current_lease,
 )
+from jobfence.tasks.executor import DROPPED, Redelivery, RedeliveryLimitReached
 from jobfence.tasks.metrics import Metrics
 from tests.servers import wait_for
 from tests.tasks.conftest import spec_for, unique
@@ -123,6 +126,26 @@ def test_same_key_other_arguments_conflicts_and_nothing_runs(
     record = backend.job_record(key)
     assert record is not None and json.loads(record.result) == "original"
     assert backend.inspect(key) is None
+
+
+@pytest.mark.parametrize("policy", ["skip", "wait", "retry", "raise"])
+def test_same_key_other_arguments_conflicts_while_the_job_runs(
+    executor: Executor, backend: LockBackend, policy: str
+) -> None:
+    """The fingerprint travels with the lease: a conflict is told during the run too."""
+    key = unique()
+    holder = hold(backend, key, task_id="holder", fp="fp-original")
+    other = Calls("other")
+    with pytest.raises(IdempotencyConflict, match="running job with different arguments"):
+        executor.run(
+            spec_for(key, fingerprint="fp-other", on_conflict=policy, task_id="mine"), other
+        )
+    assert other.count == 0
+    info = backend.inspect(key)
+    assert info is not None and info.fence == holder.fence  # the holder is untouched
+    # The same arguments are a plain duplicate, as before.
+    same = executor.run(spec_for(key, fingerprint="fp-original", task_id="mine"), other)
+    assert same.status == "duplicate" and other.count == 0
 
 
 # -- busy: the conflict policies ---------------------------------------------------------
@@ -385,9 +408,10 @@ def test_commit_is_refused_when_the_lease_was_stolen(
     assert (replay.status, replay.value, replay.fence) == ("replayed", "fresh", thief[0].fence)
 
 
-def test_lost_lease_marks_check_and_the_keeper_drops_it(
+def test_lease_lost_without_a_newer_holder_is_redelivered_not_superseded(
     executor: Executor, backend: LockBackend
 ) -> None:
+    """No DONE record and no other owner: nothing proves the job moved on, so it comes back."""
     key = unique()
 
     def lose(ctx: JobContext) -> None:
@@ -395,8 +419,100 @@ def test_lost_lease_marks_check_and_the_keeper_drops_it(
         ctx.check()
 
     out = executor.run(spec_for(key), lose)
-    assert out.status == "superseded"
+    assert out.status == "redeliver" and out.countdown > 0
+    assert "without proof" in out.reason
     assert executor.keeper.held() == []
+    assert backend.inspect(key) is None  # still ours on the server: released for the next run
+    assert backend.job_record(key) is None
+
+
+def test_lease_lost_after_another_worker_finished_is_superseded(
+    executor: Executor, backend: LockBackend, request: pytest.FixtureRequest
+) -> None:
+    """A DONE record is proof the job moved on: no redelivery."""
+    key = unique()
+    other = _other_client(request, backend)
+
+    def overtaken(ctx: JobContext) -> None:
+        assert backend.force_release(key)
+        newer = hold(other, key, task_id="newer")
+        assert other.commit(newer, state="DONE", result='"theirs"', fingerprint="fp-" + key,
+                            result_ttl=60)
+        ctx.lease.extend()  # NotOwner
+
+    out = executor.run(spec_for(key, task_id="older"), overtaken)
+    assert (out.status, out.value) == ("superseded", SUPERSEDED)
+    record = backend.job_record(key)
+    assert record is not None and json.loads(record.result) == "theirs"
+
+
+def test_on_lease_lost_drop_gives_at_most_once(executor: Executor, backend: LockBackend) -> None:
+    key = unique()
+
+    def lose(ctx: JobContext) -> None:
+        ctx.lease.mark_lost(NotOwner("test", key=key))
+        ctx.check()
+
+    out = executor.run(spec_for(key, on_lease_lost="drop"), lose)
+    assert (out.status, out.value) == ("dropped", DROPPED)
+    assert backend.job_record(key) is None and backend.inspect(key) is None
+
+
+def test_redeliveries_back_off_with_jitter(backend: LockBackend, keeper: LeaseKeeper) -> None:
+    executor = Executor(
+        backend, keeper, backoff=Backoff(0.005, 0.05), redelivery=Redelivery(limit=9, base=0.5)
+    )
+    key = unique()
+
+    def lose(ctx: JobContext) -> None:
+        ctx.lease.mark_lost(NotOwner("test", key=key))
+        ctx.check()
+
+    delays = [executor.run(spec_for(key, redeliveries=n), lose).countdown for n in range(8)]
+    for n, delay in enumerate(delays):
+        step = min(60.0, 0.5 * 2**n)
+        assert step / 2 <= delay <= step, (n, delay)
+
+
+def test_past_the_redelivery_limit_the_job_fails_on_record(
+    backend: LockBackend, keeper: LeaseKeeper, caplog: pytest.LogCaptureFixture
+) -> None:
+    executor = Executor(
+        backend, keeper, backoff=Backoff(0.005, 0.05), redelivery=Redelivery(limit=3)
+    )
+    key = unique()
+
+    def lose(ctx: JobContext) -> None:
+        ctx.lease.mark_lost(NotOwner("test", key=key))
+        ctx.check()
+
+    assert executor.run(spec_for(key, redeliveries=2), lose).status == "redeliver"
+    with pytest.raises(RedeliveryLimitReached, match="JOBFENCE_REDELIVERY_LIMIT"):
+        executor.run(spec_for(key, redeliveries=3), lose)
+    record = backend.job_record(key)
+    assert record is not None and record.state == "FAILED"
+    assert json.loads(record.result)["error"] == "RedeliveryLimitReached"
+    assert any(r.levelname == "ERROR" and "given up" in r.getMessage() for r in caplog.records)
+    assert backend.inspect(key) is None
+    # A fresh submission may run it again (FAILED does not stop a new run).
+    assert executor.run(spec_for(key), Calls("ok")).status == "ran"
+
+
+class UnreachableBackend(MemoryBackend):
+    """The lock server does not answer: every begin times out."""
+
+    def _begin(self, *args: Any) -> Any:
+        raise BackendUnavailable("timed out (test)")
+
+
+def test_lock_server_unavailable_before_the_body_redelivers(
+    keeper: LeaseKeeper, metrics: Metrics
+) -> None:
+    executor = Executor(UnreachableBackend(), keeper, backoff=Backoff(0.005, 0.05))
+    body = Calls("x")
+    out = executor.run(spec_for(unique()), body)
+    assert out.status == "redeliver" and out.countdown > 0 and body.count == 0
+    assert "unavailable" in out.reason
 
 
 # -- the body's view -----------------------------------------------------------------------

@@ -3,13 +3,17 @@
 -- ARGV[1] owner token  ARGV[2] ttl ms  ARGV[3] fence retention ms
 -- ARGV[4] '1' to consult and write the job record, '0' for a plain lock
 -- ARGV[5] task id  ARGV[6] holder: "host\npid\ntask name"
+-- ARGV[7] argument fingerprint of the job (job grants only; kept in the lock hash)
+-- ARGV[8] fence floor: the highest fence this client has seen from this server ('0': none)
 -- Returns fence                          granted: the new fence, a decimal string
---         {0, pttl, task_id}             held by another owner; pttl ms left (-1: no expiry)
+--         {0, pttl, task_id, fingerprint}   held by another owner; pttl ms left (-1: none)
 --         {2, state, fingerprint, result, fence, finished_ms}   the job is already DONE
 -- A refusal marks the lock 'waiters', so its release wakes whoever waits on the signal list
 -- (the mark is made before the caller can start waiting, so no release is missed).
--- The fence is max(last + 1, server time in microseconds), so it keeps increasing
--- even after the server lost every key, unless its clock steps back.
+-- The fence is max(last + 1, server time in microseconds, floor + 1), so it keeps
+-- increasing even after the server lost every key; if its clock also stepped back, the
+-- floor still keeps it above every fence this client has seen (other clients' lower fences
+-- are refused by the fence guards of resources that saw a higher one).
 redis.replicate_commands()
 local job = ARGV[4] == '1'
 local rec
@@ -22,7 +26,8 @@ end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
   redis.call('HSET', KEYS[1], 'waiters', '1')
-  return {0, pttl, redis.call('HGET', KEYS[1], 'task_id') or ''}
+  local held = redis.call('HMGET', KEYS[1], 'task_id', 'fingerprint')
+  return {0, pttl, held[1] or '', held[2] or ''}
 end
 local t = redis.call('TIME')
 -- Decimal strings built from TIME's fields: exact, and cheaper than formatting a float.
@@ -40,8 +45,12 @@ if last and tonumber(last) >= tonumber(t[1]) * 1000000 + tonumber(t[2]) then
   fence = string.format('%.0f', tonumber(last) + 1)
   redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
 end
+if ARGV[8] and tonumber(ARGV[8]) >= tonumber(fence) then
+  fence = string.format('%.0f', tonumber(ARGV[8]) + 1)
+  redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])
+end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence, 'task_id', ARGV[5],
-  'holder', ARGV[6], 'acquired_ms', t[1] .. string.sub(us, 1, 3))
+  'holder', ARGV[6], 'acquired_ms', t[1] .. string.sub(us, 1, 3), 'fingerprint', ARGV[7] or '')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 -- A running job needs no record of its own: the lock hash says who runs it, under which
 -- fence. A FAILED record from an earlier run goes, so the record only ever shows a result.
