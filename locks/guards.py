@@ -30,6 +30,7 @@ from jobfence.locks.errors import (
     StaleFenceOutcomeUnknown,
 )
 from jobfence.locks.keys import KeySpace
+from jobfence.locks.sql import create_tables, ensure_tables
 
 metadata = MetaData()
 fences = Table(
@@ -57,16 +58,18 @@ class SqlFenceGuard:
     and let StaleFence propagate: the transaction rolls back and nothing is written.
     PostgreSQL and SQLite use one conditional upsert; MySQL/MariaDB an upsert keeping
     the greater token, then a locking read; other dialects an UPDATE, then an INSERT
-    under a savepoint.
+    under a savepoint. The table is created on first use (or by `jobfence migrate`).
     """
 
     table = fences
 
-    def create_schema(self, engine: Engine) -> None:
-        metadata.create_all(engine, tables=[self.table])
+    def create_schema(self, engine: Engine) -> list[str]:
+        """Create the fence table if it is missing; the names of the tables created."""
+        return create_tables(engine, [self.table])
 
     def check_and_advance(self, conn: Connection, resource: str, fence: int) -> None:
         _check_args(resource, fence)
+        ensure_tables(conn, [self.table])
         dialect = conn.dialect.name
         if dialect in ("postgresql", "sqlite"):
             ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(self.table)
@@ -110,11 +113,13 @@ class SqlFenceGuard:
 
     def last(self, conn: Connection, resource: str) -> int | None:
         """The highest token accepted so far for `resource`."""
+        ensure_tables(conn, [self.table])
         return self._last(conn, resource)
 
     @contextmanager
     def transaction(self, engine: Engine, resource: str, fence: int) -> Iterator[Connection]:
         """A transaction whose token is checked first: `with guard.transaction(...) as conn:`."""
+        ensure_tables(engine, [self.table])
         with engine.begin() as conn:
             self.check_and_advance(conn, resource, fence)
             yield conn

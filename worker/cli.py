@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="jobfence operations: a local fleet, lock administration, benchmarks.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_migrate_parser(sub)
 
     fleet = sub.add_parser(
         "fleet",
@@ -150,6 +151,24 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="the main job: a real fleet through a storm of duplicates", add_help=False
     )
     return parser
+
+
+def _add_migrate_parser(sub: Any) -> None:
+    migrate = sub.add_parser(
+        "migrate",
+        help="create jobfence's SQL tables (fences, job records) now",
+        description="Create jobfence's tables (jobfence_fences, jobfence_jobs) where they are "
+        "missing; safe to repeat. Workers create them on first use anyway: run this when a "
+        "DBA or a deploy step owns the schema and the workers' role may not create tables.",
+    )
+    migrate.add_argument(
+        "--database", metavar="URL", help="SQLAlchemy URL (default: JOBFENCE_DATABASE_URL)"
+    )
+    migrate.add_argument(
+        "--sql",
+        action="store_true",
+        help="print the DDL for the URL's dialect instead of running it (connects to nothing)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -400,6 +419,57 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if refused else 0
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    import os
+
+    import sqlalchemy as sa
+
+    from jobfence.config.settings import ENV_PREFIX
+    from jobfence.locks.sql import SchemaError, create_tables, ddl
+    from jobfence.tasks.effects import TABLES, make_engine
+
+    raw = args.database or os.environ.get(f"{ENV_PREFIX}DATABASE_URL")
+    if not raw:
+        print(
+            f"jobfence migrate: no database: set {ENV_PREFIX}DATABASE_URL or pass --database "
+            "URL (e.g. postgresql+psycopg://user@db.internal/app)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        url = sa.make_url(raw)
+        if args.sql:
+            for statement in ddl(url.get_dialect()(), TABLES):
+                print(f"{statement};\n")
+            return 0
+        engine = make_engine(raw)
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ValueError) as exc:
+        print(f"jobfence migrate: bad database URL ({exc})", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        print(
+            f"jobfence migrate: the driver {exc.name} is missing: "
+            "pip install 'jobfence[postgres]' (or [mysql])",
+            file=sys.stderr,
+        )
+        return 2
+    where = url.render_as_string(hide_password=True)
+    try:
+        created = create_tables(engine, TABLES)
+    except SchemaError as exc:
+        print(f"jobfence migrate: {exc}", file=sys.stderr)
+        return 1
+    except sa.exc.DBAPIError as exc:
+        print(f"jobfence migrate: {where}: {type(exc.orig).__name__}: {exc.orig}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    for table in TABLES:
+        print(f"{table.name}: {'created' if table.name in created else 'already there'}")
+    print(f"jobfence tables ready on {where}")
+    return 0
+
+
 def _load_main(module: str, what: str, hint: str) -> Callable[[list[str]], int] | None:
     """`module.main`, imported only now; None (with a message) if the module is missing."""
     try:
@@ -443,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fleet": cmd_fleet,
         "locks": cmd_locks,
         "check": cmd_check,
+        "migrate": cmd_migrate,
     }
     try:
         return commands[args.command](args)
