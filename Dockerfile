@@ -7,13 +7,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY config ./config
 COPY locks ./locks
 COPY tasks ./tasks
 COPY worker ./worker
 COPY jobfence ./jobfence
-RUN pip install ".[postgres]" "flower>=2.0" \
+# The ledger is PostgreSQL; Redis (locks, broker, results) is in the core; Flower for its UI.
+RUN pip install ".[postgres,flower]" \
     && useradd --create-home --uid 10001 jobfence
 USER jobfence
 

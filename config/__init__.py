@@ -2,6 +2,7 @@
 
 from jobfence.config.errors import JobfenceError, UnsafeSettings
 from jobfence.config.settings import InsecureSettingsWarning, Settings, load_settings
+from jobfence.config.urls import redact
 
 __all__ = [
     "InsecureSettingsWarning",
@@ -9,4 +10,5 @@ __all__ = [
     "Settings",
     "UnsafeSettings",
     "load_settings",
+    "redact",
 ]

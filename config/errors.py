@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class JobfenceError(Exception):
     """Root of all jobfence errors; catch this to catch them all."""
 
 
 class UnsafeSettings(JobfenceError, ValueError):
-    """Settings that would break the safety argument; raised at start-up."""
+    """Settings that are invalid or would break the safety argument; raised at start-up.
+
+    The message names the variable, the problem and the fix, and never holds a setting's
+    value that could be secret (key secret, URL passwords). `also` lists further problems
+    found at the same time.
+    """
 
     def __init__(self, field: str, problem: str, fix: str) -> None:
         self.field = field
         self.problem = problem
         self.fix = fix
+        self.also: tuple[UnsafeSettings, ...] = ()
         super().__init__(f"{field}: {problem}. Fix: {fix}")
+
+    def with_also(self, others: Sequence[UnsafeSettings]) -> UnsafeSettings:
+        """This error, its message followed by one line per other problem."""
+        self.also = tuple(others)
+        self.args = ("\n".join([self.args[0], *(f"  also {o.args[0]}" for o in others)]),)
+        return self

@@ -2,19 +2,45 @@
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import json
+import os
 import warnings
-from typing import Any
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
+from jobfence.config.django_source import django_sources
 from jobfence.config.errors import UnsafeSettings
+from jobfence.config.urls import LOCK_SCHEMES, check_lock_url, check_url, redact
 
 ENV_PREFIX = "JOBFENCE_"
 DEV_SECRET = "jobfence-insecure-dev-secret"
-SUPPORTED_LOCK_SCHEMES = ("redis", "rediss", "unix", "memory")
+SUPPORTED_LOCK_SCHEMES = LOCK_SCHEMES
+URL_FIELDS = ("lock_url", "broker_url", "result_backend", "database_url")
+
+# JOBFENCE_* variables jobfence reads outside Settings (the demo's faults and journal, the
+# Celery benchmark). The one list `unknown_variables` checks against; tests keep it in step
+# with the modules that read them.
+OTHER_VARIABLES: tuple[str, ...] = (
+    "JOBFENCE_DEMO_FAIL_RATE",
+    "JOBFENCE_DEMO_DELAY_MIN_MS",
+    "JOBFENCE_DEMO_DELAY_MAX_MS",
+    "JOBFENCE_DEMO_SEED",
+    "JOBFENCE_DEMO_JOURNAL_URL",
+    "JOBFENCE_BENCH_REDIS_URL",
+)
 
 
 class InsecureSettingsWarning(UserWarning):
@@ -96,9 +122,41 @@ class Settings(BaseSettings):
         description="Times a job may be granted again after a delivery that lost its worker "
         "mid-body (no record) before it is recorded FAILED as a poison message (0: no cap).",
     )
-    accept_content: tuple[str, ...] = Field(
-        default=("json",), description="Serialisers Celery workers accept."
+    # NoDecode: the environment gives `json` or `json,application/json` (a JSON list works too).
+    accept_content: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=("json",), description="Serialisers Celery workers accept (comma-separated)."
     )
+
+    def __init__(self, *args: Any, **values: Any) -> None:
+        # Settings() must fail like load_settings(): pydantic's own error shows the input,
+        # JOBFENCE_KEY_SECRET and URL passwords included. Raised outside the except block so
+        # not even __context__ keeps the ValidationError.
+        try:
+            super().__init__(*args, **values)
+            return
+        except ValidationError as exc:
+            refused = _unsafe_from(exc)
+        except SettingsError as exc:  # a value pydantic-settings could not even decode
+            refused = _undecodable(exc)
+        refused.__cause__ = refused.__context__ = None  # nothing that holds an input value
+        raise refused.with_traceback(None)
+
+    def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
+        for name, value in super().__repr_args__():
+            yield name, redact(value) if name in URL_FIELDS and isinstance(value, str) else value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """init > env > .env > Django settings (config/django_source.py) > secret files."""
+        django = django_sources(settings_cls)
+        return (init_settings, env_settings, dotenv_settings, *django, file_secret_settings)
 
     @field_validator("key_prefix")
     @classmethod
@@ -112,14 +170,46 @@ class Settings(BaseSettings):
 
     @field_validator("lock_url")
     @classmethod
-    def _known_scheme(cls, v: str) -> str:
-        scheme = urlsplit(v).scheme
-        if scheme not in SUPPORTED_LOCK_SCHEMES:
-            raise ValueError(
-                f"scheme {scheme!r} is not supported; set JOBFENCE_LOCK_URL to one of "
-                + ", ".join(f"{s}://..." for s in SUPPORTED_LOCK_SCHEMES)
-            )
+    def _usable_lock_url(cls, v: str) -> str:
+        check_lock_url(v, f"{ENV_PREFIX}LOCK_URL")
         return v
+
+    @field_validator("broker_url", "result_backend")
+    @classmethod
+    def _usable_celery_url(cls, v: str | None, info: Any) -> str | None:
+        if v:
+            check_url(v, variable=ENV_PREFIX + info.field_name.upper(), schemes=None,
+                      example="redis://127.0.0.1:6379/1 or amqp://guest:guest@127.0.0.1:5672//",
+                      what="Celery URL")
+        return v
+
+    @field_validator("database_url")
+    @classmethod
+    def _usable_database_url(cls, v: str | None) -> str | None:
+        if v:
+            check_url(v, variable=f"{ENV_PREFIX}DATABASE_URL", schemes=None,
+                      example="postgresql+psycopg://user:password@127.0.0.1:5432/shop "
+                      "or sqlite:///ledger.sqlite",
+                      what="database URL")
+        return v
+
+    @field_validator("accept_content", mode="before")
+    @classmethod
+    def _split_content_types(cls, v: Any) -> Any:
+        """`json`, `json,application/json` or a JSON list, as the environment spells them."""
+        if not isinstance(v, str):
+            return v
+        text = v.strip()
+        if text.startswith("["):
+            try:
+                return tuple(json.loads(text))
+            except (ValueError, TypeError):
+                raise UnsafeSettings(
+                    f"{ENV_PREFIX}ACCEPT_CONTENT",
+                    "is neither a comma-separated list nor a JSON list of strings",
+                    f"set {ENV_PREFIX}ACCEPT_CONTENT=json",
+                ) from None
+        return tuple(part.strip() for part in text.split(",") if part.strip())
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
@@ -228,14 +318,82 @@ def warn_insecure(s: Settings) -> None:
         )
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Build Settings from the environment, turning validation errors into UnsafeSettings."""
-    try:
-        return Settings(**overrides)
-    except ValidationError as exc:
-        err = exc.errors()[0]
+def _variable(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _fix_for(field: str) -> str:
+    info = Settings.model_fields.get(field)
+    if info is None:
+        return "remove it or correct its name"
+    what = (info.description or "").rstrip(".")
+    if field == "key_secret":  # never show a secret, not even the development default
+        return f"set {_variable(field)} to a long random string ({what})"
+    return f"set {_variable(field)} to a valid value ({what}; default {info.default!r})"
+
+
+def _unsafe_from(exc: ValidationError) -> UnsafeSettings:
+    """One UnsafeSettings for every problem, built without the input values."""
+    found: list[UnsafeSettings] = []
+    for err in exc.errors(include_input=False, include_url=False):
         cause = err.get("ctx", {}).get("error")
         if isinstance(cause, UnsafeSettings):
-            raise cause from None
-        field = ENV_PREFIX + ".".join(str(x) for x in err["loc"]).upper()
-        raise UnsafeSettings(field, err["msg"], f"set {field} to a valid value") from None
+            found.append(cause)
+            continue
+        field = str(err["loc"][0]) if err["loc"] else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        variable = _variable(field) if field else "settings"
+        found.append(UnsafeSettings(variable, msg, _fix_for(field)))
+    first, *also = found
+    return first.with_also(also) if also else first
+
+
+def _undecodable(exc: SettingsError) -> UnsafeSettings:
+    """pydantic-settings names the field in its message: keep the name, drop the rest."""
+    text = str(exc)
+    field = next((f for f in Settings.model_fields if f'"{f}"' in text), "")
+    return UnsafeSettings(
+        _variable(field) if field else "settings",
+        "could not be decoded",
+        _fix_for(field) if field else "check the JOBFENCE_* variables",
+    )
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build Settings from the environment; every problem is an UnsafeSettings (as Settings())."""
+    return Settings(**overrides)
+
+
+def known_variables() -> frozenset[str]:
+    """Every JOBFENCE_* name jobfence reads: Settings' fields and OTHER_VARIABLES."""
+    return frozenset({_variable(f) for f in Settings.model_fields} | set(OTHER_VARIABLES))
+
+
+def _env_file_names() -> list[str]:
+    env_file = Settings.model_config.get("env_file")
+    if not isinstance(env_file, str | os.PathLike) or not Path(env_file).is_file():
+        return []
+    from dotenv import dotenv_values  # pydantic-settings' own .env reader
+
+    return list(dotenv_values(env_file))
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """(name, closest known name or None) for each JOBFENCE_* variable jobfence never reads.
+
+    A typo (JOBFENCE_DEFAULT_TLL) otherwise leaves the default in force without a word.
+    With no `environ`, the process environment and the `.env` file Settings reads.
+    """
+    names = list(os.environ) + _env_file_names() if environ is None else list(environ)
+    known = known_variables()
+    out: list[tuple[str, str | None]] = []
+    for name in sorted({n for n in names if n.upper().startswith(ENV_PREFIX)}):
+        if name.upper() in known:
+            continue
+        # Compared without the shared prefix, which would make every name look close.
+        tails = sorted(k.removeprefix(ENV_PREFIX) for k in known)
+        tail = name.upper().removeprefix(ENV_PREFIX)
+        close = difflib.get_close_matches(tail, tails, n=1, cutoff=0.6)
+        out.append((name, ENV_PREFIX + close[0] if close else None))
+    return out
+

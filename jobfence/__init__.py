@@ -1,5 +1,9 @@
 """jobfence: Celery jobs that run at most once at a time across a fleet, effects applied once.
 
+`setup(app)` gives your own Celery app the safe configuration, the start-up checks, the
+lease keeper's signals and beat's leader election; `@singleton_task` alone also works,
+with its runtime built from JOBFENCE_* on first use.
+
 The public names live here; ``jobfence.config``, ``jobfence.locks``, ``jobfence.tasks`` and
 ``jobfence.worker`` hold the rest. Imports flow one way: config -> locks -> tasks -> worker.
 """
@@ -26,6 +30,7 @@ from jobfence.tasks import (
     install,
     singleton_task,
 )
+from jobfence.worker.setup import setup
 
 __version__ = "0.1.0"
 
@@ -51,5 +56,6 @@ __all__ = [
     "current_lease",
     "install",
     "load_settings",
+    "setup",
     "singleton_task",
 ]

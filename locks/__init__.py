@@ -9,10 +9,13 @@ from jobfence.locks.clock import SYSTEM_CLOCK, Clock, ManualClock, SystemClock
 from jobfence.locks.errors import (
     AcquireTimeout,
     BackendUnavailable,
+    FencedWriteRefused,
     LeaseLost,
     LockError,
     NotOwner,
+    PartialFencedWrite,
     StaleFence,
+    StaleFenceOutcomeUnknown,
 )
 from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
 from jobfence.locks.keeper import LeaseKeeper
@@ -26,6 +29,7 @@ __all__ = [
     "Busy",
     "Capabilities",
     "Clock",
+    "FencedWriteRefused",
     "JobRecord",
     "Lease",
     "LeaseKeeper",
@@ -38,10 +42,12 @@ __all__ = [
     "MemoryBackend",
     "NotOwner",
     "OwnerMeta",
+    "PartialFencedWrite",
     "RedisBackend",
     "RedisFenceGuard",
     "SqlFenceGuard",
     "StaleFence",
+    "StaleFenceOutcomeUnknown",
     "SystemClock",
     "acquire",
     "open_backend",

@@ -7,12 +7,13 @@ import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import LockError, NotOwner
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
+from jobfence.locks.procinfo import process_start
 
 MAX_KEY_LENGTH = 512
 
@@ -40,6 +41,7 @@ class LockInfo:
     task_name: str
     acquired_at: float  # server wall clock, seconds since the epoch
     last_heartbeat: float  # server wall clock, seconds since the epoch
+    process_start: str = ""  # the holder's boot id and start time (locks.procinfo), if known
 
 
 @dataclass(frozen=True)
@@ -77,14 +79,21 @@ os.register_at_fork(after_in_child=_forget_process_meta)  # a forked child has i
 
 
 def default_meta(task_id: str = "", task_name: str = "") -> OwnerMeta:
-    """This host and process (cached per process), with the given task id and name."""
+    """This host and process (cached per process), with the given task id and name.
+
+    The process's start time goes with its pid, so the orphan finder can tell this
+    process from a later one that reused the pid.
+    """
     global _process_meta
     meta = _process_meta
     if meta is None:
-        meta = _process_meta = OwnerMeta(host=socket.gethostname(), pid=os.getpid())
+        pid = os.getpid()
+        meta = _process_meta = OwnerMeta(
+            host=socket.gethostname(), pid=pid, process_start=process_start(pid)
+        )
     if not task_id and not task_name:
         return meta
-    return OwnerMeta(host=meta.host, pid=meta.pid, task_id=task_id, task_name=task_name)
+    return replace(meta, task_id=task_id, task_name=task_name)
 
 
 _BAD_KEY_CHARS = re.compile(r"[{}*?\[\]\n]")

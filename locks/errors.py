@@ -59,3 +59,52 @@ class StaleFence(LockError):
             fence=fence,
             cause=cause,
         )
+
+
+class StaleFenceOutcomeUnknown(StaleFence):
+    """A fenced write's reply was lost, and by the resend a newer fence had been accepted.
+
+    The lost attempt may have applied before the newer holder wrote (as an older holder's
+    write may always land first); what is certain is that a newer holder exists.
+    """
+
+
+class FencedWriteRefused(LockError):
+    """A fenced write was refused before anything was written; the fence is unchanged.
+
+    `index` is the 1-based position of the command that would have failed (None when the
+    write id was already used under this fence with other commands), `reason` says why.
+    """
+
+    def __init__(self, *, resource: str, fence: int, index: int | None, reason: str) -> None:
+        self.resource = resource
+        self.index = index
+        self.reason = reason
+        where = f"command {index}" if index is not None else "write"
+        super().__init__(
+            f"fenced write refused, nothing written: {where}: {reason}", key=resource, fence=fence
+        )
+
+
+class PartialFencedWrite(LockError):
+    """A fenced write failed part way: commands 1..index-1 were applied, the rest were not.
+
+    Raised for an error the guard's check cannot foresee. The fence was advanced and the
+    answer is stored: a resend under the same fence and write id raises this again and
+    applies nothing. `replies` holds the replies of the applied commands.
+    """
+
+    def __init__(
+        self, *, resource: str, fence: int, index: int, reason: str, replies: list[object]
+    ) -> None:
+        self.resource = resource
+        self.index = index
+        self.reason = reason
+        self.replies = replies
+        applied = f"commands 1..{index - 1} applied" if index > 1 else "no command applied"
+        super().__init__(
+            f"fenced write failed part way: {applied}, command {index} failed ({reason}), "
+            "the rest not run",
+            key=resource,
+            fence=fence,
+        )

@@ -7,7 +7,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from redis import Redis
+from redis import ConnectionPool, Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy import BigInteger, Column, Connection, Engine, MetaData, String, Table, func, select
 from sqlalchemy import update as sql_update
 from sqlalchemy.dialects.mysql import insert as mysql_insert
@@ -15,9 +18,19 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
+# _Lane sends on a pool's connections and never re-sends a command that went out.
+from jobfence.locks.backends.redis import _Lane
 from jobfence.locks.backends.redis_scripts import load_scripts
-from jobfence.locks.errors import LockError, StaleFence
+from jobfence.locks.errors import (
+    BackendUnavailable,
+    FencedWriteRefused,
+    LockError,
+    PartialFencedWrite,
+    StaleFence,
+    StaleFenceOutcomeUnknown,
+)
 from jobfence.locks.keys import KeySpace
+from jobfence.locks.sql import create_tables, ensure_tables
 
 metadata = MetaData()
 fences = Table(
@@ -45,16 +58,18 @@ class SqlFenceGuard:
     and let StaleFence propagate: the transaction rolls back and nothing is written.
     PostgreSQL and SQLite use one conditional upsert; MySQL/MariaDB an upsert keeping
     the greater token, then a locking read; other dialects an UPDATE, then an INSERT
-    under a savepoint.
+    under a savepoint. The table is created on first use (or by `jobfence migrate`).
     """
 
     table = fences
 
-    def create_schema(self, engine: Engine) -> None:
-        metadata.create_all(engine, tables=[self.table])
+    def create_schema(self, engine: Engine) -> list[str]:
+        """Create the fence table if it is missing; the names of the tables created."""
+        return create_tables(engine, [self.table])
 
     def check_and_advance(self, conn: Connection, resource: str, fence: int) -> None:
         _check_args(resource, fence)
+        ensure_tables(conn, [self.table])
         dialect = conn.dialect.name
         if dialect in ("postgresql", "sqlite"):
             ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(self.table)
@@ -98,11 +113,13 @@ class SqlFenceGuard:
 
     def last(self, conn: Connection, resource: str) -> int | None:
         """The highest token accepted so far for `resource`."""
+        ensure_tables(conn, [self.table])
         return self._last(conn, resource)
 
     @contextmanager
     def transaction(self, engine: Engine, resource: str, fence: int) -> Iterator[Connection]:
         """A transaction whose token is checked first: `with guard.transaction(...) as conn:`."""
+        ensure_tables(engine, [self.table])
         with engine.begin() as conn:
             self.check_and_advance(conn, resource, fence)
             yield conn
@@ -126,12 +143,35 @@ class SqlFenceGuard:
 
 
 class RedisFenceGuard:
-    """Fenced writes on Redis: one Lua script checks the token, advances it, then writes."""
+    """Fenced writes on Redis: one Lua script checks the token, advances it, then writes.
 
-    def __init__(self, client: Redis, *, prefix: str = "jobfence") -> None:
+    A write is idempotent per (resource, fence, write id): a resend after a lost reply
+    returns the first answer and applies nothing. The first reply is kept beside the
+    resource's fence until the fence advances. Under one fence, each distinct write needs
+    its own `write_id`; the default ("") allows one write per fence.
+
+    The client's own retries are never used (redis-py retries by default, and a blind
+    resend of a non-idempotent script applied it twice): a plain `redis.Redis` is driven
+    through connections of its pool that never re-send, and the guard re-sends itself,
+    `resends` times, safely. Another client type (a cluster client) is refused if it
+    retries. Known commands are checked first, inside the script: a write one of them
+    would fail (wrong type, not an integer, arity) is refused whole (FencedWriteRefused);
+    an error the check cannot foresee raises PartialFencedWrite saying what was applied.
+    """
+
+    def __init__(self, client: Redis, *, prefix: str = "jobfence", resends: int = 2) -> None:
+        if not isinstance(resends, int) or isinstance(resends, bool) or resends < 0:
+            raise LockError(f"resends must be an int >= 0, got {resends!r}")
         self.client = client
         self.keys = KeySpace(prefix)
+        self.resends = resends
         self.script = load_scripts(client)["fenced_write"]
+        pool = getattr(client, "connection_pool", None)
+        if type(client) is Redis and isinstance(pool, ConnectionPool):
+            self._lane: _Lane | None = _Lane(pool)
+        else:
+            self._lane = None
+            _refuse_retrying(client)
 
     def write(
         self,
@@ -139,23 +179,130 @@ class RedisFenceGuard:
         fence: int,
         commands: Sequence[Sequence[str | int | float]],
         *,
+        write_id: str = "",
         keys: Sequence[str] | None = None,
     ) -> list[Any]:
         """Run `commands` (e.g. [("HSET", "acct:1", "balance", 90)]) if `fence` is not stale.
 
-        Returns the replies of the commands. Raises StaleFence (nothing written) otherwise.
+        Returns the replies of the commands; a resend of the same (resource, fence,
+        write_id) returns the first replies and applies nothing. Raises StaleFence
+        (nothing written), FencedWriteRefused (nothing written: a command would fail, or
+        `write_id` was used under this fence with other commands) or PartialFencedWrite.
         `keys` lists the keys written; by default each command's first argument.
         """
         _check_args(resource, fence)
+        if not isinstance(write_id, str) or len(write_id) > 255:
+            raise LockError("write_id must be a string of at most 255 characters", key=resource)
         touched = list(keys) if keys is not None else [str(c[1]) for c in commands if len(c) > 1]
-        reply = self.script(
-            keys=[self.keys.resource_fence(resource), *touched],
-            args=[fence, json.dumps([[str(a) for a in c] for c in commands])],
+        body = json.dumps([[_arg(a) for a in c] for c in commands])
+        reply, lost = self._send(resource, fence, write_id, body, touched)
+        code = int(reply[0])
+        if code in (1, 2):
+            return list(reply[2:])
+        if code == 0:
+            error = StaleFenceOutcomeUnknown if lost else StaleFence
+            raise error(resource=resource, fence=fence, last=int(reply[1]))
+        if code == 3:
+            raise FencedWriteRefused(
+                resource=resource, fence=fence, index=int(reply[1]), reason=_text(reply[2])
+            )
+        if code == 4:
+            raise FencedWriteRefused(
+                resource=resource, fence=fence, index=None,
+                reason="this write_id was used under this fence with other commands",
+            )  # fmt: skip
+        raise PartialFencedWrite(
+            resource=resource,
+            fence=fence,
+            index=int(reply[2]),
+            reason=_text(reply[3]),
+            replies=list(reply[4:]),
         )
-        if int(reply[0]) == 0:
-            raise StaleFence(resource=resource, fence=fence, last=int(reply[1]))
-        return list(reply[2:])
+
+    def advance(self, resource: str, fence: int) -> int:
+        """Raise the resource's floor to `fence` (no write); return the floor now in force.
+
+        After a forced release, this makes a dead or frozen holder's writes fail at once.
+        """
+        try:
+            self.write(resource, fence, [], write_id="jobfence:advance")
+        except StaleFence as exc:
+            assert exc.last is not None
+            return exc.last
+        return fence
 
     def last(self, resource: str) -> int | None:
         value = self.client.get(self.keys.resource_fence(resource))
         return None if value is None else int(value)
+
+    def _send(
+        self, resource: str, fence: int, write_id: str, body: str, touched: list[str]
+    ) -> tuple[list[Any], bool]:
+        """The script's reply, and whether an earlier attempt's reply was lost."""
+        keys = [self.keys.resource_fence(resource), self.keys.resource_writes(resource), *touched]
+        args = [fence, write_id, body]
+        lost: RedisError | None = None
+        for _ in range(self.resends + 1):
+            try:
+                return list(self._evalsha(keys, args)), lost is not None
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                lost = exc  # the script may have run: only a resend tells, and it is safe
+            except ResponseError as exc:
+                # An error out of the script itself (not a command's: those are caught in
+                # it), e.g. out of memory. The server checks memory at a script's first
+                # write only, and every write but the commands' comes after them or is the
+                # first: so nothing was written.
+                raise FencedWriteRefused(
+                    resource=resource,
+                    fence=fence,
+                    index=None,
+                    reason=f"the server refused it: {exc}",
+                ) from exc
+        raise BackendUnavailable(
+            f"fenced write outcome unknown after {self.resends + 1} attempts; resend it with "
+            "the same fence and write_id to learn it (a resend never applies twice)",
+            key=resource,
+            fence=fence,
+            cause=lost,
+        )
+
+    def _evalsha(self, keys: list[str], args: list[Any]) -> Any:
+        script = self.script
+        for attempt in (1, 2):
+            try:
+                if self._lane is not None:
+                    return self._lane.call("EVALSHA", script.sha, len(keys), *keys, *args)
+                return self.client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                script.sha = self.client.script_load(script.script)
+        raise AssertionError("unreachable")
+
+
+def _arg(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise LockError(
+            f"fenced write arguments must be str, int, float or bytes, got {type(value).__name__}"
+        )
+    return str(value)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _refuse_retrying(client: Any) -> None:
+    """Refuse a client that would re-send a command on its own after a timeout."""
+    get_retry = getattr(client, "get_retry", None)
+    retry = get_retry() if callable(get_retry) else None
+    retries = retry.get_retries() if retry is not None else 0
+    if retries:
+        raise LockError(
+            "RedisFenceGuard needs a client that does not retry on its own "
+            f"({type(client).__name__} retries {retries} times): build it with "
+            "retry=Retry(NoBackoff(), 0) (redis.retry, redis.backoff); the guard re-sends "
+            "itself, safely, with the same fence and write id"
+        )

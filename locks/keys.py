@@ -32,6 +32,10 @@ class KeySpace:
     def resource_fence(self, resource: str) -> str:
         return f"{self.prefix}:rfence:{{{resource}}}"
 
+    def resource_writes(self, resource: str) -> str:
+        """The answers of the fenced writes accepted under a resource's current fence."""
+        return f"{self.prefix}:rwrites:{{{resource}}}"
+
     def lock_pattern(self, match: str = "*") -> str:
         return f"{self.prefix}:lock:{{{match}}}"
 

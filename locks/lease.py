@@ -33,6 +33,7 @@ class OwnerMeta:
     pid: int = 0
     task_id: str = ""
     task_name: str = ""
+    process_start: str = ""  # boot id and start time of `pid`: tells a reused pid apart
 
 
 @dataclass(eq=False)

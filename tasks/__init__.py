@@ -5,9 +5,11 @@ from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.effects import EffectTx, SqlEffects, make_engine
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
+    BadArguments,
     DuplicateJob,
     IdempotencyConflict,
     PoisonMessage,
+    TaskDefinitionError,
     TaskError,
 )
 from jobfence.tasks.executor import (
@@ -20,7 +22,7 @@ from jobfence.tasks.executor import (
     Redelivery,
     RedeliveryLimitReached,
 )
-from jobfence.tasks.runtime import Runtime, install, runtime_for
+from jobfence.tasks.runtime import Runtime, install, installed, runtime_for
 
 __all__ = [
     "DROPPED",
@@ -28,6 +30,7 @@ __all__ = [
     "HEADER",
     "SUPERSEDED",
     "ArgumentsNotSerializable",
+    "BadArguments",
     "DuplicateJob",
     "EffectTx",
     "Executor",
@@ -42,10 +45,12 @@ __all__ = [
     "Runtime",
     "SingletonTask",
     "SqlEffects",
+    "TaskDefinitionError",
     "TaskError",
     "current_job",
     "current_lease",
     "install",
+    "installed",
     "make_engine",
     "runtime_for",
     "singleton_task",

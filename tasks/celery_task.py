@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from celery.utils import uuid
 from jobfence.locks.errors import LockError
 from jobfence.locks.lease import Lease
 from jobfence.tasks.context import JobContext, current_job, current_lease
-from jobfence.tasks.errors import ArgumentsNotSerializable, TaskError
+from jobfence.tasks.errors import ArgumentsNotSerializable, TaskDefinitionError, TaskError
 from jobfence.tasks.executor import (
     CONFLICT_POLICIES,
     LEASE_LOST_POLICIES,
@@ -78,8 +79,9 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def identity(self, args: Any, kwargs: Any, explicit: str | None = None) -> tuple[str, str]:
         """(job key, argument fingerprint) for these arguments."""
+        # Bound first: a wrong argument is the caller's TypeError, whatever the runtime's state.
+        arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}), name=self.name)
         secret = self._runtime().settings.secret_bytes()
-        arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}))
         return identity(secret, self.name, arguments, selector=self.jobfence_key, explicit=explicit)
 
     # -- publishing --------------------------------------------------------------
@@ -232,6 +234,64 @@ class SingletonTask(Task):  # type: ignore[misc]
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
+def _normalise_key(key: Any) -> KeySelector:
+    """`key="payment_id"` means that one argument; a list or tuple, those; else a callable."""
+    if key is None or callable(key):
+        return key  # type: ignore[no-any-return]
+    if isinstance(key, str):
+        key = (key,)
+    if not isinstance(key, list | tuple) or not all(isinstance(k, str) for k in key):
+        raise TaskDefinitionError(
+            f"key must be an argument name, a list of argument names or a callable, "
+            f"got {type(key).__name__}"
+        )
+    if not key:
+        raise TaskDefinitionError(
+            "key=[] names no argument, so every call would share one key; "
+            "name the arguments that make a job unique, or leave key=None for all of them"
+        )
+    return tuple(key)
+
+
+def _check_key_names(func: Callable[..., Any], key: KeySelector, *, bound: bool) -> None:
+    """Refuse, at decoration, a key naming something that is not a parameter of `func`, or
+    a key callable that cannot take `func`'s arguments by name."""
+    if key is None or isinstance(key, str):
+        return
+    params = list(inspect.signature(func).parameters.values())
+    if bound and params:
+        params = params[1:]  # `self`, the task: never part of a key
+    names = [p.name for p in params]
+    if callable(key):
+        _check_key_callable(func, key, names)
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return  # any name may arrive through **kwargs
+    for k in key:
+        if k not in names:
+            close = difflib.get_close_matches(k, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TaskDefinitionError(
+                f"key names {k!r}, which is not a parameter of "
+                f"{func.__name__}({', '.join(names)}){hint}"
+            )
+
+
+def _check_key_callable(
+    func: Callable[..., Any], key: Callable[..., Any], names: list[str]
+) -> None:
+    try:
+        inspect.signature(key).bind(**dict.fromkeys(names))
+    except TypeError as exc:
+        raise TaskDefinitionError(
+            f"key callable {getattr(key, '__name__', key)!r} is called with the arguments of "
+            f"{func.__name__}({', '.join(names)}) by name, and {exc}; "
+            "accept them all (add **_ for those it ignores)"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): it is tried at publish
+        return
+
+
 def _after_a_crash(req: Any) -> bool:
     """True if this delivery may follow one that died mid-body: the broker redelivered it
     (acks_late, reject_on_worker_lost, visibility timeout), or it is our deferred copy."""
@@ -280,26 +340,33 @@ def singleton_task(
 ) -> Any:
     """Like `shared_task` (or `app.task` with `app=`), gated by jobfence.
 
-    `key`: argument names (or a callable of the arguments) that make a job unique;
+    `key`: the argument name (`"payment_id"`), argument names, or a callable of the
+    arguments that make a job unique; a name that is no parameter is refused here;
     `on_conflict`: skip | wait | retry | raise. `on_lease_lost`: redeliver (default: a lease
     lost with no proof of a newer holder delivers the job again) | drop (at most once, for
     effects that cannot be fenced). Celery options pass through unchanged.
     """
     if on_conflict not in CONFLICT_POLICIES:
-        raise ValueError(f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}")
+        raise TaskDefinitionError(
+            f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
+        )
     if on_lease_lost not in LEASE_LOST_POLICIES:
-        raise ValueError(
+        raise TaskDefinitionError(
             f"on_lease_lost must be one of {LEASE_LOST_POLICIES}, got {on_lease_lost!r}; "
             "'drop' runs the job at most once, 'redeliver' (the default) never loses it"
         )
     for name, value in (("ttl", ttl), ("wait_timeout", wait_timeout), ("result_ttl", result_ttl)):
         if value is not None and value <= 0 and not (name == "wait_timeout" and value == 0):
-            raise ValueError(f"{name} must be positive seconds, got {value!r}")
+            raise TaskDefinitionError(f"{name} must be positive seconds, got {value!r}")
     if celery_options.get("serializer", "json") != "json":
-        raise ValueError("singleton tasks use the json serializer; pickle runs broker data")
+        raise TaskDefinitionError(
+            "singleton tasks use the json serializer; pickle runs broker data"
+        )
+    key = _normalise_key(key)
     options = {
         "base": base,
-        "jobfence_key": key,
+        # Options become class attributes: a plain function there would be bound as a method.
+        "jobfence_key": staticmethod(key) if callable(key) else key,
         "jobfence_ttl": ttl,
         "on_conflict": on_conflict,
         "on_lease_lost": on_lease_lost,
@@ -310,11 +377,7 @@ def singleton_task(
     }
 
     def decorate(func: Callable[..., Any]) -> Any:
-        if isinstance(key, list | tuple):
-            params = inspect.signature(func).parameters
-            unknown = [k for k in key if k not in params]
-            if unknown:
-                raise ValueError(f"key names {unknown} are not parameters of {func.__name__}")
+        _check_key_names(func, key, bound=bool(celery_options.get("bind")))
         return (app.task(**options) if app is not None else shared_task(**options))(func)
 
     if fn:

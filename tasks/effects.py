@@ -24,7 +24,8 @@ from sqlalchemy import (
     select,
 )
 
-from jobfence.locks.guards import SqlFenceGuard
+from jobfence.locks.guards import SqlFenceGuard, fences
+from jobfence.locks.sql import create_tables, dispose_after_fork, ensure_tables
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.errors import IdempotencyConflict
 from jobfence.tasks.keys import canonical_json
@@ -40,16 +41,19 @@ jobs = Table(
     Column("fence", BigInteger, nullable=False),
     Column("finished_at", Float, nullable=False),
 )
+#: Every table jobfence keeps in SQL, in creation order (`jobfence migrate` makes these).
+TABLES: tuple[Table, ...] = (fences, jobs)
 
 
 def make_engine(url: str, **options: Any) -> Engine:
     """An engine fit for several worker processes; SQLite gets WAL and BEGIN IMMEDIATE.
 
     With pysqlite's deferred transactions two writers that both read first deadlock on
-    the upgrade and one fails at once; BEGIN IMMEDIATE makes them queue instead.
+    the upgrade and one fails at once; BEGIN IMMEDIATE makes them queue instead. A child
+    forked from this process gets a fresh pool (see `locks.sql.dispose_after_fork`).
     """
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True, **options)
+        return dispose_after_fork(create_engine(url, pool_pre_ping=True, **options))
     engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None}, **options)
 
     @event.listens_for(engine, "connect")
@@ -63,7 +67,7 @@ def make_engine(url: str, **options: Any) -> Engine:
     def _on_begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
-    return engine
+    return dispose_after_fork(engine)
 
 
 @dataclass
@@ -87,19 +91,22 @@ class SqlEffects:
 
     Each resource's fence is checked and advanced first (StaleFence rolls everything
     back); the DONE row is inserted in the same transaction, so a second execution of
-    the job finds it, and two racing executions collide on its primary key.
+    the job finds it, and two racing executions collide on its primary key. The fence and
+    job tables are created on first use; `create_schema()` (or `jobfence migrate`) does it
+    ahead of time.
     """
 
     def __init__(self, engine: Engine, *, guard: SqlFenceGuard | None = None) -> None:
-        self.engine = engine
+        self.engine = dispose_after_fork(engine)
         self.guard = guard or SqlFenceGuard()
 
-    def create_schema(self) -> None:
-        self.guard.create_schema(self.engine)
-        metadata.create_all(self.engine, tables=[jobs])
+    def create_schema(self) -> list[str]:
+        """Create the missing jobfence tables now; the names of the tables created."""
+        return create_tables(self.engine, TABLES)
 
     @contextmanager
     def transaction(self, job: JobContext, *resources: str) -> Iterator[EffectTx]:
+        ensure_tables(self.engine, TABLES)
         with self.engine.begin() as conn:
             for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
                 self.guard.check_and_advance(conn, resource, job.fence)
@@ -118,6 +125,7 @@ class SqlEffects:
                 )
 
     def record(self, job_key: str) -> dict[str, Any] | None:
+        ensure_tables(self.engine, TABLES)
         with self.engine.connect() as conn:
             row = conn.execute(select(jobs).where(jobs.c.job_key == job_key)).mappings().first()
         return dict(row) if row else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jobfence.config.errors import JobfenceError
 from jobfence.locks.errors import LockError
 
 
@@ -17,8 +18,18 @@ class DuplicateJob(TaskError):
     """The job is running elsewhere and the conflict policy is `raise`."""
 
 
-class ArgumentsNotSerializable(TaskError, TypeError):
-    """A task argument cannot be encoded as JSON; raised at publish time."""
+class BadArguments(TaskError, TypeError):
+    """The arguments do not fit the task: an unknown keyword, a missing argument, or one that
+    cannot be a key. Raised at publish or call, as a plain call would raise its TypeError."""
+
+
+class ArgumentsNotSerializable(BadArguments):
+    """A task argument cannot be encoded as JSON; the message names it, never its value."""
+
+
+class TaskDefinitionError(JobfenceError, ValueError):
+    """`@singleton_task` options that cannot work (a key naming no parameter, a bad policy);
+    raised at decoration, where the mistake is."""
 
 
 class NotInstalled(TaskError):

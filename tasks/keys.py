@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import hmac
 import inspect
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jobfence.tasks.errors import ArgumentsNotSerializable
+from jobfence.tasks.errors import ArgumentsNotSerializable, BadArguments
 
-KeySelector = Sequence[str] | Callable[..., Any] | None
+# Argument names (one name as a plain string), a callable of the arguments, or None (all).
+KeySelector = str | Sequence[str] | Callable[..., Any] | None
 
 
 # Built once: json.dumps with these options would build an encoder on every call.
@@ -21,15 +24,82 @@ _CANONICAL = json.JSONEncoder(
 )
 
 
+_FIXES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("datetime", "date", "time"), "pass an ISO string (value.isoformat())"),
+    (("Decimal",), "pass a string (str(value)) or integer cents"),
+    (("UUID",), "pass str(value)"),
+    (("set", "frozenset"), "pass a sorted list"),
+    (("bytes", "bytearray", "memoryview"), "pass text (e.g. base64)"),
+    (("timedelta",), "pass seconds as a number"),
+)
+_PLAIN = "JSON takes str, int, float, bool, None, list and dict: pass ids instead of objects"
+
+
+def _problem(value: Any) -> tuple[str, str]:
+    """(what is wrong, how to fix it) for one leaf JSON cannot hold; never shows the value."""
+    if isinstance(value, float):
+        return "NaN or infinity is not JSON-serialisable", "pass None, a finite number or a string"
+    kind = type(value).__name__
+    fix = next((f for kinds, f in _FIXES if kind in kinds), _PLAIN)
+    if isinstance(value, enum.Enum):
+        fix = "pass its .value"
+    return f"{kind} is not JSON-serialisable", fix
+
+
+def _culprit(value: Any, path: str) -> tuple[str, str, str] | None:
+    """(path, problem, fix) of the first part of `value` JSON cannot hold, or None."""
+    if value is None or isinstance(value, str | bool | int):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, *_problem(value))
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = _culprit(item, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, dict):
+        kinds = {type(k) for k in value}
+        if not kinds <= {str, int, float, bool, type(None)}:
+            bad = next(k for k in value if not isinstance(k, str | int | float | bool | type(None)))
+            return path, f"a dict key of type {type(bad).__name__}", "use string keys"
+        if len(kinds) > 1:
+            return path, "a dict whose keys mix types", "use string keys"
+        for k, v in value.items():
+            # A key is shown only if it reads like a field name: keys may be data too.
+            shown = f".{k}" if isinstance(k, str) and k.isidentifier() and len(k) <= 40 else "[…]"
+            found = _culprit(v, path + shown)
+            if found:
+                return found
+        return None
+    return (path, *_problem(value))
+
+
 def canonical_json(value: Any, *, what: str = "arguments") -> str:
     """Sorted keys, no whitespace, no NaN: equal values give equal text."""
     try:
         return _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:
+        where, problem, fix = _culprit(value, "") or ("", "it is not JSON-serialisable", _PLAIN)
+        at = f" (at {where.lstrip('.')})" if where else ""
+        raise ArgumentsNotSerializable(f"{what}{at}: {problem}; {fix}", cause=exc) from exc
+
+
+def arguments_json(arguments: Mapping[str, Any], task_name: str) -> str:
+    """`canonical_json` of bound arguments; a failure names the argument, never its value."""
+    try:
+        return _CANONICAL.encode(arguments)
+    except (TypeError, ValueError) as exc:
+        for name, value in arguments.items():
+            found = _culprit(value, name)
+            if found:
+                where, problem, fix = found
+                at = f" (at {where})" if where != name else ""
+                raise ArgumentsNotSerializable(
+                    f"argument {name!r} of {task_name}{at}: {problem}; {fix}", cause=exc
+                ) from exc
         raise ArgumentsNotSerializable(
-            f"{what} must be JSON-serialisable (str, int, float, bool, None, list, dict); "
-            "pass ids instead of objects",
-            cause=exc,
+            f"the arguments of {task_name} are not JSON-serialisable; {_PLAIN}", cause=exc
         ) from exc
 
 
@@ -48,8 +118,13 @@ def bind_arguments(
     kwargs: Mapping[str, Any],
     *,
     skip_first: bool = False,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """Arguments by parameter name, defaults applied, so f(1) and f(x=1) give one key."""
+    """Arguments by parameter name, defaults applied, so f(1) and f(x=1) give one key.
+
+    Arguments that do not fit the signature raise BadArguments (a TypeError) worded as
+    Python words it for a plain call, with `name` (default: the function's) in front.
+    """
     try:
         sig, plain = _shape(fn)
     except TypeError:  # an unhashable callable: no cache
@@ -62,9 +137,8 @@ def bind_arguments(
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
-        raise ArgumentsNotSerializable(
-            f"arguments do not match the signature of {getattr(fn, '__name__', fn)}: {exc}"
-        ) from exc
+        problem = _mismatch(sig, kwargs, exc)
+        raise BadArguments(f"{name or getattr(fn, '__name__', fn)}() {problem}") from None
     bound.apply_defaults()
     out = dict(bound.arguments)
     names = set(sig.parameters)
@@ -80,6 +154,17 @@ def bind_arguments(
     return out
 
 
+def _mismatch(sig: inspect.Signature, kwargs: Mapping[str, Any], exc: TypeError) -> str:
+    """What is wrong, as a plain call says it: an unknown keyword before a missing argument."""
+    params = sig.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for k in kwargs:
+            p = params.get(k)
+            if p is None or p.kind is p.POSITIONAL_ONLY:
+                return f"got an unexpected keyword argument {k!r}"
+    return str(exc)
+
+
 def _hmac(secret: bytes, text: str) -> str:
     return hmac.digest(secret, text.encode(), hashlib.sha256).hex()  # one-shot, in C
 
@@ -90,6 +175,8 @@ def select_arguments(arguments: dict[str, Any], selector: KeySelector) -> Any:
         return arguments
     if callable(selector):
         return selector(**arguments)
+    if isinstance(selector, str):  # key="payment_id": that one argument
+        selector = (selector,)
     missing = [n for n in selector if n not in arguments]
     if missing:
         raise ArgumentsNotSerializable(
@@ -107,8 +194,13 @@ def job_key(
     explicit: str | None = None,
 ) -> str:
     """`<task name>:<hmac>`; arguments never appear in the key."""
-    unique = explicit if explicit is not None else select_arguments(arguments, selector)
-    return _key_of(secret, task_name, canonical_json(unique))
+    if explicit is not None:
+        text = canonical_json(explicit, what="idempotency_key")
+    elif callable(selector):
+        text = canonical_json(selector(**arguments), what=f"the key selector of {task_name}")
+    else:
+        text = arguments_json(select_arguments(arguments, selector), task_name)
+    return _key_of(secret, task_name, text)
 
 
 def fingerprint(secret: bytes, arguments: dict[str, Any]) -> str:
@@ -125,7 +217,7 @@ def identity(
     explicit: str | None = None,
 ) -> tuple[str, str]:
     """(job_key, fingerprint) at once: the arguments' JSON is built once when both use it."""
-    text = canonical_json(arguments)
+    text = arguments_json(arguments, task_name)
     if explicit is None and selector is None:
         key = _key_of(secret, task_name, text)
     else:

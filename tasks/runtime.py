@@ -1,11 +1,18 @@
-"""The per-process runtime behind @singleton_task: backend, keeper, executor and metrics."""
+"""The per-process runtime behind @singleton_task: backend, keeper, executor and metrics.
+
+An app gets its runtime from `install(app, settings)` (or `jobfence.setup`), or else on
+first use: `runtime_for(app)` builds it from the JOBFENCE_* environment, once per app and
+process, so `@singleton_task` works with no other call. Nothing is built at import time.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from typing import Any
 
-from jobfence.config.settings import Settings
+from jobfence.config.settings import Settings, load_settings
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend
@@ -79,18 +86,48 @@ class Runtime:
             self._effects.engine.dispose()
 
 
+_build_lock = threading.Lock()
+
+
+def _new_build_lock() -> None:
+    # A thread of the parent may hold the lock at fork; the child has no such thread.
+    global _build_lock
+    _build_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_build_lock)
+
+
 def install(app: Any, settings: Settings | Runtime) -> Runtime:
-    """Attach a runtime to a Celery app; @singleton_task finds it there."""
+    """Attach a runtime to a Celery app (replacing any); @singleton_task finds it there."""
     runtime = settings if isinstance(settings, Runtime) else Runtime(settings)
     setattr(app, APP_ATTRIBUTE, runtime)
     return runtime
 
 
-def runtime_for(app: Any) -> Runtime:
+def installed(app: Any) -> Runtime | None:
+    """The app's runtime if one was installed or built already; never builds one."""
     runtime = getattr(app, APP_ATTRIBUTE, None)
-    if runtime is None:
-        raise NotInstalled(
-            f"Celery app {getattr(app, 'main', app)!r} has no jobfence runtime; call "
-            "tasks.install(app, config.Settings()) where the app is built"
-        )
-    return runtime  # type: ignore[no-any-return]
+    return runtime if isinstance(runtime, Runtime) else None
+
+
+def runtime_for(app: Any) -> Runtime:
+    """The app's runtime; built from JOBFENCE_* on first use if none was installed.
+
+    Built once per app and process (threads racing here get the same one); a forked
+    child keeps its parent's (its keeper and connections reset after the fork).
+    Raises UnsafeSettings, naming the variable, if the environment is not usable.
+    """
+    runtime = installed(app)
+    if runtime is not None:
+        return runtime
+    with _build_lock:
+        runtime = installed(app)
+        if runtime is None:
+            runtime = install(app, load_settings())
+            log.debug("jobfence runtime for app %r built from the environment", _name(app))
+    return runtime
+
+
+def _name(app: Any) -> str:
+    return str(getattr(app, "main", None) or type(app).__name__)

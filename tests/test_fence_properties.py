@@ -222,9 +222,9 @@ def test_redis_guard_accepts_exactly_the_non_stale_tokens(
     resource = f"prop:{uuid.uuid4().hex}"
     log = f"{resource}:log"
     accepted = []
-    for t in seq:
-        try:
-            guard.write(resource, t, [("RPUSH", log, t)])
+    for i, t in enumerate(seq):
+        try:  # a write id per write: two writes under one fence are two distinct writes
+            guard.write(resource, t, [("RPUSH", log, t)], write_id=str(i))
             accepted.append(True)
         except StaleFence:
             accepted.append(False)

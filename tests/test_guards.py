@@ -257,7 +257,7 @@ def test_redis_guard_equal_accepted_lower_refused(redis_client: redis.Redis) -> 
     r = _resource()
     assert g.last(r) is None
     assert g.write(r, 5, [("SET", "rg:value", "five"), ("RPUSH", "rg:log", "5")]) == [b"OK", 1]
-    g.write(r, 5, [("RPUSH", "rg:log", "5b")])
+    g.write(r, 5, [("RPUSH", "rg:log", "5b")], write_id="second")  # a 2nd write, same holder
     g.write(r, 1_795_271_197_229_967, [("SET", "rg:value", "big"), ("RPUSH", "rg:log", "big")])
     with pytest.raises(StaleFence) as refused:
         g.write(r, 7, [("SET", "rg:value", "stale"), ("RPUSH", "rg:log", "7")])

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from jobfence.config import Settings
-from jobfence.locks import LockBackend, LockInfo, RedisBackend, open_backend
-from jobfence.worker.procs import pid_alive
+from redis.exceptions import WatchError
 
-DEFAULT_STALE_FACTOR = 2.0
+from jobfence.config import Settings
+from jobfence.locks import (
+    LockBackend,
+    LockError,
+    LockInfo,
+    RedisBackend,
+    RedisFenceGuard,
+    open_backend,
+    procinfo,
+)
+from jobfence.locks.backend import default_meta
+from jobfence.locks.backends.redis import SIGNAL_LIFETIME_MS
+from jobfence.worker.procs import pid_alive, proc_state
+
+LATE_FRACTION = 0.5  # a heartbeat older than half the lock's TTL missed at least one beat
+ADVANCE_TTL = 5.0  # seconds the grant that advances a key's fence is held (released at once)
 
 
 def open_admin_backend(settings: Settings) -> LockBackend:
@@ -32,37 +45,167 @@ def server_time(backend: LockBackend) -> float:
     return time.time()
 
 
+# --------------------------------------------------------------------------- orphans
+
+
 @dataclass(frozen=True)
 class Orphan:
-    """A held lock whose owner is provably dead, and why we think so."""
+    """A held lock worth reporting: its owner provably dead (`dead`), or a suspect.
+
+    Only a dead one may be released. A suspect (a late heartbeat, a stopped process, a
+    holder on another host or in another pid namespace) is reported, never released:
+    a late heartbeat is what a frozen but live holder shows too.
+    """
 
     info: LockInfo
     reason: str
+    dead: bool = True
+    heartbeat_age: float | None = None
+    ttl: float | None = None  # the lock's own TTL: heartbeat age + TTL left
 
 
-def orphan_reason(info: LockInfo, *, now: float, hostname: str, stale_after: float) -> str | None:
-    """Why `info`'s owner is dead: its pid is gone from this very host, or its heartbeat
-    stopped more than `stale_after` seconds ago. None if neither is shown."""
-    if info.host == hostname and info.pid > 0 and not pid_alive(info.pid):
-        return f"pid {info.pid} is not running on {hostname}"
-    if info.last_heartbeat > 0:
-        age = now - info.last_heartbeat
-        if age > stale_after:
-            return f"no heartbeat for {age:.1f}s (more than {stale_after:g}s)"
+def _heartbeat(info: LockInfo, now: float) -> tuple[float | None, float | None, str]:
+    """Heartbeat age, the lock's own TTL, and a phrase for them."""
+    if info.last_heartbeat <= 0:
+        return None, None, "no heartbeat recorded"
+    age = max(0.0, now - info.last_heartbeat)
+    ttl = age + info.ttl_left  # each extension sets the lock's TTL afresh
+    return age, ttl, f"heartbeat {age:.1f}s ago (TTL {ttl:.1f}s)"
+
+
+def orphan_reason(
+    info: LockInfo, *, now: float, hostname: str, here: str | None = None
+) -> Orphan | None:
+    """Judge one lock: an Orphan (dead or suspect), or None if nothing is wrong with it.
+
+    Dead needs proof, on this host and in this pid namespace: the pid is gone, or it now
+    belongs to another process (a start time other than the one recorded at grant), or
+    the host rebooted since the grant. A stopped process is alive.
+    """
+    here = procinfo.namespace() if here is None else here
+    age, ttl, beat = _heartbeat(info, now)
+    late = age is not None and ttl is not None and age > LATE_FRACTION * ttl
+    pid = info.pid
+    recorded = info.process_start.rsplit("/", 1)[0] if info.process_start else ""
+    recorded_boot = recorded.split("/", 1)[0]
+
+    def found(reason: str, dead: bool) -> Orphan:
+        return Orphan(info, f"{reason}; {beat}", dead=dead, heartbeat_age=age, ttl=ttl)
+
+    unknowable = ""  # why this holder's liveness cannot be checked from here
+    if info.host != hostname:
+        unknowable = f"held on host {info.host or '?'}: its pid cannot be checked here"
+    elif pid <= 0:
+        unknowable = "no pid recorded"
+    elif recorded and here and recorded != here:
+        if recorded_boot != here.split("/", 1)[0]:
+            return found(f"this host rebooted since pid {pid} took it", True)
+        unknowable = f"pid {pid} is in another pid namespace: cannot check it here"
+    if unknowable:
+        return found(unknowable, False) if late else None
+    state = proc_state(pid)
+    if not pid_alive(pid):
+        return found(f"pid {pid} is not running on {hostname}", True)
+    if info.process_start and procinfo.process_start(pid) not in ("", info.process_start):
+        return found(f"pid {pid} now belongs to a process started after the grant", True)
+    if state in ("T", "t"):
+        return found(f"pid {pid} is stopped (alive: it may resume)", False)
+    if late:
+        return found(f"pid {pid} is alive but its heartbeat is late", False)
     return None
 
 
 def find_orphans(
-    backend: LockBackend, *, stale_after: float, match: str = "*", hostname: str | None = None
+    backend: LockBackend, *, match: str = "*", hostname: str | None = None
 ) -> list[Orphan]:
+    """Dead and suspect holders of the locks matching `match`."""
     host = hostname or socket.gethostname()
     now = server_time(backend)
     found = []
     for info in backend.scan(match):
-        reason = orphan_reason(info, now=now, hostname=host, stale_after=stale_after)
-        if reason is not None:
-            found.append(Orphan(info, reason))
+        orphan = orphan_reason(info, now=now, hostname=host)
+        if orphan is not None:
+            found.append(orphan)
     return found
+
+
+# --------------------------------------------------------------------------- releasing
+
+
+def release_grant(backend: LockBackend, key: str, fence: int) -> bool:
+    """Remove `key` only if it is still held under `fence` (the grant judged): owner-checked.
+
+    Fences are unique per grant, so the fence stands for the owner the admin never sees.
+    """
+    if isinstance(backend, RedisBackend):
+        name = backend.keys.lock(key)
+        signal = backend.keys.signal(key)
+        with backend.client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(name)  # type: ignore[no-untyped-call]
+                current = pipe.hget(name, "fence")
+                if current is None or int(current) != fence:
+                    return False
+                pipe.multi()
+                pipe.delete(name)
+                pipe.rpush(signal, "1")
+                pipe.pexpire(signal, SIGNAL_LIFETIME_MS)
+                deleted = pipe.execute()[0]
+            except WatchError:
+                return False  # the lock changed hands while we looked
+        return bool(deleted)
+    info = backend.inspect(key)  # other backends: check, then release (not atomic)
+    return info is not None and info.fence == fence and backend.force_release(key)
+
+
+@dataclass(frozen=True)
+class ForcedRelease:
+    """What `locks release --force` did."""
+
+    held: LockInfo | None  # the holder removed; None if the key was not held
+    floor: int | None  # a fence above every earlier grant's, at or below every later one
+    advanced: dict[str, int]  # guard resource -> the floor now in force there
+
+
+def force_release(
+    backend: LockBackend, key: str, *, resources: Sequence[str] = (), guard_prefix: str
+) -> ForcedRelease:
+    """Release `key` whatever its owner, advance its fence, and raise guard floors.
+
+    The fence is advanced by taking a grant and releasing it at once, so the removed
+    holder's token is below `floor` and every later grant is above it. Raising a Redis
+    guard resource's floor to `floor` makes the removed holder's writes there fail now,
+    not only once a newer holder has written.
+    """
+    if resources and not isinstance(backend, RedisBackend):
+        raise LockError("--fence-resource needs the Redis lock backend (the guard lives there)")
+    held = backend.inspect(key)
+    if held is None and not resources:
+        return ForcedRelease(None, None, {})
+    # Not held: a holder whose lease expired may still write, so the floors still rise.
+    if held is not None and not release_grant(backend, key, held.fence):
+        raise LockError("the lock changed hands while it was being released; run again", key=key)
+    floor = advance_fence(backend, key)
+    advanced: dict[str, int] = {}
+    if resources:
+        assert isinstance(backend, RedisBackend)
+        guard = RedisFenceGuard(backend.client, prefix=guard_prefix)
+        advanced = {r: guard.advance(r, floor) for r in resources}
+    return ForcedRelease(held, floor, advanced)
+
+
+def advance_fence(backend: LockBackend, key: str) -> int:
+    """A fence above every grant of `key` so far and at or below every later one."""
+    meta = default_meta(task_name="jobfence locks release --force")
+    for _ in range(20):
+        lease = backend.try_acquire(key, ADVANCE_TTL, meta=meta)
+        if lease is not None:
+            backend.release(lease)
+            return lease.fence
+        taken = backend.inspect(key)  # someone was faster: their grant is newer still
+        if taken is not None:
+            return taken.fence
+    raise LockError("could not take a grant to advance the fence; run again", key=key)
 
 
 # --------------------------------------------------------------------------- rendering

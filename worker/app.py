@@ -13,17 +13,27 @@ from celery.schedules import crontab
 
 from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.config.settings import ENV_PREFIX
-from jobfence.tasks import install
-from jobfence.worker import checks, journal, signals
+from jobfence.worker import journal
+from jobfence.worker.setup import BEAT_SCHEDULER, JSON_ONLY, safe_config, setup, transport_options
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "BEAT_SCHEDULER",
+    "JSON_ONLY",
+    "broker_urls",
+    "celery_config",
+    "create_app",
+    "default_beat_schedule",
+    "parse_crontab",
+    "redis_db_url",
+    "transport_options",
+]
 
 TASK_MODULES: tuple[str, ...] = ("jobfence.tasks.shop.payments", "jobfence.tasks.shop.stock")
 RECONCILE_TASK = "tasks.stock.reconcile_stock"
 RECONCILE_ENTRY = "reconcile-stock-nightly"
 DEFAULT_RECONCILE_AT = "30 2 * * *"  # cron fields: minute hour day-of-month month day-of-week (UTC)
-BEAT_SCHEDULER = "jobfence.worker.beat:LeaderScheduler"
-JSON_ONLY = ["json"]
 
 
 def redis_db_url(url: str, db: int) -> str:
@@ -49,22 +59,6 @@ def broker_urls(settings: Settings) -> tuple[str, str]:
             f"set {ENV_PREFIX}BROKER_URL and {ENV_PREFIX}RESULT_BACKEND",
         )
     return settings.broker_url or defaults[0], settings.result_backend or defaults[1]
-
-
-def transport_options(settings: Settings) -> dict[str, Any]:
-    """Visibility timeout, and kombu's unacked-restore sweep tuned so redelivery really happens.
-
-    kombu's Redis transport sweeps for expired unacked messages only every
-    `unacked_restore_interval * unacked_restore_throttle` seconds (10 x 10 by default), and a
-    worker killed mid-sweep holds the sweep mutex for `unacked_mutex_expire` (300 s).
-    """
-    vt = settings.visibility_timeout
-    return {
-        "visibility_timeout": vt,
-        "unacked_restore_interval": min(10.0, max(0.5, vt / 20)),
-        "unacked_restore_throttle": 1,
-        "unacked_mutex_expire": min(300.0, max(5.0, vt / 4)),
-    }
 
 
 def parse_crontab(text: str) -> crontab:
@@ -114,24 +108,14 @@ def available_modules(names: Sequence[str]) -> list[str]:
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    """The Celery settings every jobfence app runs with (DESIGN §5)."""
+    """The Celery settings of the bundled app: `setup`'s safe ones, its broker and backend, UTC."""
     broker, backend = broker_urls(settings)
     return {
         "broker_url": broker,
         "result_backend": backend,
-        "broker_transport_options": transport_options(settings),
-        "broker_connection_retry_on_startup": True,
-        "task_serializer": "json",
-        "result_serializer": "json",
-        "event_serializer": "json",
-        "accept_content": JSON_ONLY,
-        "result_accept_content": JSON_ONLY,
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
-        "worker_prefetch_multiplier": 1,
+        **safe_config(settings),
         "enable_utc": True,
         "timezone": "UTC",
-        "beat_scheduler": BEAT_SCHEDULER,
     }
 
 
@@ -160,8 +144,6 @@ def create_app(
     )
     if conf:
         app.conf.update(conf)
-    runtime = install(app, settings)
+    runtime = setup(app, settings)  # the same wiring a user's own app gets
     journal.connect(runtime)  # the demo's execution journal, when JOBFENCE_DEMO_JOURNAL_URL is set
-    signals.connect(app, runtime)
-    checks.connect(app, runtime)
     return app

@@ -7,10 +7,10 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -18,8 +18,10 @@ from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings
-from jobfence.config.settings import ENV_PREFIX
+from jobfence.config.settings import ENV_PREFIX, unknown_variables
+from jobfence.config.urls import check_url, redact
 from jobfence.locks import RedisBackend
+from jobfence.locks.backends.redis import tls_hint
 from jobfence.tasks import Runtime, SingletonTask
 
 log = logging.getLogger(__name__)
@@ -60,15 +62,6 @@ class StartupRefused(UnsafeSettings):
         self.args = ("\n".join(f"  - {f}" for f in findings),)
 
 
-def redact(url: str) -> str:
-    """`url` without its password, fit for a log line."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
 
 def _refuse(setting: str, problem: str, fix: str) -> Finding:
     return Finding(True, setting, problem, fix)
@@ -84,14 +77,16 @@ def _warn(setting: str, problem: str, fix: str) -> Finding:
 def check_serializers(conf: Any) -> Iterator[Finding]:
     accepted = list(conf.accept_content or ())
     result_accepted = list(conf.result_accept_content or accepted)
-    used = [conf.task_serializer, conf.result_serializer]
+    used = [conf.task_serializer, conf.result_serializer, conf.event_serializer]
     bad = sorted({c for c in [*accepted, *result_accepted, *used] if c not in JSON_TYPES})
     if bad:
         yield _refuse(
-            "accept_content / task_serializer / result_serializer",
+            "accept_content / result_accept_content / task_serializer / result_serializer"
+            " / event_serializer",
             f"the app accepts or sends {bad}: pickle (and yaml, msgpack extensions) run or "
             "decode arbitrary data from the broker",
-            f"accept and send only json ({ENV_PREFIX}ACCEPT_CONTENT='[\"json\"]')",
+            "accept and send only json: remove the others from the app's Celery settings "
+            "(left unset, jobfence.setup makes them JSON only)",
         )
 
 
@@ -141,6 +136,14 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     try:
         backend.client.ping()
     except RedisError as exc:
+        hint = tls_hint(exc) if urlsplit(settings.lock_url).scheme == "rediss" else None
+        if hint:  # a TLS set-up that cannot work: no amount of waiting helps
+            yield _refuse(
+                setting,
+                f"cannot reach the lock server at {redact(settings.lock_url)}: {exc}",
+                hint,
+            )
+            return
         # Not a refusal: a fleet restarted during a lock-server outage must come up and
         # wait, not crash-loop. Jobs delivered meanwhile are redelivered until it answers.
         yield Finding(
@@ -210,9 +213,19 @@ def _same_server(a: str, b: str) -> bool:
 def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     """A Redis broker that evicts loses messages: refuse it (skipped if it is the lock server)."""
     url = str(conf.broker_url or "")
-    if urlsplit(url).scheme not in REDIS_SCHEMES or _same_server(url, runtime.settings.lock_url):
+    if urlsplit(url).scheme not in REDIS_SCHEMES:
+        return
+    try:  # the app's own broker_url need not have passed Settings' checks
+        check_url(url, variable="broker_url", schemes=None, what="broker URL",
+                  example="redis://127.0.0.1:6379/1")
+    except UnsafeSettings as bad:
+        yield _refuse(bad.field, bad.problem, bad.fix)
+        return
+    if _same_server(url, runtime.settings.lock_url):
         return
     timeout = runtime.settings.socket_timeout
+    # A user's own app (jobfence.setup) sets its broker itself, not through JOBFENCE_*.
+    setting = f"{ENV_PREFIX}BROKER_URL" if url == runtime.settings.broker_url else "broker_url"
     client = redis.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
     )
@@ -221,13 +234,13 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
             client.ping()
         except RedisError as exc:
             yield _warn(
-                f"{ENV_PREFIX}BROKER_URL",
+                setting,
                 f"cannot reach the broker at {redact(url)} yet ({exc}); its eviction policy "
                 "is unchecked",
                 "make sure the broker runs with maxmemory-policy noeviction",
             )
             return
-        yield from check_eviction(client, "broker", f"{ENV_PREFIX}BROKER_URL", url)
+        yield from check_eviction(client, "broker", setting, url)
     finally:
         client.close()
 
@@ -245,6 +258,14 @@ def check_timeouts(conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()) -> It
     if "visibility_timeout" not in options:
         return
     vt = float(options["visibility_timeout"])
+    if vt < settings.visibility_timeout:  # an app's own value, kept by jobfence.setup
+        yield _warn(
+            "broker_transport_options.visibility_timeout",
+            f"the app's {vt:g}s is shorter than {ENV_PREFIX}VISIBILITY_TIMEOUT "
+            f"({settings.visibility_timeout:g}s), by which jobfence sizes the countdown of a "
+            "deferred delivery: the broker may deliver it again while it waits",
+            f"set {ENV_PREFIX}VISIBILITY_TIMEOUT={vt:g}",
+        )
     why = (
         "a crashed worker's message comes back after the visibility timeout and must find "
         "the dead holder's lease expired by then"
@@ -287,6 +308,16 @@ def check_delivery(conf: Any) -> Iterator[Finding]:
         )
 
 
+def check_environment(environ: Mapping[str, str] | None = None) -> Iterator[Finding]:
+    """Warn about JOBFENCE_* variables jobfence never reads: a typo leaves a default in force."""
+    for name, close in unknown_variables(environ):
+        yield _warn(
+            name,
+            "is not a jobfence setting, so it is ignored",
+            f"did you mean {close}?" if close else "remove it, or see the README's Settings table",
+        )
+
+
 def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
     """Every finding for `app` (talks to the lock server and a Redis broker)."""
     conf = app.conf
@@ -296,6 +327,7 @@ def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
         *check_timeouts(conf, runtime, app.tasks.values()),
         *check_lock_backend(conf, runtime),
         *check_broker(conf, runtime),
+        *check_environment(),
     ]
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.locks import LockBackend, LockError
+from jobfence.worker.fleet import BUNDLED_APP
 
 PASSTHROUGH = ("bench", "demo", "faults")  # commands whose arguments belong to another program
 BENCHES = {
@@ -28,13 +31,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="jobfence operations: a local fleet, lock administration, benchmarks.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_migrate_parser(sub)
 
     fleet = sub.add_parser(
         "fleet",
         help="run N real celery workers and the beat(s); Ctrl-C stops them cleanly",
-        description="Run real `celery worker` processes and beat(s) of worker.celery_app. "
-        "With no broker or lock URL (options or JOBFENCE_* variables) it starts an embedded "
-        "stack: a private redis-server and an SQLite ledger in a temporary directory.",
+        description="Run real `celery worker` processes and beat(s) of your Celery app "
+        "(--app), or of the bundled one. For the bundled app with no broker or lock URL "
+        "(options or JOBFENCE_* variables) it starts an embedded stack: a private "
+        "redis-server and an SQLite ledger in a temporary directory.",
+    )
+    fleet.add_argument(
+        "--app",
+        "-A",
+        default=BUNDLED_APP,
+        metavar="MODULE[:ATTR]",
+        help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app, or a module "
+        "holding `app`), imported from the current directory (default: the bundled app, "
+        f"{BUNDLED_APP})",
     )
     fleet.add_argument("--workers", type=_positive_int, default=2, metavar="N")
     fleet.add_argument(
@@ -53,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="beat processes; more than one shows the leader election",
     )
     beats.add_argument("--no-beat", action="store_true", help="start no beat")
-    fleet.add_argument("--broker", metavar="URL", help="Celery broker (JOBFENCE_BROKER_URL)")
+    fleet.add_argument(
+        "--broker",
+        metavar="URL",
+        help="the bundled app's Celery broker (JOBFENCE_BROKER_URL); your own app's broker "
+        "is set in your app",
+    )
     fleet.add_argument("--lock-backend", metavar="URL", help="lock server (JOBFENCE_LOCK_URL)")
     fleet.add_argument("--database", metavar="URL", help="ledger (JOBFENCE_DATABASE_URL)")
     fleet.add_argument("--pool", default="prefork", choices=["prefork", "solo", "threads"])
@@ -65,7 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="warm-shutdown deadline before SIGKILL (default 30)",
     )
-    fleet.add_argument("--app", default="jobfence.worker.celery_app", help=argparse.SUPPRESS)
 
     locks = sub.add_parser("locks", help="list, inspect, release locks; find orphans")
     locks.add_argument(
@@ -82,29 +100,52 @@ def build_parser() -> argparse.ArgumentParser:
     ins = lsub.add_parser("inspect", help="one lock: fence, holder, heartbeat, job record")
     ins.add_argument("key")
     ins.add_argument("--json", action="store_true")
-    rel = lsub.add_parser("release", help="remove a lock whatever its owner (needs --force)")
+    rel = lsub.add_parser(
+        "release",
+        help="remove a lock whatever its owner (needs --force)",
+        description="Remove a lock whatever its owner, then advance its fence (a grant taken "
+        "and released at once), so every later grant is above the removed holder's. The "
+        "removed holder's fenced writes fail once a newer fence was accepted for the same "
+        "resource; --fence-resource raises a Redis guard's floor now, so they fail at once.",
+    )
     rel.add_argument("key")
+    rel.add_argument("--force", action="store_true", help="yes, remove it whatever its owner")
     rel.add_argument(
-        "--force", action="store_true", help="yes, remove it: its holder's fenced writes will fail"
+        "--fence-resource",
+        action="append",
+        default=[],
+        metavar="RESOURCE",
+        help="a RedisFenceGuard resource (on the lock server) this key's holders write: raise "
+        "its floor to the new fence, so the removed holder's writes fail now (repeatable)",
     )
     orph = lsub.add_parser(
         "orphans",
-        help="locks whose owner is provably dead",
-        description="A lock is orphaned if its holder ran on this host and its pid is gone, "
-        "or its heartbeat is older than --stale-factor x TTL.",
+        help="locks whose owner is provably dead, and suspects",
+        description="A lock is orphaned only if its owner is provably dead: it ran on this "
+        "host, in this pid namespace, and its pid is gone or now belongs to a later process "
+        "(a stopped process is alive). A heartbeat late for the lock's own TTL, or a holder "
+        "elsewhere, is reported as a suspect and never released.",
     )
     orph.add_argument("--match", default="*", metavar="GLOB")
     orph.add_argument(
-        "--stale-factor",
-        type=float,
-        default=2.0,
-        metavar="N",
-        help="heartbeat older than N x JOBFENCE_DEFAULT_TTL (default 2)",
+        "--release", action="store_true", help="release the dead ones (owner-checked)"
     )
-    orph.add_argument("--release", action="store_true", help="force-release the orphans found")
     orph.add_argument("--json", action="store_true")
 
-    sub.add_parser("check", help="run the start-up checks against the configured servers")
+    check = sub.add_parser(
+        "check",
+        help="run the start-up checks against the configured servers",
+        description="Run the checks a worker of the app runs at start (serialisers, eviction "
+        "policy of the lock server and a Redis broker, TTLs against the visibility timeout) "
+        "and list every finding. Exit status 1 if any refuses.",
+    )
+    check.add_argument(
+        "--app",
+        "-A",
+        metavar="MODULE[:ATTR]",
+        help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app), imported from "
+        "the current directory (default: the bundled app)",
+    )
     sub.add_parser("bench", help="benchmarks: bench locks|celery [ARGS...]", add_help=False)
     sub.add_parser(
         "demo", help="the main job: a real fleet through a storm of duplicates", add_help=False
@@ -115,6 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     return parser
+
+
+def _add_migrate_parser(sub: Any) -> None:
+    migrate = sub.add_parser(
+        "migrate",
+        help="create jobfence's SQL tables (fences, job records) now",
+        description="Create jobfence's tables (jobfence_fences, jobfence_jobs) where they are "
+        "missing; safe to repeat. Workers create them on first use anyway: run this when a "
+        "DBA or a deploy step owns the schema and the workers' role may not create tables.",
+    )
+    migrate.add_argument(
+        "--database", metavar="URL", help="SQLAlchemy URL (default: JOBFENCE_DATABASE_URL)"
+    )
+    migrate.add_argument(
+        "--sql",
+        action="store_true",
+        help="print the DDL for the URL's dialect instead of running it (connects to nothing)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -130,6 +189,18 @@ def _positive_int(text: str) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     from jobfence.worker.fleet import FleetOptions, run_fleet
 
+    if args.app != BUNDLED_APP:
+        if args.broker:
+            print(
+                "jobfence: --broker sets the bundled app's broker; your app "
+                f"{args.app} publishes to the broker it sets itself",
+                file=sys.stderr,
+            )
+            return 2
+        missing = missing_app_module(args.app)
+        if missing:
+            print(f"jobfence: {missing}", file=sys.stderr)
+            return 2
     options = FleetOptions(
         workers=args.workers,
         concurrency=args.concurrency,
@@ -206,55 +277,142 @@ def _locks_inspect(args: argparse.Namespace, settings: Settings, backend: LockBa
 
 
 def _locks_release(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:
+    from jobfence.worker import admin
+
     if not args.force:
         print(
             f"refusing to release {args.key!r} without --force: only its holder can release "
-            "it safely. With --force the lock goes whatever its owner; the fence counter is "
-            "kept, so a live holder's fenced writes fail from then on.",
+            "it safely. With --force the lock goes whatever its owner and its fence is "
+            "advanced; the holder's fenced writes fail once a newer fence was accepted for "
+            "the same resource, or at once for each --fence-resource given.",
             file=sys.stderr,
         )
         return 2
-    held = backend.inspect(args.key)
-    if not backend.force_release(args.key):
+    done = admin.force_release(
+        backend, args.key, resources=args.fence_resource, guard_prefix=settings.key_prefix
+    )
+    held = done.held
+    if held is None:
         print(f"{args.key}: not held")
+    else:
+        print(f"{args.key}: released (was fence {held.fence}, host {held.host}, pid {held.pid})")
+    if done.floor is not None:
+        print(f"{args.key}: fence advanced to {done.floor}; every later grant is above it")
+    for resource, floor in done.advanced.items():
+        print(
+            f"{resource}: guard floor now {floor}: writes with an earlier grant's fence "
+            f"(below {done.floor}) fail with StaleFence from now on"
+        )
+    if held is None:
         return 1
-    holder = f" (was fence {held.fence}, host {held.host}, pid {held.pid})" if held else ""
-    print(f"{args.key}: released{holder}")
+    if not done.advanced:
+        print(
+            f"the removed holder (fence {held.fence}) may still write until a newer fence is "
+            "accepted by the resource it writes; to refuse it now, raise the resource's floor "
+            f"to {done.floor}: --fence-resource RESOURCE (Redis guard), or "
+            "SqlFenceGuard().check_and_advance(conn, RESOURCE, fence) in a transaction (SQL)"
+        )
     return 0
 
 
 def _locks_orphans(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:
     from jobfence.worker import admin
 
-    stale_after = args.stale_factor * settings.default_ttl
-    orphans = admin.find_orphans(backend, stale_after=stale_after, match=args.match)
+    orphans = admin.find_orphans(backend, match=args.match)
     released = []
     if args.release:
-        released = [o.info.key for o in orphans if backend.force_release(o.info.key)]
+        released = [
+            o.info.key
+            for o in orphans
+            if o.dead and admin.release_grant(backend, o.info.key, o.info.fence)
+        ]
     now = admin.server_time(backend)
     if args.json:
         _emit([
-            {**admin.info_dict(o.info, now), "reason": o.reason,
+            {**admin.info_dict(o.info, now), "reason": o.reason, "dead": o.dead,
+             "ttl": None if o.ttl is None else round(o.ttl, 3),
              "released": o.info.key in released}
             for o in orphans
         ])  # fmt: skip
     elif orphans:
-        print(admin.table([o.info for o in orphans], now, {o.info.key: o.reason for o in orphans}))
+        reasons = {o.info.key: ("DEAD: " if o.dead else "suspect: ") + o.reason for o in orphans}
+        print(admin.table([o.info for o in orphans], now, reasons))
         for key in released:
             print(f"{key}: released")
+        if any(not o.dead for o in orphans):
+            print("suspects are reported only: a late heartbeat or a holder elsewhere is no proof")
     else:
-        print("no orphaned locks")
+        print("no orphaned or suspect locks")
     return 0
+
+
+def app_module(spec: str) -> str:
+    """The module part of a `celery -A` app spec (`proj.tasks:app` -> `proj.tasks`)."""
+    return spec.split(":", 1)[0]
+
+
+def _cwd_importable() -> None:
+    # As `celery -A` does: the app is imported from the directory the command runs in.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def missing_app_module(spec: str) -> str | None:
+    """Why `spec`'s module cannot be imported from here (None if it can be found)."""
+    _cwd_importable()
+    module = app_module(spec)
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return (
+        f"--app {spec}: no module {module!r} importable from {os.getcwd()}; run from your "
+        "project's directory, or give the full dotted path (e.g. proj.tasks:app)"
+    )
+
+
+def load_app(spec: str) -> Any:
+    """The Celery app `spec` names, found as `celery -A` finds it."""
+    from celery.app.utils import find_app
+
+    missing = missing_app_module(spec)
+    if missing:
+        raise AppNotFound(missing)
+    try:
+        return find_app(spec)
+    except (AttributeError, ImportError) as exc:
+        raise AppNotFound(f"--app {spec}: no Celery app found there ({exc})") from None
+
+
+class AppNotFound(LookupError):
+    """`--app` names no importable Celery app."""
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from jobfence.tasks import runtime_for
-    from jobfence.worker.app import create_app
     from jobfence.worker.checks import run_checks
 
-    app = create_app(load_settings())
+    if args.app:
+        from jobfence.worker.setup import is_set_up
+
+        try:
+            app = load_app(args.app)
+        except AppNotFound as exc:
+            print(f"jobfence: {exc}", file=sys.stderr)
+            return 2
+        if not is_set_up(app):
+            print(
+                f"note: {args.app} is not set up with jobfence.setup(app): its workers do not "
+                "run these checks at start, and its Celery settings are its own"
+            )
+    else:
+        from jobfence.worker.app import create_app
+
+        app = create_app(load_settings())
     app.loader.import_default_modules()  # the task modules, as a worker imports them
-    runtime = runtime_for(app)
+    runtime = runtime_for(app)  # built from JOBFENCE_* if the app has none yet
     try:
         findings = run_checks(app, runtime)
     finally:
@@ -264,6 +422,57 @@ def cmd_check(args: argparse.Namespace) -> int:
     refused = any(f.refuse for f in findings)
     print("start-up checks: " + ("refused" if refused else "passed"))
     return 1 if refused else 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    import os
+
+    import sqlalchemy as sa
+
+    from jobfence.config.settings import ENV_PREFIX
+    from jobfence.locks.sql import SchemaError, create_tables, ddl
+    from jobfence.tasks.effects import TABLES, make_engine
+
+    raw = args.database or os.environ.get(f"{ENV_PREFIX}DATABASE_URL")
+    if not raw:
+        print(
+            f"jobfence migrate: no database: set {ENV_PREFIX}DATABASE_URL or pass --database "
+            "URL (e.g. postgresql+psycopg://user@db.internal/app)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        url = sa.make_url(raw)
+        if args.sql:
+            for statement in ddl(url.get_dialect()(), TABLES):
+                print(f"{statement};\n")
+            return 0
+        engine = make_engine(raw)
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ValueError) as exc:
+        print(f"jobfence migrate: bad database URL ({exc})", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        print(
+            f"jobfence migrate: the driver {exc.name} is missing: "
+            "pip install 'jobfence[postgres]' (or [mysql])",
+            file=sys.stderr,
+        )
+        return 2
+    where = url.render_as_string(hide_password=True)
+    try:
+        created = create_tables(engine, TABLES)
+    except SchemaError as exc:
+        print(f"jobfence migrate: {exc}", file=sys.stderr)
+        return 1
+    except sa.exc.DBAPIError as exc:
+        print(f"jobfence migrate: {where}: {type(exc.orig).__name__}: {exc.orig}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    for table in TABLES:
+        print(f"{table.name}: {'created' if table.name in created else 'already there'}")
+    print(f"jobfence tables ready on {where}")
+    return 0
 
 
 def _load_main(module: str, what: str, hint: str) -> Callable[[list[str]], int] | None:
@@ -320,6 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fleet": cmd_fleet,
         "locks": cmd_locks,
         "check": cmd_check,
+        "migrate": cmd_migrate,
     }
     try:
         return commands[args.command](args)

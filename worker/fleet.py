@@ -19,6 +19,7 @@ from jobfence.config.settings import ENV_PREFIX
 from jobfence.worker import procs
 from jobfence.worker.embedded import EmbeddedStack, EmbeddedStackError
 
+BUNDLED_APP = "jobfence.worker.celery_app"
 READY_LINE = re.compile(r"@\S+ ready\.\s*$")
 BEAT_READY_LINE = re.compile(r"beat: Starting\.\.\.")
 
@@ -35,7 +36,7 @@ class FleetOptions:
     broker: str | None = None
     lock_url: str | None = None
     database: str | None = None
-    app: str = "jobfence.worker.celery_app"
+    app: str = BUNDLED_APP  # `celery -A` spec of the app the processes run
     pool: str = "prefork"
     loglevel: str = "INFO"
     shutdown_timeout: float = 30.0
@@ -91,8 +92,9 @@ class Fleet:
 
     # -- set-up ---------------------------------------------------------------------
     def environment(self) -> dict[str, str]:
-        """Variables for the children: `extra_env` and the options' URLs; with no lock or
-        broker URL there or in the environment, an embedded stack's (started here)."""
+        """Variables for the children: `extra_env` and the options' URLs; for the bundled app
+        with no lock or broker URL there or in the environment, an embedded stack's (started
+        here). A user's own app keeps its broker and reads JOBFENCE_* as it would anyway."""
         o = self.options
         env = dict(o.extra_env)
         if o.lock_url:
@@ -102,7 +104,7 @@ class Fleet:
         names = {f"{ENV_PREFIX}{name.upper()}": name for name in Settings.model_fields}
         settings = load_settings(**{names[k]: v for k, v in env.items() if k in names})
         configured = {"lock_url", "broker_url"} & settings.model_fields_set
-        if not configured:
+        if not configured and o.app == BUNDLED_APP:
             self.stack = EmbeddedStack().start()
             env.update(self.stack.env())
             self.say(

@@ -132,6 +132,7 @@ class MemoryBackend(LockBackend):
                 task_name=h.meta.task_name,
                 acquired_at=h.acquired,
                 last_heartbeat=h.heartbeat,
+                process_start=h.meta.process_start,
             )
 
     def scan(self, match: str = "*") -> Iterator[LockInfo]:

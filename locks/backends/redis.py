@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import Connection, ConnectionPool
+from redis.connection import Connection, ConnectionPool, SSLConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -28,6 +29,44 @@ DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+CA_FILE_HINT = (
+    "if its certificate comes from a private CA, pass the CA file in the URL: "
+    "rediss://host:6380/0?ssl_ca_certs=/path/ca.pem (a client certificate: "
+    "&ssl_certfile=/path/client.crt&ssl_keyfile=/path/client.key)"
+)
+
+
+def tls_hint(exc: BaseException) -> str | None:
+    """What to try when a rediss:// connection failed in its TLS handshake, else None.
+
+    redis-py wraps the cause: a certificate that did not verify is an ssl.SSLError in the
+    chain; a server speaking plain Redis on the port never answers the handshake (timeout)
+    or drops it.
+    """
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen and len(seen) < 8:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for e in seen:
+        if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
+            return (
+                "TLS handshake with the lock server failed: its certificate did not verify "
+                f"({getattr(e, 'verify_message', None) or 'untrusted'}); {CA_FILE_HINT}"
+            )
+    texts = [str(e).lower() for e in seen]
+    # Only failures while connecting: an SSL error on an open connection (a server that
+    # went away mid-reply) is no handshake problem.
+    connecting = any("connecting to" in t or "handshake" in t for t in texts)
+    if connecting and any(isinstance(e, ssl.SSLError) or "handshake" in t
+                          for e, t in zip(seen, texts, strict=True)):
+        return (
+            "TLS handshake with the lock server failed: is it serving TLS on this port? "
+            f"A plain Redis port needs redis://, not rediss://; {CA_FILE_HINT}"
+        )
+    return None
 
 
 class _Lane:
@@ -126,6 +165,7 @@ class RedisBackend(LockBackend):
             if type(client) is redis.Redis and isinstance(pool, ConnectionPool)
             else None
         )
+        self._tls = issubclass(getattr(pool, "connection_class", object), SSLConnection)
         timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
         self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
 
@@ -178,14 +218,16 @@ class RedisBackend(LockBackend):
                 script.sha = self.client.script_load(script.script)
                 return self._evalsha(script.sha, keys, args)
         except RedisError as exc:
-            raise BackendUnavailable(f"redis {name} failed", key=key, cause=exc) from exc
+            hint = tls_hint(exc) if self._tls else None
+            message = f"redis {name} failed" + (f" ({hint})" if hint else "")
+            raise BackendUnavailable(message, key=key, cause=exc) from exc
 
     # -- one round trip each ----------------------------------------------------
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
         k = self.keys
-        holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}"
+        holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
         retention = self.fence_retention_ms if self.fence_retention_ms > ttl_ms else ttl_ms
         if record:
             reply = self._call(
@@ -285,8 +327,9 @@ class RedisBackend(LockBackend):
         fence, task_id, holder, acq, hb, host, pid, task_name = (
             _s(f) if f is not None else "" for f in fields
         )
+        started = ""
         if holder:
-            host, pid, task_name = [*holder.split("\n", 2), "", ""][:3]
+            host, pid, task_name, started = [*holder.split("\n", 3), "", "", ""][:4]
         return LockInfo(
             key=key,
             fence=int(fence),
@@ -298,6 +341,7 @@ class RedisBackend(LockBackend):
             acquired_at=int(acq or 0) / 1000,
             # Not written at acquire: until the first extension it is the acquisition time.
             last_heartbeat=int(hb or acq or 0) / 1000,
+            process_start=started,
         )
 
     # -- admin and waiting --------------------------------------------------------

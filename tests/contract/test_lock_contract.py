@@ -33,6 +33,7 @@ from jobfence.locks import (
     acquire,
 )
 from jobfence.locks.lease import new_owner_token
+from jobfence.locks.procinfo import process_start
 from tests.contract.conftest import BackendHarness
 from tests.servers import wait_for
 
@@ -360,6 +361,7 @@ def test_inspect_reports_holder_but_never_owner_token(backend: LockBackend) -> N
         "jobs.pay",
     )
     assert info.fence == lease.fence
+    assert info.process_start == ""  # none given in meta
     assert 0 < info.ttl_left <= 10.0
     assert abs(info.acquired_at - time.time()) < 60
     assert info.last_heartbeat >= info.acquired_at
@@ -381,6 +383,16 @@ def test_inspect_reports_holder_but_never_owner_token(backend: LockBackend) -> N
         texts.append(str(exc))
     for text in texts:
         assert lease.owner not in text
+
+
+def test_inspect_reports_the_holders_process_start(backend: LockBackend) -> None:
+    """The orphan finder tells a holder from a later process that reused its pid by this."""
+    key = _key("inspect")
+    lease = backend.try_acquire(key, 10.0)  # the default meta: this process
+    assert lease is not None
+    info = _info(backend, key)
+    assert (info.pid, info.process_start) == (os.getpid(), process_start(os.getpid()))
+    assert info.process_start.count("/") == 2  # boot id / pid namespace / start ticks
 
 
 def test_default_meta_names_this_host_and_process(backend: LockBackend) -> None:

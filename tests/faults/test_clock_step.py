@@ -118,8 +118,10 @@ def test_control_naive_fence_repeats_or_decreases(
     server_clock.step(-HOUR)  # ... and its clock steps back
     fresh = naive_fence(stepped_redis, source)  # holder B, once A's lock is gone
     assert fresh <= stale  # a repeat (INCR) or a decrease (the clock)
-    guard.write("naive:account", fresh, [("RPUSH", "naive:ledger", "B")])
-    guard.write("naive:account", stale, [("RPUSH", "naive:ledger", "A")])  # accepted too
+    # Each holder names its own write (write_id): to the guard, an equal fence is the same
+    # holder writing again, so the repeated token lets the stale holder's write through.
+    guard.write("naive:account", fresh, [("RPUSH", "naive:ledger", "B")], write_id="B")
+    guard.write("naive:account", stale, [("RPUSH", "naive:ledger", "A")], write_id="A")
     assert entries(guard, "naive:ledger") == ["B", "A"]  # the double effect
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import enum
 import json
 import math
 import random
@@ -14,8 +15,9 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobfence.tasks import ArgumentsNotSerializable, singleton_task
-from jobfence.tasks.keys import bind_arguments, canonical_json, fingerprint, job_key
+from jobfence.config import JobfenceError
+from jobfence.tasks import ArgumentsNotSerializable, BadArguments, singleton_task
+from jobfence.tasks.keys import bind_arguments, canonical_json, fingerprint, identity, job_key
 from tests.tasks.conftest import AppFactory, unique
 
 SECRET = b"test-secret"
@@ -202,11 +204,18 @@ def test_nan_and_infinity_are_refused(value: float) -> None:
         canonical_json({"nested": [value]})
 
 
-def test_arguments_not_matching_the_signature_are_refused() -> None:
-    with pytest.raises(ArgumentsNotSerializable, match="signature of charge"):
+def test_arguments_not_matching_the_signature_are_a_type_error_like_a_plain_call() -> None:
+    with pytest.raises(TypeError) as plain:
+        charge(1, amount=1, bogus=2)  # type: ignore[call-arg]
+    with pytest.raises(BadArguments) as unknown:
         bind_arguments(charge, (1,), {"amount": 1, "bogus": 2})
-    with pytest.raises(ArgumentsNotSerializable, match="signature of charge"):
-        bind_arguments(charge, (), {"amount": 1})
+    assert str(unknown.value) == str(plain.value)  # charge() got an unexpected keyword argument
+    assert "'bogus'" in str(unknown.value)
+    assert not isinstance(unknown.value, ArgumentsNotSerializable)  # nothing is unserialisable
+    assert isinstance(unknown.value, TypeError) and isinstance(unknown.value, JobfenceError)
+    missing = r"^shop\.charge\(\) missing a required argument: 'account'"
+    with pytest.raises(BadArguments, match=missing):
+        bind_arguments(charge, (), {"amount": 1}, name="shop.charge")
 
 
 def test_publish_refuses_non_json_arguments_before_anything_is_sent(
@@ -298,3 +307,68 @@ def test_canonical_json_ignores_dict_order(value: dict[str, Any], seed: int) -> 
 def test_canonical_json_distinguishes_different_values(a: Any, b: Any) -> None:
     if json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
         assert canonical_json(a) != canonical_json(b)
+
+
+# -- errors name the argument, never its value ------------------------------------------
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "where", "problem", "fix"),
+    [
+        (
+            {"note": datetime.datetime(2031, 7, 4, 12, 0)},
+            "argument 'note' of shop.charge: ",
+            "datetime is not JSON-serialisable",
+            "pass an ISO string",
+        ),
+        (
+            {"note": decimal.Decimal("1234.5678")},
+            "argument 'note' of shop.charge: ",
+            "Decimal is not JSON-serialisable",
+            "integer cents",
+        ),
+        (
+            {"note": {"lines": [{"sku": "a"}, {"when": datetime.date(2031, 7, 4)}]}},
+            "argument 'note' of shop.charge (at note.lines[1].when): ",
+            "date is not JSON-serialisable",
+            "ISO string",
+        ),
+        (
+            {"note": {"user-9876@mail.example": {1234}}},
+            "argument 'note' of shop.charge (at note[…]): ",
+            "set is not JSON-serialisable",
+            "sorted list",
+        ),
+        ({"note": Colour.RED}, "argument 'note' of shop.charge: ", "Colour", "pass its .value"),
+        ({"amount": math.nan}, "argument 'amount' of shop.charge: ", "NaN", "finite number"),
+    ],
+)
+def test_a_non_json_argument_is_named_without_its_value(
+    kwargs: dict[str, Any], where: str, problem: str, fix: str
+) -> None:
+    arguments = bind_arguments(charge, (), {"account": 1, "amount": 100, **kwargs})
+    with pytest.raises(ArgumentsNotSerializable) as refused:
+        identity(SECRET, "shop.charge", arguments)
+    text = str(refused.value)
+    assert text.startswith(where + problem), text
+    assert fix in text
+    for shown in ("2031", "1234", "user-9876", "red", "sku"):
+        assert shown not in text, text
+    assert isinstance(refused.value, TypeError) and isinstance(refused.value, BadArguments)
+
+
+def test_a_key_selector_result_that_is_not_json_names_the_selector() -> None:
+    arguments = bind_arguments(charge, (1, 100), {})
+    with pytest.raises(ArgumentsNotSerializable, match=r"the key selector of shop\.charge"):
+        job_key(SECRET, "shop.charge", arguments, selector=lambda **kw: {"at": object()})
+
+
+def test_key_as_one_string_means_that_one_argument() -> None:
+    one = key_of(charge, 1, 100, selector="account")
+    assert one == key_of(charge, 1, 999, "USD", selector="account")
+    assert one == key_of(charge, 1, 5, selector=["account"])
+    assert one != key_of(charge, 2, 100, selector="account")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any
 
@@ -11,20 +12,22 @@ from celery import Celery
 from celery.exceptions import MaxRetriesExceededError
 from kombu.exceptions import OperationalError
 
+from jobfence.config import JobfenceError
 from jobfence.locks import AcquireTimeout, Lease, LockError
 from jobfence.locks.backend import default_meta
 from jobfence.tasks import (
     DUPLICATE,
     HEADER,
     ArgumentsNotSerializable,
+    BadArguments,
     DuplicateJob,
     IdempotencyConflict,
     SingletonTask,
+    TaskDefinitionError,
     current_lease,
     runtime_for,
     singleton_task,
 )
-from jobfence.tasks.errors import NotInstalled
 from tests.servers import free_port
 from tests.tasks.conftest import AppFactory, unique
 
@@ -74,6 +77,120 @@ def test_decorator_validates_its_options(
         define(app, _f, **options)
 
 
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("amont", "key names 'amont', which is not a parameter of charge(order_id, amount); "
+         "did you mean 'amount'?"),
+        (["order_id", "self"], "key names 'self'"),  # bind=True: the task is never a key
+        ([], "key=[] names no argument"),
+        (7, "key must be an argument name"),
+        ([b"order_id"], "key must be an argument name"),
+        (
+            lambda order_id: order_id,
+            "key callable '<lambda>' is called with the arguments of charge(order_id, amount) "
+            "by name, and got an unexpected keyword argument 'amount'",
+        ),
+    ],
+)
+def test_a_key_that_cannot_work_is_refused_at_decoration(
+    make_app: AppFactory, key: Any, message: str
+) -> None:
+    app = make_app()
+
+    def charge(self: Any, order_id: str, amount: int) -> int:
+        return amount
+
+    with pytest.raises(TaskDefinitionError) as refused:
+        define(app, charge, key=key, bind=True)
+    assert str(refused.value).startswith(message)
+    assert isinstance(refused.value, ValueError) and isinstance(refused.value, JobfenceError)
+
+
+def test_a_key_callable_taking_every_argument_is_accepted(make_app: AppFactory) -> None:
+    app = make_app()
+
+    def charge(order_id: str, amount: int) -> int:
+        return amount
+
+    task = define(app, charge, key=lambda order_id, **_: order_id)
+    assert task.identity(("o-1", 5), {})[0] == task.identity(("o-1", 9), {})[0]
+
+
+def test_key_as_one_string_means_that_one_argument(make_app: AppFactory) -> None:
+    app = make_app()
+    runs: list[int] = []
+
+    def charge(payment_id: str, amount: int) -> int:
+        runs.append(amount)
+        return amount
+
+    task = define(app, charge, key="payment_id")
+    assert task.jobfence_key == ("payment_id",)
+    assert task.delay("p-1", 100).get() == 100
+    # The same payment id with another amount is the same job, so this is a conflicting reuse.
+    with pytest.raises(IdempotencyConflict):
+        task.delay("p-1", 999).get()
+    assert task.delay("p-2", 999).get() == 999
+    assert runs == [100, 999]
+
+
+def test_a_key_may_name_what_arrives_through_kwargs(make_app: AppFactory) -> None:
+    app = make_app()
+
+    def by_order(**kw: Any) -> Any:
+        return kw["order"]
+
+    task = define(app, by_order, key="order")
+    assert task.delay(order="o-1", note="x").get() == "o-1"
+
+
+@pytest.mark.parametrize("where", ["publish", "call"])
+def test_an_unknown_keyword_argument_is_a_type_error_naming_it(
+    make_app: AppFactory, where: str
+) -> None:
+    app = make_app(eager=False)
+    name = unique("shop.charge")
+
+    def charge(payment_id: str, amount: int) -> int:
+        return amount
+
+    task = define(app, charge, name=name)
+    with pytest.raises(TypeError) as refused:
+        if where == "publish":
+            task.delay("p-1", amont=100)
+        else:
+            task("p-1", amont=100)
+    assert str(refused.value) == f"{name}() got an unexpected keyword argument 'amont'"
+    assert isinstance(refused.value, BadArguments)
+    assert not isinstance(refused.value, ArgumentsNotSerializable)
+
+
+def test_unknown_keyword_is_reported_before_the_runtime_is_looked_up(
+    make_app: AppFactory,
+) -> None:
+    app = make_app(installed=False)
+    task = define(app, _f)
+    with pytest.raises(BadArguments, match="unexpected keyword argument 'z'"):
+        task.delay(1, z=2)
+
+
+def test_a_non_json_argument_at_publish_names_the_argument(make_app: AppFactory) -> None:
+    app = make_app(eager=False)
+    name = unique("shop.charge")
+
+    def charge(payment_id: str, when: Any) -> None:
+        return None
+
+    task = define(app, charge, name=name)
+    with pytest.raises(ArgumentsNotSerializable) as refused:
+        task.delay("p-secret-77", datetime.datetime(2031, 1, 2))
+    text = str(refused.value)
+    assert text.startswith(f"argument 'when' of {name}: datetime is not JSON-serialisable")
+    assert "pass an ISO string" in text
+    assert "p-secret-77" not in text and "2031" not in text
+
+
 def test_decorator_accepts_valid_options(make_app: AppFactory) -> None:
     app = make_app()
     task = define(
@@ -87,7 +204,7 @@ def test_decorator_accepts_valid_options(make_app: AppFactory) -> None:
         dedupe_on_publish=True,
     )
     assert isinstance(task, SingletonTask)
-    assert (task.jobfence_key, task.jobfence_ttl, task.on_conflict) == (["x"], 5, "wait")
+    assert (task.jobfence_key, task.jobfence_ttl, task.on_conflict) == (("x",), 5, "wait")
     assert (task.wait_timeout, task.result_ttl, task.dedupe_on_publish) == (0, 60, True)
 
 
@@ -377,20 +494,3 @@ def test_publish_carries_the_idempotency_key_header(
     task.apply_async((1,), idempotency_key="invoice-9")
     message = json.loads(redis_client.lindex("celery", 0) or b"{}")
     assert message["headers"][HEADER] == "invoice-9"
-
-
-# -- not installed -------------------------------------------------------------------------
-
-
-def test_missing_install_raises_not_installed(make_app: AppFactory) -> None:
-    app = make_app(installed=False)
-    task = define(app, _f)
-    with pytest.raises(NotInstalled, match=r"tasks\.install\(app"):
-        task.delay(1)
-    with pytest.raises(NotInstalled):
-        task(1)
-    with pytest.raises(NotInstalled):
-        runtime_for(app)
-    publisher = make_app(eager=False, installed=False)
-    with pytest.raises(NotInstalled):
-        define(publisher, _f).delay(1)

@@ -17,9 +17,18 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobfence.locks import Lease, NotOwner, OwnerMeta, RedisBackend
+from jobfence.locks import (
+    Lease,
+    NotOwner,
+    OwnerMeta,
+    RedisBackend,
+    RedisFenceGuard,
+    StaleFence,
+    procinfo,
+)
+from jobfence.worker import admin
 from jobfence.worker.cli import _load_main
-from jobfence.worker.procs import pid_alive
+from jobfence.worker.procs import pid_alive, proc_state
 from tests.servers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,10 +76,14 @@ def hold(
 
 
 def age_heartbeat(client: redis.Redis, key: str, seconds: float) -> None:
-    """Make the holder of `key` look silent for `seconds` (as a frozen holder would)."""
-    now_s, now_us = client.time()
-    then_ms = int(now_s * 1000 + now_us // 1000 - seconds * 1000)
-    client.hset(f"jobfence:lock:{{{key}}}", "heartbeat_ms", then_ms)
+    """Make the holder of `key` look silent for `seconds` more, as a frozen holder would:
+    its last heartbeat that much earlier, its TTL left that much shorter."""
+    name = f"jobfence:lock:{{{key}}}"
+    beat_ms = int(client.hget(name, "heartbeat_ms") or client.hget(name, "acquired_ms"))
+    client.hset(name, "heartbeat_ms", beat_ms - int(seconds * 1000))
+    left_ms = int(client.pttl(name)) - int(seconds * 1000)
+    assert left_ms > 0, "age it by less than its TTL"
+    client.pexpire(name, left_ms)
 
 
 # --------------------------------------------------------------------------- locks
@@ -122,22 +135,178 @@ def test_locks_release_needs_force_and_then_takes_the_lock_from_its_holder(env, 
     assert again.returncode == 1 and "not held" in again.stdout
 
 
-def test_locks_orphans_finds_dead_pids_on_this_host_and_silent_holders(env, backend, redis_client):
-    hold(backend, "alive", pid=os.getpid())
-    hold(backend, "dead-pid", pid=dead_pid())
-    hold(backend, "elsewhere", pid=dead_pid(), host="another-host")  # pid says nothing there
-    hold(backend, "silent", pid=1, host="another-host")
-    age_heartbeat(redis_client, "silent", 11.0)  # > 2 x TTL (5 s)
-    done = run_cli("locks", "orphans", "--json", env=env)
+# A real holder process: takes KEY with the default owner meta, writes RESOURCE through the
+# Redis guard once, then writes again under its fence each time the test asks it to.
+HOLDER = """
+import sys, redis
+from jobfence.locks import RedisBackend, RedisFenceGuard, StaleFence
+url, key, resource, ttl = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+backend = RedisBackend.from_url(url)
+lease = backend.try_acquire(key, ttl)
+client = redis.Redis.from_url(url, decode_responses=True)
+guard = RedisFenceGuard(client)
+guard.write(resource, lease.fence, [("RPUSH", "writes", "first")])
+client.rpush("holder:out", f"ready {lease.fence}")
+while True:
+    got = client.blpop(["holder:in"], timeout=1)  # short: redis-py's socket timeout is 5 s
+    if got is None:
+        continue
+    n = got[1]
+    try:
+        guard.write(resource, lease.fence, [("RPUSH", "writes", n)], write_id=n)
+        client.rpush("holder:out", "written")
+    except StaleFence as exc:
+        client.rpush("holder:out", f"stale {exc.last}")
+"""
+
+
+def start_holder(process_group, redis_url: str, key: str, *, ttl: float = 600.0):
+    proc = process_group.spawn(
+        [sys.executable, "-c", HOLDER, redis_url, key, "account:1", str(ttl)], name="holder"
+    )
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    got = holder_says(client, timeout=90, what="the holder did not start")
+    return proc, int(got.split()[1]), client
+
+
+def holder_says(client: redis.Redis, *, timeout: float, what: str) -> str:
+    # Short blocking pops: redis-py's socket timeout (5 s by default) would cut a long one.
+    got = wait_for(lambda: client.blpop(["holder:out"], timeout=1), timeout=timeout, message=what)
+    return str(got[1])
+
+
+def ask_holder_to_write(client: redis.Redis, n: int) -> str:
+    client.rpush("holder:in", str(n))
+    return holder_says(client, timeout=60, what="the holder did not answer")
+
+
+def orphans(env: dict[str, str], *args: str) -> dict[str, dict[str, object]]:
+    done = run_cli("locks", "orphans", "--json", *args, env=env)
     assert done.returncode == 0, done.stderr
-    found = {item["key"]: item["reason"] for item in json.loads(done.stdout)}
-    assert set(found) == {"dead-pid", "silent"}
-    assert "is not running on" in found["dead-pid"]
-    assert "no heartbeat for" in found["silent"]
-    released = run_cli("locks", "orphans", "--release", env=env)
-    assert released.returncode == 0
-    assert "dead-pid: released" in released.stdout and "silent: released" in released.stdout
-    assert sorted(i.key for i in backend.scan()) == ["alive", "elsewhere"]
+    return {item["key"]: item for item in json.loads(done.stdout)}
+
+
+def test_orphans_never_releases_a_live_holder_with_a_long_ttl_and_an_old_heartbeat(
+    env, backend, redis_client
+):
+    """Its keeper beats every TTL/3: 200 s apart with a 600 s TTL, far beyond 2 x the default."""
+    lease = backend.try_acquire("long", 600.0)  # this very process, as a task would
+    assert lease is not None
+    age_heartbeat(redis_client, "long", 60.0)  # > 2 x JOBFENCE_DEFAULT_TTL (5 s)
+    assert "long" not in orphans(env, "--release")  # nothing wrong: not even reported
+    age_heartbeat(redis_client, "long", 340.0)  # 400 s: late for its own TTL: reported, kept
+    found = orphans(env, "--release")["long"]
+    assert found["dead"] is False and found["released"] is False
+    assert "heartbeat is late" in str(found["reason"]) and "TTL" in str(found["reason"])
+    assert backend.inspect("long") is not None
+
+
+def test_orphans_never_releases_a_stopped_holder(env, redis_url, redis_client, process_group):
+    proc, fence, client = start_holder(process_group, redis_url, "frozen")
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: proc_state(proc.pid) == "T", timeout=10, message="not stopped")
+        age_heartbeat(redis_client, "frozen", 400.0)  # silent for most of its TTL
+        found = orphans(env, "--release")["frozen"]
+        assert found["dead"] is False and found["released"] is False
+        assert f"pid {proc.pid} is stopped" in str(found["reason"])
+        assert client.hget("jobfence:lock:{frozen}", "fence") == str(fence)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    client.close()
+
+
+def test_orphans_releases_a_holder_killed_outright(env, redis_url, backend, process_group):
+    proc, _, client = start_holder(process_group, redis_url, "killed")
+    assert orphans(env) == {}  # alive and beating: nothing to report
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    found = orphans(env, "--release")["killed"]
+    assert found["dead"] is True and found["released"] is True
+    assert f"pid {proc.pid} is not running" in str(found["reason"])
+    assert backend.inspect("killed") is None
+    client.close()
+
+
+def test_orphans_releases_a_lock_whose_pid_was_reused(env, backend):
+    """Our pid is alive, but not the process that took the lock: its start time differs."""
+    started_earlier = f"{procinfo.namespace()}/1"
+    backend.try_acquire(
+        "reused", 60, meta=OwnerMeta(host=HOSTNAME, pid=os.getpid(), process_start=started_earlier)
+    )
+    found = orphans(env, "--release")["reused"]
+    assert found["dead"] is True and found["released"] is True
+    assert "started after the grant" in str(found["reason"])
+    assert backend.inspect("reused") is None
+
+
+def test_orphans_reports_but_never_releases_a_lock_held_elsewhere(env, backend, redis_client):
+    hold(backend, "elsewhere", pid=dead_pid(), host="another-host", ttl=600)  # pid says nothing
+    hold(backend, "elsewhere-beating", pid=dead_pid(), host="another-host")
+    age_heartbeat(redis_client, "elsewhere", 400.0)  # late for its 600 s TTL
+    found = orphans(env, "--release")
+    assert set(found) == {"elsewhere"}
+    assert found["elsewhere"]["dead"] is False and found["elsewhere"]["released"] is False
+    assert "held on host another-host" in str(found["elsewhere"]["reason"])
+    assert backend.inspect("elsewhere") is not None
+    text = run_cli("locks", "orphans", env=env).stdout
+    assert "suspect: held on host another-host" in text and "no proof" in text
+
+
+def test_orphans_releases_only_the_grant_it_judged(backend):
+    """Owner-checked: a lock that changed hands since it was judged is left alone."""
+    judged = hold(backend, "moved", pid=dead_pid())
+    assert backend.force_release("moved")
+    newer = hold(backend, "moved", pid=os.getpid())
+    assert not admin.release_grant(backend, "moved", judged.fence)
+    assert backend.inspect("moved").fence == newer.fence
+    assert admin.release_grant(backend, "moved", newer.fence)
+
+
+# --------------------------------------------------------------------------- force release
+
+
+def test_force_release_alone_leaves_the_holders_writes_accepted(env, redis_url, process_group):
+    """The control: releasing a lock does not stop its holder's fenced writes."""
+    _, fence, client = start_holder(process_group, redis_url, "pay:1")
+    done = run_cli("locks", "release", "pay:1", "--force", env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"released (was fence {fence}" in done.stdout
+    assert "may still write until a newer fence is accepted" in done.stdout
+    assert ask_holder_to_write(client, 1) == "written"
+    client.close()
+
+
+def test_force_release_with_fence_resource_refuses_the_holders_writes_at_once(
+    env, redis_url, backend, process_group
+):
+    _, fence, client = start_holder(process_group, redis_url, "pay:1")
+    done = run_cli("locks", "release", "pay:1", "--force", "--fence-resource", "account:1", env=env)
+    assert done.returncode == 0, done.stderr
+    floor = int(re.search(r"fence advanced to (\d+)", done.stdout)[1])
+    assert floor > fence
+    assert f"account:1: guard floor now {floor}: writes with an earlier" in done.stdout
+    assert ask_holder_to_write(client, 1) == f"stale {floor}"  # at once, no newer holder yet
+    successor = backend.try_acquire("pay:1", 30)
+    assert successor is not None and successor.fence > floor
+    guard = RedisFenceGuard(redis.Redis.from_url(redis_url))
+    guard.write("account:1", successor.fence, [("RPUSH", "writes", "successor")])
+    assert client.lrange("writes", 0, -1) == ["first", "successor"]
+    client.close()
+
+
+def test_force_release_of_a_free_key_still_raises_the_floor(env, backend, redis_client):
+    """A holder whose lease expired may still write: the floor rises though nothing is held."""
+    expired = backend.try_acquire("pay:2", 30)
+    assert expired is not None and backend.release(expired)
+    guard = RedisFenceGuard(redis_client)
+    guard.write("account:2", expired.fence, [("RPUSH", "writes", "before")])
+    done = run_cli("locks", "release", "pay:2", "--force", "--fence-resource", "account:2", env=env)
+    assert done.returncode == 1 and "pay:2: not held" in done.stdout
+    assert "account:2: guard floor now" in done.stdout
+    with pytest.raises(StaleFence):
+        guard.write("account:2", expired.fence, [("RPUSH", "writes", "late")], write_id="late")
+    assert redis_client.lrange("writes", 0, -1) == [b"before"]
 
 
 def test_the_check_command_reports_an_evicting_lock_server(fresh_redis):

@@ -2,7 +2,7 @@
 -- KEYS[1] lock hash   KEYS[2] fence counter   KEYS[3] job record hash (only with ARGV[4] '1')
 -- ARGV[1] owner token  ARGV[2] ttl ms  ARGV[3] fence retention ms
 -- ARGV[4] '1' to consult and write the job record, '0' for a plain lock
--- ARGV[5] task id  ARGV[6] holder: "host\npid\ntask name"
+-- ARGV[5] task id  ARGV[6] holder: "host\npid\ntask name\nprocess start"
 -- ARGV[7] argument fingerprint of the job (job grants only; kept in the lock hash)
 -- ARGV[8] fence floor: the highest fence this client has seen from this server ('0': none)
 -- Returns fence                          granted: the new fence, a decimal string

@@ -1,0 +1,97 @@
+"""A pydantic-settings source reading JOBFENCE_* names from Django settings, when Django is set up.
+
+Precedence (highest first): keyword arguments, the environment, the ``.env`` file, Django
+settings, secret files, then the defaults. ``settings.py`` is code: the same file ships to
+every deployment, and an operator must be able to override one value for one machine
+(``JOBFENCE_LOCK_URL=... celery worker``) without editing it, as Django projects already do
+for their own settings with ``os.environ``.
+
+Django is never imported here unless the process already uses it: ``django.conf`` is in
+``sys.modules``, or ``DJANGO_SETTINGS_MODULE`` names a settings module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+from jobfence.config.errors import UnsafeSettings
+
+
+class UnknownDjangoSetting(UserWarning):
+    """A JOBFENCE_* name in Django settings that no jobfence setting has (a typo, usually)."""
+
+
+def django_settings() -> Any | None:
+    """``django.conf.settings`` if this process uses Django and it is configured, else None."""
+    if "django.conf" not in sys.modules and not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return None
+    try:
+        from django.conf import settings
+    except ImportError:  # DJANGO_SETTINGS_MODULE set, Django not installed: nothing to read
+        return None
+    module = os.environ.get("DJANGO_SETTINGS_MODULE")
+    if not settings.configured and not module:
+        return None
+    try:
+        settings.INSTALLED_APPS  # noqa: B018 -- loads the settings module now, once
+    except Exception as exc:
+        # Only an ImportError's text (a module name) is shown: settings.py may hold secrets.
+        why = f"{type(exc).__name__}: {exc}" if isinstance(exc, ImportError) else type(exc).__name__
+        raise UnsafeSettings(
+            "DJANGO_SETTINGS_MODULE",
+            f"Django settings {module!r} (read for JOBFENCE_* names) fail to load: {why}",
+            "put the Django project on PYTHONPATH, or unset DJANGO_SETTINGS_MODULE",
+        ) from None
+    return settings
+
+
+class DjangoSettingsSource(PydanticBaseSettingsSource):
+    """``JOBFENCE_LOCK_URL = "redis://..."`` in settings.py feeds ``Settings.lock_url``."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self.prefix = str(self.config.get("env_prefix") or "")
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        name = f"{self.prefix}{field_name}".upper()
+        conf = django_settings()
+        if conf is None or not hasattr(conf, name):
+            return None, name, False
+        return getattr(conf, name), name, False
+
+    def __call__(self) -> dict[str, Any]:
+        conf = django_settings()
+        if conf is None:
+            return {}
+        values: dict[str, Any] = {}
+        known = set()
+        for field_name, field in self.settings_cls.model_fields.items():
+            value, name, _ = self.get_field_value(field, field_name)
+            known.add(name)
+            if hasattr(conf, name):  # None in settings.py is a value too
+                values[field_name] = value
+        unknown = sorted(
+            n for n in dir(conf) if n.startswith(self.prefix.upper()) and n not in known
+        )
+        if self.prefix and unknown:
+            warnings.warn(
+                f"Django settings define {', '.join(unknown)}, which jobfence does not know; "
+                f"known names: {', '.join(sorted(known))}",
+                UnknownDjangoSetting,
+                stacklevel=2,
+            )
+        return values
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(prefix={self.prefix!r})"
+
+
+def django_sources(settings_cls: type[BaseSettings]) -> tuple[PydanticBaseSettingsSource, ...]:
+    """The sources to place between the ``.env`` file and secret files."""
+    return (DjangoSettingsSource(settings_cls),)

@@ -1,0 +1,144 @@
+"""URL checks and redaction for settings: one-line errors with an example, no password shown."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import parse_qsl, urlencode
+
+from jobfence.config.errors import UnsafeSettings
+
+# Query parameters that carry a credential (redis-py and kombu pass unknown ones through).
+_SECRET_QUERY = re.compile(r"(pass(word|wd)?|pwd|secret|token|auth|credential|key)", re.I)
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_REDACTED = "***"
+
+
+def redact(url: str) -> str:
+    """`url` without its password (userinfo and credential query parameters), fit for a log line.
+
+    Works on text that is not a valid URL too (a bad port, a password holding `/`), since
+    that is exactly what error messages show.
+    """
+    if not url:
+        return url
+    match = _SCHEME.match(url)
+    head, rest = (url[: match.end()], url[match.end() :]) if match else ("", url)
+    # The last '@' before the query: a password may hold '@', '/' or '#' (these URLs have no
+    # fragments); one holding '?' must be percent-encoded for any client to read it anyway.
+    q = rest.find("?")
+    at = rest.rfind("@", 0, q if q >= 0 else len(rest))
+    if at >= 0:
+        userinfo, rest = rest[:at], rest[at + 1 :]
+        user, colon, _ = userinfo.partition(":")
+        # With no ':' the userinfo is a user name, or (some services) a bare token: hide a
+        # bare token too, unless it looks like a plain user name.
+        shown = f"{user}:{_REDACTED}" if colon else (user if user.isidentifier() else _REDACTED)
+        rest = f"{shown}@{rest}"
+    q = rest.find("?")
+    if q >= 0:
+        frag = rest.find("#", q)
+        query = rest[q + 1 : frag if frag >= 0 else len(rest)]
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(_SECRET_QUERY.search(k) for k, _ in pairs):
+            clean = [(k, _REDACTED if _SECRET_QUERY.search(k) else v) for k, v in pairs]
+            tail = rest[frag:] if frag >= 0 else ""
+            rest = rest[: q + 1] + urlencode(clean, safe="*/:") + tail
+    return head + rest
+
+
+def _split_userinfo(url: str) -> tuple[str, str]:
+    """(userinfo, the rest after it) of a URL with a scheme, the way `redact` splits it."""
+    rest = url.split("://", 1)[1]
+    query = rest.find("?")
+    at = rest.rfind("@", 0, query if query >= 0 else len(rest))
+    return (rest[:at], rest[at + 1 :]) if at >= 0 else ("", rest)
+
+
+def _authority(url: str) -> str:
+    rest = _split_userinfo(url)[1]
+    for sep in "/?#":
+        rest = rest.split(sep, 1)[0]
+    return rest
+
+
+def _host_port(url: str) -> tuple[str, str]:
+    """(host, port text) of `url`'s authority; either may be empty."""
+    hostport = _authority(url)
+    if hostport.startswith("["):  # [::1]:6379
+        close = hostport.find("]")
+        return hostport[: close + 1], hostport[close + 1 :].removeprefix(":")
+    host, colon, port = hostport.rpartition(":")
+    return (host, port) if colon else (hostport, "")
+
+
+def _port_problem(url: str) -> str | None:
+    """Why the port of `url` is unusable, or None (also None when it has no port)."""
+    host, port = _host_port(url)
+    if host.startswith("[") and not host.endswith("]"):
+        return "has an unclosed '[' in its host"
+    if not port:
+        return None
+    if not port.isdigit():
+        return f"has port {port!r}, which is not a number"
+    if not 0 < int(port) < 65536:
+        return f"has port {port}, outside 1-65535"
+    return None
+
+
+def check_url(
+    url: str, *, variable: str, schemes: tuple[str, ...] | None, example: str, what: str
+) -> None:
+    """Raise UnsafeSettings (one line: variable, problem, an example) if `url` is unusable.
+
+    `schemes` None accepts any scheme (broker and database URLs: kombu and SQLAlchemy
+    have many); `what` names the server in the message.
+    """
+    fix = f"set {variable} to a URL such as {example}"
+    shown = redact(url)
+    if not _SCHEME.match(url):
+        raise UnsafeSettings(variable, f"{shown!r} has no scheme (scheme://host:port)", fix)
+    scheme = url.split("://", 1)[0].lower()
+    if schemes is not None and scheme not in schemes:
+        raise UnsafeSettings(
+            variable,
+            f"scheme {scheme!r} is not a {what} jobfence supports "
+            f"(use {', '.join(s + '://' for s in schemes)})",
+            fix,
+        )
+    if any(c in _split_userinfo(url)[0] for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password, which clients read "
+            "as the end of the host part",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+        )
+    port = _port_problem(url)
+    if port:
+        raise UnsafeSettings(variable, f"{shown!r} {port}", fix)
+
+
+LOCK_SCHEMES = ("redis", "rediss", "unix", "memory")
+LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
+
+
+def check_lock_url(url: str, variable: str) -> None:
+    """The lock URL: a supported scheme, a host for redis(s)://, a numeric port and db."""
+    check_url(url, variable=variable, schemes=LOCK_SCHEMES, example=LOCK_EXAMPLE,
+              what="lock backend")
+    fix = f"set {variable} to a URL such as {LOCK_EXAMPLE}"
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
+    if scheme in ("redis", "rediss"):
+        if not _host_port(url)[0].strip("[]"):
+            raise UnsafeSettings(variable, f"{redact(url)!r} names no host", fix)
+        path = rest.split("?", 1)[0].split("#", 1)[0]
+        db = path.partition("/")[2]
+        if db and not db.isdigit():
+            raise UnsafeSettings(
+                variable, f"{redact(url)!r} has database {db!r}, which is not a number", fix
+            )
+    elif scheme == "unix" and not rest.split("?", 1)[0]:
+        raise UnsafeSettings(
+            variable, f"{redact(url)!r} names no socket path",
+            f"set {variable} to a URL such as unix:///run/redis/redis.sock?db=0",
+        )

@@ -1,0 +1,114 @@
+"""Layer 3 on Django's connection: a job's effect and its DONE row commit in one atomic block."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import transaction as db_transaction
+
+from jobfence.tasks.context import JobContext
+from jobfence.tasks.django.guard import DjangoFenceGuard
+from jobfence.tasks.errors import IdempotencyConflict
+from jobfence.tasks.keys import canonical_json
+
+JOBS_TABLE = "jobfence_jobs"
+_COLUMNS = ("job_key", "state", "fingerprint", "result", "fence", "finished_at")
+
+
+@dataclass
+class DjangoEffectTx:
+    """The open atomic block. If ``done``, the job already took effect: return ``result``."""
+
+    using: str
+    done: bool
+    result: Any = None
+
+    @property
+    def conn(self) -> Any:
+        """Django's connection of this block (``tx.conn.cursor()`` for raw SQL)."""
+        return connections[self.using]
+
+
+class DjangoEffects:
+    """Fenced, exactly-once effects through the Django ORM, the same contract as SqlEffects.
+
+        with django_effects.transaction(self.job, f"payment:{payment_id}") as tx:
+            if tx.done:
+                return tx.result
+            Payment.objects.create(...)      # the effect, on the same connection
+            tx.result = {...}                # stored with the DONE row
+        return tx.result
+
+    Each resource's fence is checked and advanced first (StaleFence rolls everything
+    back); the DONE row is inserted in the same ``transaction.atomic()`` block, so a later
+    execution of the job finds it, and two racing executions collide on its primary key.
+    Nested in an outer atomic block it becomes a savepoint, and commits with the outer one.
+    """
+
+    def __init__(self, *, using: str = DEFAULT_DB_ALIAS, guard: DjangoFenceGuard | None = None):
+        self.using = using
+        self.guard = guard or DjangoFenceGuard()
+
+    @contextmanager
+    def transaction(
+        self, job: JobContext, *resources: str, using: str | None = None
+    ) -> Iterator[DjangoEffectTx]:
+        alias = using or self.using
+        with db_transaction.atomic(using=alias):
+            for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
+                self.guard.check_and_advance(resource, job.fence, using=alias)
+            tx = self._lookup(alias, job)
+            yield tx
+            if not tx.done:
+                self._insert_done(alias, job, canonical_json(tx.result, what="the job result"))
+
+    def record(self, job_key: str, *, using: str | None = None) -> dict[str, Any] | None:
+        """The stored row of ``job_key`` (``result`` still as JSON text), or None."""
+        conn = connections[using or self.using]
+        qn = conn.ops.quote_name
+        with conn.cursor() as cur:
+            cur.execute(
+                f"SELECT {', '.join(qn(c) for c in _COLUMNS)} FROM {qn(JOBS_TABLE)} "
+                f"WHERE {qn('job_key')} = %s",
+                [job_key],
+            )
+            row = cur.fetchone()
+        return None if row is None else dict(zip(_COLUMNS, row, strict=True))
+
+    def _lookup(self, alias: str, job: JobContext) -> DjangoEffectTx:
+        conn = connections[alias]
+        qn = conn.ops.quote_name
+        with conn.cursor() as cur:
+            cur.execute(
+                f"SELECT {qn('fingerprint')}, {qn('result')} FROM {qn(JOBS_TABLE)} "
+                f"WHERE {qn('job_key')} = %s",
+                [job.key],
+            )
+            row = cur.fetchone()
+        if row is None:
+            return DjangoEffectTx(alias, done=False)
+        if row[0] != job.fingerprint:
+            raise IdempotencyConflict(
+                "job key already used with different arguments", key=job.key, fence=job.fence
+            )
+        return DjangoEffectTx(alias, done=True, result=json.loads(row[1]))
+
+    def _insert_done(self, alias: str, job: JobContext, result: str) -> None:
+        conn = connections[alias]
+        qn = conn.ops.quote_name
+        with conn.cursor() as cur:
+            cur.execute(
+                f"INSERT INTO {qn(JOBS_TABLE)} ({', '.join(qn(c) for c in _COLUMNS)}) "
+                "VALUES (%s, %s, %s, %s, %s, %s)",
+                [job.key, "DONE", job.fingerprint, result, job.fence, time.time()],
+            )
+
+
+#: Effects on the default database; ``transaction(..., using="other")`` for another.
+django_effects = DjangoEffects()

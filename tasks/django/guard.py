@@ -1,0 +1,120 @@
+"""The fence guard on Django's connection: check-and-advance a token inside transaction.atomic()."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
+
+from jobfence.locks.errors import LockError, StaleFence
+from jobfence.locks.guards import _check_args
+
+FENCES_TABLE = "jobfence_fences"
+
+
+class DjangoFenceGuard:
+    """Keeps the highest accepted token per resource in ``jobfence_fences``, as SqlFenceGuard.
+
+        with transaction.atomic():
+            fence_guard.check_and_advance(f"account:{account_id}", self.job.fence)
+            Account.objects.filter(pk=account_id).update(...)
+
+    An equal token passes (one holder writing twice), a lower one raises StaleFence and
+    the atomic block rolls back. PostgreSQL and SQLite use one conditional upsert;
+    MySQL/MariaDB an upsert keeping the greater token, then a locking read; other
+    vendors an UPDATE, then an INSERT under a savepoint.
+    """
+
+    table = FENCES_TABLE
+
+    def check_and_advance(self, resource: str, fence: int, *, using: str | None = None) -> None:
+        _check_args(resource, fence)
+        conn = connections[using or DEFAULT_DB_ALIAS]
+        if not conn.in_atomic_block:
+            raise LockError(
+                "the fence check must run inside the transaction that writes the resource; "
+                "wrap it in `with transaction.atomic():` (or use guard.transaction(...))",
+                key=resource,
+            )
+        qn = conn.ops.quote_name
+        table, res, col = qn(self.table), qn("resource"), qn("fence")
+        with conn.cursor() as cur:
+            if conn.vendor in ("postgresql", "sqlite"):
+                cur.execute(
+                    f"INSERT INTO {table} ({res}, {col}) VALUES (%s, %s) "
+                    f"ON CONFLICT ({res}) DO UPDATE SET {col} = excluded.{col} "
+                    f"WHERE {table}.{col} <= excluded.{col}",
+                    [resource, fence],
+                )
+                if cur.rowcount == 1:
+                    return
+                raise StaleFence(resource=resource, fence=fence, last=self._last(cur, resource))
+            if conn.vendor == "mysql":  # MariaDB too
+                # One upsert: an UPDATE that misses takes a gap lock, and two such transactions
+                # inserting into one gap deadlock under REPEATABLE READ.
+                cur.execute(
+                    f"INSERT INTO {table} ({res}, {col}) VALUES (%s, %s) "
+                    f"ON DUPLICATE KEY UPDATE {col} = GREATEST({col}, %s)",
+                    [resource, fence, fence],
+                )
+                cur.execute(
+                    f"SELECT {col} FROM {table} WHERE {res} = %s FOR UPDATE", [resource]
+                )
+                last = int(cur.fetchone()[0])
+                if last > fence:
+                    raise StaleFence(resource=resource, fence=fence, last=last)
+                return
+        self._update_or_insert(conn, resource, fence)
+
+    def last(self, resource: str, *, using: str | None = None) -> int | None:
+        """The highest token accepted so far for ``resource``."""
+        with connections[using or DEFAULT_DB_ALIAS].cursor() as cur:
+            return self._last(cur, resource)
+
+    @contextmanager
+    def transaction(self, resource: str, fence: int, *, using: str | None = None) -> Iterator[str]:
+        """``with guard.transaction(resource, fence) as alias:`` an atomic block, token checked
+        first. Yields the database alias, for ``Model.objects.using(alias)``."""
+        alias = using or DEFAULT_DB_ALIAS
+        with transaction.atomic(using=alias):
+            self.check_and_advance(resource, fence, using=alias)
+            yield alias
+
+    def _update_or_insert(self, conn: Any, resource: str, fence: int) -> None:
+        qn = conn.ops.quote_name
+        table, res, col = qn(self.table), qn("resource"), qn("fence")
+        for _ in range(3):
+            with conn.cursor() as cur:
+                cur.execute(
+                    f"UPDATE {table} SET {col} = %s WHERE {res} = %s AND {col} <= %s",
+                    [fence, resource, fence],
+                )
+                if cur.rowcount:
+                    return
+                last = self._last(cur, resource)
+                if last is not None:
+                    raise StaleFence(resource=resource, fence=fence, last=last)
+            try:
+                with transaction.atomic(using=conn.alias), conn.cursor() as cur:
+                    cur.execute(
+                        f"INSERT INTO {table} ({res}, {col}) VALUES (%s, %s)", [resource, fence]
+                    )
+                return
+            except IntegrityError:
+                continue  # another transaction inserted it first: compare against theirs
+        with conn.cursor() as cur:
+            raise StaleFence(resource=resource, fence=fence, last=self._last(cur, resource))
+
+    def _last(self, cur: Any, resource: str) -> int | None:
+        qn = cur.db.ops.quote_name
+        cur.execute(
+            f"SELECT {qn('fence')} FROM {qn(self.table)} WHERE {qn('resource')} = %s", [resource]
+        )
+        row = cur.fetchone()
+        return None if row is None else int(row[0])
+
+
+#: The guard on the default database; pass ``using=`` for another.
+fence_guard = DjangoFenceGuard()

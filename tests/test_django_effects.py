@@ -1,0 +1,348 @@
+"""jobfence.tasks.django on real SQLite, PostgreSQL and MariaDB through Django's connections.
+
+Django is configured once in this process (``settings.configure``) with three databases:
+``default`` (SQLite), ``pg`` and ``maria``, each a scratch database migrated with the app's
+own migration. The settings hold no JOBFENCE_* name, so other tests' ``Settings()`` see
+nothing from here; tests that set one use ``override_settings``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+django = pytest.importorskip("django")
+
+from django.conf import settings as django_settings  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.db import connections, transaction  # noqa: E402
+from django.test import override_settings  # noqa: E402
+
+from jobfence.config import Settings, UnsafeSettings, load_settings  # noqa: E402
+from jobfence.config.django_source import UnknownDjangoSetting  # noqa: E402
+from jobfence.locks import SYSTEM_CLOCK, Lease, LockError, MemoryBackend, StaleFence  # noqa: E402
+from jobfence.tasks import IdempotencyConflict, JobContext  # noqa: E402
+from tests.servers import (  # noqa: E402
+    MARIADB_ADMIN_URL,
+    POSTGRES_ADMIN_URL,
+    MariaDBDatabase,
+    PostgresDatabase,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ALIASES = ["default", "pg", "maria"]
+_MEMORY = MemoryBackend()
+
+
+def _mysql_through_pymysql() -> None:
+    """Django's MySQL backend wants mysqlclient (a C build); PyMySQL stands in for the tests."""
+    import pymysql
+
+    pymysql.install_as_MySQLdb()
+    pymysql.version_info = (2, 2, 1, "final", 0)  # Django checks mysqlclient's version
+
+
+@pytest.fixture(scope="module")
+def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    if django_settings.configured:
+        pytest.skip("Django is already configured in this process")
+    servers = ((PostgresDatabase, POSTGRES_ADMIN_URL), (MariaDBDatabase, MARIADB_ADMIN_URL))
+    for cls, admin in servers:
+        reason = cls.reachable(admin)
+        if reason is not None:
+            pytest.skip(reason)
+    _mysql_through_pymysql()
+    pg, maria = PostgresDatabase(), MariaDBDatabase()
+    folder = tmp_path_factory.mktemp("django")
+    sqlite = folder / "db.sqlite3"
+    django_settings.configure(
+        INSTALLED_APPS=["jobfence.tasks.django"],
+        USE_TZ=True,
+        LOGGING_CONFIG=None,  # leave the test session's logging alone
+        DATABASES={
+            "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(sqlite)},
+            # Left unmigrated: test_migrate_keeps_tables_the_sqlalchemy_side_created.
+            "pre": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(folder / "pre.sqlite3")},
+            "pg": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": pg.name,
+                "USER": "postgres",
+                "HOST": "127.0.0.1",
+                "PORT": "5432",
+            },
+            "maria": {
+                "ENGINE": "django.db.backends.mysql",
+                "NAME": maria.name,
+                "USER": "root",
+                "HOST": "127.0.0.1",
+                "PORT": "3306",
+                "OPTIONS": {"charset": "utf8mb4"},
+            },
+        },
+    )
+    django.setup()
+    try:
+        for alias in ALIASES:
+            call_command("migrate", database=alias, verbosity=0)
+            with connections[alias].cursor() as cur:
+                cur.execute("CREATE TABLE dj_effects (job VARCHAR(64) NOT NULL, fence BIGINT)")
+        yield ALIASES
+    finally:
+        connections.close_all()
+        pg.drop()
+        maria.drop()
+
+
+@pytest.fixture(params=ALIASES)
+def alias(request: pytest.FixtureRequest, databases: list[str]) -> str:
+    return str(request.param)
+
+
+def job(key: str, fence: int, fingerprint: str = "fp") -> JobContext:
+    """A job holding a lease with exactly this fence, as a lock server granted it."""
+    lease = Lease(
+        key=key,
+        owner="owner-" + key,
+        fence=fence,
+        ttl=30.0,
+        deadline=SYSTEM_CLOCK.monotonic() + 30.0,
+        backend=_MEMORY,
+        clock=SYSTEM_CLOCK,
+    )
+    return JobContext(key=key, fingerprint=fingerprint, lease=lease)
+
+
+def _new(prefix: str) -> str:
+    return f"{prefix}:{uuid.uuid4().hex[:12]}"
+
+
+def _effects(alias: str, key: str) -> list[int]:
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT fence FROM dj_effects WHERE job = %s ORDER BY fence", [key])
+        return [int(r[0]) for r in cur.fetchall()]
+
+
+def _effect(alias: str, key: str, fence: int) -> None:
+    with connections[alias].cursor() as cur:
+        cur.execute("INSERT INTO dj_effects (job, fence) VALUES (%s, %s)", [key, fence])
+
+
+def _run(alias: str, j: JobContext, resource: str) -> Any:
+    from jobfence.tasks.django import django_effects
+
+    with django_effects.transaction(j, resource, using=alias) as tx:
+        if tx.done:
+            return tx.result
+        _effect(alias, j.key, j.fence)
+        tx.result = {"fence": j.fence}
+    return tx.result
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_settings_read_jobfence_names_from_django_settings(databases: list[str]) -> None:
+    with override_settings(JOBFENCE_LOCK_URL="redis://127.0.0.1:6390/3", JOBFENCE_DEFAULT_TTL=12):
+        s = Settings()
+    assert (s.lock_url, s.default_ttl) == ("redis://127.0.0.1:6390/3", 12.0)
+    assert Settings().lock_url == Settings.model_fields["lock_url"].default
+
+
+def test_environment_wins_over_django_settings_and_arguments_over_both(
+    databases: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JOBFENCE_LOCK_URL", "redis://127.0.0.1:6391/0")
+    with override_settings(JOBFENCE_LOCK_URL="redis://127.0.0.1:6390/3", JOBFENCE_DEFAULT_TTL=12):
+        assert Settings().lock_url == "redis://127.0.0.1:6391/0"
+        assert Settings().default_ttl == 12.0  # not in the environment: Django's value
+        assert Settings(lock_url="memory://").lock_url == "memory://"
+
+
+def test_unknown_jobfence_name_in_django_settings_warns(databases: list[str]) -> None:
+    with (
+        override_settings(JOBFENCE_DEFAULT_TLL=5),
+        pytest.warns(UnknownDjangoSetting, match="JOBFENCE_DEFAULT_TLL"),
+    ):
+        Settings()
+
+
+def test_bad_django_setting_is_named_by_load_settings_and_manage_check(
+    databases: list[str],
+) -> None:
+    from jobfence.tasks.django.apps import check_settings
+
+    with override_settings(JOBFENCE_DEFAULT_TTL=-1):
+        with pytest.raises(UnsafeSettings, match="JOBFENCE_DEFAULT_TTL"):
+            load_settings()
+        [error] = check_settings()
+    assert error.id == "jobfence.E001" and "JOBFENCE_DEFAULT_TTL" in error.msg
+    assert check_settings() == []
+
+
+def test_import_jobfence_and_settings_never_import_django() -> None:
+    # (kombu.utils.json imports django.utils.functional when Django is installed: not ours.)
+    code = (
+        "import sys, jobfence, jobfence.tasks, jobfence.worker\n"
+        "jobfence.Settings()\n"
+        "bad = ('django.conf', 'django.db', 'django.apps', 'jobfence.tasks.django')\n"
+        "assert not [m for m in bad if m in sys.modules], [m for m in bad if m in sys.modules]\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_django_settings_module_that_fails_to_load_is_named() -> None:
+    code = (
+        "from jobfence.config import Settings, UnsafeSettings\n"
+        "try:\n"
+        "    Settings()\n"
+        "except UnsafeSettings as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "no_such_project.settings"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("DJANGO_SETTINGS_MODULE: ")
+    assert "no_such_project" in done.stdout and "unset DJANGO_SETTINGS_MODULE" in done.stdout
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+def test_guard_accepts_equal_refuses_lower_and_rolls_the_write_back(alias: str) -> None:
+    from jobfence.tasks.django import fence_guard
+
+    r, key = _new("res"), _new("job")
+    for fence in (5, 5, 1_795_271_197_229_967):
+        with fence_guard.transaction(r, fence, using=alias):
+            _effect(alias, key, fence)
+    with pytest.raises(StaleFence) as refused, transaction.atomic(using=alias):
+        _effect(alias, key, 7)  # written first, then the check: the block must roll it back
+        fence_guard.check_and_advance(r, 7, using=alias)
+    assert (refused.value.fence, refused.value.last) == (7, 1_795_271_197_229_967)
+    assert _effects(alias, key) == [5, 5, 1_795_271_197_229_967]
+    assert fence_guard.last(r, using=alias) == 1_795_271_197_229_967
+
+
+def test_guard_outside_an_atomic_block_is_refused(alias: str) -> None:
+    from jobfence.tasks.django import fence_guard
+
+    with pytest.raises(LockError, match=r"transaction\.atomic"):
+        fence_guard.check_and_advance(_new("res"), 1, using=alias)
+    with pytest.raises(LockError, match="fence must be an int"), transaction.atomic(using=alias):
+        fence_guard.check_and_advance(_new("res"), -1, using=alias)
+
+
+# --------------------------------------------------------------------------- the effects
+
+
+def test_effect_and_done_row_commit_once_and_replay_the_result(alias: str) -> None:
+    from jobfence.tasks.django import django_effects
+
+    key, r = _new("job"), _new("payment")
+    assert _run(alias, job(key, 10), r) == {"fence": 10}
+    assert _run(alias, job(key, 11), r) == {"fence": 10}  # a later execution: stored result
+    assert _effects(alias, key) == [10]
+    row = django_effects.record(key, using=alias)
+    assert row is not None and (row["state"], int(row["fence"])) == ("DONE", 10)
+
+
+def test_same_key_other_arguments_is_a_conflict(alias: str) -> None:
+    key, r = _new("job"), _new("payment")
+    _run(alias, job(key, 10), r)
+    with pytest.raises(IdempotencyConflict):
+        _run(alias, job(key, 12, fingerprint="other"), r)
+
+
+def test_stale_fence_writes_neither_effect_nor_done_row(alias: str) -> None:
+    from jobfence.tasks.django import django_effects
+
+    r = _new("payment")
+    _run(alias, job(_new("job"), 20), r)
+    stale = job(_new("job"), 19)
+    with pytest.raises(StaleFence):
+        _run(alias, stale, r)
+    assert _effects(alias, stale.key) == []
+    assert django_effects.record(stale.key, using=alias) is None
+
+
+def test_a_failing_body_leaves_nothing_and_the_job_runs_again(alias: str) -> None:
+    from jobfence.tasks.django import django_effects
+
+    key, r = _new("job"), _new("payment")
+    with pytest.raises(RuntimeError), django_effects.transaction(job(key, 3), r, using=alias):
+        _effect(alias, key, 3)
+        raise RuntimeError("card declined")
+    assert _effects(alias, key) == [] and django_effects.record(key, using=alias) is None
+    assert _run(alias, job(key, 4), r) == {"fence": 4}
+
+
+def test_nested_in_an_outer_atomic_block_commits_with_it(alias: str) -> None:
+    from jobfence.tasks.django import django_effects
+
+    key, r = _new("job"), _new("payment")
+    with pytest.raises(RuntimeError), transaction.atomic(using=alias):
+        _run(alias, job(key, 8), r)
+        raise RuntimeError("the caller's own transaction fails later")
+    assert _effects(alias, key) == [] and django_effects.record(key, using=alias) is None
+
+
+def test_racing_executions_of_one_job_take_effect_once(alias: str) -> None:
+    """Eight threads (eight connections) run one job with mixed fences at once."""
+    key, r = _new("job"), _new("payment")
+    barrier = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def execute(fence: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            _run(alias, job(key, fence), r)
+            outcomes.append("ok")
+        except StaleFence:
+            outcomes.append("stale")
+        except Exception as exc:  # a PK collision is allowed: it rolled back
+            outcomes.append(type(exc).__name__)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=execute, args=(100 + i % 4,)) for i in range(8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert len(_effects(alias, key)) == 1, outcomes
+    assert set(outcomes) <= {"ok", "stale", "IntegrityError"}, outcomes
+    assert "ok" in outcomes
+
+
+def test_migrate_keeps_tables_the_sqlalchemy_side_created(databases: list[str]) -> None:
+    """A project that used SqlEffects first: migrate adopts its tables instead of failing."""
+    import sqlalchemy as sa
+
+    from jobfence.tasks import SqlEffects
+
+    engine = sa.create_engine(f"sqlite:///{connections['pre'].settings_dict['NAME']}")
+    SqlEffects(engine).create_schema()
+    engine.dispose()
+    call_command("migrate", "jobfence", database="pre", verbosity=0)
+    with connections["pre"].cursor() as cur:
+        cur.execute("CREATE TABLE dj_effects (job VARCHAR(64) NOT NULL, fence BIGINT)")
+    assert _run("pre", job("pre-job", 1), "payment:pre") == {"fence": 1}
+    assert _run("pre", job("pre-job", 2), "payment:pre") == {"fence": 1}

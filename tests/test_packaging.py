@@ -1,0 +1,271 @@
+"""The image's install step, done for real: the Dockerfile's `pip install` in a fresh venv, from
+the files it copies, then every module the compose services run imported there, and the
+wheel's metadata (license, project URLs)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from email.parser import Parser
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.test_compose import all_commands, option
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO_ROOT / "Dockerfile"
+INSTALL_TIMEOUT = 900  # a cold pip cache downloads everything once
+
+
+# -- reading the Dockerfile ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Image:
+    """What the install step needs from the Dockerfile."""
+
+    workdir: PurePosixPath
+    copies: list[tuple[list[str], str]]  # (sources, destination) as written
+    pip_install: list[str]  # the arguments after `pip install`
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        whole = pending + stripped
+        pending = ""
+        name, _, args = whole.partition(" ")
+        out.append((name.upper(), args.strip()))
+    return out
+
+
+def read_image(text: str) -> Image:
+    workdir = PurePosixPath("/")
+    copies: list[tuple[list[str], str]] = []
+    installs: list[list[str]] = []
+    for name, args in instructions(text):
+        if name == "WORKDIR":
+            workdir = workdir / args
+        elif name == "COPY":
+            words = [w for w in shlex.split(args) if not w.startswith("--")]
+            copies.append((words[:-1], words[-1]))
+        elif name == "RUN":
+            for step in args.split("&&"):
+                words = shlex.split(step)
+                if words[:2] == ["pip", "install"]:
+                    installs.append(words[2:])
+                elif words[:4] == ["python", "-m", "pip", "install"]:
+                    installs.append(words[4:])
+    assert len(installs) == 1, f"expected one pip install step in the Dockerfile: {installs}"
+    return Image(workdir=workdir, copies=copies, pip_install=installs[0])
+
+
+def test_the_dockerfile_reader_joins_continuations_and_finds_the_install() -> None:
+    image = read_image(
+        "FROM python:3.11-slim\nWORKDIR /app\nCOPY a b ./\nCOPY src ./src\n"
+        "# a comment\nRUN pip install \".[x]\" 'y>=1' \\\n    && useradd z\n"
+    )
+    assert image.workdir == PurePosixPath("/app")
+    assert image.copies == [(["a", "b"], "./"), (["src"], "./src")]
+    assert image.pip_install == [".[x]", "y>=1"]
+
+
+# -- building the context and the venv -----------------------------------------------------
+
+
+def dockerignore() -> list[str]:
+    path = REPO_ROOT / ".dockerignore"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [ln.strip().removeprefix("**/") for ln in lines if ln.strip() and ln[0] != "#"]
+
+
+def copy_context(image: Image, dest_root: Path) -> Path:
+    """The files the Dockerfile COPYs, laid out under `dest_root` as in the image's WORKDIR."""
+    ignored = dockerignore()
+
+    def ignore(_dir: str, names: list[str]) -> set[str]:
+        return {n for n in names if any(fnmatch.fnmatch(n, p) for p in ignored)}
+
+    workdir = dest_root / image.workdir.relative_to("/")
+    workdir.mkdir(parents=True, exist_ok=True)
+    for sources, dest in image.copies:
+        target = workdir / dest
+        into_dir = dest.endswith("/") or len(sources) > 1
+        for source in sources:
+            src = REPO_ROOT / source
+            assert src.exists(), f"the Dockerfile copies {source}, which does not exist"
+            if src.is_dir():  # as Docker does: the directory's contents, not the directory
+                shutil.copytree(src, target, symlinks=True, ignore=ignore, dirs_exist_ok=True)
+            else:
+                (target if into_dir else target.parent).mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, target / src.name if into_dir else target)
+    return workdir
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without this checkout: no venv, no PYTHONPATH, pip's cache on."""
+    drop = {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_NO_CACHE_DIR", "PIP_REQUIRE_VIRTUALENV"}
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("JOBFENCE_")}
+
+
+@dataclass(frozen=True)
+class Installed:
+    python: Path
+    scratch: Path  # an empty directory to run in, so nothing imports from a source tree
+    env: dict[str, str]
+
+    def run(self, code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.python), "-c", code],
+            cwd=self.scratch, env=self.env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    root = tmp_path_factory.mktemp("image")
+    image = read_image(DOCKERFILE.read_text())
+    workdir = copy_context(image, root / "fs")
+    venv = root / "venv"
+    env = clean_env()
+    subprocess.run(
+        [sys.executable, "-m", "venv", str(venv)], check=True, env=env, timeout=300
+    )
+    python = venv / "bin" / "python"
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", *image.pip_install],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 0, f"the Dockerfile's pip install failed:\n{done.stderr[-3000:]}"
+    scratch = root / "run"
+    scratch.mkdir()
+    yield Installed(python=python, scratch=scratch, env=env)
+
+
+# -- what the compose services run ---------------------------------------------------------
+
+
+def compose_services() -> dict[str, dict[str, Any]]:
+    data = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+    return data["services"]  # type: ignore[no-any-return]
+
+
+def test_jobfence_comes_from_the_install_not_the_checkout(installed: Installed) -> None:
+    done = installed.run("import jobfence, os; print(os.path.realpath(jobfence.__file__))")
+    assert done.returncode == 0, done.stderr
+    assert "site-packages" in done.stdout and str(REPO_ROOT) not in done.stdout
+
+
+def test_every_module_the_compose_commands_name_imports(installed: Installed) -> None:
+    argvs = all_commands(compose_services())
+    apps = sorted({a for argv in argvs if (a := option(argv, "-A", "--app"))})
+    modules = sorted({m for argv in argvs if argv[0].startswith("python")
+                      and (m := option(argv, "-m"))})  # fmt: skip
+    assert apps, "no `celery -A <module>` in docker-compose.yml"
+    checks = [f"import {m}" for m in modules]
+    checks += [f"import {a}; from celery import Celery; assert isinstance({a}.app, Celery)"
+               for a in apps]  # fmt: skip
+    if any("flower" in argv for argv in argvs):  # `celery -A app flower`: flower's command
+        checks.append("import flower.command")
+    failed = {}
+    for code in checks:
+        done = installed.run(code)
+        if done.returncode != 0:
+            failed[code] = done.stderr.strip().splitlines()[-1:]
+    assert failed == {}, failed
+
+
+def test_the_servers_the_compose_stack_uses_have_their_clients(installed: Installed) -> None:
+    # A broker or database URL is only loaded when a worker connects: load each client
+    # here (kombu's transport, SQLAlchemy's driver) without connecting.
+    env = {}
+    for service in compose_services().values():
+        env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})
+    urls = {k: v for k, v in env.items() if k.endswith(("_URL", "_BACKEND"))}
+    assert {"JOBFENCE_BROKER_URL", "JOBFENCE_DATABASE_URL"} <= set(urls), urls
+    code = (
+        "import json, sys\n"
+        "import sqlalchemy as sa\n"
+        "from celery.app.backends import by_url\n"
+        "from kombu.transport import resolve_transport\n"
+        "from kombu.utils.imports import symbol_by_name\n"
+        "urls = json.loads(sys.argv[1])\n"
+        "sa.create_engine(urls['JOBFENCE_DATABASE_URL']).dialect.loaded_dbapi\n"
+        "broker = urls['JOBFENCE_BROKER_URL']\n"
+        "symbol_by_name(resolve_transport(broker.split(':', 1)[0]))\n"
+        "by_url(urls.get('JOBFENCE_RESULT_BACKEND') or 'disabled://')\n"
+    )
+    done = subprocess.run(
+        [str(installed.python), "-c", code, json.dumps(urls)],
+        cwd=installed.scratch, env=installed.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-3:]
+
+
+def test_the_cli_runs_from_the_install(installed: Installed) -> None:
+    done = subprocess.run(
+        [str(installed.python), "-m", "jobfence", "migrate", "--sql",
+         "--database", "postgresql+psycopg://app@db/app"],
+        cwd=installed.scratch, env=installed.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "CREATE TABLE IF NOT EXISTS jobfence_fences" in done.stdout
+
+
+# -- the wheel's metadata ------------------------------------------------------------------
+
+
+def test_the_wheel_metadata_carries_the_license_and_the_project_urls(
+    installed: Installed,
+) -> None:
+    done = installed.run(
+        "import importlib.metadata as m, json; d = m.distribution('jobfence'); "
+        "print(json.dumps({'meta': d.read_text('METADATA'), "
+        "'files': [str(f) for f in d.files or []]}))"
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    meta = Parser().parsestr(found["meta"])
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL") or [])
+    assert urls == project["urls"]
+    assert set(urls) >= {"Homepage", "Source", "Issues", "Changelog"}
+    assert meta["License-Expression"] == "MIT"
+    assert "LICENSE" in (meta.get_all("License-File") or [])
+    assert any(f.endswith(".dist-info/licenses/LICENSE") for f in found["files"])
+    extras = set(meta.get_all("Provides-Extra") or [])
+    assert {"postgres", "mysql"} <= extras
+
+
+def test_the_license_and_changelog_are_in_the_repository() -> None:
+    license_text = (REPO_ROOT / "LICENSE").read_text()
+    assert license_text.startswith("MIT License")
+    assert "the jobfence developers" in license_text
+    changelog = (REPO_ROOT / "CHANGELOG.md").read_text()
+    version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert "## [Unreleased]" in changelog
+    assert f"## [{version}]" in changelog

@@ -1,0 +1,124 @@
+"""The README runs: each ```python block as a script against a private Redis and a scratch
+PostgreSQL database, and it links nowhere outside the repository.
+
+A block is skipped only if the line right above its fence is an HTML comment such as
+`<!-- readme-test: skip (needs docker) -->`; the reason is required.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from jobfence.worker.app import redis_db_url
+from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+README = REPO_ROOT / "README.md"
+SKIP_MARK = re.compile(r"^<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->$")
+LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)[^)]*\)")
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # of the opening fence, 1-based
+    code: str
+    skip: str | None  # the reason given in the skip comment
+
+    @property
+    def id(self) -> str:
+        return f"line-{self.line}"
+
+
+def python_blocks(text: str) -> list[Block]:
+    """Every ```python block of `text`, with the skip reason marked right above it."""
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            start = i
+            i += 1
+            body: list[str] = []
+            while i < len(lines) and lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            if i == len(lines):
+                raise AssertionError(f"README line {start + 1}: python block never closed")
+            above = lines[start - 1].strip() if start > 0 else ""
+            mark = SKIP_MARK.match(above)
+            reason = mark["reason"] if mark else None
+            blocks.append(Block(start + 1, "\n".join(body) + "\n", reason))
+        i += 1
+    return blocks
+
+
+BLOCKS = python_blocks(README.read_text())
+
+
+def test_the_readme_has_python_blocks_to_run() -> None:
+    assert len([b for b in BLOCKS if b.skip is None]) >= 2
+
+
+def test_the_block_finder_reads_skip_marks() -> None:
+    text = "intro\n<!-- readme-test: skip (needs docker) -->\n```python\nx = 1\n```\n"
+    text += "\n```python\ny = 2\n```\n"
+    assert python_blocks(text) == [
+        Block(3, "x = 1\n", "needs docker"),
+        Block(7, "y = 2\n", None),
+    ]
+
+
+@pytest.fixture
+def scratch_pg() -> Iterator[str]:
+    """A PostgreSQL database of this test's own (README blocks create tables freely)."""
+    reason = PostgresDatabase.reachable(POSTGRES_ADMIN_URL)
+    if reason is not None:
+        pytest.skip(reason)
+    with PostgresDatabase() as db:
+        yield db.url
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_the_readme_block_runs(block: Block, tmp_path: Path, redis_url: str, scratch_pg: str):
+    if block.skip is not None:
+        pytest.skip(f"README line {block.line}: {block.skip}")
+    script = tmp_path / f"readme_{block.id.replace('-', '_')}.py"
+    script.write_text(block.code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JOBFENCE_", "CELERY_"))}
+    env.update({
+        "JOBFENCE_LOCK_URL": redis_db_url(redis_url, 0),
+        "JOBFENCE_DATABASE_URL": scratch_pg,
+        "JOBFENCE_KEY_SECRET": "readme-test-secret",
+        "CELERY_BROKER_URL": redis_db_url(redis_url, 1),
+        "CELERY_RESULT_BACKEND": redis_db_url(redis_url, 2),
+    })  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, script.name],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (
+        f"README block at line {block.line} failed:\n{block.code}\n{done.stdout}\n{done.stderr}"
+    )
+
+
+def test_the_readme_links_only_inside_the_repository() -> None:
+    text = README.read_text()
+    assert "../" not in text, "the README points outside the repository"
+    for match in LINK.finditer(text):
+        target = match["target"].split("#", 1)[0]
+        if not target:
+            continue  # a link to a heading of the README itself
+        assert "://" not in target, f"external link {target}"
+        assert (REPO_ROOT / target).exists(), f"link to a missing file {target}"
