@@ -5,8 +5,8 @@ from __future__ import annotations
 from jobfence.config.errors import JobfenceError
 
 
-class LockError(JobfenceError):
-    """A lock operation failed. `key` is the lock key, `fence` the token involved."""
+class KeyedError(JobfenceError):
+    """An error about one key: `key` is the lock or job key, `fence` the token involved."""
 
     def __init__(
         self,
@@ -27,6 +27,10 @@ class LockError(JobfenceError):
         if cause is not None:
             parts.append(f"cause={type(cause).__name__}: {cause}")
         super().__init__(" ".join(parts))
+
+
+class LockError(KeyedError):
+    """A lock operation failed (never a task-layer error: those are TaskError)."""
 
 
 class AcquireTimeout(LockError):

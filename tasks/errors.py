@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from jobfence.config.errors import JobfenceError
-from jobfence.locks.errors import LockError
+from jobfence.locks.errors import KeyedError
 
 
-class TaskError(LockError):
-    """Root of task-layer errors (a LockError, so it carries key, fence and cause)."""
+class TaskError(KeyedError):
+    """Root of task-layer errors; carries key, fence and cause. `except LockError` never
+    catches one: a conflict is not a lock failure."""
 
 
 class IdempotencyConflict(TaskError):
@@ -33,7 +34,7 @@ class TaskDefinitionError(JobfenceError, ValueError):
 
 
 class NotInstalled(TaskError):
-    """The Celery app has no jobfence runtime; call tasks.install(app, settings)."""
+    """The runtime lacks something a task needs (JOBFENCE_DATABASE_URL for the effects)."""
 
 
 class PoisonMessage(TaskError):

@@ -372,3 +372,13 @@ def test_key_as_one_string_means_that_one_argument() -> None:
     assert one == key_of(charge, 1, 999, "USD", selector="account")
     assert one == key_of(charge, 1, 5, selector=["account"])
     assert one != key_of(charge, 2, 100, selector="account")
+
+
+def test_task_errors_sit_under_jobfence_error_but_never_under_lock_error() -> None:
+    from jobfence.config import JobfenceError
+    from jobfence.locks import LockError
+    from jobfence.tasks import DuplicateJob, IdempotencyConflict, TaskError
+
+    for error in (IdempotencyConflict, DuplicateJob, TaskError):
+        assert issubclass(error, JobfenceError)
+        assert not issubclass(error, LockError), f"except LockError would catch {error}"
