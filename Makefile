@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` runs the main job, `make test` the suite.
 # Each does its own set-up (.ci/setup); extra arguments go in ARGS="...".
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench faults
 
 demo:
 	./.ci/setup --venv-only
@@ -19,3 +19,8 @@ bench:
 	./.ci/setup --venv-only
 	.venv/bin/python -m jobfence bench locks $(ARGS)
 	.venv/bin/python -m jobfence bench celery $(ARGS)
+
+# Every fault row at full size, naive control beside jobfence, in one table (a few minutes).
+faults:
+	./.ci/setup --venv-only
+	.venv/bin/python -m jobfence faults $(ARGS)

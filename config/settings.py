@@ -116,6 +116,12 @@ class Settings(BaseSettings):
         default=1.0,
         description="First redelivery countdown in seconds; it doubles, with jitter, up to 60 s.",
     )
+    max_crashed_deliveries: int = Field(
+        default=5,
+        ge=0,
+        description="Times a job may be granted again after a delivery that lost its worker "
+        "mid-body (no record) before it is recorded FAILED as a poison message (0: no cap).",
+    )
     # NoDecode: the environment gives `json` or `json,application/json` (a JSON list works too).
     accept_content: Annotated[tuple[str, ...], NoDecode] = Field(
         default=("json",), description="Serialisers Celery workers accept (comma-separated)."

@@ -254,6 +254,19 @@ class LockBackend(ABC):
         """Block up to `timeout` seconds or until `key` is released, whichever is first."""
         self.clock.sleep(timeout)
 
+    def count_delivery(self, key: str, window: float) -> int | None:
+        """Count one more crash-suspect delivery of `key`'s job; returns the count so far.
+
+        The count is kept `window` seconds after its last increment. None: this backend
+        keeps no such count (the executor then cannot cap a poison message's deliveries).
+        Off the happy path: called only for a delivery that follows one that may have died.
+        """
+        validate_key(key)
+        return self._count_delivery(key, validate_ttl(window))
+
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free connections."""
 

@@ -26,6 +26,9 @@ class KeySpace:
     def queued(self, key: str) -> str:
         return f"{self.prefix}:queued:{{{key}}}"
 
+    def deliveries(self, key: str) -> str:
+        return f"{self.prefix}:deliveries:{{{key}}}"
+
     def resource_fence(self, resource: str) -> str:
         return f"{self.prefix}:rfence:{{{resource}}}"
 

@@ -8,6 +8,7 @@ from jobfence.tasks.errors import (
     BadArguments,
     DuplicateJob,
     IdempotencyConflict,
+    PoisonMessage,
     TaskDefinitionError,
     TaskError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "JobNotSettled",
     "JobSpec",
     "Outcome",
+    "PoisonMessage",
     "Redelivery",
     "RedeliveryLimitReached",
     "Runtime",

@@ -31,6 +31,9 @@ from jobfence.tasks.runtime import Runtime, runtime_for
 HEADER = "jobfence_idempotency_key"
 #: How often the job came back because its fate was unknown (apart from Celery's retries).
 REDELIVERIES = "jobfence_redeliveries"
+#: Set on the copy a delivery re-publishes when its own earlier delivery holds the lease
+#: (it crashed, or still runs): a grant of that copy counts towards the poison cap.
+DEFERRED_HEADER = "jobfence_deferred"
 PASSTHROUGH = (Retry, Ignore, Reject)
 
 log = logging.getLogger(__name__)
@@ -148,6 +151,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             wait_timeout=s.acquire_timeout if self.wait_timeout is None else self.wait_timeout,
             on_lease_lost=self.on_lease_lost,
             redeliveries=redeliveries,
+            suspect=_after_a_crash(req),
+            max_crashed=s.max_crashed_deliveries,
         )
         try:
             out = rt.executor.run(
@@ -165,7 +170,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         if out.status == "defer":
             # Our own earlier delivery holds the lease: come back after it ends, and let
             # this copy go without a result (the real one is stored under the same id).
-            self.signature_from_request(req, countdown=countdown).apply_async()
+            headers = {**(req.headers or {}), DEFERRED_HEADER: 1}
+            if explicit:
+                headers[HEADER] = explicit
+            if redeliveries:
+                headers[REDELIVERIES] = redeliveries
+            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
             raise Ignore()
         if out.status == "retry":
             raise self.retry(countdown=countdown)
@@ -280,6 +290,19 @@ def _check_key_callable(
         ) from None
     except ValueError:  # no signature to read (a builtin): it is tried at publish
         return
+
+
+def _after_a_crash(req: Any) -> bool:
+    """True if this delivery may follow one that died mid-body: the broker redelivered it
+    (acks_late, reject_on_worker_lost, visibility timeout), or it is our deferred copy."""
+    info = req.delivery_info or {}
+    headers = req.headers or {}
+    return bool(
+        info.get("redelivered")
+        or headers.get("redelivered")
+        or headers.get(DEFERRED_HEADER)
+        or getattr(req, DEFERRED_HEADER, None)
+    )
 
 
 @overload

@@ -35,3 +35,7 @@ class TaskDefinitionError(JobfenceError, ValueError):
 
 class NotInstalled(TaskError):
     """The runtime lacks something a task needs (JOBFENCE_DATABASE_URL for the effects)."""
+
+
+class PoisonMessage(TaskError):
+    """A job's deliveries kept losing their worker mid-body; it is recorded FAILED, not rerun."""

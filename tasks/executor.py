@@ -16,7 +16,7 @@ from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LeaseLost,
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
 from jobfence.tasks.context import JobContext, reset_current, set_current
-from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, TaskError
+from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage, TaskError
 from jobfence.tasks.keys import canonical_json
 from jobfence.tasks.metrics import Metrics
 
@@ -83,6 +83,11 @@ class JobSpec:
     wait_timeout: float = 10.0
     on_lease_lost: LeaseLostPolicy = "redeliver"
     redeliveries: int = 0  # how often this job already came back with its fate unknown
+    # This delivery may follow one that died mid-body (broker redelivery, or our deferred
+    # copy of one); such grants are counted per key, and past `max_crashed` the job is
+    # recorded FAILED instead of run again (0: no cap).
+    suspect: bool = False
+    max_crashed: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,8 @@ class Executor:
         if isinstance(got, Outcome):
             return got
         lease = got
+        if spec.suspect and spec.max_crashed:
+            self._cap_crashes(spec, lease)
         ctx = JobContext(
             key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id
         )
@@ -395,6 +402,43 @@ class Executor:
         self._note("given_up", spec, None)
         log.error("job %s %s", spec.key, message)
         raise RedeliveryLimitReached(message, key=spec.key)
+
+    def _cap_crashes(self, spec: JobSpec, lease: Lease) -> None:
+        """Count a grant that follows a delivery which may have died; past the cap, give up.
+
+        A message that kills its worker every time would otherwise loop for ever under
+        acks_late + reject_on_worker_lost. Giving up records FAILED, logs one dead-letter
+        line (task name and key, never the arguments) and raises. The count is kept: a FAILED
+        record does not stop a new grant, so another copy of the same message (the broker's
+        and the worker's requeue can both exist) must find the job given up too. A fresh
+        submission still runs once; only crash-suspect deliveries are refused.
+        """
+        try:
+            count = self.backend.count_delivery(spec.key, spec.result_ttl)
+        except BackendUnavailable:
+            count = None  # best effort: running the body again is what no cap would do
+        if count is None or count <= spec.max_crashed:
+            return
+        crashed = min(count - 1, spec.max_crashed)
+        message = (
+            f"gave up after {crashed} deliveries that ended without a record (their worker "
+            f"was lost mid-body); limit JOBFENCE_MAX_CRASHED_DELIVERIES={spec.max_crashed}"
+        )
+        failed = canonical_json({"error": PoisonMessage.__name__, "message": message})
+        self._finish(spec, lease, "FAILED", failed)
+        self.metrics.executions.labels(spec.name, "poisoned").inc()
+        self._note("poisoned", spec, lease.fence)
+        if count == spec.max_crashed + 1:
+            log.error(
+                "dead-letter: task %s key %s recorded FAILED: %s", spec.name, spec.key, message
+            )
+        else:
+            log.warning(
+                "task %s key %s: another copy of a dead-lettered job refused (FAILED kept)",
+                spec.name,
+                spec.key,
+            )
+        raise PoisonMessage(message, key=spec.key, fence=lease.fence)
 
     def _superseded(self, spec: JobSpec, lease: Lease, exc: BaseException) -> None:
         if isinstance(exc, StaleFence):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -21,7 +24,12 @@ from jobfence.locks import RedisBackend
 from jobfence.locks.backends.redis import tls_hint
 from jobfence.tasks import Runtime, SingletonTask
 
+log = logging.getLogger(__name__)
+
 EX_CONFIG = 78  # sysexits.h: configuration error
+#: Longest pause between two probes of a lock server that was down at start-up.
+LOCK_PROBE_CAP = 30.0
+LOCK_SERVER_DOWN = "lock-server-down"
 JSON_TYPES = ("json", "application/json")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -38,6 +46,7 @@ class Finding:
     setting: str
     problem: str
     fix: str
+    code: str = ""  # a stable name for findings the start-up acts on (LOCK_SERVER_DOWN)
 
     def __str__(self) -> str:
         return f"{self.setting}: {self.problem}. Fix: {self.fix}"
@@ -128,13 +137,70 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         backend.client.ping()
     except RedisError as exc:
         hint = tls_hint(exc) if urlsplit(settings.lock_url).scheme == "rediss" else None
-        yield _refuse(
+        if hint:  # a TLS set-up that cannot work: no amount of waiting helps
+            yield _refuse(
+                setting,
+                f"cannot reach the lock server at {redact(settings.lock_url)}: {exc}",
+                hint,
+            )
+            return
+        # Not a refusal: a fleet restarted during a lock-server outage must come up and
+        # wait, not crash-loop. Jobs delivered meanwhile are redelivered until it answers.
+        yield Finding(
+            False,
             setting,
-            f"cannot reach the lock server at {redact(settings.lock_url)}: {exc}",
-            hint or "start it, or fix the URL",
+            f"cannot reach the lock server at {redact(settings.lock_url)} at start-up "
+            f"({type(exc).__name__}: {exc}); starting anyway: jobs wait and are redelivered "
+            "until it answers, and its eviction policy is checked when it does",
+            "start the lock server, or fix the URL if it is wrong",
+            code=LOCK_SERVER_DOWN,
         )
         return
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
+
+
+def lock_server_down(findings: Iterable[Finding]) -> bool:
+    """True if the findings say the lock server did not answer at start-up."""
+    return any(f.code == LOCK_SERVER_DOWN for f in findings)
+
+
+def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threading.Thread:
+    """Probe a lock server that was down at start-up until it answers, then check it.
+
+    Logs one line when it answers, and an ERROR naming the fix if it may evict keys (the
+    worker cannot be refused any more by then). Runs in a daemon thread of its own client.
+    """
+    settings = runtime.settings
+    setting = f"{ENV_PREFIX}LOCK_URL"
+
+    def probe() -> None:
+        client = redis.Redis.from_url(
+            settings.lock_url,
+            socket_timeout=settings.socket_timeout,
+            socket_connect_timeout=settings.socket_timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+        delay = min(0.5, cap)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    break
+                except RedisError:
+                    time.sleep(delay)
+                    delay = min(cap, delay * 2)
+            log.warning("jobfence: the lock server at %s answers again; jobs proceed",
+                        redact(settings.lock_url))
+            for finding in check_eviction(client, "lock server", setting, settings.lock_url):
+                (log.error if finding.refuse else log.warning)("jobfence: %s", finding)
+        except Exception:  # a probe must never take the worker down
+            log.exception("jobfence: lock-server probe failed")
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=probe, name="jobfence-lock-probe", daemon=True)
+    thread.start()
+    return thread
 
 
 def _same_server(a: str, b: str) -> bool:
@@ -270,6 +336,7 @@ def enforce(app: Any, runtime: Runtime) -> list[Finding]:
     findings = run_checks(app, runtime)
     for finding in findings:
         if not finding.refuse:
+            log.warning("jobfence start-up: %s", finding)
             warnings.warn(str(finding), StartupWarning, stacklevel=2)
     refusals = [f for f in findings if f.refuse]
     if refusals:
@@ -280,7 +347,7 @@ def enforce(app: Any, runtime: Runtime) -> list[Finding]:
 def enforce_or_exit(app: Any, runtime: Runtime, what: str) -> None:
     """`enforce`, turning a refusal into a clear message on stderr and exit status 78."""
     try:
-        enforce(app, runtime)
+        findings = enforce(app, runtime)
     except StartupRefused as exc:
         print(
             f"jobfence: refusing to start the {what}: unsafe settings\n{exc}",
@@ -288,6 +355,8 @@ def enforce_or_exit(app: Any, runtime: Runtime, what: str) -> None:
             flush=True,
         )
         raise SystemExit(EX_CONFIG) from None
+    if lock_server_down(findings) and isinstance(runtime.backend, RedisBackend):
+        watch_lock_server(runtime)
 
 
 def connect(app: Any, runtime: Runtime) -> None:

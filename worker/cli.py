@@ -15,7 +15,7 @@ from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.locks import LockBackend, LockError
 from jobfence.worker.fleet import BUNDLED_APP
 
-PASSTHROUGH = ("bench", "demo")  # commands whose arguments belong to another program
+PASSTHROUGH = ("bench", "demo", "faults")  # commands whose arguments belong to another program
 BENCHES = {
     "locks": "jobfence.worker.bench.locks_bench",
     "celery": "jobfence.worker.bench.celery_bench",
@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="benchmarks: bench locks|celery [ARGS...]", add_help=False)
     sub.add_parser(
         "demo", help="the main job: a real fleet through a storm of duplicates", add_help=False
+    )
+    sub.add_parser(
+        "faults",
+        help="the fault report: each injected fault against a naive task and jobfence",
+        add_help=False,
     )
     return parser
 
@@ -502,8 +507,19 @@ def cmd_demo(argv: list[str]) -> int:
     return 2 if main is None else int(main(argv) or 0)
 
 
+def cmd_faults(argv: list[str]) -> int:
+    main = _load_main(
+        "jobfence.worker.faults_report",
+        "the fault report",
+        "it runs the scenarios in tests/faults from the repository root",
+    )
+    return 2 if main is None else int(main(argv) or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "faults":
+        return cmd_faults(args_list[1:])
     if args_list and args_list[0] == "bench":
         return cmd_bench(args_list[1:])
     if args_list and args_list[0] == "demo":

@@ -33,15 +33,18 @@ from jobfence.tasks.shop.ledger import (
     seed_stock,
 )
 from jobfence.tasks.shop.ledger import stock as stock_table
-from jobfence.worker import journal, procs
+from jobfence.worker import journal as journal_mod
+from jobfence.worker import procs
 from jobfence.worker.app import create_app
 from jobfence.worker.embedded import EmbeddedStack
 from jobfence.worker.fleet import Fleet, FleetOptions
+from jobfence.worker.redis_server import RedisServer
 
 CURRENCY = "EUR"
 DEMO_TTL = 3.0  # short, so a frozen worker outlives its leases within seconds
 VISIBILITY_TIMEOUT = 10.0
 MAX_COUNTDOWN = 5.0
+LOCK_OUTAGE = DEMO_TTL  # seconds the lock server stays down: running leases run out
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ class Report:
     killed_worker: str = ""
     frozen_worker: str = ""
     frozen_s: float = 0.0
+    lock_restarts: int = 0  # lock-server restarts that lost all its data
+    lock_restart_at: str = ""  # progress when it happened, e.g. "50%"
+    leases_lost: int = 0  # running jobs whose lease went with the lock server's data
+    redelivered: int = 0  # deliveries sent again because the job's fate was unknown
     elapsed_s: float = 0.0
     problems: list[str] = field(default_factory=list)
 
@@ -182,24 +189,39 @@ def demo_env(opts: DemoOptions, urls: dict[str, str], journal_url: str) -> dict[
         f"{p}DEMO_DELAY_MIN_MS": "50",
         f"{p}DEMO_DELAY_MAX_MS": "200",
         f"{p}DEMO_SEED": str(opts.seed),
-        journal.JOURNAL_ENV: journal_url,
+        journal_mod.JOURNAL_ENV: journal_url,
     }
 
 
 @contextmanager
-def servers(opts: DemoOptions, say: Callable[[str], None]) -> Iterator[dict[str, str]]:
-    """The JOBFENCE_* URLs to use: the given servers, else an embedded stack of our own."""
+def servers(
+    opts: DemoOptions, say: Callable[[str], None]
+) -> Iterator[tuple[dict[str, str], EmbeddedStack | None]]:
+    """The JOBFENCE_* URLs to use: the given servers, else an embedded stack of our own
+    (returned too, so the chaos can restart its lock server)."""
     p = ENV_PREFIX
     given = {f"{p}LOCK_URL": opts.lock_backend, f"{p}BROKER_URL": opts.broker,
              f"{p}DATABASE_URL": opts.database}
     if opts.lock_backend and opts.broker and opts.database:
-        yield {k: v for k, v in given.items() if v}
+        yield {k: v for k, v in given.items() if v}, None
         return
     with EmbeddedStack() as stack:
-        say(f"embedded redis-server pid {stack.pid} on port {stack.port}; ledger "
-            f"{stack.database_path}")
+        say(f"embedded lock redis-server pid {stack.pid} on port {stack.port}, broker "
+            f"redis-server pid {stack.broker_server.pid} on port {stack.broker_server.port}; "
+            f"ledger {stack.database_path}")
         urls = {**stack.env(), **{k: v for k, v in given.items() if v}}
-        yield urls
+        yield urls, stack
+
+
+def journal_url(urls: dict[str, str]) -> str:
+    """Where workers count executor events: database 3 of the broker's Redis (it survives
+    the lock server's restart), else of the lock server."""
+    for name in (f"{ENV_PREFIX}BROKER_URL", f"{ENV_PREFIX}LOCK_URL"):
+        url = urls.get(name, "")
+        if url.startswith(("redis://", "rediss://")):
+            return url.rsplit("/", 1)[0] + "/3"
+    raise UnsafeSettings(f"{ENV_PREFIX}BROKER_URL", "the demo journal needs a Redis server",
+                         "use a redis:// broker or lock server")
 
 
 def settings_from(env: dict[str, str]) -> Settings:
@@ -230,15 +252,26 @@ def queue_idle(broker_url: str) -> bool:
 
 
 class Chaos:
-    """SIGKILLs one worker at 20% done; SIGSTOPs another past the TTL at 35%, then resumes it."""
+    """SIGKILLs one worker at 20% done; SIGSTOPs another past the TTL at 35%, then resumes it;
+    at 50% restarts the (embedded) lock server, which loses every lock, fence and record."""
 
-    def __init__(self, fleet: Fleet, say: Callable[[str], None], report: Report) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        say: Callable[[str], None],
+        report: Report,
+        lock_server: RedisServer | None = None,
+    ) -> None:
         workers = [m for m in fleet.members if m.name.startswith("worker")]
         self.victim = workers[0] if len(workers) >= 3 else None
         self.sleeper = workers[1] if len(workers) >= 3 else None
+        self.lock_server = lock_server
         self.say = say
         self.report = report
         self.timer: threading.Timer | None = None
+        self.lock_timer: threading.Timer | None = None
+        if lock_server is None:
+            say("chaos: no lock-server restart (the lock server is not the demo's own)")
 
     def on_progress(self, frac: float) -> None:
         if self.victim is not None and frac >= 0.2:
@@ -260,10 +293,26 @@ class Chaos:
             self.timer = threading.Timer(frozen, thaw)
             self.timer.daemon = True
             self.timer.start()
+        if self.lock_server is not None and frac >= 0.5:
+            server, self.lock_server = self.lock_server, None
+            server.kill()  # a crash: every lock, fence and job record is gone
+            self.report.lock_restarts += 1
+            self.report.lock_restart_at = f"{int(frac * 100)}%"
+            self.say(f"chaos: SIGKILL the lock redis-server; it comes back empty in "
+                     f"{LOCK_OUTAGE:g}s (the broker, apart, keeps the queue)")
+
+            def come_back() -> None:
+                server.start()  # same port, no data
+                self.say(f"chaos: lock redis-server back (pid {server.pid}), empty")
+
+            self.lock_timer = threading.Timer(LOCK_OUTAGE, come_back)
+            self.lock_timer.daemon = True
+            self.lock_timer.start()
 
     def finish(self) -> None:
-        if self.timer is not None:
-            self.timer.join()
+        for timer in (self.timer, self.lock_timer):
+            if timer is not None:
+                timer.join()
 
 
 def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
@@ -275,10 +324,10 @@ def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
         err.flush()
 
     storm = plan_storm(opts)
-    with servers(opts, say) as urls:
+    with servers(opts, say) as (urls, stack):
         lock_url = urls[f"{ENV_PREFIX}LOCK_URL"]
-        journal_url = lock_url.rsplit("/", 1)[0] + "/3"
-        env = demo_env(opts, urls, journal_url)
+        journal = journal_url(urls)
+        env = demo_env(opts, urls, journal)
         settings = settings_from(env)
         engine = make_engine(env[f"{ENV_PREFIX}DATABASE_URL"])
         seed_ledger(engine, storm)
@@ -294,10 +343,12 @@ def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
             fleet.wait_ready(60.0)
             say(f"fleet ready: {opts.workers} workers x {opts.concurrency}; publishing "
                 f"{len(storm.publishes)} messages for {len(storm.jobs)} jobs")
-            for job, countdown in storm.publishes:
-                app.tasks[job.task].apply_async(job.args, countdown=countdown)
-            report.published = len(storm.publishes)
-            chaos = Chaos(fleet, say, report) if opts.chaos else None
+            # Published from a thread, so the chaos strikes at its own points of progress
+            # while the storm is still coming in.
+            publisher = Publisher(app, storm)
+            publisher.start()
+            own_locks = stack.server if stack is not None and stack.lock_url == lock_url else None
+            chaos = Chaos(fleet, say, report, own_locks) if opts.chaos else None
             progress = Progress(len(storm.jobs), err)
             deadline = started + opts.timeout
             done = 0
@@ -306,20 +357,47 @@ def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
                 progress.show(done)
                 if chaos is not None:
                     chaos.on_progress(done / len(storm.jobs))
-                if done >= len(storm.jobs) and queue_idle(env[f"{ENV_PREFIX}BROKER_URL"]):
+                if (done >= len(storm.jobs) and not publisher.is_alive()
+                        and queue_idle(env[f"{ENV_PREFIX}BROKER_URL"])):
                     break
                 time.sleep(0.25)
             progress.close()
+            publisher.join()
+            report.published = publisher.published
+            if publisher.error:
+                report.problems.append(f"publishing failed: {publisher.error}")
             if chaos is not None:
                 chaos.finish()
             probe_conflicts(app, storm, opts, report, say)
         finally:
             fleet.stop()
         check_ledger(engine, storm, keys, report)
-        count_events(journal.read(journal_url), set(keys.values()), report)
+        count_events(journal_mod.read(journal), set(keys.values()), report)
         engine.dispose()
     report.elapsed_s = round(time.monotonic() - started, 2)
     return report
+
+
+class Publisher(threading.Thread):
+    """Publishes the storm's messages in order on one producer connection."""
+
+    def __init__(self, app: Any, storm: Storm) -> None:
+        super().__init__(name="demo-publisher", daemon=True)
+        self.app = app
+        self.storm = storm
+        self.published = 0
+        self.error = ""
+
+    def run(self) -> None:
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for job, countdown in self.storm.publishes:
+                    self.app.tasks[job.task].apply_async(
+                        job.args, countdown=countdown, producer=producer
+                    )
+                    self.published += 1
+        except Exception as exc:  # reported as a problem: the storm is incomplete
+            self.error = f"{type(exc).__name__}: {exc}"
 
 
 def probe_conflicts(app: Any, storm: Storm, opts: DemoOptions, report: Report,
@@ -416,6 +494,8 @@ def count_events(events: dict[str, Counter[str]], keys: set[str], report: Report
     report.retries = total("released")
     report.stale_writes_refused = total("stale")
     report.superseded = total("superseded") + report.stale_writes_refused
+    report.leases_lost = total("lease_lost")
+    report.redelivered = total("redeliver")
 
 
 # -- output --------------------------------------------------------------------------------
@@ -435,7 +515,11 @@ def render(report: Report) -> str:
         f"  outcomes                  {r.charged} charged, {r.declined} declined, "
         f"{r.reserved} reserved, {r.refused} refused",
         f"  chaos                     SIGKILL {r.killed_worker or '-'}; SIGSTOP "
-        f"{r.frozen_worker or '-'} for {r.frozen_s:g}s",
+        f"{r.frozen_worker or '-'} for {r.frozen_s:g}s; lock server "
+        + (f"down {LOCK_OUTAGE:g}s at {r.lock_restart_at}, back empty" if r.lock_restarts
+           else "not restarted"),
+        f"  leases lost, redelivered  {r.leases_lost}, {r.redelivered}   (by the freeze and "
+        "the lock-server restart; jobs delivered again, never dropped)",
         f"  conflicting re-sends      {r.conflicts_refused}/{r.conflicts_probed} refused",
         "",
         f"  effects per job           min {r.effects_per_job_min}, max {r.effects_per_job_max}"

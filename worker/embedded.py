@@ -21,14 +21,17 @@ EmbeddedStackError = RedisServerError
 
 
 class EmbeddedStack:
-    """A private `redis-server` (no persistence, noeviction, a free port on 127.0.0.1) and an
-    SQLite ledger file, both in a temporary directory removed on exit.
+    """Two private `redis-server`s (no persistence, noeviction, free ports on 127.0.0.1), one
+    for locks and one for the broker, and an SQLite ledger file, all in a temporary directory
+    removed on exit.
 
         with EmbeddedStack() as stack:
             app = create_app(stack.settings())
             subprocess.run([...], env={**os.environ, **stack.env()})
 
-    Locks use database 0, the broker 1 and the result backend 2 of that one server.
+    Locks use database 0 of the lock server (`server`); the broker uses database 0 and the
+    result backend database 1 of the broker server (`broker_server`). Apart, so the lock
+    server can restart and lose its data (the demo's chaos does) without losing the queue.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class EmbeddedStack:
         self._given_dir = Path(workdir) if workdir is not None else None
         self._dir: Path | None = None
         self._server: RedisServer | None = None
+        self._broker: RedisServer | None = None
 
     # -- what it offers ------------------------------------------------------------
     @property
@@ -58,6 +62,12 @@ class EmbeddedStack:
         if self._server is None:
             raise RuntimeError("EmbeddedStack is not started")
         return self._server
+
+    @property
+    def broker_server(self) -> RedisServer:
+        if self._broker is None:
+            raise RuntimeError("EmbeddedStack is not started")
+        return self._broker
 
     @property
     def port(self) -> int:
@@ -80,11 +90,11 @@ class EmbeddedStack:
 
     @property
     def broker_url(self) -> str:
-        return self.redis_url(1)
+        return self.broker_server.db_url(0)
 
     @property
     def result_backend(self) -> str:
-        return self.redis_url(2)
+        return self.broker_server.db_url(1)
 
     @property
     def database_path(self) -> Path:
@@ -140,15 +150,24 @@ class EmbeddedStack:
         self._server = RedisServer(
             executable=self.executable, workdir=self._dir, startup_timeout=self.startup_timeout
         )
+        self._broker = RedisServer(
+            executable=self.executable,
+            workdir=self._dir / "broker",
+            startup_timeout=self.startup_timeout,
+        )
         try:
             self._server.start()
+            self._broker.start()
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop redis-server (SIGTERM, SIGKILL after `timeout`) and delete the directory."""
+        """Stop both redis-servers (SIGTERM, SIGKILL after `timeout`), delete the directory."""
+        if self._broker is not None:
+            self._broker.stop(timeout)
+            self._broker = None
         if self._server is not None:
             self._server.stop(timeout)
             self._server = None

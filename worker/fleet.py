@@ -111,6 +111,10 @@ class Fleet:
                 f"embedded redis-server pid {self.stack.pid} at {self.stack.lock_url} "
                 f"(data in {self.stack.workdir})"
             )
+            self.say(
+                f"embedded broker redis-server pid {self.stack.broker_server.pid} at "
+                f"{self.stack.broker_url}"
+            )
             self.say(f"embedded ledger {self.stack.database_url}")
         if o.database:
             env[f"{ENV_PREFIX}DATABASE_URL"] = o.database

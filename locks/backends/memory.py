@@ -39,6 +39,7 @@ class MemoryBackend(LockBackend):
         self._fences: dict[str, int] = {}
         self._records: dict[str, tuple[JobRecord, float]] = {}
         self._queued: dict[str, tuple[str, float]] = {}
+        self._deliveries: dict[str, tuple[int, float]] = {}  # key -> (count, expires)
         self._cond = threading.Condition()
 
     def _live(self, key: str) -> _Held | None:
@@ -161,6 +162,14 @@ class MemoryBackend(LockBackend):
     def clear_publish(self, key: str) -> None:
         with self._cond:
             self._queued.pop(key, None)
+
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        with self._cond:
+            now = self.clock.monotonic()
+            count, expires = self._deliveries.get(key, (0, now))
+            count = count + 1 if expires > now else 1
+            self._deliveries[key] = (count, now + window_ms / 1000)
+            return count
 
     def forget(self, key: str) -> bool:
         with self._cond:

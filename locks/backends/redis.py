@@ -382,6 +382,17 @@ class RedisBackend(LockBackend):
         except RedisError as exc:
             raise BackendUnavailable("redis clear_publish failed", key=key, cause=exc) from exc
 
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        name = self.keys.deliveries(key)
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.incr(name)
+                pipe.pexpire(name, window_ms)
+                count, _ = pipe.execute()
+        except RedisError as exc:
+            raise BackendUnavailable("redis count_delivery failed", key=key, cause=exc) from exc
+        return int(count)
+
     def forget(self, key: str) -> bool:
         return bool(self.client.delete(self.keys.record(key)))
 

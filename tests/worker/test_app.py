@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -23,7 +24,15 @@ from jobfence.worker.app import (
     create_app,
     redis_db_url,
 )
-from jobfence.worker.checks import EX_CONFIG, StartupRefused, StartupWarning, enforce, run_checks
+from jobfence.worker.checks import (
+    EX_CONFIG,
+    StartupRefused,
+    StartupWarning,
+    enforce,
+    lock_server_down,
+    run_checks,
+    watch_lock_server,
+)
 from tests.servers import RedisServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -153,10 +162,33 @@ def test_checks_warn_when_config_is_disabled(make_app):
             enforce(app, runtime_for(app))
 
 
-def test_checks_refuse_an_unreachable_lock_server(make_app):
+def test_checks_warn_and_start_when_the_lock_server_is_unreachable(make_app):
+    # A fleet restarted during a lock-server outage waits for it (fault row h), never
+    # crash-loops: the finding is a warning that says so, not a refusal.
     app = make_app(_settings(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5))
-    with pytest.raises(StartupRefused, match="cannot reach the lock server"):
-        enforce(app, runtime_for(app))
+    with pytest.warns(StartupWarning, match="cannot reach the lock server.*starting anyway"):
+        findings = enforce(app, runtime_for(app))
+    assert lock_server_down(findings)
+
+
+def test_a_lock_server_down_at_start_up_is_probed_until_it_answers_then_checked(
+    make_app, caplog
+):
+    server = RedisServer(port=free_port(), extra_args=["--maxmemory-policy", "allkeys-lru"])
+    app = make_app(_settings(server.db_url(0), socket_timeout=0.5))
+    try:
+        with caplog.at_level(logging.WARNING, logger="jobfence.worker.checks"):
+            probe = watch_lock_server(runtime_for(app), cap=0.2)
+            assert probe.is_alive()  # nothing answers yet: it keeps probing
+            server.start()
+            probe.join(timeout=60)
+        assert not probe.is_alive()
+    finally:
+        server.stop()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert any("answers again" in m for _, m in said), said
+    # Too late to refuse the worker: the eviction policy it now finds is logged as an error.
+    assert any(lvl == logging.ERROR and "maxmemory-policy 'allkeys-lru'" in m for lvl, m in said)
 
 
 def test_checks_refuse_a_ttl_not_shorter_than_the_visibility_timeout(make_app, redis_url):

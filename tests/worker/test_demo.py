@@ -74,6 +74,7 @@ def test_a_small_demo_run_passes_and_prints_one_json_object(tmp_path: Path) -> N
     assert report["executions"] >= 30  # every job ran at least once, some more (retries)
     assert report["duplicates_suppressed"] > 0  # 120 duplicate messages met the gate
     assert report["killed_worker"] and report["frozen_worker"]
+    assert report["lock_restarts"] == 1  # the lock server lost its data mid-storm, and yet...
     assert report["conflicts_refused"] == report["conflicts_probed"] > 0
 
 
