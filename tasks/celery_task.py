@@ -170,20 +170,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         if out.status == "defer":
             # Our own earlier delivery holds the lease: come back after it ends, and let
             # this copy go without a result (the real one is stored under the same id).
-            headers = {**(req.headers or {}), DEFERRED_HEADER: 1}
-            if explicit:
-                headers[HEADER] = explicit
-            if redeliveries:
-                headers[REDELIVERIES] = redeliveries
+            headers = _copy_headers(req, explicit, redeliveries, deferred=True)
             self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
             raise Ignore()
         if out.status == "retry":
             raise self.retry(countdown=countdown)
         if out.status == "redeliver":
-            self._redeliver(out, key, redeliveries, countdown)
+            self._redeliver(out, key, explicit, redeliveries, countdown)
         return out.value
 
-    def _redeliver(self, out: Outcome, key: str, redeliveries: int, countdown: float) -> None:
+    def _redeliver(
+        self, out: Outcome, key: str, explicit: str | None, redeliveries: int, countdown: float
+    ) -> None:
         """Publish this message again, same id and key, counted apart from `max_retries`.
 
         A new message survives a broker restart and carries its countdown and count; the
@@ -193,7 +191,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         req = self.request
         if req.called_directly or req.is_eager:
             raise JobNotSettled(f"{out.reason}; call it again", key=key, fence=out.fence)
-        headers = {**(req.headers or {}), REDELIVERIES: redeliveries + 1}
+        headers = _copy_headers(req, explicit, redeliveries + 1, deferred=False)
         log.warning(
             "redelivering %s[%s] in %.2fs (redelivery %d): %s",
             self.name,
@@ -290,6 +288,22 @@ def _check_key_callable(
         ) from None
     except ValueError:  # no signature to read (a builtin): it is tried at publish
         return
+
+
+def _copy_headers(
+    req: Any, explicit: str | None, redeliveries: int, *, deferred: bool
+) -> dict[str, Any]:
+    """Headers for a copy of this message published again: the same idempotency key (Celery
+    may expose it only as a request attribute) and redelivery count; the crash marker only
+    on a deferred copy, so a redelivery never counts towards the poison cap by inheritance."""
+    headers = {k: v for k, v in (req.headers or {}).items() if k != DEFERRED_HEADER}
+    if explicit:
+        headers[HEADER] = explicit
+    if redeliveries:
+        headers[REDELIVERIES] = redeliveries
+    if deferred:
+        headers[DEFERRED_HEADER] = 1
+    return headers
 
 
 def _after_a_crash(req: Any) -> bool:

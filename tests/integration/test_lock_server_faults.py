@@ -68,11 +68,16 @@ def stall_fleet(
             app.close()
 
 
+@pytest.mark.parametrize("explicit_key", [False, True], ids=["argument-key", "explicit-key"])
 def test_a_lock_server_stall_during_begin_redelivers_and_the_job_runs_once(
-    stall_fleet: StallFleet,
+    stall_fleet: StallFleet, explicit_key: bool
 ) -> None:
     s = stall_fleet
     job = f"job-{uuid.uuid4().hex[:12]}"
+    # A caller's own idempotency key must survive the re-publish, or the redelivered copy
+    # would run under another key than the one the caller asked for.
+    explicit = f"order-{job}" if explicit_key else None
+    options = {"idempotency_key": explicit} if explicit else {}
     control = RedisBackend.from_url(s.locks.url, socket_timeout=SOCKET_TIMEOUT)
     s.locks.pause()
     paused_at = time.monotonic()
@@ -81,7 +86,7 @@ def test_a_lock_server_stall_during_begin_redelivers_and_the_job_runs_once(
         # as FAILURE BackendUnavailable, and the message was acked with the body never run.
         with pytest.raises(BackendUnavailable):
             control.begin(f"control-{job}", 2.0)
-        result = s.app.tasks["singleton.record"].apply_async(args=[job])
+        result = s.app.tasks["singleton.record"].apply_async(args=[job], **options)
         # The stall lasts 0.6 s at least, and until a delivery has met it (a loaded box may
         # take longer to hand the message to the worker).
         wait_for(
@@ -100,7 +105,7 @@ def test_a_lock_server_stall_during_begin_redelivers_and_the_job_runs_once(
     assert s.ledger.start_count(job) == 1 and s.ledger.effect_count(job) == 1
     log = s.fleet.logs(lines=200)
     assert "redelivering singleton.record" in log and "lock server unavailable" in log
-    key = s.app.tasks["singleton.record"].identity([job], {})[0]
+    key = s.app.tasks["singleton.record"].identity([job], {}, explicit)[0]
     record = runtime_for(s.app).backend.job_record(key)
     assert record is not None and record.state == "DONE"
     control.close()
