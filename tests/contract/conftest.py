@@ -13,7 +13,7 @@ from tests.servers import RedisServer
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
 # the server allows it, how to count round trips and how to lose all its data.
-BACKENDS = ["redis", "memory"]
+BACKENDS = ["redis", "memory", "mariadb"]
 
 
 @dataclass
@@ -81,7 +81,40 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         )
     if name == "memory":
         return BackendHarness(name=name, backend=MemoryBackend(), connect=None)
+    if name == "mariadb":
+        return _mariadb_harness(request)
     raise AssertionError(f"no contract harness for backend {name!r}")
+
+
+def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """A scratch database on the shared MariaDB; losing data drops every jobfence table,
+    the fence counter too (fences then rest on the server clock and the client's floor)."""
+    from jobfence.locks.backends.mysql import MySQLBackend
+    from tests.servers import MARIADB_ADMIN_URL, MariaDBDatabase
+
+    reason = MariaDBDatabase.reachable(MARIADB_ADMIN_URL)
+    if reason:
+        pytest.skip(reason)
+    db = MariaDBDatabase()
+    request.addfinalizer(db.drop)
+    url = db.url.replace("mysql+pymysql://", "mariadb://", 1)
+
+    def connect() -> LockBackend:
+        return MySQLBackend.from_url(url, prefix="contract")
+
+    first = connect()
+
+    def lose_data() -> None:
+        assert isinstance(first, MySQLBackend)
+        tables = ", ".join(first.tables.values())
+        engine = db.engine()
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {tables}")
+        finally:
+            engine.dispose()
+
+    return BackendHarness(name="mariadb", backend=first, connect=connect, lose_data=lose_data)
 
 
 @pytest.fixture(params=BACKENDS)
