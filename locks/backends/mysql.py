@@ -153,9 +153,10 @@ class MySQLBackend(LockBackend):
         super().__init__(clock=clock)
         self.prefix = prefix
         self.socket_timeout = socket_timeout
-        self.tables = {
-            t: _quote(f"{prefix}_{t}") for t in ("locks", "jobs", "fence", "marks")
-        }
+        # Named apart from the SQL effects' `{prefix}_jobs` and the guards' `{prefix}_fences`,
+        # which may live in the same database.
+        names = {"locks": "leases", "jobs": "records", "fence": "fence", "marks": "marks"}
+        self.tables = {t: _quote(f"{prefix}_lock_{n}") for t, n in names.items()}
         self._connect_args = dict(connect_args)
         self._pool = _Pool(self._open)
         self._ready = False

@@ -51,11 +51,31 @@ def other_redis_backend(redis_url: str) -> Iterator[RedisBackend]:
     backend.close()
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture
+def mariadb_backend(mariadb_url: str) -> Iterator[LockBackend]:
+    """A MySQLBackend on the session's scratch MariaDB database."""
+    from jobfence.locks.backends.mysql import MySQLBackend
+
+    backend = MySQLBackend.from_url(mariadb_url, prefix="jobfence")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def other_mariadb_backend(mariadb_url: str) -> Iterator[LockBackend]:
+    """A second, independent MariaDB client (another 'worker')."""
+    from jobfence.locks.backends.mysql import MySQLBackend
+
+    backend = MySQLBackend.from_url(mariadb_url, prefix="jobfence")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(params=["redis", "memory", "mariadb"])
 def backend(request: pytest.FixtureRequest) -> LockBackend:
-    """Each executor test runs on a real Redis server and on the in-process backend."""
-    if request.param == "redis":
-        got: LockBackend = request.getfixturevalue("redis_backend")
+    """Each executor test runs on a real Redis server, MariaDB and the in-process backend."""
+    if request.param in ("redis", "mariadb"):
+        got: LockBackend = request.getfixturevalue(f"{request.param}_backend")
         return got
     return MemoryBackend()
 

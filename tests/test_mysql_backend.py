@@ -1,0 +1,185 @@
+"""The MySQL/MariaDB lock backend beyond the contract: URLs, sessions, fork, lock waits."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pymysql  # type: ignore[import-untyped]
+import pytest
+import sqlalchemy as sa
+
+from jobfence.config import Settings, UnsafeSettings
+from jobfence.locks import LockError, open_backend
+from jobfence.locks.backends.mysql import MySQLBackend, key_hash, parse_url
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def backend(mariadb_url: str) -> Iterator[MySQLBackend]:
+    b = MySQLBackend.from_url(mariadb_url, prefix="mytest")
+    yield b
+    b.close()
+
+
+# --------------------------------------------------------------------------- URLs and registry
+
+
+@pytest.mark.filterwarnings("ignore:JOBFENCE_KEY_SECRET")
+@pytest.mark.parametrize("scheme", ["mysql", "mariadb", "mysql+pymysql"])
+def test_every_scheme_opens_the_backend_and_passes_settings(scheme: str) -> None:
+    url = f"{scheme}://app:p%40ss@db.example:3307/locks"
+    assert Settings(lock_url=url).lock_url == url
+    backend = open_backend(url, prefix="x", socket_timeout=1.0, fence_retention=60.0)
+    assert isinstance(backend, MySQLBackend)  # opening connects nothing yet
+    assert parse_url(url) == {
+        "host": "db.example",
+        "port": 3307,
+        "database": "locks",
+        "user": "app",
+        "password": "p@ss",
+    }
+
+
+def test_a_url_without_database_or_with_an_unknown_option_is_refused() -> None:
+    with pytest.raises(UnsafeSettings, match="names no database"):
+        Settings(lock_url="mysql://root@127.0.0.1:3306/")
+    with pytest.raises(LockError, match="names no database"):
+        parse_url("mariadb://root@127.0.0.1")
+    with pytest.raises(LockError, match="unknown option 'sslmode'"):
+        parse_url("mysql://root@127.0.0.1/db?sslmode=require")
+    assert parse_url("mysql://root@h/db?ssl_ca=/ca.pem&ssl_verify_cert=true")["ssl_ca"] == "/ca.pem"
+
+
+def test_pymysql_is_imported_only_when_asked_for_and_its_absence_names_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "import jobfence.locks\n"
+        "assert 'pymysql' not in sys.modules, 'imported eagerly'\n"
+        "sys.modules['pymysql'] = None\n"
+        "try:\n"
+        "    jobfence.locks.open_backend('mysql://root@127.0.0.1/db')\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "pip install jobfence[mysql]" in out.stdout
+
+
+def test_the_sql_is_written_for_mysql_8_too(backend: MySQLBackend) -> None:
+    """Neither VALUES(col) (deprecated on MySQL 8.0.20+) nor a row alias (MariaDB rejects it)."""
+    for name, sql in backend._sql.items():
+        assert not re.search(r"VALUES\s*\(\s*\w+\s*\)", sql, re.IGNORECASE), name
+        assert not re.search(r"\)\s+AS\s+\w+\s+ON DUPLICATE", sql, re.IGNORECASE), name
+        assert "ON DUPLICATE KEY UPDATE" not in sql or "%(" in sql, name
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+def test_sessions_run_read_committed_on_utc_server_time(backend: MySQLBackend) -> None:
+    lease = backend.try_acquire("session:check", 5.0)  # opens a connection
+    assert lease is not None
+    conn = backend._pool.get()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT @@session.tx_isolation, @@session.time_zone")
+            assert cur.fetchone() == ("READ-COMMITTED", "+00:00")
+    finally:
+        backend._pool.put(conn)
+    info = backend.inspect("session:check")
+    assert info is not None and abs(info.acquired_at - time.time()) < 5
+    assert lease.release()
+
+
+def test_long_and_non_ascii_keys_are_stored_under_their_hash(backend: MySQLBackend) -> None:
+    keys = ["k" * 512, "lager:Grüße/⚙:" + "é" * 400]
+    for key in keys:
+        lease = backend.try_acquire(key, 5.0)
+        assert lease is not None
+        info = backend.inspect(key)
+        assert info is not None and info.key == key
+        assert [i.key for i in backend.scan(key[:10] + "*")] == [key]
+        assert lease.release()
+    assert key_hash(keys[0]) != key_hash(keys[1]) and len(key_hash(keys[0])) == 64
+
+
+# --------------------------------------------------------------------------- fork and lock waits
+
+
+def test_a_forked_child_opens_its_own_connection(backend: MySQLBackend) -> None:
+    parent = backend.try_acquire("fork:parent", 10.0)  # the parent's connection is now idle
+    assert parent is not None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: use the inherited backend object, then leave without cleanup
+        code = 1
+        try:
+            child = backend.try_acquire("fork:child", 10.0)
+            code = 0 if child is not None and child.fence > parent.fence and child.release() else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(code)
+    os.close(write)
+    assert os.read(read, 1) == b"\x00"
+    os.waitpid(pid, 0)
+    os.close(read)
+    # The parent's pooled connection was not touched by the child: it still answers.
+    backend.extend(parent)
+    assert backend.release(parent)
+
+
+def test_a_lock_wait_timeout_is_retried_until_the_row_is_free(
+    backend: MySQLBackend, mariadb_url: str
+) -> None:
+    lease = backend.try_acquire("wait:row", 30.0)
+    assert lease is not None
+    engine = sa.create_engine(mariadb_url, poolclass=sa.pool.NullPool)
+    blocker = engine.connect()
+    tx = blocker.begin()
+    table = backend.tables["locks"]
+    blocker.exec_driver_sql(
+        f"SELECT 1 FROM {table} WHERE key_hash = %s FOR UPDATE", (key_hash("wait:row"),)
+    )
+    timer = threading.Timer(1.6, tx.commit)  # past one lock-wait timeout (1 s), then free
+    started = time.monotonic()
+    timer.start()
+    try:
+        backend.extend(lease)  # 1205 after 1 s, retried, then granted
+    finally:
+        timer.join()
+        blocker.close()
+        engine.dispose()
+    assert time.monotonic() - started >= 1.0
+    assert lease.held and lease.release()
+
+
+def test_a_lock_wait_that_never_ends_fails_as_unavailable(
+    backend: MySQLBackend, mariadb_url: str
+) -> None:
+    from jobfence.locks import BackendUnavailable
+
+    lease = backend.try_acquire("wait:forever", 30.0)
+    assert lease is not None
+    engine = sa.create_engine(mariadb_url, poolclass=sa.pool.NullPool)
+    with engine.connect() as blocker, blocker.begin():
+        blocker.exec_driver_sql(
+            f"SELECT 1 FROM {backend.tables['locks']} WHERE key_hash = %s FOR UPDATE",
+            (key_hash("wait:forever"),),
+        )
+        with pytest.raises(BackendUnavailable) as failed:
+            backend.release(lease)
+        cause = failed.value.__cause__
+        assert isinstance(cause, pymysql.err.OperationalError) and cause.args[0] == 1205
+    engine.dispose()
+    assert backend.release(lease)  # nothing was released by the failed attempts
