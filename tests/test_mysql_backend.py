@@ -183,3 +183,37 @@ def test_a_lock_wait_that_never_ends_fails_as_unavailable(
         assert isinstance(cause, pymysql.err.OperationalError) and cause.args[0] == 1205
     engine.dispose()
     assert backend.release(lease)  # nothing was released by the failed attempts
+
+
+# --------------------------------------------------------------------------- start-up checks
+
+
+class _Conf:
+    task_always_eager = False
+
+
+def test_start_up_accepts_the_local_mariadb_and_reports_a_dead_one(mariadb_url: str) -> None:
+    from jobfence.tasks import Runtime
+    from jobfence.worker.checks import LOCK_SERVER_DOWN, check_lock_backend
+
+    for url, down in [(mariadb_url, False), ("mysql://root@127.0.0.1:1/nothing", True)]:
+        runtime = Runtime(Settings(lock_url=url, key_secret="a-real-random-secret"))
+        try:
+            findings = list(check_lock_backend(conf=_Conf(), runtime=runtime))
+        finally:
+            runtime.close()
+        assert not [f for f in findings if f.refuse], findings
+        assert [f.code for f in findings] == ([LOCK_SERVER_DOWN] if down else [])
+
+
+def test_server_settings_under_which_no_grant_can_be_written_are_named() -> None:
+    from jobfence.locks.backends.mysql import server_problems
+
+    ok = {"version": "10.11.19-MariaDB", "log_bin": True, "binlog_format": "MIXED"}
+    assert server_problems(**ok, read_only=False) == []
+    assert server_problems(**{**ok, "log_bin": False, "binlog_format": "STATEMENT"},
+                           read_only=False) == []  # fmt: skip
+    (statement,) = server_problems(**{**ok, "binlog_format": "STATEMENT"}, read_only=False)
+    assert "binlog_format=STATEMENT" in statement[0] and "ROW" in statement[1]
+    (replica,) = server_problems(**ok, read_only=True)
+    assert "read-only" in replica[0] and "primary" in replica[1]

@@ -22,6 +22,7 @@ from jobfence.config.settings import ENV_PREFIX, unknown_variables
 from jobfence.config.urls import check_url, redact
 from jobfence.locks import RedisBackend
 from jobfence.locks.backends.redis import tls_hint
+from jobfence.locks.errors import BackendUnavailable
 from jobfence.tasks import Runtime, SingletonTask
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,9 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         )
         return
     backend = runtime.backend
+    if backend.name == "mysql":
+        yield from _check_sql_server(backend, setting, settings.lock_url)
+        return
     if not isinstance(backend, RedisBackend):
         return
     try:
@@ -157,6 +161,24 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         )
         return
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
+
+
+def _check_sql_server(backend: Any, setting: str, url: str) -> Iterator[Finding]:
+    """A database lock server whose settings make every grant fail (locks.backends.mysql)."""
+    try:
+        problems = backend.server_problems()
+    except BackendUnavailable as exc:
+        yield Finding(
+            False,
+            setting,
+            f"cannot reach the lock server at {redact(url)} at start-up ({exc}); starting "
+            "anyway: jobs wait and are redelivered until it answers",
+            "start the database, or fix the URL if it is wrong",
+            code=LOCK_SERVER_DOWN,
+        )
+        return
+    for problem, fix in problems:
+        yield _refuse(setting, problem, fix)
 
 
 def lock_server_down(findings: Iterable[Finding]) -> bool:

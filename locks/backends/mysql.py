@@ -215,7 +215,7 @@ class MySQLBackend(LockBackend):
         """
         self._ensure_tables(key)
         for attempt in range(ATTEMPTS):
-            conn = self._pool.get()
+            conn = self._connection(key)
             try:
                 out = self._execute(conn, sql, params)
             except pymysql.err.MySQLError as exc:
@@ -239,6 +239,14 @@ class MySQLBackend(LockBackend):
             self._pool.put(conn)
             return out
         raise AssertionError("unreachable")
+
+    def _connection(self, key: str | None) -> pymysql.connections.Connection[Any]:
+        try:
+            return self._pool.get()
+        except pymysql.err.MySQLError as exc:
+            raise BackendUnavailable(
+                f"cannot connect to the MySQL lock server: {exc}", key=key, cause=exc
+            ) from exc
 
     @staticmethod
     def _execute(conn: pymysql.connections.Connection[Any], sql: str, params: Any) -> list[Any]:
@@ -265,7 +273,7 @@ class MySQLBackend(LockBackend):
         with self._ready_lock:
             if self._ready:
                 return
-            conn = self._pool.get()
+            conn = self._connection(key)
             try:
                 with conn.cursor() as cur:
                     for stmt in _ddl(*self.tables.values()):
@@ -634,8 +642,50 @@ class MySQLBackend(LockBackend):
         with contextlib.suppress(BackendUnavailable):  # a sweep can wait for the next minute
             self.purge()
 
+    def server_problems(self) -> list[tuple[str, str]]:
+        """What about the server breaks this backend, as (problem, fix) pairs; for start-up.
+
+        Raises BackendUnavailable if the server does not answer.
+        """
+        rows = self._run(
+            "SELECT @@version, @@log_bin, @@binlog_format, @@read_only, @@innodb_read_only",
+            (),
+            None,
+        )[0]
+        version, log_bin, binlog_format, read_only, innodb_read_only = rows[0]
+        return server_problems(
+            version=str(version),
+            log_bin=bool(int(log_bin)),
+            binlog_format=str(binlog_format),
+            read_only=bool(int(read_only)) or bool(int(innodb_read_only)),
+        )
+
     def close(self) -> None:
         self._pool.close()
+
+
+def server_problems(
+    *, version: str, log_bin: bool, binlog_format: str, read_only: bool
+) -> list[tuple[str, str]]:
+    """The server settings under which no grant can be written, with their fixes."""
+    out: list[tuple[str, str]] = []
+    if log_bin and binlog_format.upper() == "STATEMENT":
+        out.append(
+            (
+                f"the MySQL server ({version}) logs binlog_format=STATEMENT, under which InnoDB "
+                "refuses every write made at READ COMMITTED (error 1665), which the lock "
+                "table needs (REPEATABLE READ deadlocks acquires of absent keys on gap locks)",
+                "set binlog_format=ROW (MySQL 8's default) or MIXED (MariaDB's) on the server",
+            )
+        )
+    if read_only:
+        out.append(
+            (
+                f"the MySQL server ({version}) is read-only (a replica?): no lock can be taken",
+                "point the lock URL at the primary",
+            )
+        )
+    return out
 
 
 def _info(row: tuple[Any, ...]) -> LockInfo:
