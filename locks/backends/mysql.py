@@ -608,14 +608,15 @@ class MySQLBackend(LockBackend):
         deadline = clock.monotonic() + timeout
         step = POLL_FIRST
         h = key_hash(key)
+        # The refused attempt just before this call read the row: sleep first.
         while True:
-            if not self._run(self._sql["held"], (h,), key)[0]:
-                return
             left = deadline - clock.monotonic()
             if left <= 0:
                 return
             clock.sleep(min(left, random.uniform(step / 2, step)))
             step = min(step * 2, POLL_CAP)
+            if not self._run(self._sql["held"], (h,), key)[0]:
+                return
 
     def purge(self) -> int:
         """Delete rows that expired a minute ago or more (locks, job records, markers).
