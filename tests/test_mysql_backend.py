@@ -217,3 +217,20 @@ def test_server_settings_under_which_no_grant_can_be_written_are_named() -> None
     assert "binlog_format=STATEMENT" in statement[0] and "ROW" in statement[1]
     (replica,) = server_problems(**ok, read_only=True)
     assert "read-only" in replica[0] and "primary" in replica[1]
+
+
+def test_a_connection_the_server_closed_is_replaced_before_use(
+    backend: MySQLBackend, mariadb_url: str
+) -> None:
+    """wait_timeout, a restart or a KILL close idle connections: the next call still works."""
+    lease = backend.try_acquire("killed:conn", 30.0)
+    assert lease is not None
+    (conn,) = backend._pool.idle
+    engine = sa.create_engine(mariadb_url, poolclass=sa.pool.NullPool)
+    with engine.connect() as admin:
+        admin.exec_driver_sql(f"KILL CONNECTION {int(conn.thread_id())}")
+    engine.dispose()
+    time.sleep(0.2)  # the server's FIN travels to our idle socket
+    backend.extend(lease)  # not BackendUnavailable, and not a lost lease
+    assert conn not in backend._pool.idle
+    assert lease.release()

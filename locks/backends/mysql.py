@@ -7,6 +7,7 @@ import fnmatch
 import hashlib
 import os
 import random
+import select
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -112,11 +113,23 @@ class _Pool:
     def get(self) -> pymysql.connections.Connection[Any]:
         if self.pid != os.getpid():
             self.pid, self.idle = os.getpid(), []
-        try:
-            return self.idle.pop()
-        except IndexError:
-            conn: pymysql.connections.Connection[Any] = self.connect()
-            return conn
+        while True:
+            try:
+                conn = self.idle.pop()
+            except IndexError:
+                fresh: pymysql.connections.Connection[Any] = self.connect()
+                return fresh
+            # An idle connection with something to read was closed by the server (restart,
+            # wait_timeout, KILL): its goodbye or EOF is waiting. Drop it before sending,
+            # rather than fail a call the server never saw.
+            sock = getattr(conn, "_sock", None)
+            try:
+                stale = sock is None or bool(select.select([sock], [], [], 0)[0])
+            except (OSError, ValueError):
+                stale = True
+            if not stale:
+                return conn
+            _discard(conn)
 
     def put(self, conn: pymysql.connections.Connection[Any]) -> None:
         if self.pid == os.getpid():
