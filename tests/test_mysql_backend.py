@@ -234,3 +234,42 @@ def test_a_connection_the_server_closed_is_replaced_before_use(
     backend.extend(lease)  # not BackendUnavailable, and not a lost lease
     assert conn not in backend._pool.idle
     assert lease.release()
+
+
+# --------------------------------------------------------------------------- one fence space
+
+
+def test_a_deployment_moves_between_redis_and_mariadb_without_resetting_its_guards(
+    redis_url: str, mariadb_url: str
+) -> None:
+    """Fences of both backends live in one space (server µs): a guard that accepted one
+    backend's tokens accepts the other's next grant, both ways, and still refuses old ones."""
+    from jobfence.locks import RedisBackend, SqlFenceGuard, StaleFence
+
+    redis_backend = RedisBackend.from_url(redis_url, prefix="move")
+    mysql_backend = MySQLBackend.from_url(mariadb_url, prefix="move")
+    engine = sa.create_engine(mariadb_url, poolclass=sa.pool.NullPool)
+    guard = SqlFenceGuard()
+    resource = f"account:{os.getpid()}:{time.monotonic_ns()}"
+
+    def write(fence: int) -> None:
+        with engine.begin() as conn:
+            guard.check_and_advance(conn, resource, fence)
+
+    fences = []
+    try:
+        for b in (redis_backend, mysql_backend, redis_backend, mysql_backend, redis_backend):
+            lease = b.try_acquire("move:account", 5.0)
+            assert lease is not None, b.name
+            write(lease.fence)  # accepted: above every token of the other backend
+            fences.append(lease.fence)
+            assert lease.release()
+        for old in fences[:-1]:
+            with pytest.raises(StaleFence):
+                write(old)
+    finally:
+        redis_backend.close()
+        mysql_backend.close()
+        engine.dispose()
+    assert fences == sorted(set(fences))
+    assert fences[0] > 1_700_000_000 * 10**6  # server microseconds, not a small counter
