@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -103,9 +104,26 @@ def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
         return MySQLBackend.from_url(url, prefix="contract")
 
     first = connect()
+    assert isinstance(first, MySQLBackend)
+    # Round trips counted at the client: every command PyMySQL sends waits for its reply
+    # (a shared server's global counters would count other clients too).
+    sent = [0]
+    opener = first._pool.connect
+
+    def counting_open() -> Any:
+        conn = opener()
+        send = conn._execute_command
+
+        def counted(command: int, sql: Any) -> Any:
+            sent[0] += 1
+            return send(command, sql)
+
+        conn._execute_command = counted
+        return conn
+
+    first._pool.connect = counting_open
 
     def lose_data() -> None:
-        assert isinstance(first, MySQLBackend)
         tables = ", ".join(first.tables.values())
         engine = db.engine()
         try:
@@ -114,7 +132,13 @@ def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
         finally:
             engine.dispose()
 
-    return BackendHarness(name="mariadb", backend=first, connect=connect, lose_data=lose_data)
+    return BackendHarness(
+        name="mariadb",
+        backend=first,
+        connect=connect,
+        requests=lambda: sent[0],
+        lose_data=lose_data,
+    )
 
 
 @pytest.fixture(params=BACKENDS)
