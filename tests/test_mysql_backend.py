@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from jobfence.config import Settings, UnsafeSettings
-from jobfence.locks import LockError, open_backend
+from jobfence.locks import Busy, JobRecord, LockError, open_backend
 from jobfence.locks.backends.mysql import MySQLBackend, key_hash, parse_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,3 +273,112 @@ def test_a_deployment_moves_between_redis_and_mariadb_without_resetting_its_guar
         engine.dispose()
     assert fences == sorted(set(fences))
     assert fences[0] > 1_700_000_000 * 10**6  # server microseconds, not a small counter
+
+
+# --------------------------------------------------------------------------- a server crash
+
+
+class _PrivateMariaDB:
+    """A mariadbd of this test only (own datadir and port), free to kill -9 and restart."""
+
+    def __init__(self, root: Path) -> None:
+        import shutil
+
+        from tests.servers import free_port
+
+        if not (shutil.which("mariadbd") or Path("/usr/sbin/mariadbd").exists()):
+            pytest.skip("mariadbd not installed")
+        self.root = root
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        subprocess.run(
+            ["mariadb-install-db", "--no-defaults", f"--datadir={root / 'data'}",
+             "--auth-root-authentication-method=normal", "--skip-test-db", "--user=root"],
+            check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"mariadb://root@127.0.0.1:{self.port}/locks"
+
+    def start(self) -> None:
+        from tests.servers import wait_for
+
+        binary = "/usr/sbin/mariadbd" if Path("/usr/sbin/mariadbd").exists() else "mariadbd"
+        self.proc = subprocess.Popen(
+            [binary, "--no-defaults", f"--datadir={self.root / 'data'}", f"--port={self.port}",
+             "--bind-address=127.0.0.1", f"--socket={self.root / 'sock'}", "--user=root",
+             f"--pid-file={self.root / 'pid'}", "--skip-log-bin",
+             "--innodb-buffer-pool-size=16M", f"--log-error={self.root / 'err.log'}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+        def up() -> bool:
+            try:
+                pymysql.connect(host="127.0.0.1", port=self.port, user="root").close()
+                return True
+            except pymysql.err.MySQLError:
+                return False
+
+        wait_for(up, timeout=60.0, message="private mariadbd did not start")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()  # SIGKILL: no clean shutdown, InnoDB recovers from its redo log
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        from tests.servers import stop_process
+
+        if self.proc is not None and self.proc.poll() is None:
+            stop_process(self.proc, timeout=20.0)
+
+
+@pytest.fixture
+def private_mariadb(tmp_path: Path) -> Iterator[_PrivateMariaDB]:
+    server = _PrivateMariaDB(tmp_path)
+    server.start()
+    conn = pymysql.connect(host="127.0.0.1", port=server.port, user="root")
+    with conn.cursor() as cur:
+        cur.execute("CREATE DATABASE locks")
+    conn.close()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_kill_9_of_the_server_keeps_leases_records_and_fence_order(
+    private_mariadb: _PrivateMariaDB,
+) -> None:
+    backend = MySQLBackend.from_url(private_mariadb.url, socket_timeout=2.0)
+    other = MySQLBackend.from_url(private_mariadb.url, socket_timeout=2.0)
+    try:
+        fences = []
+        for _ in range(50):
+            lease = backend.try_acquire("crash:cycle", 30.0)
+            assert lease is not None
+            fences.append(lease.fence)
+            assert lease.release()
+        held = backend.try_acquire("crash:held", 60.0)
+        job = backend.begin("crash:job", 30.0, record=True, fingerprint="fp")
+        assert held is not None and not isinstance(job, Busy | JobRecord)
+        assert backend.commit(job, state="DONE", result='"paid"', fingerprint="fp", result_ttl=600)
+
+        private_mariadb.kill()
+        private_mariadb.start()
+
+        # Every acknowledged grant and record survived: the held lease is still its
+        # holder's (another client is refused, the holder extends it over a new connection).
+        busy = other.attempt("crash:held", 5.0)
+        assert isinstance(busy, Busy)
+        backend.extend(held)
+        done = other.begin("crash:job", 5.0, record=True, fingerprint="fp")
+        assert isinstance(done, JobRecord) and (done.result, done.fence) == ('"paid"', job.fence)
+        # ... and fences keep increasing after the crash, from a client that never saw one.
+        after = other.try_acquire("crash:cycle", 5.0)
+        assert after is not None and after.fence > max(fences[-1], held.fence, job.fence)
+        assert after.release() and held.release()
+    finally:
+        backend.close()
+        other.close()
