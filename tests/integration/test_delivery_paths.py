@@ -158,6 +158,10 @@ def singleton_module(
         ledger.close()
         runtime_for(app).close()
         app.close()
+        # The next parameter's fleet shares the module's broker: nothing of this one may
+        # take its messages (the private server only).
+        fleet.stop()
+        module_redis.client().flushall()
 
 
 @pytest.fixture
