@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from celery import Celery
 
 from jobfence.config import Settings
@@ -19,7 +21,7 @@ from jobfence.locks import (
     MemoryBackend,
     RedisBackend,
 )
-from jobfence.tasks import Executor, JobContext, JobSpec, Runtime, install
+from jobfence.tasks import Executor, JobContext, JobSpec, Runtime, SqlEffects, install, make_engine
 from jobfence.tasks.metrics import Metrics
 
 
@@ -58,6 +60,21 @@ def job_with_fence(key: str, fence: int, fingerprint: str = "fp") -> JobContext:
         clock=SYSTEM_CLOCK,
     )
     return JobContext(key=key, fingerprint=fingerprint, lease=lease)
+
+
+@contextlib.contextmanager
+def sql_effects(url: str, *tables: sa.MetaData) -> Iterator[SqlEffects]:
+    """SqlEffects on a new engine for `url`, with jobfence's tables and the test's own
+    (`tables`) created; the engine is disposed of on exit."""
+    engine = make_engine(url)
+    effects = SqlEffects(engine)
+    effects.create_schema()
+    for metadata in tables:
+        metadata.create_all(engine)
+    try:
+        yield effects
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture

@@ -34,13 +34,12 @@ from jobfence.tasks import (
     Runtime,
     SqlEffects,
     install,
-    make_engine,
     singleton_task,
 )
 from jobfence.tasks.celery_task import HEADER, REDELIVERIES, JobNotSettled
 from tests.proxy import FaultProxy, ReplyRule, evalsha
 from tests.servers import RedisServer, wait_for
-from tests.tasks.conftest import AppFactory, spec_for, unique
+from tests.tasks.conftest import AppFactory, spec_for, sql_effects, unique
 
 # --------------------------------------------------------------------------- helpers
 
@@ -163,12 +162,8 @@ effects_table = sa.Table(
 
 @pytest.fixture
 def effects(sqlite_url: str) -> Iterator[SqlEffects]:
-    engine = make_engine(sqlite_url)
-    fx = SqlEffects(engine)
-    fx.create_schema()
-    effects_meta.create_all(engine)
-    yield fx
-    engine.dispose()
+    with sql_effects(sqlite_url, effects_meta) as fx:
+        yield fx
 
 
 def _effect_rows(fx: SqlEffects, key: str) -> list[int]:

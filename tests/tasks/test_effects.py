@@ -26,7 +26,7 @@ from jobfence.tasks import (
 from jobfence.tasks.effects import jobs as jobs_table
 from tests.servers import wait_for
 from tests.tasks.conftest import job_with_fence as job
-from tests.tasks.conftest import spec_for, unique
+from tests.tasks.conftest import spec_for, sql_effects, unique
 
 test_metadata = sa.MetaData()
 ledger = sa.Table(
@@ -78,12 +78,8 @@ def last_fence(effects: SqlEffects, resource: str) -> int | None:
 
 @pytest.fixture
 def effects(sql_url: str) -> Iterator[SqlEffects]:
-    engine = make_engine(sql_url)
-    effects = SqlEffects(engine)
-    effects.create_schema()
-    test_metadata.create_all(engine)
-    yield effects
-    engine.dispose()
+    with sql_effects(sql_url, test_metadata) as fx:
+        yield fx
 
 
 # -- one transaction ---------------------------------------------------------------------
