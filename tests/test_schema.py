@@ -15,6 +15,7 @@ from jobfence.locks import SqlFenceGuard
 from jobfence.locks.sql import SchemaError, ensure_tables
 from jobfence.tasks import SqlEffects, make_engine
 from jobfence.tasks.effects import TABLES
+from tests.conftest import scratch_database_url
 from tests.servers import (
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
@@ -47,11 +48,7 @@ def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         "postgresql": (PostgresDatabase, POSTGRES_ADMIN_URL),
         "mariadb": (MariaDBDatabase, MARIADB_ADMIN_URL),
     }[request.param]
-    reason = kind.reachable(admin)
-    if reason is not None:
-        pytest.skip(reason)
-    with kind() as db:
-        yield db.url
+    yield from scratch_database_url(kind, admin)
 
 
 @pytest.fixture
