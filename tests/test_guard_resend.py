@@ -110,7 +110,7 @@ def test_retrying_client_resends_the_naive_script_and_applies_it_twice(
     dropped = proxy.drop_reply(match=command("EVALSHA", naive.sha))
     keys, args = _naive_args()
     reply = naive(keys=keys, args=args)
-    assert dropped.fired.is_set()
+    assert dropped.fired.wait(10)
     assert reply[2:] == [80, 2]  # the client's retry ran it again
     assert _account(client) == (80, 2)
 
@@ -123,7 +123,7 @@ def test_guard_on_a_retrying_client_applies_once_when_a_reply_is_lost(
     guard.write(f"warm:{uuid.uuid4().hex}", 1, [])  # script loaded, connection open
     dropped = proxy.drop_reply(match=command("EVALSHA"))
     assert guard.write("account:1", FENCE, PAY) == [90, 1]
-    assert dropped.fired.is_set()
+    assert dropped.fired.wait(10)
     assert _account(client) == (90, 1)
 
 
@@ -140,7 +140,7 @@ def test_a_lost_reply_then_a_newer_fence_is_reported_as_unknown_outcome(
     )
     with pytest.raises(StaleFenceOutcomeUnknown) as refused:
         guard.write("account:1", FENCE, PAY)
-    assert dropped.fired.is_set()
+    assert dropped.fired.wait(10)
     assert isinstance(refused.value, StaleFence) and refused.value.last == FENCE + 1
     assert _account(client) == (90, 1)  # the lost attempt did apply, once
 
