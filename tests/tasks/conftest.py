@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from celery import Celery
 
 from jobfence.config import Settings
-from jobfence.locks import Backoff, LeaseKeeper, LockBackend, MemoryBackend, RedisBackend
-from jobfence.tasks import Executor, JobSpec, Runtime, install
+from jobfence.locks import (
+    SYSTEM_CLOCK,
+    Backoff,
+    Lease,
+    LeaseKeeper,
+    LockBackend,
+    MemoryBackend,
+    RedisBackend,
+)
+from jobfence.tasks import Executor, JobContext, JobSpec, Runtime, SqlEffects, install, make_engine
 from jobfence.tasks.metrics import Metrics
 
 
@@ -33,6 +43,38 @@ def spec_for(key: str, **overrides: Any) -> JobSpec:
     }
     fields.update(overrides)
     return JobSpec(**fields)
+
+
+_FAKE_HOLDER = MemoryBackend()  # never asked: the leases below are made, not granted
+
+
+def job_with_fence(key: str, fence: int, fingerprint: str = "fp") -> JobContext:
+    """A job context holding a lease with exactly this fence (as a lock server granted it)."""
+    lease = Lease(
+        key=key,
+        owner="owner-" + key,
+        fence=fence,
+        ttl=30.0,
+        deadline=SYSTEM_CLOCK.monotonic() + 30.0,
+        backend=_FAKE_HOLDER,
+        clock=SYSTEM_CLOCK,
+    )
+    return JobContext(key=key, fingerprint=fingerprint, lease=lease)
+
+
+@contextlib.contextmanager
+def sql_effects(url: str, *tables: sa.MetaData) -> Iterator[SqlEffects]:
+    """SqlEffects on a new engine for `url`, with jobfence's tables and the test's own
+    (`tables`) created; the engine is disposed of on exit."""
+    engine = make_engine(url)
+    effects = SqlEffects(engine)
+    effects.create_schema()
+    for metadata in tables:
+        metadata.create_all(engine)
+    try:
+        yield effects
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture
