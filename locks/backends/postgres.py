@@ -133,11 +133,14 @@ SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM n)"""
 
 _RELEASE = f"WITH r AS (UPDATE {TABLE} SET {_FREE} WHERE {_MINE} RETURNING waiters){_WAKE}"
 
-_COMMIT = f"""WITH r AS (UPDATE {TABLE} SET {_FREE}, rec_state = %(state)s,
+# The job record is flushed before the answer (synchronous_commit on for this statement's
+# transaction), whatever the session's setting: the lease statements commit asynchronously.
+_COMMIT = f"""WITH s AS (SELECT set_config('synchronous_commit', 'on', true) AS v),
+r AS (UPDATE {TABLE} SET {_FREE}, rec_state = %(state)s,
   rec_fingerprint = %(fingerprint)s, rec_result = %(result)s, rec_fence = %(fence)s,
   rec_finished_at = clock_timestamp(),
   rec_expires_at = clock_timestamp() + %(result_ttl)s * interval '1 millisecond'
-WHERE {_MINE} RETURNING waiters){_WAKE}"""
+WHERE {_MINE} AND (SELECT v FROM s) = 'on' RETURNING waiters){_WAKE}"""
 
 _FORCE_RELEASE = f"""WITH r AS (UPDATE {TABLE} SET {_FREE}
 WHERE prefix = %(prefix)s AND key = %(key)s AND expires_at > clock_timestamp()
@@ -263,12 +266,16 @@ class PostgresBackend(LockBackend):
         params = conninfo_to_dict(base)
         # Server-side bounds (a stuck statement ends within socket_timeout); READ COMMITTED
         # whatever the server's default: the upserts wait for a racing writer and then see
-        # its row, where REPEATABLE READ would fail them. Keepalives and tcp_user_timeout
-        # make a silent network fail the call instead of hanging it for hours.
+        # its row, where REPEATABLE READ would fail them. Lease statements commit without
+        # waiting for the WAL flush (half the latency): a crash may forget the last grants,
+        # whose holders then lose the lease at their next heartbeat, and the next grant's
+        # fence is still above theirs (server µs clock). Job records are flushed (_COMMIT).
+        # Keepalives and tcp_user_timeout make a silent network fail the call instead of
+        # hanging it for hours.
         options = str(params.get("options", "") or "")
         options += (
             f" -c statement_timeout={ms} -c lock_timeout={ms}"
-            " -c default_transaction_isolation=read\\ committed"
+            " -c synchronous_commit=off -c default_transaction_isolation=read\\ committed"
             " -c idle_in_transaction_session_timeout=" + str(max(ms, 10000))
         )
         conninfo = make_conninfo(
