@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
@@ -181,3 +182,43 @@ def test_errors_never_show_the_password(db: PostgresDatabase) -> None:
         backend.try_acquire("k", 1.0)
     assert "s3cret-pw" not in str(err.value)
     assert "BackendUnavailable" in type(err.value).__name__
+
+
+def _startup_findings(backend: PostgresBackend, url: str) -> list[Any]:
+    from jobfence.worker.checks import check_lock_backend
+
+    runtime = SimpleNamespace(settings=Settings(lock_url=url), backend=backend)
+    conf = SimpleNamespace(task_always_eager=False)
+    return list(check_lock_backend(conf, runtime))  # type: ignore[arg-type]
+
+
+def test_startup_accepts_a_direct_connection(db: PostgresDatabase) -> None:
+    backend = PostgresBackend.from_url(db.url)
+    try:
+        assert _startup_findings(backend, db.url) == []
+    finally:
+        backend.close()
+
+
+def test_startup_refuses_sessions_without_read_committed(db: PostgresDatabase) -> None:
+    """As behind a pooler that drops the startup options, on a REPEATABLE READ database."""
+    with psycopg.connect(_plain(POSTGRES_ADMIN_URL), autocommit=True) as admin:
+        admin.execute(
+            f"ALTER DATABASE \"{db.name}\" SET default_transaction_isolation = 'repeatable read'"
+        )
+    backend = PostgresBackend(_plain(db.url))  # no startup options of its own
+    try:
+        findings = _startup_findings(backend, db.url)
+    finally:
+        backend.close()
+    assert [f.refuse for f in findings] == [True]
+    assert "read committed" in findings[0].problem
+    assert findings[0].setting == "JOBFENCE_LOCK_URL"
+
+
+def test_startup_only_warns_when_the_database_is_down(db: PostgresDatabase) -> None:
+    url = db.url.replace(":5432/", ":1/")
+    backend = PostgresBackend.from_url(url, socket_timeout=1.0)
+    findings = _startup_findings(backend, url)
+    assert [f.refuse for f in findings] == [False]
+    assert "cannot reach" in findings[0].problem

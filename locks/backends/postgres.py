@@ -365,6 +365,30 @@ class PostgresBackend(LockBackend):
                 conn.execute(stmt)
         self._ready = True
 
+    def session_problems(self) -> list[str]:
+        """What in this server or session breaks the backend's statements (start-up check).
+
+        A pooler that drops the startup options (PgBouncer's ignore_startup_parameters)
+        leaves the server's default isolation in place, under which racing acquires fail.
+        """
+        rows = self._run(
+            "session check",
+            None,
+            "SELECT current_setting('server_version_num')::int, "
+            "current_setting('transaction_isolation')",
+            None,
+        )
+        version, isolation = rows[0]
+        problems = []
+        if version < 110000:
+            problems.append(f"PostgreSQL {version // 10000} is too old (11 or later needed)")
+        if isolation != "read committed":
+            problems.append(
+                f"sessions run at isolation {isolation!r}, not 'read committed' (a pooler "
+                "dropped the startup options?), so racing acquires fail instead of waiting"
+            )
+        return problems
+
     @staticmethod
     def ddl() -> list[str]:
         """The statements `create_tables` runs, for a DBA."""
