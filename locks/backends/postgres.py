@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import random
 import select
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 
 import psycopg
@@ -103,7 +104,8 @@ ON CONFLICT (prefix, key) DO UPDATE SET
   rec_state = CASE WHEN {_GRANT} AND %(record)s THEN NULL ELSE l.rec_state END,
   touched_at = excluded.touched_at
 RETURNING owner = %(owner)s, fence,
-  extract(epoch FROM greatest(expires_at, touched_at) - touched_at)::float8, task_id, fingerprint,
+  extract(epoch FROM greatest(expires_at, clock_timestamp()) - clock_timestamp())::float8,
+  task_id, fingerprint,
   (%(record)s AND rec_state = 'DONE' AND rec_expires_at > touched_at),
   rec_fingerprint, rec_result, rec_fence, extract(epoch FROM rec_finished_at)::float8
 """
@@ -192,6 +194,25 @@ ON CONFLICT (prefix, key) DO UPDATE SET
 RETURNING deliveries
 """
 
+# Housekeeping, at most once per interval across the fleet: the row (prefix, '') (no lock
+# key is empty) holds the time of the last pass; whoever moves it forward prunes.
+_PRUNE_TURN = f"""
+INSERT INTO {TABLE} AS l (prefix, key, touched_at) VALUES (%s, '', clock_timestamp())
+ON CONFLICT (prefix, key) DO UPDATE SET touched_at = excluded.touched_at
+WHERE l.touched_at < excluded.touched_at - %s * interval '1 millisecond'
+RETURNING 1"""
+
+# Rows with nothing live left (lease, record, marker, count) and no grant or attempt for
+# the fence retention: the next grant of such a key is above its last fence anyway (µs).
+_PRUNE = f"""DELETE FROM {TABLE} WHERE prefix = %s AND key <> ''
+  AND expires_at < clock_timestamp()
+  AND touched_at < clock_timestamp() - %s * interval '1 millisecond'
+  AND coalesce(rec_expires_at, '-infinity') < clock_timestamp()
+  AND coalesce(queued_until, '-infinity') < clock_timestamp()
+  AND coalesce(deliveries_until, '-infinity') < clock_timestamp()"""
+
+PRUNE_INTERVAL = 600.0
+
 # A waiter marks the lease it waits for (so its release notifies) and learns whether it is
 # still held, after LISTEN is in place: a release after this answer is never missed.
 _MARK_WAITING = f"""UPDATE {TABLE} SET waiters = true
@@ -226,10 +247,17 @@ class PostgresBackend(LockBackend):
         *,
         prefix: str = "jobfence",
         socket_timeout: float = 2.0,
+        fence_retention: float = 30 * 24 * 3600.0,
+        prune_interval: float = PRUNE_INTERVAL,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         super().__init__(clock=clock)
         self.prefix = prefix
+        self.fence_retention_ms = max(1, int(fence_retention * 1000))
+        self.prune_interval = prune_interval
+        # The first pass comes a while after start: short-lived processes (a CLI) leave it
+        # to the fleet, and a fleet started at once does not open a connection each for it.
+        self._next_prune = clock.monotonic() + prune_interval * random.uniform(0.5, 1.0)
         self.socket_timeout = socket_timeout
         self.conninfo = conninfo
         where = conninfo_to_dict(conninfo)  # never the password
@@ -239,8 +267,6 @@ class PostgresBackend(LockBackend):
         self._pid = os.getpid()
         self._idle: list[psycopg.Connection[Any]] = []
         self._ready = False
-        self._lock = threading.Lock()
-        self._listener: _Listener | None = None
         self._max_block = max(0.01, 0.8 * socket_timeout)
 
     @classmethod
@@ -250,13 +276,14 @@ class PostgresBackend(LockBackend):
         *,
         prefix: str = "jobfence",
         socket_timeout: float = 2.0,
-        fence_retention: float | None = None,
+        fence_retention: float = 30 * 24 * 3600.0,
+        prune_interval: float = PRUNE_INTERVAL,
         clock: Clock = SYSTEM_CLOCK,
     ) -> PostgresBackend:
         """`postgresql://`, `postgres://` or `postgresql+psycopg://` (libpq query options kept).
 
-        `fence_retention` is accepted for the common signature: a key's last fence stays in
-        its row, and fences are above the server clock in µs whatever was kept.
+        A key's row (and its last fence) is pruned `fence_retention` seconds after its last
+        use, once nothing in it is live; a later grant's fence is above it anyway (µs clock).
         """
         scheme, rest = url.split("://", 1)
         if scheme.lower() not in SCHEMES:
@@ -289,7 +316,14 @@ class PostgresBackend(LockBackend):
             application_name=str(params.get("application_name") or "jobfence"),
             options=options.strip(),
         )
-        return cls(conninfo, prefix=prefix, socket_timeout=socket_timeout, clock=clock)
+        return cls(
+            conninfo,
+            prefix=prefix,
+            socket_timeout=socket_timeout,
+            fence_retention=fence_retention,
+            prune_interval=prune_interval,
+            clock=clock,
+        )
 
     # -- connections -------------------------------------------------------------
     def _connect(self) -> psycopg.Connection[Any]:
@@ -298,10 +332,7 @@ class PostgresBackend(LockBackend):
     def _forked(self) -> None:
         if self._pid != os.getpid():
             _inherited.extend(self._idle)
-            if self._listener is not None:
-                _inherited.append(self._listener)
-            self._pid, self._idle, self._listener = os.getpid(), [], None
-            self._lock = threading.Lock()
+            self._pid, self._idle = os.getpid(), []
 
     @contextmanager
     def _conn(self, what: str, key: str | None) -> Iterator[psycopg.Connection[Any]]:
@@ -389,6 +420,27 @@ class PostgresBackend(LockBackend):
             )
         return problems
 
+    def prune(self) -> int | None:
+        """Delete rows unused for the fence retention; None if another pass ran lately."""
+        if not self._ready:
+            self.create_tables()
+        with self._conn("prune", None) as conn, conn.transaction():
+            interval_ms = max(1, int(self.prune_interval * 1000))
+            if conn.execute(_PRUNE_TURN, (self.prefix, interval_ms)).fetchone() is None:
+                return None
+            conn.execute("SET LOCAL statement_timeout = '60s'")
+            return conn.execute(_PRUNE, (self.prefix, self.fence_retention_ms)).rowcount
+
+    def _prune_soon(self) -> None:
+        """Prune in a daemon thread, off the caller's path; errors wait for the next turn."""
+        self._next_prune = self.clock.monotonic() + self.prune_interval
+
+        def run() -> None:
+            with suppress(BackendUnavailable):
+                self.prune()
+
+        threading.Thread(target=run, name="jobfence-pg-prune", daemon=True).start()
+
     @staticmethod
     def ddl() -> list[str]:
         """The statements `create_tables` runs, for a DBA."""
@@ -405,6 +457,8 @@ class PostgresBackend(LockBackend):
             "fingerprint": fingerprint if record else "", "record": record,
         }  # fmt: skip
         row = self._run("begin", key, _BEGIN, params)[0]
+        if self.clock.monotonic() >= self._next_prune:
+            self._prune_soon()
         granted, fence, ttl_left, task_id, fp, done, rfp, result, rfence, finished = row
         if granted:
             if fence > self.fence_floor:
@@ -519,41 +573,28 @@ class PostgresBackend(LockBackend):
     def wait_for_release(self, key: str, timeout: float) -> None:
         """Block until `key` is released (LISTEN/NOTIFY) or `timeout` passes.
 
-        Without a listener (LISTEN refused, e.g. behind a transaction-mode pooler) this is a
-        plain sleep: the caller's jittered backoff then polls.
+        The waiting connection listens only while it waits (LISTEN, mark the lease as
+        waited on and see it still held, wait, UNLISTEN), so a process needs no second
+        connection, and a release after the mark is never missed. Behind a pooler that
+        does not pass notifications this times out: the caller's backoff then polls.
         """
         timeout = min(timeout, self._max_block)
         if timeout < 0.001:
             return
-        listener = self._ensure_listener()
-        if listener is None:
-            self.clock.sleep(timeout)
-            return
-        token = listener.watch(key)
-        try:
-            held = self._run("wait", key, _MARK_WAITING, (self.prefix, key))[0][0]
-            if held:
-                listener.wait(key, token, timeout)
-        finally:
-            listener.unwatch(key)
-
-    def _ensure_listener(self) -> _Listener | None:
-        self._forked()
-        with self._lock:
-            lis = self._listener
-            if lis is not None and lis.alive:
-                return lis
-            if lis is not None and self.clock.monotonic() < lis.retry_at:
-                return None  # broken lately: poll until it may be tried again
+        if not self._ready:
+            self.create_tables()
+        payload = f"{self.prefix}\n{key}"
+        with self._conn("wait", key) as conn:
+            conn.execute(f"LISTEN {CHANNEL}")
             try:
-                lis = _Listener(self._connect(), prefix=self.prefix)
-            except psycopg.Error:
-                lis = _Listener(None, prefix=self.prefix)
-                lis.retry_at = self.clock.monotonic() + 5.0
-                self._listener = lis
-                return None
-            self._listener = lis
-            return lis
+                self.statements += 2
+                if conn.execute(_MARK_WAITING, (self.prefix, key), prepare=True).rowcount:
+                    for note in conn.notifies(timeout=timeout):
+                        if note.payload == payload:
+                            break
+            finally:
+                conn.execute(f"UNLISTEN {CHANNEL}")
+                self.statements += 1
 
     def close(self) -> None:
         if self._pid != os.getpid():
@@ -562,75 +603,3 @@ class PostgresBackend(LockBackend):
         idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
-        if self._listener is not None:
-            self._listener.stop()
-            self._listener = None
-
-
-class _Listener:
-    """One LISTEN connection per backend and process, read by a daemon thread.
-
-    Waiters register the key they wait for; a notification bumps that key's generation and
-    wakes them. Notifications for keys nobody here waits on are dropped.
-    """
-
-    def __init__(self, conn: psycopg.Connection[Any] | None, *, prefix: str) -> None:
-        self.conn = conn
-        self.prefix = prefix
-        self.retry_at = 0.0
-        self.cond = threading.Condition()
-        self.gens: dict[str, int] = {}
-        self.watchers: dict[str, int] = {}
-        self.stopped = False
-        self.alive = conn is not None
-        if conn is not None:
-            conn.execute(f"LISTEN {CHANNEL}")
-            self.thread = threading.Thread(target=self._run, name="jobfence-pg-listen",
-                                           daemon=True)  # fmt: skip
-            self.thread.start()
-
-    def _run(self) -> None:
-        assert self.conn is not None
-        head = self.prefix + "\n"
-        try:
-            while not self.stopped:
-                for note in self.conn.notifies(timeout=1.0):
-                    if not note.payload.startswith(head):
-                        continue
-                    key = note.payload[len(head):]
-                    with self.cond:
-                        if key in self.watchers:
-                            self.gens[key] = self.gens.get(key, 0) + 1
-                            self.cond.notify_all()
-        except (psycopg.Error, OSError):
-            pass
-        finally:
-            with self.cond:
-                self.alive = False
-                self.retry_at = 0.0
-                self.cond.notify_all()
-            if self.conn is not None:
-                self.conn.close()
-
-    def watch(self, key: str) -> int:
-        with self.cond:
-            self.watchers[key] = self.watchers.get(key, 0) + 1
-            return self.gens.get(key, 0)
-
-    def unwatch(self, key: str) -> None:
-        with self.cond:
-            left = self.watchers.get(key, 0) - 1
-            if left <= 0:
-                self.watchers.pop(key, None)
-                self.gens.pop(key, None)
-            else:
-                self.watchers[key] = left
-
-    def wait(self, key: str, token: int, timeout: float) -> None:
-        with self.cond:
-            self.cond.wait_for(
-                lambda: self.gens.get(key, 0) != token or not self.alive, timeout
-            )
-
-    def stop(self) -> None:
-        self.stopped = True
