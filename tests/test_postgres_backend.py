@@ -16,7 +16,7 @@ import pytest
 from jobfence.config.settings import Settings
 from jobfence.locks import Busy, Lease, LockBackend, OwnerMeta, open_backend
 from jobfence.locks.backends.postgres import PostgresBackend
-from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase
+from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, wait_for
 
 
 @pytest.fixture
@@ -222,3 +222,42 @@ def test_startup_only_warns_when_the_database_is_down(db: PostgresDatabase) -> N
     findings = _startup_findings(backend, url)
     assert [f.refuse for f in findings] == [False]
     assert "cannot reach" in findings[0].problem
+
+
+def _keys(url: str) -> set[str]:
+    with psycopg.connect(_plain(url), autocommit=True) as admin:
+        return {r[0] for r in admin.execute("SELECT key FROM jobfence_locks")}
+
+
+def test_prune_drops_rows_unused_for_the_retention_only(db: PostgresDatabase) -> None:
+    backend = PostgresBackend.from_url(
+        db.url, prefix="prune", fence_retention=0.2, prune_interval=0.25
+    )
+    try:
+        old = backend.try_acquire("old", 5.0)
+        assert old is not None and old.release()
+        held = backend.try_acquire("held", 0.5)
+        done = backend.begin("done", 5.0, record=True)
+        assert held is not None and isinstance(done, Lease)
+        assert backend.commit(done, state="DONE", result="1", fingerprint="", result_ttl=60)
+        time.sleep(0.3)  # past the retention; 'held' still live, 'done' has its record
+        assert backend.try_acquire("held", 5.0) is None
+        backend.prune()  # or the pass this attempt started in the background
+        wait_for(lambda: "old" not in _keys(db.url), timeout=10.0, message="never pruned")
+        assert {"held", "done"} <= _keys(db.url)
+        again = backend.try_acquire("old", 5.0)
+        assert again is not None and again.fence > old.fence
+    finally:
+        backend.close()
+
+
+def test_one_prune_pass_per_interval_across_clients(db: PostgresDatabase) -> None:
+    a, b = (
+        PostgresBackend.from_url(db.url, prefix="turn", prune_interval=3600.0) for _ in range(2)
+    )
+    try:
+        assert a.prune() == 0
+        assert a.prune() is None and b.prune() is None
+    finally:
+        a.close()
+        b.close()
