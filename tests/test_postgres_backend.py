@@ -300,3 +300,24 @@ def test_the_locks_cli_works_on_postgres_through_the_url_alone(db: PostgresDatab
         assert again is not None and again.fence > lease.fence
     finally:
         backend.close()
+
+
+def test_a_key_moves_between_redis_and_postgres_with_rising_fences(
+    backend: PostgresBackend, redis_url: str
+) -> None:
+    """One fence space: the PostgreSQL source, made first, still issues above later Redis
+    grants (its fence is at least the server clock in µs), and Redis above it."""
+    from jobfence.locks import RedisBackend
+
+    on_redis = RedisBackend.from_url(redis_url, prefix="pgtest")
+    try:
+        fences = []
+        for b in (backend, on_redis, backend, on_redis, backend):
+            for _ in range(3):
+                lease = b.try_acquire("moved", 5.0)
+                assert lease is not None
+                fences.append(lease.fence)
+                assert lease.release()
+        assert fences == sorted(set(fences)), fences
+    finally:
+        on_redis.close()
