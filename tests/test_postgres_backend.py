@@ -1,4 +1,4 @@
-"""What the PostgreSQL lock backend adds to the contract: URLs, fork, isolation, races, markers."""
+"""The PostgreSQL lock backend beyond the contract: URLs, fork, isolation, pruning, CLI, checks."""
 
 from __future__ import annotations
 

@@ -218,8 +218,8 @@ PRUNE_INTERVAL = 600.0
 _MARK_WAITING = f"""UPDATE {TABLE} SET waiters = true
 WHERE prefix = %s AND key = %s AND expires_at > clock_timestamp()"""
 
-# Connections inherited through fork: never closed or collected in the child, since libpq's
-# goodbye on the shared socket would end the parent's session.
+# Connections inherited through fork, set aside in the child and never closed there: a
+# close() would send libpq's goodbye on the socket the parent still uses.
 _inherited: list[Any] = []
 
 
