@@ -93,11 +93,21 @@ def other_redis_backend(redis_url: str) -> Iterator[RedisBackend]:
     backend.close()
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture
+def postgres_backend(pg_url: str) -> Iterator[LockBackend]:
+    """A PostgresBackend on the session's scratch database (keys are unique per test)."""
+    from jobfence.locks.backends.postgres import PostgresBackend
+
+    backend = PostgresBackend.from_url(pg_url, prefix="jobfence")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(params=["redis", "memory", "postgres"])
 def backend(request: pytest.FixtureRequest) -> LockBackend:
-    """Each executor test runs on a real Redis server and on the in-process backend."""
-    if request.param == "redis":
-        got: LockBackend = request.getfixturevalue("redis_backend")
+    """Each executor test runs on real lock servers and on the in-process backend."""
+    if request.param in ("redis", "postgres"):
+        got: LockBackend = request.getfixturevalue(f"{request.param}_backend")
         return got
     return MemoryBackend()
 
