@@ -132,7 +132,30 @@ def _locked(conn: Connection, key: str, timeout: float | None) -> Iterator[int |
 
 
 def _pg_lock(conn: Connection, key: str, timeout: float | None) -> int | None:
-    isolation = conn.execute(text("SELECT current_setting('transaction_isolation')")).scalar_one()
+    lock_id = advisory_id(key)
+    if timeout is None or timeout == 0:
+        # One round trip: the isolation check rides with the lock (a refusal below rolls
+        # the caller's transaction back, and the lock with it).
+        call = (
+            "pg_advisory_xact_lock(:id) IS NOT NULL"
+            if timeout is None
+            else "pg_try_advisory_xact_lock(:id)"
+        )
+        isolation, got = conn.execute(
+            text(f"SELECT current_setting('transaction_isolation'), {call}"), {"id": lock_id}
+        ).one()
+        _refuse_snapshot(isolation)
+    else:
+        isolation = conn.execute(text("SELECT current_setting('transaction_isolation')")).scalar()
+        _refuse_snapshot(isolation)
+        got = _pg_lock_within(conn, lock_id, timeout)
+    if not got:
+        return None
+    ensure_tables(conn, [fences])
+    return int(conn.execute(_PG_FENCE, {"resource": fence_resource(key)}).scalar_one())
+
+
+def _refuse_snapshot(isolation: str) -> None:
     if isolation != "read committed":
         # The lock statement itself would take the snapshot, before the wait: reads inside
         # the lock would miss the previous holder's commit.
@@ -141,17 +164,6 @@ def _pg_lock(conn: Connection, key: str, timeout: float | None) -> int | None:
             "under a snapshot isolation the snapshot predates the lock; use "
             "engine.execution_options(isolation_level='READ COMMITTED')"
         )
-    ensure_tables(conn, [fences])
-    lock_id = advisory_id(key)
-    if timeout == 0:
-        got = conn.execute(text("SELECT pg_try_advisory_xact_lock(:id)"), {"id": lock_id})
-        if not got.scalar_one():
-            return None
-    elif timeout is None:
-        conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": lock_id})
-    elif not _pg_lock_within(conn, lock_id, timeout):
-        return None
-    return int(conn.execute(_PG_FENCE, {"resource": fence_resource(key)}).scalar_one())
 
 
 def _pg_lock_within(conn: Connection, lock_id: int, timeout: float) -> bool:
