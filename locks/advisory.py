@@ -146,8 +146,8 @@ def _pg_lock(conn: Connection, key: str, timeout: float | None) -> int | None:
         ).one()
         _refuse_snapshot(isolation)
     else:
-        isolation = conn.execute(text("SELECT current_setting('transaction_isolation')")).scalar()
-        _refuse_snapshot(isolation)
+        setting = conn.execute(text("SELECT current_setting('transaction_isolation')"))
+        _refuse_snapshot(setting.scalar_one())
         got = _pg_lock_within(conn, lock_id, timeout)
     if not got:
         return None
