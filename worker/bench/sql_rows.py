@@ -124,8 +124,17 @@ class SqlLock:
 
 
 def lease_backend(url: str) -> LockBackend:
-    """The lease backend registered for `url`'s scheme (ValueError when none is)."""
-    return locks.open_backend(url)
+    """The lease backend registered for `url`'s scheme, or for its scheme without the driver.
+
+    Raises ValueError when neither is registered.
+    """
+    try:
+        return locks.open_backend(url)
+    except ValueError:
+        scheme, rest = url.split("://", 1)
+        if "+" not in scheme:
+            raise
+        return locks.open_backend(f"{scheme.split('+', 1)[0]}://{rest}")
 
 
 def plan(dbs: list[Scratch], skipped: dict[str, str]) -> list[SqlLock]:
