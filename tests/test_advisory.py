@@ -323,3 +323,48 @@ def test_a_frozen_holder_keeps_a_session_advisory_lock_while_its_lease_expires(
             os.kill(holder.pid, signal.SIGCONT)
         backend.close()
         eng.dispose()
+
+
+GET_LOCK_HOLDER = """
+import sys, time
+import sqlalchemy as sa
+url, name = sys.argv[1:3]
+conn = sa.create_engine(url).connect()
+got = conn.execute(sa.text("SELECT GET_LOCK(:n, 0)"), {"n": name}).scalar_one()
+conn.commit()
+print("held", got, conn.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dropped_session_hands_get_lock_to_another_behind_a_frozen_holder(
+    mariadb_url: str, process_group: ProcessGroup
+) -> None:
+    """The other failure of a session lock: the server ends a frozen holder's session (here
+    KILL, as `wait_timeout` or a keepalive would) and grants the lock again while the holder,
+    never told, still believes it holds it. Nothing fences the holder's next write."""
+    name = advisory.lock_name(_key(), "test")
+    holder = process_group.spawn(
+        [sys.executable, "-c", GET_LOCK_HOLDER, mariadb_url, name], name="get-lock-holder"
+    )
+    wait_for(lambda: "held" in process_group.log_of(holder), 30, 0.05,
+             lambda: process_group.log_of(holder))  # fmt: skip
+    got, connection_id = process_group.log_of(holder).split("held", 1)[1].split()[:2]
+    assert got == "1"
+    os.kill(holder.pid, signal.SIGSTOP)
+    eng = sa.create_engine(mariadb_url, poolclass=NullPool)
+    try:
+        with eng.connect() as contender:
+            take = sa.text("SELECT GET_LOCK(:n, 0)")
+            assert contender.execute(take, {"n": name}).scalar_one() == 0  # control: it is held
+            with eng.connect() as admin:
+                admin.execute(sa.text(f"KILL {int(connection_id)}"))
+            granted = wait_for(
+                lambda: contender.execute(take, {"n": name}).scalar_one() == 1, 10, 0.05,
+                "GET_LOCK was not granted after the holder's session ended",
+            )  # fmt: skip
+            assert granted and holder.poll() is None  # the holder lives on, frozen, unaware
+            contender.execute(sa.text("SELECT RELEASE_LOCK(:n)"), {"n": name})
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        eng.dispose()
