@@ -14,6 +14,10 @@ survives the commit, so it is released with ``RELEASE_LOCK`` right after the tra
 ends, on every path (commit, rollback, an error in the body, the connection's close).
 Each grant advances a per-key row in ``jobfence_fences`` in the same transaction to
 ``max(last + 1, server clock in µs)``: the one fence space of every backend (DESIGN §4).
+
+Isolation: PostgreSQL needs READ COMMITTED (a snapshot isolation takes its snapshot with
+the lock statement, before the wait: refused). Under MySQL's REPEATABLE READ the snapshot
+is fixed by the transaction's first plain read: take the lock before reading anything.
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ def transaction_lock(conn: Connection, key: str, *, timeout: float | None = None
         raise LockError(f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}")
     with _locked(conn, key, timeout) as fence:
         if fence is None:
-            raise AcquireTimeout(f"advisory lock not acquired within {timeout:g}s")
+            waited = FOREVER_S if timeout is None else timeout
+            raise AcquireTimeout(f"advisory lock not acquired within {waited:g}s")
         yield fence
 
 
