@@ -156,6 +156,22 @@ def test_control_without_the_lock_the_same_race_loses_updates(
     assert overlaps and n < HOLDERS * ROUNDS
 
 
+def test_a_grant_is_at_least_the_server_clock_in_microseconds(engine: sa.Engine) -> None:
+    now_us = (
+        "SELECT CAST(extract(epoch from clock_timestamp()) * 1000000 AS bigint)"
+        if engine.dialect.name == "postgresql"
+        else "SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)"
+    )
+    key = _key()
+    with engine.connect() as conn:
+        before = int(conn.execute(sa.text(now_us)).scalar_one())
+    with engine.begin() as conn, advisory.transaction_lock(conn, key) as fence:
+        pass
+    with engine.connect() as conn:
+        after = int(conn.execute(sa.text(now_us)).scalar_one())
+    assert before <= fence <= after
+
+
 # --------------------------------------------------------------------------- release
 
 
