@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import redis
 import redis_lock
 from redis.connection import AbstractConnection
+from sqlalchemy.exc import SQLAlchemyError
 
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
@@ -705,7 +706,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         report["sql"] = run_sql(args)
         report["targets"].update(report["sql"]["targets"])
-    except (BenchError, sql_rows.SqlBenchError, redis.RedisError, locks.LockError) as exc:
+    except (
+        BenchError,
+        sql_rows.SqlBenchError,
+        SQLAlchemyError,
+        redis.RedisError,
+        locks.LockError,
+    ) as exc:
         print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     finally:
