@@ -63,7 +63,8 @@ class Scratch:
         try:
             with admin.connect() as conn:
                 conn.execute(sa.text(f"CREATE DATABASE {self._quoted()}"))
-                self.version = str(conn.execute(sa.text("SELECT version()")).scalar_one())
+                version = str(conn.execute(sa.text("SELECT version()")).scalar_one())
+                self.version = version.split(" on ", 1)[0]  # PostgreSQL adds the build
         finally:
             admin.dispose()
         self.url = (
@@ -130,11 +131,14 @@ def lease_backend(url: str) -> LockBackend:
     """
     try:
         return locks.open_backend(url)
-    except ValueError:
+    except ValueError as exc:
         scheme, rest = url.split("://", 1)
         if "+" not in scheme:
             raise
-        return locks.open_backend(f"{scheme.split('+', 1)[0]}://{rest}")
+        try:
+            return locks.open_backend(f"{scheme.split('+', 1)[0]}://{rest}")
+        except ValueError:
+            raise exc from None
 
 
 def plan(dbs: list[Scratch], skipped: dict[str, str]) -> list[SqlLock]:
