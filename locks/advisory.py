@@ -57,6 +57,20 @@ _PG_FENCE = text(
     "ON CONFLICT (resource) DO UPDATE SET fence = greatest(f.fence + 1, excluded.fence) "
     "RETURNING fence"
 )
+_PG_WAIT = "pg_advisory_xact_lock(:id) IS NOT NULL"  # void: waits, then true
+# The lock CTE is evaluated once, before the insert reads its row: the fence is taken
+# under the lock, and ON CONFLICT updates the newest row version (READ COMMITTED).
+_PG_LOCK_AND_FENCE = (
+    "WITH l AS MATERIALIZED ("
+    " SELECT current_setting('transaction_isolation') AS iso, {call} AS got"
+    "), granted AS ("
+    " INSERT INTO jobfence_fences AS f (resource, fence)"
+    " SELECT :resource, (extract(epoch from clock_timestamp()) * 1000000)::bigint"
+    " FROM l WHERE l.got AND l.iso = 'read committed'"
+    " ON CONFLICT (resource) DO UPDATE SET fence = greatest(f.fence + 1, excluded.fence)"
+    " RETURNING fence"
+    ") SELECT l.iso, l.got, (SELECT fence FROM granted) FROM l"
+)
 # VALUES() rather than MySQL 8's row alias: MariaDB rejects the alias, MySQL 8 only warns.
 _MY_FENCE = text(
     "INSERT INTO jobfence_fences (resource, fence) "
@@ -138,25 +152,21 @@ def _locked(conn: Connection, key: str, timeout: float | None) -> Iterator[int |
 
 def _pg_lock(conn: Connection, key: str, timeout: float | None) -> int | None:
     lock_id = advisory_id(key)
+    ensure_tables(conn, [fences])
     if timeout is None or timeout == 0:
-        # One round trip: the isolation check rides with the lock (a refusal below rolls
-        # the caller's transaction back, and the lock with it).
-        call = (
-            "pg_advisory_xact_lock(:id) IS NOT NULL"
-            if timeout is None
-            else "pg_try_advisory_xact_lock(:id)"
-        )
-        isolation, got = conn.execute(
-            text(f"SELECT current_setting('transaction_isolation'), {call}"), {"id": lock_id}
+        # One round trip: the isolation check, the lock, then the fence (a refusal below
+        # rolls the caller's transaction back, and the lock and fence with it).
+        call = "pg_try_advisory_xact_lock(:id)" if timeout == 0 else _PG_WAIT
+        isolation, got, fence = conn.execute(
+            text(_PG_LOCK_AND_FENCE.format(call=call)),
+            {"id": lock_id, "resource": fence_resource(key)},
         ).one()
         _refuse_snapshot(isolation)
-    else:
-        setting = conn.execute(text("SELECT current_setting('transaction_isolation')"))
-        _refuse_snapshot(setting.scalar_one())
-        got = _pg_lock_within(conn, lock_id, timeout)
-    if not got:
+        return None if not got else int(fence)
+    setting = conn.execute(text("SELECT current_setting('transaction_isolation')"))
+    _refuse_snapshot(setting.scalar_one())
+    if not _pg_lock_within(conn, lock_id, timeout):
         return None
-    ensure_tables(conn, [fences])
     return int(conn.execute(_PG_FENCE, {"resource": fence_resource(key)}).scalar_one())
 
 
