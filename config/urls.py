@@ -117,7 +117,9 @@ def check_url(
         raise UnsafeSettings(variable, f"{shown!r} {port}", fix)
 
 
-LOCK_SCHEMES = ("redis", "rediss", "unix", "memory", "mysql", "mariadb", "mysql+pymysql")
+LOCK_SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "memory")
+LOCK_SCHEMES += ("postgresql", "postgres", "postgresql+psycopg")
+LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 

@@ -126,6 +126,15 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         from jobfence.locks.backends.redis import RedisBackend
 
         return RedisBackend.from_url(url, **options)
+    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
+        try:
+            from jobfence.locks.backends.postgres import PostgresBackend
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"the {scheme}:// lock backend needs psycopg: pip install 'jobfence[postgres]'",
+                name=exc.name,
+            ) from exc
+        return PostgresBackend.from_url(url, **options)
     if scheme == "memory":
         from jobfence.locks.backends.memory import MemoryBackend
 

@@ -18,6 +18,18 @@ from tests.servers import (
 )
 
 
+def scratch_database_url(
+    kind: type[PostgresDatabase] | type[MariaDBDatabase], admin_url: str
+) -> Iterator[str]:
+    """For a fixture to ``yield from``: the URL of a new database of `kind` on the server of
+    `admin_url`, dropped afterwards; the test is skipped where that server does not answer."""
+    reason = kind.reachable(admin_url)
+    if reason is not None:
+        pytest.skip(reason)
+    with kind(admin_url) as db:
+        yield db.url
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One private redis-server shared by the whole session (use ``redis_url`` in tests)."""
@@ -59,21 +71,13 @@ def fresh_redis() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     """SQLAlchemy URL of a scratch PostgreSQL database, dropped at the end of the session."""
-    reason = PostgresDatabase.reachable(POSTGRES_ADMIN_URL)
-    if reason is not None:
-        pytest.skip(reason)
-    with PostgresDatabase() as db:
-        yield db.url
+    yield from scratch_database_url(PostgresDatabase, POSTGRES_ADMIN_URL)
 
 
 @pytest.fixture(scope="session")
 def mariadb_url() -> Iterator[str]:
     """SQLAlchemy URL of a scratch MariaDB database, dropped at the end of the session."""
-    reason = MariaDBDatabase.reachable(MARIADB_ADMIN_URL)
-    if reason is not None:
-        pytest.skip(reason)
-    with MariaDBDatabase() as db:
-        yield db.url
+    yield from scratch_database_url(MariaDBDatabase, MARIADB_ADMIN_URL)
 
 
 @pytest.fixture

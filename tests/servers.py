@@ -52,12 +52,14 @@ def wait_for(
     timeout: float,
     interval: float = 0.01,
     message: str | Callable[[], str] = "condition not met",
+    *,
+    error: type[Exception] = AssertionError,
 ) -> T:
     """Poll ``predicate`` until it returns a truthy value, which is returned.
 
-    Raises ``AssertionError`` with ``message`` (a string, or a callable building one lazily)
-    if the predicate is still falsy after ``timeout`` seconds. The predicate is always
-    evaluated at least once and once more at the deadline.
+    Raises ``error`` (``AssertionError`` unless told) with ``message`` (a string, or a
+    callable building one lazily) if the predicate is still falsy after ``timeout`` seconds.
+    The predicate is always evaluated at least once and once more at the deadline.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -67,7 +69,7 @@ def wait_for(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             text = message() if callable(message) else message
-            raise AssertionError(f"timed out after {timeout:.2f}s: {text}")
+            raise error(f"timed out after {timeout:.2f}s: {text}")
         time.sleep(min(interval, remaining))
 
 

@@ -29,7 +29,7 @@ from django.test import override_settings  # noqa: E402
 
 from jobfence.config import Settings, UnsafeSettings, load_settings  # noqa: E402
 from jobfence.config.django_source import UnknownDjangoSetting  # noqa: E402
-from jobfence.locks import SYSTEM_CLOCK, Lease, LockError, MemoryBackend, StaleFence  # noqa: E402
+from jobfence.locks import LockError, StaleFence  # noqa: E402
 from jobfence.tasks import IdempotencyConflict, JobContext  # noqa: E402
 from tests.servers import (  # noqa: E402
     MARIADB_ADMIN_URL,
@@ -37,10 +37,10 @@ from tests.servers import (  # noqa: E402
     MariaDBDatabase,
     PostgresDatabase,
 )
+from tests.tasks.conftest import job_with_fence as job  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALIASES = ["default", "pg", "maria"]
-_MEMORY = MemoryBackend()
 
 
 def _mysql_through_pymysql() -> None:
@@ -106,19 +106,6 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
 def alias(request: pytest.FixtureRequest, databases: list[str]) -> str:
     return str(request.param)
 
-
-def job(key: str, fence: int, fingerprint: str = "fp") -> JobContext:
-    """A job holding a lease with exactly this fence, as a lock server granted it."""
-    lease = Lease(
-        key=key,
-        owner="owner-" + key,
-        fence=fence,
-        ttl=30.0,
-        deadline=SYSTEM_CLOCK.monotonic() + 30.0,
-        backend=_MEMORY,
-        clock=SYSTEM_CLOCK,
-    )
-    return JobContext(key=key, fingerprint=fingerprint, lease=lease)
 
 
 def _new(prefix: str) -> str:

@@ -28,8 +28,8 @@ from jobfence.locks import (
 )
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.effects import SqlEffects
+from tests.proxy import FaultProxy, command
 from tests.servers import RedisServer
-from tests.tcp_proxy import ReplyDroppingProxy
 
 # The fenced-write script before writes became idempotent (its exact token comparison
 # simplified): the naive control.
@@ -67,10 +67,10 @@ def account(redis_client: redis.Redis) -> redis.Redis:
 @pytest.fixture
 def retrying_client(
     redis_server: RedisServer, account: redis.Redis
-) -> Iterator[tuple[redis.Redis, ReplyDroppingProxy]]:
+) -> Iterator[tuple[redis.Redis, FaultProxy]]:
     """redis-py as configured by default (it retries on a timeout), through a proxy."""
-    with ReplyDroppingProxy(redis_server.port) as proxy:
-        client = redis.Redis(port=proxy.port, socket_timeout=0.5)
+    with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        client = redis.Redis(host=proxy.host, port=proxy.port, socket_timeout=0.5)
         assert client.get_retry() is not None and client.get_retry().get_retries() > 0
         yield client, proxy
         client.close()
@@ -102,42 +102,45 @@ def test_script_sent_twice_applies_once_and_answers_the_first_reply(account: red
 
 
 def test_retrying_client_resends_the_naive_script_and_applies_it_twice(
-    retrying_client: tuple[redis.Redis, ReplyDroppingProxy],
+    retrying_client: tuple[redis.Redis, FaultProxy],
 ) -> None:
     client, proxy = retrying_client
     naive = client.register_script(NAIVE_FENCED_WRITE)
     client.script_load(NAIVE_FENCED_WRITE)  # warm: the dropped reply is the script's own
-    proxy.drop_next_reply()
+    dropped = proxy.drop_reply(match=command("EVALSHA", naive.sha))
     keys, args = _naive_args()
     reply = naive(keys=keys, args=args)
-    assert proxy.dropped.is_set()
+    assert dropped.fired.wait(10)
     assert reply[2:] == [80, 2]  # the client's retry ran it again
     assert _account(client) == (80, 2)
 
 
 def test_guard_on_a_retrying_client_applies_once_when_a_reply_is_lost(
-    retrying_client: tuple[redis.Redis, ReplyDroppingProxy],
+    retrying_client: tuple[redis.Redis, FaultProxy],
 ) -> None:
     client, proxy = retrying_client
     guard = RedisFenceGuard(client)
     guard.write(f"warm:{uuid.uuid4().hex}", 1, [])  # script loaded, connection open
-    proxy.drop_next_reply()
+    dropped = proxy.drop_reply(match=command("EVALSHA"))
     assert guard.write("account:1", FENCE, PAY) == [90, 1]
-    assert proxy.dropped.is_set()
+    assert dropped.fired.wait(10)
     assert _account(client) == (90, 1)
 
 
 def test_a_lost_reply_then_a_newer_fence_is_reported_as_unknown_outcome(
-    retrying_client: tuple[redis.Redis, ReplyDroppingProxy], account: redis.Redis
+    retrying_client: tuple[redis.Redis, FaultProxy], account: redis.Redis
 ) -> None:
     client, proxy = retrying_client
     guard = RedisFenceGuard(client)
     direct = RedisFenceGuard(account)
     guard.write(f"warm:{uuid.uuid4().hex}", 1, [])
     # While the first attempt's reply is lost, a newer holder writes.
-    proxy.drop_next_reply(then=lambda: direct.write("account:1", FENCE + 1, []))
+    dropped = proxy.drop_reply(
+        match=command("EVALSHA"), then=lambda: direct.write("account:1", FENCE + 1, [])
+    )
     with pytest.raises(StaleFenceOutcomeUnknown) as refused:
         guard.write("account:1", FENCE, PAY)
+    assert dropped.fired.wait(10)
     assert isinstance(refused.value, StaleFence) and refused.value.last == FENCE + 1
     assert _account(client) == (90, 1)  # the lost attempt did apply, once
 

@@ -12,6 +12,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from jobfence.worker.procs import pid_alive
 from tests.servers import (
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
@@ -22,15 +23,6 @@ from tests.servers import (
     free_port,
     wait_for,
 )
-
-
-def _pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
 
 
 def _text(value: object) -> str:
@@ -59,7 +51,7 @@ def test_wait_for_returns_value_and_times_out() -> None:
 def test_server_starts_and_answers(redis_server: RedisServer, redis_client: redis.Redis) -> None:
     assert redis_client.ping()
     assert redis_server.url == f"redis://127.0.0.1:{redis_server.port}/0"
-    assert _pid_alive(redis_server.pid)
+    assert pid_alive(redis_server.pid)
     config = {
         _text(k): _text(v)
         for k, v in redis_client.config_get("save", "appendonly", "maxmemory-policy", "dir").items()
@@ -108,7 +100,7 @@ def test_restart_loses_data_and_keeps_port(fresh_redis: RedisServer) -> None:
     fresh_redis.restart()
     assert fresh_redis.port == port
     assert fresh_redis.pid != old_pid
-    assert not _pid_alive(old_pid)
+    assert not pid_alive(old_pid)
     assert wait_for(lambda: _ping(client), timeout=5.0, message="client did not reconnect")
     assert client.get("k") is None
 
@@ -127,7 +119,7 @@ def test_stop_paused_server_exits_and_cleans_up() -> None:
     pid, workdir = server.pid, server.workdir
     server.pause()
     server.stop(timeout=5.0)
-    assert not _pid_alive(pid)
+    assert not pid_alive(pid)
     assert not workdir.exists()
 
 
@@ -155,10 +147,10 @@ def test_process_group_stops_children(tmp_path: Path) -> None:
         child_pid = int(
             wait_for(lambda: log.read_text().strip(), timeout=10.0, message="no child pid")
         )
-        assert _pid_alive(child_pid)
+        assert pid_alive(child_pid)
         group.stop_all(timeout=0.5)
     assert proc.returncode == -signal.SIGTERM
-    wait_for(lambda: not _pid_alive(child_pid), timeout=5.0, message="child survived")
+    wait_for(lambda: not pid_alive(child_pid), timeout=5.0, message="child survived")
     assert os.getpgid(os.getpid()) != proc.pid
 
 

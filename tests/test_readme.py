@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from jobfence.worker.app import redis_db_url
+from tests.conftest import scratch_database_url
 from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -79,11 +80,7 @@ def test_the_block_finder_reads_skip_marks() -> None:
 @pytest.fixture
 def scratch_pg() -> Iterator[str]:
     """A PostgreSQL database of this test's own (README blocks create tables freely)."""
-    reason = PostgresDatabase.reachable(POSTGRES_ADMIN_URL)
-    if reason is not None:
-        pytest.skip(reason)
-    with PostgresDatabase() as db:
-        yield db.url
+    yield from scratch_database_url(PostgresDatabase, POSTGRES_ADMIN_URL)
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])

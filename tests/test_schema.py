@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from jobfence.locks import SYSTEM_CLOCK, Lease, MemoryBackend, SqlFenceGuard
+from jobfence.locks import SqlFenceGuard
 from jobfence.locks.sql import SchemaError, ensure_tables
-from jobfence.tasks import JobContext, SqlEffects, make_engine
+from jobfence.tasks import SqlEffects, make_engine
 from jobfence.tasks.effects import TABLES
+from tests.conftest import scratch_database_url
 from tests.servers import (
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
@@ -22,23 +23,11 @@ from tests.servers import (
     PostgresDatabase,
     unique_name,
 )
+from tests.tasks.conftest import job_with_fence as job
 
 NAMES = {t.name for t in TABLES}
 RACERS = 8
-_MEMORY = MemoryBackend()
 
-
-def job(key: str, fence: int) -> JobContext:
-    lease = Lease(
-        key=key,
-        owner="owner-" + key,
-        fence=fence,
-        ttl=30.0,
-        deadline=SYSTEM_CLOCK.monotonic() + 30.0,
-        backend=_MEMORY,
-        clock=SYSTEM_CLOCK,
-    )
-    return JobContext(key=key, fingerprint="fp", lease=lease)
 
 
 def tables_in(url: str) -> set[str]:
@@ -59,11 +48,7 @@ def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         "postgresql": (PostgresDatabase, POSTGRES_ADMIN_URL),
         "mariadb": (MariaDBDatabase, MARIADB_ADMIN_URL),
     }[request.param]
-    reason = kind.reachable(admin)
-    if reason is not None:
-        pytest.skip(reason)
-    with kind() as db:
-        yield db.url
+    yield from scratch_database_url(kind, admin)
 
 
 @pytest.fixture

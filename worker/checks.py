@@ -20,9 +20,8 @@ from redis.retry import Retry
 from jobfence.config import UnsafeSettings
 from jobfence.config.settings import ENV_PREFIX, unknown_variables
 from jobfence.config.urls import check_url, redact
-from jobfence.locks import RedisBackend
+from jobfence.locks import BackendUnavailable, RedisBackend
 from jobfence.locks.backends.redis import tls_hint
-from jobfence.locks.errors import BackendUnavailable
 from jobfence.tasks import Runtime, SingletonTask
 
 log = logging.getLogger(__name__)
@@ -132,6 +131,9 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         )
         return
     backend = runtime.backend
+    if backend.name == "postgres":
+        yield from check_postgres_lock(backend, setting, settings.lock_url)
+        return
     if backend.name == "mysql":
         yield from _check_sql_server(backend, setting, settings.lock_url)
         return
@@ -161,6 +163,28 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         )
         return
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
+
+
+def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Finding]:
+    """A PostgreSQL lock backend: reachable, and its sessions as its statements need them."""
+    try:
+        problems = backend.session_problems()
+    except BackendUnavailable as exc:
+        # As for Redis: come up and wait rather than crash-loop during an outage.
+        yield _warn(
+            setting,
+            f"cannot reach the lock database at {redact(url)} at start-up ({exc.cause}); "
+            "starting anyway: jobs wait and are redelivered until it answers",
+            "start the database, or fix the URL if it is wrong",
+        )
+        return
+    for problem in problems:
+        yield _refuse(
+            setting,
+            f"the lock database at {redact(url)}: {problem}",
+            "connect directly or through a session-mode pooler that passes the startup "
+            "options, to PostgreSQL 11 or later",
+        )
 
 
 def _check_sql_server(backend: Any, setting: str, url: str) -> Iterator[Finding]:

@@ -10,8 +10,10 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     Column,
+    Connection,
     DateTime,
     Engine,
+    Executable,
     ForeignKey,
     Integer,
     MetaData,
@@ -27,6 +29,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from jobfence.config.errors import JobfenceError
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.effects import SqlEffects
+from jobfence.tasks.errors import IdempotencyConflict
 
 ID_MAX = 128
 AMOUNT_MAX = 10**15  # well inside JSON's exact integers (2**53)
@@ -165,6 +168,17 @@ def job_resource(job: JobContext) -> str:
 
 def now() -> datetime:
     return datetime.now(UTC)
+
+
+def insert_effect(conn: Connection, insert: Executable, job: JobContext, doing: str) -> None:
+    """Insert a job's effect row. A unique-key clash means the same business id was committed
+    concurrently under another job key: IdempotencyConflict, "`doing` under another job key"."""
+    try:
+        conn.execute(insert)
+    except IntegrityError as exc:
+        raise IdempotencyConflict(
+            f"{doing} under another job key", key=job.key, fence=job.fence, cause=exc
+        ) from exc
 
 
 def create_schema(engine: Engine) -> None:

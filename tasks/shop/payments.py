@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import OperationalError
 
 from jobfence.tasks.celery_task import SingletonTask, singleton_task
 from jobfence.tasks.context import JobContext
@@ -26,6 +26,7 @@ from jobfence.tasks.shop.ledger import (
     check_currency,
     check_id,
     check_positive_int,
+    insert_effect,
     job_resource,
     now,
     payments,
@@ -103,19 +104,14 @@ def apply_charge(
             if debited != 1:  # cannot happen under the row lock; refuse rather than guess
                 raise RuntimeError(f"account {account!r} changed under its row lock")
             after = int(acct.balance_cents) - amount_cents
-            try:
-                conn.execute(
-                    payments.insert().values(
-                        **terms, balance_after_cents=after, fence=job.fence, created_at=now()
-                    )
-                )
-            except IntegrityError as exc:  # the same payment id, committed concurrently
-                raise IdempotencyConflict(
-                    f"payment {payment_id!r} is being charged under another job key",
-                    key=job.key,
-                    fence=job.fence,
-                    cause=exc,
-                ) from exc
+            insert_effect(
+                conn,
+                payments.insert().values(
+                    **terms, balance_after_cents=after, fence=job.fence, created_at=now()
+                ),
+                job,
+                f"payment {payment_id!r} is being charged",
+            )
             tx.result = _charged(terms, after, job.fence)
     return dict(tx.result)
 

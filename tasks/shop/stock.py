@@ -45,7 +45,7 @@ import logging
 from typing import Any
 
 from sqlalchemy import func, select, update
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import OperationalError
 
 from jobfence.tasks.celery_task import HEADER, SingletonTask, singleton_task
 from jobfence.tasks.context import JobContext
@@ -59,6 +59,7 @@ from jobfence.tasks.shop.ledger import (
     InvalidInput,
     check_id,
     check_positive_int,
+    insert_effect,
     job_resource,
     now,
     reservations,
@@ -128,17 +129,12 @@ def apply_reservation(
             ).rowcount
             if taken != 1:  # cannot happen under the row lock; refuse rather than guess
                 raise RuntimeError(f"stock of {sku!r} changed under its row lock")
-            try:
-                conn.execute(
-                    reservations.insert().values(**terms, fence=job.fence, created_at=now())
-                )
-            except IntegrityError as exc:  # the same order, committed concurrently
-                raise IdempotencyConflict(
-                    f"order {order_id!r} is being reserved under another job key",
-                    key=job.key,
-                    fence=job.fence,
-                    cause=exc,
-                ) from exc
+            insert_effect(
+                conn,
+                reservations.insert().values(**terms, fence=job.fence, created_at=now()),
+                job,
+                f"order {order_id!r} is being reserved",
+            )
             tx.result = {
                 "status": "reserved",
                 **terms,

@@ -6,15 +6,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 import pytest
 
 from jobfence.locks import LockBackend, MemoryBackend, RedisBackend
-from tests.servers import RedisServer
+from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
 # the server allows it, how to count round trips and how to lose all its data.
-BACKENDS = ["redis", "memory", "mariadb"]
+BACKENDS = ["redis", "memory", "postgres", "mariadb"]
 
 
 @dataclass
@@ -82,6 +83,8 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         )
     if name == "memory":
         return BackendHarness(name=name, backend=MemoryBackend(), connect=None)
+    if name == "postgres":
+        return _postgres_harness(request)
     if name == "mariadb":
         return _mariadb_harness(request)
     raise AssertionError(f"no contract harness for backend {name!r}")
@@ -137,6 +140,36 @@ def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
         backend=first,
         connect=connect,
         requests=lambda: sent[0],
+        lose_data=lose_data,
+    )
+
+
+def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """A scratch database per test; data loss drops the lease table and the fence sequence."""
+    from jobfence.locks.backends import postgres
+
+    reason = PostgresDatabase.reachable(POSTGRES_ADMIN_URL)
+    if reason is not None:
+        pytest.skip(reason)
+    db = PostgresDatabase()
+    request.addfinalizer(db.drop)
+    url = db.url
+
+    def connect() -> LockBackend:
+        return postgres.PostgresBackend.from_url(url, prefix="contract")
+
+    def lose_data() -> None:
+        with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as admin:
+            admin.execute(f"DROP TABLE {postgres.TABLE}")
+            admin.execute(f"DROP SEQUENCE {postgres.FENCE_SEQUENCE}")
+
+    backend = postgres.PostgresBackend.from_url(url, prefix="contract")
+    # Round trips counted by the client (each one statement: nothing else crosses the wire).
+    return BackendHarness(
+        name="postgres",
+        backend=backend,
+        connect=connect,
+        requests=lambda: backend.statements,
         lose_data=lose_data,
     )
 

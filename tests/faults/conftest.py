@@ -10,7 +10,7 @@ import pytest
 from tests.faults import clock, netns
 from tests.faults.clock import ServerClock
 from tests.faults.netns import NetNamespace
-from tests.faults.proxy import FaultProxy
+from tests.proxy import FaultProxy
 from tests.servers import RedisServer
 
 

@@ -32,7 +32,7 @@ from celery import Celery, Task
 from jobfence.tasks.effects import make_engine
 from jobfence.tasks.shop.ledger import accounts
 from tests.faults import hold
-from tests.integration.apps.common import make_app
+from tests.integration.apps.common import app_on_first_access, make_app
 
 __all__ = ["charges", "create_app", "create_schema", "deliveries_key", "metadata"]
 
@@ -168,10 +168,4 @@ def create_app(env: Mapping[str, str], name: str = "naive_app") -> Celery:
     return app
 
 
-def __getattr__(name: str) -> Any:
-    """``app`` for ``celery -A``: built from ``os.environ`` on first access, not on import."""
-    if name != "app":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    app = create_app(os.environ)
-    globals()["app"] = app
-    return app
+__getattr__ = app_on_first_access(__name__, create_app)

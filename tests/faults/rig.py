@@ -31,6 +31,7 @@ from jobfence.worker.faults_report import Outcome, Side
 from jobfence.worker.redis_server import RedisServer, free_port
 from tests.faults import naive_app
 from tests.integration.celery_fleet import Fleet, broker_backlog
+from tests.servers import wait_for
 
 ACCOUNT = "acct-faults"
 OPENING = 10**12
@@ -263,11 +264,6 @@ class Rig:
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
     """Poll ``predicate`` until truthy; raise TimeoutError naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
+    return wait_for(
+        predicate, timeout, interval=0.05, message=f"waiting for {what}", error=TimeoutError
+    )

@@ -36,10 +36,11 @@ from jobfence.locks.guards import RedisFenceGuard
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
 from jobfence.tasks.context import JobContext
-from jobfence.tasks.effects import SqlEffects, make_engine
+from jobfence.tasks.effects import SqlEffects
 from jobfence.tasks.executor import Executor, JobSpec
 from tests.faults.clock import ServerClock
 from tests.servers import RedisServer
+from tests.tasks.conftest import sql_effects
 
 pytestmark = pytest.mark.fault
 
@@ -63,12 +64,8 @@ def guard(fresh_redis: RedisServer) -> RedisFenceGuard:
 
 @pytest.fixture
 def effects(sqlite_url: str) -> Iterator[SqlEffects]:
-    engine = make_engine(sqlite_url)
-    effects = SqlEffects(engine)
-    effects.create_schema()
-    ledger_metadata.create_all(engine)
-    yield effects
-    engine.dispose()
+    with sql_effects(sqlite_url, ledger_metadata) as fx:
+        yield fx
 
 
 def entries(store: RedisFenceGuard, name: str) -> list[str]:

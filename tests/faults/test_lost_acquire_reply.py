@@ -33,7 +33,7 @@ from jobfence.locks.errors import LockError
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.executor import Executor, JobSpec
-from tests.faults.proxy import FaultProxy, ReplyRule, command, evalsha
+from tests.proxy import FaultProxy, ReplyRule, command, evalsha
 from tests.servers import RedisServer, wait_for
 
 pytestmark = pytest.mark.fault

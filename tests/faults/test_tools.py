@@ -12,7 +12,7 @@ import redis
 
 from tests.faults.clock import ServerClock
 from tests.faults.netns import NetNamespace
-from tests.faults.proxy import FaultProxy, command
+from tests.proxy import FaultProxy, command
 from tests.servers import ProcessGroup, RedisServer, wait_for
 
 pytestmark = pytest.mark.fault

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from jobfence.worker.procs import pid_alive, proc_state
 from tests.integration.apps.common import app_env, make_app
 from tests.integration.celery_fleet import Fleet, FleetError
 from tests.integration.ledger import Ledger
@@ -17,15 +18,6 @@ from tests.servers import RedisServer, wait_for
 pytestmark = [pytest.mark.integration]
 
 APP = "tests.integration.apps.control_app"
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (an orphan's reaper may be slow)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 @pytest.fixture
@@ -71,7 +63,7 @@ def test_fleet_lifecycle_faults_and_cleanup(
         (pid,) = fleet.wait_executing(task_id)
         assert pid in children
         with fleet.paused(pid):
-            assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+            assert proc_state(pid) == "T"
         ledger.release(job)
         wait_for(lambda: ledger.end_count(job) == 1, 10.0)
         wait_for(lambda: not fleet.executing_pids(task_id), 5.0)
@@ -81,7 +73,7 @@ def test_fleet_lifecycle_faults_and_cleanup(
         # a restart brings a new worker.
         fleet.kill_worker(0)
         assert not fleet.alive(0)
-        wait_for(lambda: not any(_alive(p) for p in children), 5.0)
+        wait_for(lambda: not any(pid_alive(p) for p in children), 5.0)
         assert fleet.ensure_running() == [0]
         assert fleet.main_pid(0) != first_main
         mains.append(fleet.worker(0).proc)
@@ -97,6 +89,6 @@ def test_fleet_lifecycle_faults_and_cleanup(
         app.close()
         fleet.stop(timeout=5.0)
     # Every process it ever started is gone, pool processes included.
-    assert not [p for p in seen if _alive(p)]
+    assert not [p for p in seen if pid_alive(p)]
     # ... and every main process was reaped (pool children are reaped by init).
     assert len(mains) == 3 and all(proc.returncode is not None for proc in mains)

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from celery import Celery
 
 from jobfence.config import Settings
-from jobfence.locks import Backoff, LeaseKeeper, LockBackend, MemoryBackend, RedisBackend
-from jobfence.tasks import Executor, JobSpec, Runtime, install
+from jobfence.locks import (
+    SYSTEM_CLOCK,
+    Backoff,
+    Lease,
+    LeaseKeeper,
+    LockBackend,
+    MemoryBackend,
+    RedisBackend,
+)
+from jobfence.tasks import Executor, JobContext, JobSpec, Runtime, SqlEffects, install, make_engine
 from jobfence.tasks.metrics import Metrics
 
 
@@ -35,6 +45,38 @@ def spec_for(key: str, **overrides: Any) -> JobSpec:
     return JobSpec(**fields)
 
 
+_FAKE_HOLDER = MemoryBackend()  # never asked: the leases below are made, not granted
+
+
+def job_with_fence(key: str, fence: int, fingerprint: str = "fp") -> JobContext:
+    """A job context holding a lease with exactly this fence (as a lock server granted it)."""
+    lease = Lease(
+        key=key,
+        owner="owner-" + key,
+        fence=fence,
+        ttl=30.0,
+        deadline=SYSTEM_CLOCK.monotonic() + 30.0,
+        backend=_FAKE_HOLDER,
+        clock=SYSTEM_CLOCK,
+    )
+    return JobContext(key=key, fingerprint=fingerprint, lease=lease)
+
+
+@contextlib.contextmanager
+def sql_effects(url: str, *tables: sa.MetaData) -> Iterator[SqlEffects]:
+    """SqlEffects on a new engine for `url`, with jobfence's tables and the test's own
+    (`tables`) created; the engine is disposed of on exit."""
+    engine = make_engine(url)
+    effects = SqlEffects(engine)
+    effects.create_schema()
+    for metadata in tables:
+        metadata.create_all(engine)
+    try:
+        yield effects
+    finally:
+        engine.dispose()
+
+
 @pytest.fixture
 def redis_backend(redis_url: str) -> Iterator[RedisBackend]:
     """A RedisBackend on the flushed private server."""
@@ -47,6 +89,16 @@ def redis_backend(redis_url: str) -> Iterator[RedisBackend]:
 def other_redis_backend(redis_url: str) -> Iterator[RedisBackend]:
     """A second, independent client on the same server (another 'worker')."""
     backend = RedisBackend.from_url(redis_url, prefix="jobfence")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def postgres_backend(pg_url: str) -> Iterator[LockBackend]:
+    """A PostgresBackend on the session's scratch database (keys are unique per test)."""
+    from jobfence.locks.backends.postgres import PostgresBackend
+
+    backend = PostgresBackend.from_url(pg_url, prefix="jobfence")
     yield backend
     backend.close()
 
@@ -71,10 +123,10 @@ def other_mariadb_backend(mariadb_url: str) -> Iterator[LockBackend]:
     backend.close()
 
 
-@pytest.fixture(params=["redis", "memory", "mariadb"])
+@pytest.fixture(params=["redis", "memory", "postgres", "mariadb"])
 def backend(request: pytest.FixtureRequest) -> LockBackend:
-    """Each executor test runs on a real Redis server, MariaDB and the in-process backend."""
-    if request.param in ("redis", "mariadb"):
+    """Each executor test runs on real lock servers and on the in-process backend."""
+    if request.param in ("redis", "postgres", "mariadb"):
         got: LockBackend = request.getfixturevalue(f"{request.param}_backend")
         return got
     return MemoryBackend()

@@ -8,9 +8,6 @@ Each fault test has its control: the same fault shown to bite (the naive outcome
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,79 +34,14 @@ from jobfence.tasks import (
     Runtime,
     SqlEffects,
     install,
-    make_engine,
     singleton_task,
 )
 from jobfence.tasks.celery_task import HEADER, REDELIVERIES, JobNotSettled
-from tests.servers import HOST, RedisServer, wait_for
-from tests.tasks.conftest import AppFactory, spec_for, unique
+from tests.proxy import FaultProxy, ReplyRule, evalsha
+from tests.servers import RedisServer, wait_for
+from tests.tasks.conftest import AppFactory, spec_for, sql_effects, unique
 
 # --------------------------------------------------------------------------- helpers
-
-
-class ReplyDropper:
-    """A TCP proxy that can swallow the server's next reply (the request still arrives).
-
-    A minimal one for these tests (helper G1 is writing a reusable proxy for tests/faults).
-    On loopback a small reply arrives in one read, so "the next read" is "the next reply".
-    """
-
-    def __init__(self, target_port: int) -> None:
-        self.target = (HOST, target_port)
-        self.listener = socket.create_server((HOST, 0))
-        self.port: int = self.listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._armed = 0
-        self.dropped = 0
-        self._socks: list[socket.socket] = []
-        self._closed = False
-        threading.Thread(target=self._accept, name="reply-dropper", daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
-
-    def drop_next_reply(self) -> None:
-        with self._lock:
-            self._armed += 1
-
-    def _take(self) -> bool:
-        with self._lock:
-            if self._armed:
-                self._armed -= 1
-                self.dropped += 1
-                return True
-            return False
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            self._socks += [client, server]
-            for src, dst, replies in ((client, server, False), (server, client, True)):
-                threading.Thread(
-                    target=self._pump, args=(src, dst, replies), daemon=True
-                ).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                if replies and self._take():
-                    continue
-                dst.sendall(data)
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._closed = True
-        self.listener.close()
-        for s in self._socks:
-            with contextlib.suppress(OSError):
-                s.close()
 
 
 @pytest.fixture
@@ -176,31 +108,36 @@ def test_a_stall_during_begin_redelivers_instead_of_failing(
 def test_a_lost_commit_reply_reports_success(
     redis_server: RedisServer, redis_url: str, stall_keeper: LeaseKeeper
 ) -> None:
-    proxy = ReplyDropper(redis_server.port)
+    proxy = FaultProxy(redis_server.host, redis_server.port).start()
     backend = RedisBackend.from_url(proxy.url, socket_timeout=0.3)
     executor = _executor(backend, stall_keeper)
+    commit = evalsha(backend.scripts["commit"].sha)
     try:
         # Load every script first (the reply to drop must be the commit's, not NOSCRIPT's).
         assert executor.run(spec_for(unique("warm-up")), lambda ctx: None).status == "ran"
         # Control: a commit whose reply is lost raises, though the server stored it.
         lease = backend.begin(unique("control"), 30, record=True)
         assert isinstance(lease, Lease)
-        proxy.drop_next_reply()
+        control_drop = proxy.drop_reply(match=commit)
         with pytest.raises(BackendUnavailable):
             backend.commit(lease, state="DONE", result="1", fingerprint="f", result_ttl=60)
+        assert control_drop.fired.wait(10)  # the reply came back, and was swallowed
         control = backend.job_record(lease.key)
         assert control is not None and control.state == "DONE"
 
         key = unique()
         runs: list[int] = []
+        drops: list[ReplyRule] = []
 
         def body(ctx: JobContext) -> dict[str, int]:
             runs.append(ctx.fence)
-            proxy.drop_next_reply()  # the next reply is the commit's
+            drops.append(proxy.drop_reply(match=commit))  # the commit's reply
             return {"charged": 100}
 
         out = executor.run(spec_for(key), body)
-        assert proxy.dropped == 2, "the commit's reply was not dropped: the fault did not bite"
+        assert len(drops) == 1 and drops[0].fired.wait(10), (
+            "the commit's reply was not dropped: the fault did not bite"
+        )
         assert (out.status, out.value) == ("ran", {"charged": 100})
         assert runs == [out.fence]
         record = backend.job_record(key)
@@ -208,7 +145,7 @@ def test_a_lost_commit_reply_reports_success(
         assert backend.inspect(key) is None
     finally:
         backend.close()
-        proxy.close()
+        proxy.stop()
 
 
 # --------------------------------------------------------------------------- restart mid-body
@@ -225,12 +162,8 @@ effects_table = sa.Table(
 
 @pytest.fixture
 def effects(sqlite_url: str) -> Iterator[SqlEffects]:
-    engine = make_engine(sqlite_url)
-    fx = SqlEffects(engine)
-    fx.create_schema()
-    effects_meta.create_all(engine)
-    yield fx
-    engine.dispose()
+    with sql_effects(sqlite_url, effects_meta) as fx:
+        yield fx
 
 
 def _effect_rows(fx: SqlEffects, key: str) -> list[int]:

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from jobfence.locks import SYSTEM_CLOCK, Backoff, Lease, LeaseKeeper, MemoryBackend, RedisBackend
+from jobfence.locks import Backoff, Lease, LeaseKeeper, RedisBackend
 from jobfence.locks.errors import StaleFence
 from jobfence.tasks import (
     Executor,
@@ -25,7 +25,8 @@ from jobfence.tasks import (
 )
 from jobfence.tasks.effects import jobs as jobs_table
 from tests.servers import wait_for
-from tests.tasks.conftest import spec_for, unique
+from tests.tasks.conftest import job_with_fence as job
+from tests.tasks.conftest import spec_for, sql_effects, unique
 
 test_metadata = sa.MetaData()
 ledger = sa.Table(
@@ -41,21 +42,7 @@ counters = sa.Table(
     sa.Column("name", sa.String(255), primary_key=True),
     sa.Column("n", sa.Integer, nullable=False),
 )
-_MEMORY = MemoryBackend()
 
-
-def job(key: str, fence: int, fingerprint: str = "fp") -> JobContext:
-    """A job context holding a lease with exactly this fence (as a lock server granted it)."""
-    lease = Lease(
-        key=key,
-        owner="owner-" + key,
-        fence=fence,
-        ttl=30.0,
-        deadline=SYSTEM_CLOCK.monotonic() + 30.0,
-        backend=_MEMORY,
-        clock=SYSTEM_CLOCK,
-    )
-    return JobContext(key=key, fingerprint=fingerprint, lease=lease)
 
 
 def pay(
@@ -91,12 +78,8 @@ def last_fence(effects: SqlEffects, resource: str) -> int | None:
 
 @pytest.fixture
 def effects(sql_url: str) -> Iterator[SqlEffects]:
-    engine = make_engine(sql_url)
-    effects = SqlEffects(engine)
-    effects.create_schema()
-    test_metadata.create_all(engine)
-    yield effects
-    engine.dispose()
+    with sql_effects(sql_url, test_metadata) as fx:
+        yield fx
 
 
 # -- one transaction ---------------------------------------------------------------------

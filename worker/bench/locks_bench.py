@@ -1,4 +1,8 @@
-"""Lock benchmark: acquire+release pairs/s and release-to-waiter wake-up, jobfence beside peers."""
+"""Lock benchmark: acquire+release pairs/s and release-to-waiter wake-up, jobfence beside peers.
+
+Redis locks first (private redis-server), then PostgreSQL and MariaDB in the same run
+(`worker/bench/sql_rows.py`: a scratch database on each server, dropped at the end).
+"""
 
 from __future__ import annotations
 
@@ -23,9 +27,11 @@ from typing import Any, Protocol
 import redis
 import redis_lock
 from redis.connection import AbstractConnection
+from sqlalchemy.exc import SQLAlchemyError
 
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
+from jobfence.worker.bench import sql_rows
 from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
@@ -582,6 +588,11 @@ def format_report(report: dict[str, Any]) -> str:
     jf, rp = pairs_by[JOBFENCE], pairs_by[REDIS_PY]
     jf_wake = next(w for w in report["wakeup"] if w["name"] == JOBFENCE)
     t = report["targets"]
+    if "sql" in report:
+        sql = report["sql"]
+        for label, version in sql["servers"].items():
+            out.append(f"  {label} server: {version}")
+        out += sql_rows.format_rows(sql["rows"], sql["skipped"], jf, jf_wake)
     out += [
         "",
         "targets",
@@ -591,7 +602,38 @@ def format_report(report: dict[str, Any]) -> str:
         f"  waiter wake-up median under 5 ms: {jf_wake['median_ms']} ms  "
         f"{'MET' if t['wakeup_median_under_5ms'] else 'MISSED'}",
     ]
+    for name, met in t.items():
+        if name.startswith(("postgres_", "mariadb_")):
+            out.append(f"  {name.replace('_', ' ')}: {'MET' if met else 'MISSED'}")
     return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- SQL rows
+
+
+def run_sql(args: argparse.Namespace) -> dict[str, Any]:
+    """The PostgreSQL and MariaDB rows, each on a scratch database; skipped with a reason."""
+    skipped: dict[str, str] = {}
+    servers = {"PostgreSQL": args.postgres, "MariaDB": args.mariadb}
+    with sql_rows.scratch_databases(servers, skipped) as dbs:
+        rows = sql_rows.plan(dbs, skipped)
+        if not args.json:
+            names = ", ".join(r.name for r in rows) or "none"
+            print(f"running SQL rows: {names} ...", flush=True)
+        if rows:
+            sql_pairs = args.sql_pairs
+            sql_rows.run_pairs(rows, pairs=sql_pairs, rounds=args.rounds, warmup=args.warmup // 5)
+            sql_rows.run_wakeup(rows, trials=args.waiters, seed=args.seed)
+        versions = {db.label: db.version for db in dbs}
+    reported = sql_rows.report_rows(rows, pairs=args.sql_pairs)
+    return {
+        "servers": versions,
+        "pairs_per_round": args.sql_pairs,
+        "rows": reported,
+        "skipped": skipped,
+        "anchor": sql_rows.ANCHOR,
+        "targets": sql_rows.targets(reported),
+    }
 
 
 # --------------------------------------------------------------------------- entry point
@@ -610,10 +652,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     p.add_argument("--seed", type=int, default=None, help="seed for the settle delays")
     p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+    p.add_argument(
+        "--postgres",
+        default=sql_rows.DEFAULT_POSTGRES,
+        metavar="URL",
+        help="PostgreSQL server (a scratch database is created and dropped there); '' skips",
+    )
+    p.add_argument(
+        "--mariadb",
+        default=sql_rows.DEFAULT_MARIADB,
+        metavar="URL",
+        help="MariaDB/MySQL server (a scratch database is created and dropped there); '' skips",
+    )
+    p.add_argument(
+        "--sql-pairs", type=int, default=200, help="pairs per round on SQL rows (default 200)"
+    )
     args = p.parse_args(argv)
-    for name in ("pairs", "rounds", "waiters"):
+    for name in ("pairs", "rounds", "waiters", "sql_pairs"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1")
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     return args
@@ -647,7 +704,15 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup,
             trials=args.waiters,
         )
-    except (BenchError, redis.RedisError, locks.LockError) as exc:
+        report["sql"] = run_sql(args)
+        report["targets"].update(report["sql"]["targets"])
+    except (
+        BenchError,
+        sql_rows.SqlBenchError,
+        SQLAlchemyError,
+        redis.RedisError,
+        locks.LockError,
+    ) as exc:
         print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     finally:

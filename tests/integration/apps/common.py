@@ -25,7 +25,9 @@ same broker behaviour. Variables (all strings, as in ``os.environ``):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import os
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery import Celery
@@ -35,6 +37,7 @@ __all__ = [
     "DEFAULT_UNACKED_RESTORE_INTERVAL",
     "DEFAULT_VISIBILITY_TIMEOUT",
     "app_env",
+    "app_on_first_access",
     "celery_config",
     "make_app",
     "transport_options",
@@ -119,6 +122,22 @@ def make_app(name: str, env: Mapping[str, str]) -> Celery:
     app = Celery(name, set_as_current=False)
     app.conf.update(celery_config(env))
     return app
+
+
+def app_on_first_access(
+    module: str, create_app: Callable[[Mapping[str, str]], Celery]
+) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that gives ``app`` for ``celery -A``: built by `create_app`
+    from ``os.environ`` on first access, not on import, then kept in the module."""
+
+    def __getattr__(name: str) -> Any:
+        if name != "app":
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        app = create_app(os.environ)
+        sys.modules[module].app = app
+        return app
+
+    return __getattr__
 
 
 def app_env(

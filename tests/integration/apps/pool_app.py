@@ -29,6 +29,7 @@ from celery import Celery, Task, signals
 from jobfence.tasks import current_job, runtime_for, singleton_task
 from jobfence.worker import signals as wiring
 from tests.integration.apps import singleton_app
+from tests.integration.apps.common import app_on_first_access
 from tests.integration.ledger import Ledger
 
 __all__ = ["HOLD_TASK", "create_app", "keeper_threads", "process_inits"]
@@ -91,10 +92,4 @@ def create_app(env: Mapping[str, str], name: str = "pool_app") -> Celery:
     return app
 
 
-def __getattr__(name: str) -> Any:
-    """``app`` for ``celery -A``: built from ``os.environ`` on first access, not on import."""
-    if name != "app":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    app = create_app(os.environ)
-    globals()["app"] = app
-    return app
+__getattr__ = app_on_first_access(__name__, create_app)

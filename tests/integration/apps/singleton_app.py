@@ -39,7 +39,7 @@ from jobfence.tasks import (
     runtime_for,
     singleton_task,
 )
-from tests.integration.apps.common import make_app, transport_options
+from tests.integration.apps.common import app_on_first_access, make_app, transport_options
 from tests.integration.ledger import Ledger
 
 __all__ = [
@@ -302,10 +302,4 @@ def _record_outcome(
     ledger().outcome(job_id, **info)
 
 
-def __getattr__(name: str) -> Any:
-    """``app`` for ``celery -A``: built from ``os.environ`` on first access, not on import."""
-    if name != "app":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    app = create_app(os.environ)
-    globals()["app"] = app
-    return app
+__getattr__ = app_on_first_access(__name__, create_app)

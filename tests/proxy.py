@@ -70,6 +70,7 @@ class ReplyRule:
     delay: float = 0.0
     times: int = 1
     errors: bool = False  # act on error replies too (by default they pass, uncounted)
+    then: Callable[[], None] | None = None  # drop: run once the reply is swallowed
     fired: threading.Event = field(default_factory=threading.Event)
     count: int = 0  # how many replies it has acted on
 
@@ -109,6 +110,19 @@ def _frame_end(buf: bytes | bytearray, pos: int) -> int:
         return nxt
     # An inline command (client side only): one line.
     return nxt
+
+
+def _split_frames(buf: bytes | bytearray) -> tuple[list[bytes], int]:
+    """The complete RESP frames at the start of `buf`, and the offset where they end."""
+    frames: list[bytes] = []
+    pos = 0
+    while True:
+        try:
+            end = _frame_end(buf, pos)
+        except _Incomplete:
+            return frames, pos
+        frames.append(bytes(buf[pos:end]))
+        pos = end
 
 
 def _parse_command(frame: bytes) -> Command:
@@ -162,16 +176,10 @@ class _Link:
                 if not data:
                     break
                 buf += data
-                pos = 0
-                while True:
-                    try:
-                        end = _frame_end(buf, pos)
-                    except _Incomplete:
-                        break
-                    cmd = _parse_command(bytes(buf[pos:end]))
+                frames, pos = _split_frames(buf)
+                for frame in frames:
                     with self.pending_lock:
-                        self.pending.append(self.proxy._rule_for(cmd))
-                    pos = end
+                        self.pending.append(self.proxy._rule_for(_parse_command(frame)))
                 del buf[:pos]
                 self.proxy.wait_open(self.closed)
                 if self.closed.is_set():
@@ -194,14 +202,8 @@ class _Link:
                     break
                 buf += data
                 out = bytearray()
-                pos = 0
-                while True:
-                    try:
-                        end = _frame_end(buf, pos)
-                    except _Incomplete:
-                        break
-                    reply = bytes(buf[pos:end])
-                    pos = end
+                replies, pos = _split_frames(buf)
+                for reply in replies:
                     if reply.startswith(b">"):  # RESP3 push: answers no command
                         out += reply
                         continue
@@ -217,7 +219,8 @@ class _Link:
                         out += reply
                         continue
                     if rule.action == "drop":
-                        pass
+                        if rule.then is not None:
+                            rule.then()
                     elif rule.action == "delay":
                         self._send(out)
                         out.clear()
@@ -349,9 +352,19 @@ class FaultProxy:
             self._rules.append(rule)
         return rule
 
-    def drop_reply(self, *, match: Matcher = any_command, times: int = 1) -> ReplyRule:
-        """Swallow the replies to the next `times` matching commands (run by the server)."""
-        return self._add(ReplyRule(match, "drop", times=times))
+    def drop_reply(
+        self,
+        *,
+        match: Matcher = any_command,
+        times: int = 1,
+        then: Callable[[], None] | None = None,
+    ) -> ReplyRule:
+        """Swallow the replies to the next `times` matching commands (run by the server).
+
+        `then`, if given, runs as each reply is swallowed, before `fired` is set and before
+        the connection's later replies pass: another client's write lands between the lost
+        reply and the client's resend."""
+        return self._add(ReplyRule(match, "drop", times=times, then=then))
 
     def delay_reply(
         self, seconds: float, *, match: Matcher = any_command, times: int = 1
