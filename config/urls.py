@@ -119,6 +119,7 @@ def check_url(
 
 LOCK_SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "memory")
 LOCK_SCHEMES += ("postgresql", "postgres", "postgresql+psycopg")
+LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
@@ -137,6 +138,12 @@ def check_lock_url(url: str, variable: str) -> None:
         if db and not db.isdigit():
             raise UnsafeSettings(
                 variable, f"{redact(url)!r} has database {db!r}, which is not a number", fix
+            )
+    elif scheme in ("mysql", "mariadb", "mysql+pymysql"):
+        if not rest.split("?", 1)[0].partition("/")[2].strip("/"):
+            raise UnsafeSettings(
+                variable, f"{redact(url)!r} names no database",
+                f"set {variable} to a URL such as mysql://user:password@127.0.0.1:3306/jobfence",
             )
     elif scheme == "unix" and not rest.split("?", 1)[0]:
         raise UnsafeSettings(

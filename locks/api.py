@@ -139,4 +139,11 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         from jobfence.locks.backends.memory import MemoryBackend
 
         return MemoryBackend(**{k: v for k, v in options.items() if k == "clock"})
+    if scheme.lower() in ("mysql", "mariadb", "mysql+pymysql"):
+        try:
+            from jobfence.locks.backends.mysql import MySQLBackend
+        except ImportError as exc:
+            hint = f"{scheme}:// locks need PyMySQL: pip install jobfence[mysql]"
+            raise ImportError(hint) from exc
+        return MySQLBackend.from_url(url, **options)
     raise ValueError(f"no lock backend for scheme {scheme!r}; use redis://, rediss:// or unix://")

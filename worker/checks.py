@@ -134,6 +134,9 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     if backend.name == "postgres":
         yield from check_postgres_lock(backend, setting, settings.lock_url)
         return
+    if backend.name == "mysql":
+        yield from _check_sql_server(backend, setting, settings.lock_url)
+        return
     if not isinstance(backend, RedisBackend):
         return
     try:
@@ -182,6 +185,24 @@ def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Findin
             "connect directly or through a session-mode pooler that passes the startup "
             "options, to PostgreSQL 11 or later",
         )
+
+
+def _check_sql_server(backend: Any, setting: str, url: str) -> Iterator[Finding]:
+    """A database lock server whose settings make every grant fail (locks.backends.mysql)."""
+    try:
+        problems = backend.server_problems()
+    except BackendUnavailable as exc:
+        yield Finding(
+            False,
+            setting,
+            f"cannot reach the lock server at {redact(url)} at start-up ({exc}); starting "
+            "anyway: jobs wait and are redelivered until it answers",
+            "start the database, or fix the URL if it is wrong",
+            code=LOCK_SERVER_DOWN,
+        )
+        return
+    for problem, fix in problems:
+        yield _refuse(setting, problem, fix)
 
 
 def lock_server_down(findings: Iterable[Finding]) -> bool:

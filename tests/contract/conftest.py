@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 import pytest
@@ -14,7 +15,7 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
 # the server allows it, how to count round trips and how to lose all its data.
-BACKENDS = ["redis", "memory", "postgres"]
+BACKENDS = ["redis", "memory", "postgres", "mariadb"]
 
 
 @dataclass
@@ -84,7 +85,63 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         return BackendHarness(name=name, backend=MemoryBackend(), connect=None)
     if name == "postgres":
         return _postgres_harness(request)
+    if name == "mariadb":
+        return _mariadb_harness(request)
     raise AssertionError(f"no contract harness for backend {name!r}")
+
+
+def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """A scratch database on the shared MariaDB; losing data drops every jobfence table,
+    the fence counter too (fences then rest on the server clock and the client's floor)."""
+    from jobfence.locks.backends.mysql import MySQLBackend
+    from tests.servers import MARIADB_ADMIN_URL, MariaDBDatabase
+
+    reason = MariaDBDatabase.reachable(MARIADB_ADMIN_URL)
+    if reason:
+        pytest.skip(reason)
+    db = MariaDBDatabase()
+    request.addfinalizer(db.drop)
+    url = db.url.replace("mysql+pymysql://", "mariadb://", 1)
+
+    def connect() -> LockBackend:
+        return MySQLBackend.from_url(url, prefix="contract")
+
+    first = connect()
+    assert isinstance(first, MySQLBackend)
+    # Round trips counted at the client: every command PyMySQL sends waits for its reply
+    # (a shared server's global counters would count other clients too).
+    sent = [0]
+    opener = first._pool.connect
+
+    def counting_open() -> Any:
+        conn = opener()
+        send = conn._execute_command
+
+        def counted(command: int, sql: Any) -> Any:
+            sent[0] += 1
+            return send(command, sql)
+
+        conn._execute_command = counted
+        return conn
+
+    first._pool.connect = counting_open
+
+    def lose_data() -> None:
+        tables = ", ".join(first.tables.values())
+        engine = db.engine()
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {tables}")
+        finally:
+            engine.dispose()
+
+    return BackendHarness(
+        name="mariadb",
+        backend=first,
+        connect=connect,
+        requests=lambda: sent[0],
+        lose_data=lose_data,
+    )
 
 
 def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:

@@ -103,10 +103,30 @@ def postgres_backend(pg_url: str) -> Iterator[LockBackend]:
     backend.close()
 
 
-@pytest.fixture(params=["redis", "memory", "postgres"])
+@pytest.fixture
+def mariadb_backend(mariadb_url: str) -> Iterator[LockBackend]:
+    """A MySQLBackend on the session's scratch MariaDB database."""
+    from jobfence.locks.backends.mysql import MySQLBackend
+
+    backend = MySQLBackend.from_url(mariadb_url, prefix="jobfence")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def other_mariadb_backend(mariadb_url: str) -> Iterator[LockBackend]:
+    """A second, independent MariaDB client (another 'worker')."""
+    from jobfence.locks.backends.mysql import MySQLBackend
+
+    backend = MySQLBackend.from_url(mariadb_url, prefix="jobfence")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(params=["redis", "memory", "postgres", "mariadb"])
 def backend(request: pytest.FixtureRequest) -> LockBackend:
     """Each executor test runs on real lock servers and on the in-process backend."""
-    if request.param in ("redis", "postgres"):
+    if request.param in ("redis", "postgres", "mariadb"):
         got: LockBackend = request.getfixturevalue(f"{request.param}_backend")
         return got
     return MemoryBackend()

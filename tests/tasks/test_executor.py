@@ -356,8 +356,9 @@ def test_stale_fence_in_the_body_is_superseded(executor: Executor, backend: Lock
 
 
 def _other_client(request: pytest.FixtureRequest, backend: LockBackend) -> LockBackend:
-    if backend.name == "redis":
-        other: LockBackend = request.getfixturevalue("other_redis_backend")
+    if backend.name in ("redis", "mysql"):
+        fixture = "other_redis_backend" if backend.name == "redis" else "other_mariadb_backend"
+        other: LockBackend = request.getfixturevalue(fixture)
         return other
     return backend
 

@@ -1,0 +1,752 @@
+"""The MySQL/MariaDB lock backend: a lease table on server time, a durable fence counter row."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import os
+import random
+import select
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import pymysql  # type: ignore[import-untyped]  # PyMySQL ships no type hints
+from pymysql.constants import CLIENT  # type: ignore[import-untyped]
+
+from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import BackendUnavailable, LockError
+from jobfence.locks.lease import OwnerMeta
+
+SCHEMES = ("mysql", "mariadb", "mysql+pymysql")
+RETRY_ERRORS = {1213, 1205}  # deadlock, lock wait timeout: the transaction was rolled back
+NO_SUCH_TABLE = 1146  # someone dropped our tables: make them again
+ATTEMPTS = 5
+POLL_FIRST = 0.001  # wait_for_release: first poll step, doubled up to POLL_CAP
+POLL_CAP = 0.010  # a waiter costs at most ~100 primary-key reads a second
+PURGE_EVERY = 60.0  # seconds between sweeps of expired rows (one statement per table)
+PURGE_BATCH = 500
+URL_OPTIONS = ("unix_socket", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert")
+
+# Server microseconds since the epoch: the session runs at time_zone '+00:00', so NOW(6) is
+# UTC and this is plain arithmetic (no time zone table, no DST gap).
+NOW_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6))"
+
+
+def key_hash(key: str) -> str:
+    """The primary key of `key`'s rows: SHA-256 hex (keys run to 512 characters)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _quote(name: str) -> str:
+    if len(name) > 64:
+        raise LockError(
+            f"table name {name!r} is longer than MySQL's 64 characters; "
+            "set JOBFENCE_KEY_PREFIX to a shorter prefix"
+        )
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _ddl(locks: str, jobs: str, fence: str, marks: str) -> list[str]:
+    key = "key_hash CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL"
+    text = "TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {locks} (
+  {key} PRIMARY KEY,
+  lock_key VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+  owner CHAR(32) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+  fence BIGINT UNSIGNED NOT NULL,
+  expires_at DATETIME(6) NOT NULL,
+  acquired_at DATETIME(6) NOT NULL,
+  heartbeat_at DATETIME(6) NOT NULL,
+  task_id {text}, task_name {text}, host {text}, pid BIGINT NOT NULL,
+  process_start {text}, fingerprint {text},
+  KEY (expires_at)
+) ENGINE=InnoDB""",
+        f"""CREATE TABLE IF NOT EXISTS {jobs} (
+  {key} PRIMARY KEY,
+  lock_key VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+  state VARCHAR(8) CHARACTER SET ascii NOT NULL,
+  fingerprint {text}, result LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+  fence BIGINT UNSIGNED NOT NULL,
+  finished_at DATETIME(6) NOT NULL,
+  expires_at DATETIME(6) NOT NULL,
+  KEY (expires_at)
+) ENGINE=InnoDB""",
+        # One counter row, advanced inside each acquire transaction: a committed InnoDB
+        # write, so a crash never hands a value out twice (AUTO_INCREMENT repeats on MySQL
+        # 5.7, a bare NEXTVAL of a MariaDB SEQUENCE repeats after kill -9).
+        f"""CREATE TABLE IF NOT EXISTS {fence} (
+  id TINYINT UNSIGNED NOT NULL PRIMARY KEY,
+  v BIGINT UNSIGNED NOT NULL
+) ENGINE=InnoDB""",
+        f"INSERT IGNORE INTO {fence} (id, v) VALUES (1, {NOW_US})",
+        f"""CREATE TABLE IF NOT EXISTS {marks} (
+  {key},
+  kind CHAR(1) CHARACTER SET ascii NOT NULL,
+  value {text},
+  n BIGINT NOT NULL,
+  expires_at DATETIME(6) NOT NULL,
+  PRIMARY KEY (key_hash, kind),
+  KEY (expires_at)
+) ENGINE=InnoDB""",
+    ]
+
+
+class _Pool:
+    """Idle connections of one process, one thread at a time each; forgotten after a fork.
+
+    A forked child must not touch its parent's sockets (a COM_QUIT or a half-read reply
+    there breaks the parent's session), so after a fork the idle list starts empty and the
+    inherited connections are dropped without a word to the server.
+    """
+
+    def __init__(self, connect: Any) -> None:
+        self.connect = connect
+        self.pid = os.getpid()
+        self.idle: list[pymysql.connections.Connection[Any]] = []
+
+    def get(self) -> pymysql.connections.Connection[Any]:
+        if self.pid != os.getpid():
+            self.pid, self.idle = os.getpid(), []
+        while True:
+            try:
+                conn = self.idle.pop()
+            except IndexError:
+                fresh: pymysql.connections.Connection[Any] = self.connect()
+                return fresh
+            # An idle connection with something to read was closed by the server (restart,
+            # wait_timeout, KILL): its goodbye or EOF is waiting. Drop it before sending,
+            # rather than fail a call the server never saw.
+            sock = getattr(conn, "_sock", None)
+            try:
+                stale = sock is None or bool(select.select([sock], [], [], 0)[0])
+            except (OSError, ValueError):
+                stale = True
+            if not stale:
+                return conn
+            _discard(conn)
+
+    def put(self, conn: pymysql.connections.Connection[Any]) -> None:
+        if self.pid == os.getpid():
+            self.idle.append(conn)
+
+    def close(self) -> None:
+        idle, self.idle = self.idle, []
+        if self.pid == os.getpid():
+            for conn in idle:
+                with contextlib.suppress(pymysql.err.Error):
+                    conn.close()
+
+
+class MySQLBackend(LockBackend):
+    """Locks in a MySQL 8 / MariaDB 10.5+ table. Build with `from_url` or `from_settings`.
+
+    Expiry runs on the server clock (`NOW(6)`, sessions at UTC and READ COMMITTED); each
+    call is one round trip (a multi-statement transaction where it needs several).
+    """
+
+    name: ClassVar[str] = "mysql"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        native_fencing=True, durable_fence=True, ha=False, release_notify=False
+    )
+
+    def __init__(
+        self,
+        *,
+        connect_args: dict[str, Any],
+        prefix: str = "jobfence",
+        socket_timeout: float = 2.0,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        super().__init__(clock=clock)
+        self.prefix = prefix
+        self.socket_timeout = socket_timeout
+        # Named apart from the SQL effects' `{prefix}_jobs` and the guards' `{prefix}_fences`,
+        # which may live in the same database.
+        names = {"locks": "leases", "jobs": "records", "fence": "fence", "marks": "marks"}
+        self.tables = {t: _quote(f"{prefix}_lock_{n}") for t, n in names.items()}
+        self._connect_args = dict(connect_args)
+        self._pool = _Pool(self._open)
+        self._ready = False
+        self._ready_lock = threading.Lock()
+        self._next_purge = 0.0
+        # The highest fence this client was granted: the floor of its next grant, as on Redis.
+        self.fence_floor = 0
+        self._sql = self._statements()
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "jobfence",
+        socket_timeout: float = 2.0,
+        fence_retention: float | None = None,  # accepted for open_backend; the counter is kept
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> MySQLBackend:
+        del fence_retention
+        return cls(
+            connect_args=parse_url(url), prefix=prefix, socket_timeout=socket_timeout, clock=clock
+        )
+
+    def _open(self) -> pymysql.connections.Connection[Any]:
+        timeout = self.socket_timeout
+        conn = pymysql.connect(
+            **self._connect_args,
+            charset="utf8mb4",
+            autocommit=True,
+            connect_timeout=max(1, int(timeout + 0.999)),
+            read_timeout=timeout,
+            write_timeout=timeout,
+            # MULTI_STATEMENTS: a transaction in one round trip. FOUND_ROWS: an UPDATE
+            # reports the rows it matched, not only those it changed.
+            client_flag=CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS,
+        )
+        with conn.cursor() as cur:
+            # READ COMMITTED: no gap locks (two acquires of absent keys deadlock under
+            # REPEATABLE READ), and each statement sees what committed before it.
+            cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            cur.execute(
+                "SET time_zone = '+00:00', innodb_lock_wait_timeout = %s",
+                (max(1, int(timeout / 2)),),
+            )
+        return conn
+
+    # -- running statements ---------------------------------------------------------
+    def _run(self, sql: str, params: Any, key: str | None) -> list[Any]:
+        """Run `sql` (one or more statements) in one round trip; per statement its rows
+        (a tuple of tuples) or, for a statement without rows, its affected-row count.
+
+        A deadlock or lock-wait timeout rolled the transaction back: retried (bounded,
+        with jitter). Any other error closes the connection and raises BackendUnavailable.
+        """
+        self._ensure_tables(key)
+        for attempt in range(ATTEMPTS):
+            conn = self._connection(key)
+            try:
+                out = self._execute(conn, sql, params)
+            except pymysql.err.MySQLError as exc:
+                code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
+                if code in RETRY_ERRORS or code == NO_SUCH_TABLE:
+                    if self._rollback(conn):
+                        self._pool.put(conn)
+                    if code == NO_SUCH_TABLE and attempt == 0:
+                        self._ready = False
+                        self._ensure_tables(key)
+                        continue
+                    if code in RETRY_ERRORS and attempt + 1 < ATTEMPTS:
+                        time.sleep(random.uniform(0, min(0.05, 0.002 * 2**attempt)))
+                        continue
+                else:
+                    _discard(conn)
+                raise BackendUnavailable(f"mysql call failed: {exc}", key=key, cause=exc) from exc
+            except BaseException:
+                _discard(conn)  # interrupted mid-reply: the connection's state is unknown
+                raise
+            self._pool.put(conn)
+            return out
+        raise AssertionError("unreachable")
+
+    def _connection(self, key: str | None) -> pymysql.connections.Connection[Any]:
+        try:
+            return self._pool.get()
+        except pymysql.err.MySQLError as exc:
+            raise BackendUnavailable(
+                f"cannot connect to the MySQL lock server: {exc}", key=key, cause=exc
+            ) from exc
+
+    @staticmethod
+    def _execute(conn: pymysql.connections.Connection[Any], sql: str, params: Any) -> list[Any]:
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+            out: list[Any] = []
+            while True:
+                out.append(list(cur.fetchall()) if cur.description else cur.rowcount)
+                if not cur.nextset():
+                    return out
+
+    @staticmethod
+    def _rollback(conn: pymysql.connections.Connection[Any]) -> bool:
+        try:
+            conn.rollback()
+            return True
+        except pymysql.err.Error:
+            _discard(conn)
+            return False
+
+    def _ensure_tables(self, key: str | None) -> None:
+        if self._ready:
+            return
+        with self._ready_lock:
+            if self._ready:
+                return
+            conn = self._connection(key)
+            try:
+                with conn.cursor() as cur:
+                    for stmt in _ddl(*self.tables.values()):
+                        for attempt in range(ATTEMPTS):
+                            try:
+                                cur.execute(stmt)
+                                break
+                            except pymysql.err.MySQLError as exc:
+                                # 1050: a racing creator made it between our check and ours.
+                                if exc.args[0] not in (1050, *RETRY_ERRORS) or attempt == 4:
+                                    raise
+            except pymysql.err.MySQLError as exc:
+                _discard(conn)
+                raise BackendUnavailable(
+                    f"could not create jobfence's lock tables ({exc}); grant CREATE on the "
+                    "database or create them with `jobfence migrate`",
+                    key=key,
+                    cause=exc,
+                ) from exc
+            self._pool.put(conn)
+            self._ready = True
+
+    def _statements(self) -> dict[str, str]:
+        lk, jb, fc, mk = (self.tables[t] for t in ("locks", "jobs", "fence", "marks"))
+        free = "expires_at <= NOW(6)"
+
+        def take(col: str, value: str) -> str:
+            return f"{col} = IF({free}, {value}, {col})"
+
+        # The upsert names its new values as parameters again in the UPDATE part instead of
+        # VALUES(col) (deprecated on MySQL 8.0.20+) or a row alias (`AS new`, rejected by
+        # MariaDB): both servers accept this form without a warning. MySQL assigns left to
+        # right with the values already updated, so expires_at, which the guard reads,
+        # comes last.
+        upsert = (
+            f"INSERT INTO {lk} (key_hash, lock_key, owner, fence, expires_at, acquired_at,"
+            " heartbeat_at, task_id, task_name, host, pid, process_start, fingerprint)"
+            " VALUES (%(h)s, %(k)s, %(o)s, 0, NOW(6) + INTERVAL %(ttl)s MICROSECOND, NOW(6),"
+            " NOW(6), %(tid)s, %(tn)s, %(host)s, %(pid)s, %(ps)s, %(fp)s)"
+            " ON DUPLICATE KEY UPDATE "
+            + ", ".join(
+                [
+                    take("lock_key", "%(k)s"),
+                    take("owner", "%(o)s"),
+                    take("fence", "0"),
+                    take("acquired_at", "NOW(6)"),
+                    take("heartbeat_at", "NOW(6)"),
+                    take("task_id", "%(tid)s"),
+                    take("task_name", "%(tn)s"),
+                    take("host", "%(host)s"),
+                    take("pid", "%(pid)s"),
+                    take("process_start", "%(ps)s"),
+                    take("fingerprint", "%(fp)s"),
+                    take("expires_at", "NOW(6) + INTERVAL %(ttl)s MICROSECOND"),
+                ]
+            )
+        )
+        mine = f"SELECT 1 FROM {lk} WHERE key_hash = %(h)s AND owner = %(o)s"
+        done = (
+            f"SELECT 1 FROM {jb} WHERE key_hash = %(h)s AND state = 'DONE'"
+            " AND expires_at > NOW(6)"
+        )
+        # The DONE check runs after the upsert locked the lock row: a commit that finished
+        # before it is seen, and one still running holds the row, so ours waited for it.
+        undo_if_done = (
+            f"DELETE FROM {lk} WHERE key_hash = %(h)s AND owner = %(o)s AND EXISTS ({done})"
+        )
+        # Fences: the counter's next value, at least the server's clock in µs (the one
+        # fence space of every backend; it also keeps a database restored from a backup
+        # above the fences it issued since) and above this client's floor.
+        advance = (
+            f"UPDATE {fc} SET v = LAST_INSERT_ID(GREATEST(v + 1, %(floor)s + 1, {NOW_US}))"
+            f" WHERE id = 1 AND EXISTS ({mine})"
+        )
+        stamp = f"UPDATE {lk} SET fence = LAST_INSERT_ID() WHERE key_hash = %(h)s AND owner = %(o)s"
+        clear_failed = f"DELETE FROM {jb} WHERE key_hash = %(h)s AND EXISTS ({mine})"
+        answer = (
+            f"SELECT owner = %(o)s, fence, TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at),"
+            f" task_id, fingerprint FROM {lk} WHERE key_hash = %(h)s"
+        )
+        record = (
+            f"SELECT state, fingerprint, result, fence,"
+            f" TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', finished_at)"
+            f" FROM {jb} WHERE key_hash = %(h)s AND state = 'DONE' AND expires_at > NOW(6)"
+        )
+        live = "expires_at > NOW(6)"
+        return {
+            "begin": ";".join(["START TRANSACTION", upsert, advance, stamp, answer, "COMMIT"]),
+            "begin_job": ";".join(
+                [
+                    "START TRANSACTION",
+                    upsert,
+                    undo_if_done,
+                    advance,
+                    stamp,
+                    clear_failed,
+                    answer,
+                    record,
+                    "COMMIT",
+                ]
+            ),
+            "extend": (
+                f"UPDATE {lk} SET heartbeat_at = NOW(6), expires_at = NOW(6) + INTERVAL %s"
+                f" MICROSECOND WHERE key_hash = %s AND owner = %s AND {live}"
+            ),
+            "release": f"DELETE FROM {lk} WHERE key_hash = %s AND owner = %s AND {live}",
+            "commit": ";".join(
+                [
+                    "START TRANSACTION",
+                    f"DELETE FROM {lk} WHERE key_hash = %(h)s AND owner = %(o)s AND {live}",
+                    "SET @jf_ok = ROW_COUNT()",
+                    f"INSERT INTO {jb} (key_hash, lock_key, state, fingerprint, result, fence,"
+                    " finished_at, expires_at) SELECT %(h)s, %(k)s, %(st)s, %(fp)s, %(res)s,"
+                    " %(fence)s, NOW(6), NOW(6) + INTERVAL %(rttl)s MICROSECOND FROM DUAL"
+                    " WHERE @jf_ok = 1 ON DUPLICATE KEY UPDATE lock_key = %(k)s,"
+                    " state = %(st)s, fingerprint = %(fp)s, result = %(res)s, fence = %(fence)s,"
+                    " finished_at = NOW(6), expires_at = NOW(6) + INTERVAL %(rttl)s MICROSECOND",
+                    "COMMIT",
+                    "SELECT @jf_ok",
+                ]
+            ),
+            "inspect": (
+                "SELECT fence, TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at), host, pid,"
+                " task_id, task_name,"
+                " TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', acquired_at),"
+                " TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', heartbeat_at),"
+                f" process_start, lock_key FROM {lk}"
+            ),
+            "held": f"SELECT 1 FROM {lk} WHERE key_hash = %s AND {live}",
+            "job_record": (
+                "SELECT state, fingerprint, result, fence,"
+                " TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', finished_at)"
+                f" FROM {jb} WHERE key_hash = %s AND state IN ('DONE', 'FAILED') AND {live}"
+            ),
+            "forget": f"DELETE FROM {jb} WHERE key_hash = %s AND {live}",
+            "force_release": f"DELETE FROM {lk} WHERE key_hash = %s AND {live}",
+            # A live marker of another task id stays; the value is assigned before
+            # expires_at, so both read the old expiry.
+            "claim_publish": ";".join(
+                [
+                    "START TRANSACTION",
+                    f"INSERT INTO {mk} (key_hash, kind, value, n, expires_at) VALUES (%(h)s,"
+                    " 'q', %(v)s, 0, NOW(6) + INTERVAL %(ttl)s MICROSECOND)"
+                    " ON DUPLICATE KEY UPDATE"
+                    " value = IF(expires_at <= NOW(6) OR value = %(v)s, %(v)s, value),"
+                    " expires_at = IF(value = %(v)s, NOW(6) + INTERVAL %(ttl)s MICROSECOND,"
+                    " expires_at)",
+                    f"SELECT value FROM {mk} WHERE key_hash = %(h)s AND kind = 'q'",
+                    "COMMIT",
+                ]
+            ),
+            "clear_publish": f"DELETE FROM {mk} WHERE key_hash = %s AND kind = 'q'",
+            "count_delivery": ";".join(
+                [
+                    "START TRANSACTION",
+                    f"INSERT INTO {mk} (key_hash, kind, value, n, expires_at) VALUES (%(h)s,"
+                    " 'd', '', 1, NOW(6) + INTERVAL %(ttl)s MICROSECOND)"
+                    " ON DUPLICATE KEY UPDATE n = IF(expires_at > NOW(6), n + 1, 1),"
+                    " expires_at = NOW(6) + INTERVAL %(ttl)s MICROSECOND",
+                    f"SELECT n FROM {mk} WHERE key_hash = %(h)s AND kind = 'd'",
+                    "COMMIT",
+                ]
+            ),
+        }
+
+    # -- one round trip each ----------------------------------------------------------
+    def _begin(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
+        params = {
+            "h": key_hash(key),
+            "k": key,
+            "o": owner,
+            "ttl": ttl_ms * 1000,
+            "tid": meta.task_id,
+            "tn": meta.task_name,
+            "host": meta.host,
+            "pid": meta.pid,
+            "ps": meta.process_start,
+            "fp": fingerprint,
+            "floor": self.fence_floor,
+        }
+        sets = self._run(self._sql["begin_job" if record else "begin"], params, key)
+        rows = [s for s in sets if isinstance(s, list)]
+        if record and rows[1]:
+            state, fp, result, fence, finished_us = rows[1][0]
+            return JobRecord(
+                state=state,
+                fingerprint=fp,
+                result=result,
+                fence=int(fence),
+                finished_at=int(finished_us) / 1e6,
+            )
+        if not rows[0]:
+            raise BackendUnavailable("mysql begin: the lock row vanished", key=key)
+        is_mine, fence, left_us, task_id, fp = rows[0][0]
+        if is_mine:
+            granted = int(fence)
+            if granted > self.fence_floor:
+                self.fence_floor = granted
+            return granted
+        return Busy(ttl_left=max(0, int(left_us)) / 1e6, task_id=task_id, fingerprint=fp)
+
+    def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
+        return bool(self._run(self._sql["extend"], (ttl_ms * 1000, key_hash(key), owner), key)[0])
+
+    def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        # One stamp for the batch: the rows extended now carry it, so the SELECT after the
+        # UPDATE (same round trip) names exactly them. Owner tokens are unique per lease.
+        lk = self.tables["locks"]
+        hashes = [key_hash(k) for k, _, _ in items]
+        pairs = ", ".join(["(%s, %s)"] * len(items))
+        ins = ", ".join(["%s"] * len(items))
+        case = " ".join(["WHEN %s THEN %s"] * len(items))
+        sql = ";".join(
+            [
+                "SET @jf_t = NOW(6)",
+                f"UPDATE {lk} SET heartbeat_at = @jf_t, expires_at = @jf_t + INTERVAL"
+                f" (CASE owner {case} END) MICROSECOND WHERE key_hash IN ({ins})"
+                f" AND (key_hash, owner) IN ({pairs}) AND expires_at > @jf_t",
+                f"SELECT key_hash, owner FROM {lk} WHERE key_hash IN ({ins})"
+                f" AND (key_hash, owner) IN ({pairs}) AND heartbeat_at = @jf_t",
+            ]
+        )
+        flat = [x for h, (_, o, _) in zip(hashes, items, strict=True) for x in (h, o)]
+        params: list[Any] = [x for _, o, t in items for x in (o, t * 1000)]
+        params += hashes + flat + hashes + flat
+        sets = self._run(sql, params, None)
+        done = {(h, o) for h, o in sets[2]}
+        return [(h, o) in done for h, (_, o, _) in zip(hashes, items, strict=True)]
+
+    def _release(self, key: str, owner: str) -> bool:
+        return bool(self._run(self._sql["release"], (key_hash(key), owner), key)[0])
+
+    def _commit(
+        self,
+        key: str,
+        owner: str,
+        fence: int,
+        state: str,
+        result: str,
+        fingerprint: str,
+        result_ttl_ms: int,
+    ) -> bool:
+        params = {
+            "h": key_hash(key),
+            "k": key,
+            "o": owner,
+            "st": state,
+            "fp": fingerprint,
+            "res": result,
+            "fence": fence,
+            "rttl": result_ttl_ms * 1000,
+        }
+        sets = self._run(self._sql["commit"], params, key)
+        ok = bool(int(sets[-1][0][0] or 0))
+        self._maybe_purge()
+        return ok
+
+    def _inspect(self, key: str) -> LockInfo | None:
+        rows = self._run(
+            self._sql["inspect"] + " WHERE key_hash = %s AND expires_at > NOW(6)",
+            (key_hash(key),),
+            key,
+        )[0]
+        return _info(rows[0]) if rows else None
+
+    # -- admin and waiting ----------------------------------------------------------
+    def scan(self, match: str = "*") -> Iterator[LockInfo]:
+        """Held locks matching the glob, in pages by key hash (plain reads: no row locks)."""
+        literal = match
+        for i, c in enumerate(match):
+            if c in "*?[":
+                literal = match[:i]
+                break
+        like = literal.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+        after = ""
+        while True:
+            rows = self._run(
+                self._sql["inspect"]
+                + " WHERE key_hash > %s AND lock_key LIKE %s ESCAPE '!' AND expires_at > NOW(6)"
+                f" ORDER BY key_hash LIMIT {PURGE_BATCH}",
+                (after, like),
+                None,
+            )[0]
+            for row in rows:
+                if fnmatch.fnmatchcase(row[9], match):
+                    yield _info(row)
+            if len(rows) < PURGE_BATCH:
+                return
+            after = key_hash(rows[-1][9])
+
+    def job_record(self, key: str) -> JobRecord | None:
+        rows = self._run(self._sql["job_record"], (key_hash(key),), key)[0]
+        if not rows:
+            return None
+        state, fp, result, fence, finished_us = rows[0]
+        return JobRecord(
+            state=state,
+            fingerprint=fp,
+            result=result,
+            fence=int(fence),
+            finished_at=int(finished_us) / 1e6,
+        )
+
+    def forget(self, key: str) -> bool:
+        return bool(self._run(self._sql["forget"], (key_hash(key),), key)[0])
+
+    def force_release(self, key: str) -> bool:
+        return bool(self._run(self._sql["force_release"], (key_hash(key),), key)[0])
+
+    def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
+        params = {"h": key_hash(key), "v": task_id, "ttl": max(1000, int(ttl * 1e6))}
+        sets = self._run(self._sql["claim_publish"], params, key)
+        held = next(s for s in sets if isinstance(s, list))
+        value = held[0][0] if held else None
+        return value if value and value != task_id else None
+
+    def clear_publish(self, key: str) -> None:
+        self._run(self._sql["clear_publish"], (key_hash(key),), key)
+
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        params = {"h": key_hash(key), "ttl": window_ms * 1000}
+        sets = self._run(self._sql["count_delivery"], params, key)
+        rows = next(s for s in sets if isinstance(s, list))
+        return int(rows[0][0])
+
+    def wait_for_release(self, key: str, timeout: float) -> None:
+        """Poll the lock row with doubling, jittered steps (1 ms up to 10 ms) until it is
+        free or `timeout` passes. MySQL has no notification a waiter could block on."""
+        clock = self.clock
+        deadline = clock.monotonic() + timeout
+        step = POLL_FIRST
+        h = key_hash(key)
+        # The refused attempt just before this call read the row: sleep first.
+        while True:
+            left = deadline - clock.monotonic()
+            if left <= 0:
+                return
+            clock.sleep(min(left, random.uniform(step / 2, step)))
+            step = min(step * 2, POLL_CAP)
+            if not self._run(self._sql["held"], (h,), key)[0]:
+                return
+
+    def purge(self) -> int:
+        """Delete rows that expired a minute ago or more (locks, job records, markers).
+
+        Expired rows are dead already (every read filters on expiry); this only keeps the
+        tables small. Runs from `commit` at most once a minute per client; best effort.
+        """
+        total = 0
+        for table in ("locks", "jobs", "marks"):
+            sets = self._run(
+                f"DELETE FROM {self.tables[table]} WHERE expires_at < NOW(6) - INTERVAL 1 MINUTE"
+                f" LIMIT {PURGE_BATCH}",
+                (),
+                None,
+            )
+            total += int(sets[0])
+        return total
+
+    def _maybe_purge(self) -> None:
+        now = time.monotonic()
+        if now < self._next_purge:
+            return
+        self._next_purge = now + PURGE_EVERY
+        with contextlib.suppress(BackendUnavailable):  # a sweep can wait for the next minute
+            self.purge()
+
+    def server_problems(self) -> list[tuple[str, str]]:
+        """What about the server breaks this backend, as (problem, fix) pairs; for start-up.
+
+        Raises BackendUnavailable if the server does not answer.
+        """
+        rows = self._run(
+            "SELECT @@version, @@log_bin, @@binlog_format, @@read_only, @@innodb_read_only",
+            (),
+            None,
+        )[0]
+        version, log_bin, binlog_format, read_only, innodb_read_only = rows[0]
+        return server_problems(
+            version=str(version),
+            log_bin=bool(int(log_bin)),
+            binlog_format=str(binlog_format),
+            read_only=bool(int(read_only)) or bool(int(innodb_read_only)),
+        )
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def server_problems(
+    *, version: str, log_bin: bool, binlog_format: str, read_only: bool
+) -> list[tuple[str, str]]:
+    """The server settings under which no grant can be written, with their fixes."""
+    out: list[tuple[str, str]] = []
+    if log_bin and binlog_format.upper() == "STATEMENT":
+        out.append(
+            (
+                f"the MySQL server ({version}) logs binlog_format=STATEMENT, under which InnoDB "
+                "refuses every write made at READ COMMITTED (error 1665), which the lock "
+                "table needs (REPEATABLE READ deadlocks acquires of absent keys on gap locks)",
+                "set binlog_format=ROW (MySQL 8's default) or MIXED (MariaDB's) on the server",
+            )
+        )
+    if read_only:
+        out.append(
+            (
+                f"the MySQL server ({version}) is read-only (a replica?): no lock can be taken",
+                "point the lock URL at the primary",
+            )
+        )
+    return out
+
+
+def _info(row: tuple[Any, ...]) -> LockInfo:
+    fence, left_us, host, pid, task_id, task_name, acq_us, hb_us, started, key = row
+    return LockInfo(
+        key=key,
+        fence=int(fence),
+        ttl_left=max(0, int(left_us)) / 1e6,
+        host=host,
+        pid=int(pid),
+        task_id=task_id,
+        task_name=task_name,
+        acquired_at=int(acq_us) / 1e6,
+        last_heartbeat=int(hb_us) / 1e6,
+        process_start=started,
+    )
+
+
+def _discard(conn: pymysql.connections.Connection[Any]) -> None:
+    """Drop a connection in an unknown state: close its socket without a goodbye."""
+    with contextlib.suppress(Exception):  # already broken
+        conn._force_close()  # the public close() says goodbye over the socket first
+
+
+def parse_url(url: str) -> dict[str, Any]:
+    """PyMySQL connect arguments from mysql://user:password@host:port/database?options."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in SCHEMES:
+        raise LockError(f"not a MySQL URL: scheme {parts.scheme!r}; use mysql:// or mariadb://")
+    database = unquote(parts.path.lstrip("/"))
+    if not database or "/" in database:
+        raise LockError(
+            "the MySQL lock URL names no database: use mysql://user:password@host:3306/dbname"
+        )
+    args: dict[str, Any] = {
+        "host": parts.hostname or "127.0.0.1",
+        "port": parts.port or 3306,
+        "database": database,
+    }
+    if parts.username:
+        args["user"] = unquote(parts.username)
+    if parts.password:
+        args["password"] = unquote(parts.password)
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in URL_OPTIONS:
+            raise LockError(
+                f"unknown option {name!r} in the MySQL lock URL; known: {', '.join(URL_OPTIONS)}"
+            )
+        args[name] = value.lower() in ("1", "true", "yes") if name == "ssl_verify_cert" else value
+    return args
