@@ -146,4 +146,7 @@ def open_backend(url: str, **options: Any) -> LockBackend:
             hint = f"{scheme}:// locks need PyMySQL: pip install jobfence[mysql]"
             raise ImportError(hint) from exc
         return MySQLBackend.from_url(url, **options)
-    raise ValueError(f"no lock backend for scheme {scheme!r}; use redis://, rediss:// or unix://")
+    raise ValueError(
+        f"no lock backend for scheme {scheme!r}; use redis://, rediss://, unix://, "
+        "postgresql://, mysql:// or mariadb://"
+    )
