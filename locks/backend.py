@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -266,6 +267,11 @@ class LockBackend(ABC):
 
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         return None
+
+    def server_time(self) -> float:
+        """Now, in Unix seconds, on the clock the server stamps heartbeats with; this
+        default is the local clock (a backend with a server clock overrides it)."""
+        return time.time()
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free connections."""

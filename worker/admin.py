@@ -38,11 +38,11 @@ def open_admin_backend(settings: Settings) -> LockBackend:
 
 
 def server_time(backend: LockBackend) -> float:
-    """Now on the lock server's clock (heartbeats are stamped with it), else locally."""
+    """Now on the lock server's clock (heartbeats are stamped with it)."""
     if isinstance(backend, RedisBackend):
         seconds, micros = backend.client.time()
         return float(seconds) + float(micros) / 1e6
-    return time.time()
+    return backend.server_time()
 
 
 # --------------------------------------------------------------------------- orphans

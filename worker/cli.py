@@ -161,13 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_migrate_parser(sub: Any) -> None:
     migrate = sub.add_parser(
         "migrate",
-        help="create jobfence's SQL tables (fences, job records) now",
+        help="create jobfence's SQL tables (fences, job records, SQL locks) now",
         description="Create jobfence's tables (jobfence_fences, jobfence_jobs) where they are "
-        "missing; safe to repeat. Workers create them on first use anyway: run this when a "
-        "DBA or a deploy step owns the schema and the workers' role may not create tables.",
+        "missing, and the lock backend's tables when the lock URL is PostgreSQL or "
+        "MySQL/MariaDB; safe to repeat. Workers create them on first use anyway: run this "
+        "when a DBA or a deploy step owns the schema and the workers' role may not create "
+        "tables.",
     )
     migrate.add_argument(
         "--database", metavar="URL", help="SQLAlchemy URL (default: JOBFENCE_DATABASE_URL)"
+    )
+    migrate.add_argument(
+        "--lock-url",
+        metavar="URL",
+        help="lock server (default: JOBFENCE_LOCK_URL); its tables are made for "
+        "postgresql:// and mysql:// / mariadb:// URLs, nothing for Redis",
     )
     migrate.add_argument(
         "--sql",
@@ -427,23 +435,49 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     import os
 
-    import sqlalchemy as sa
-
     from jobfence.config.settings import ENV_PREFIX
-    from jobfence.locks.sql import SchemaError, create_tables, ddl
-    from jobfence.tasks.effects import TABLES, make_engine
 
     raw = args.database or os.environ.get(f"{ENV_PREFIX}DATABASE_URL")
-    if not raw:
+    lock_url = args.lock_url or os.environ.get(f"{ENV_PREFIX}LOCK_URL")
+    sql_locks = lock_url is not None and _lock_scheme(lock_url) is not None
+    if not raw and not sql_locks:
         print(
             f"jobfence migrate: no database: set {ENV_PREFIX}DATABASE_URL or pass --database "
-            "URL (e.g. postgresql+psycopg://user@db.internal/app)",
+            "URL (e.g. postgresql+psycopg://user@db.internal/app), or a PostgreSQL or "
+            f"MySQL lock URL ({ENV_PREFIX}LOCK_URL or --lock-url)",
             file=sys.stderr,
         )
         return 2
+    if raw:
+        status = _migrate_effects(raw, sql=args.sql)
+        if status:
+            return status
+    if sql_locks:
+        assert lock_url is not None
+        return _migrate_locks(lock_url, sql=args.sql)
+    return 0
+
+
+def _lock_scheme(url: str) -> str | None:
+    """'postgres' or 'mysql' for a SQL lock URL, else None (Redis, memory: no tables)."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
+        return "postgres"
+    if scheme in ("mysql", "mariadb", "mysql+pymysql"):
+        return "mysql"
+    return None
+
+
+def _migrate_effects(raw: str, *, sql: bool) -> int:
+    """The SQL effects' tables (jobfence_fences, jobfence_jobs) on `raw`."""
+    import sqlalchemy as sa
+
+    from jobfence.locks.sql import SchemaError, create_tables, ddl
+    from jobfence.tasks.effects import TABLES, make_engine
+
     try:
         url = sa.make_url(raw)
-        if args.sql:
+        if sql:
             for statement in ddl(url.get_dialect()(), TABLES):
                 print(f"{statement};\n")
             return 0
@@ -472,6 +506,68 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     for table in TABLES:
         print(f"{table.name}: {'created' if table.name in created else 'already there'}")
     print(f"jobfence tables ready on {where}")
+    return 0
+
+
+def _migrate_locks(lock_url: str, *, sql: bool) -> int:
+    """The lock backend's tables on a PostgreSQL or MySQL/MariaDB lock URL."""
+    import sqlalchemy as sa
+
+    from jobfence.config.settings import ENV_PREFIX
+    from jobfence.locks import LockError, open_backend
+
+    kind = _lock_scheme(lock_url)
+    prefix = os.environ.get(f"{ENV_PREFIX}KEY_PREFIX") or "jobfence"
+    try:
+        backend: Any = open_backend(lock_url, prefix=prefix)
+    except (LockError, ValueError, ImportError) as exc:
+        print(f"jobfence migrate: bad lock URL ({exc})", file=sys.stderr)
+        return 2
+    try:
+        if sql:
+            for statement in backend.ddl():
+                print(f"{statement};\n")
+            return 0
+        # What exists, asked through SQLAlchemy (the backends talk to their driver directly).
+        rest = lock_url.split("://", 1)[1]
+        sa_url = ("postgresql+psycopg://" if kind == "postgres" else "mysql+pymysql://") + rest
+        if kind == "postgres":
+            from jobfence.locks.backends.postgres import FENCE_SEQUENCE, TABLE
+
+            objects = [("table", TABLE), ("sequence", FENCE_SEQUENCE)]
+        else:
+            objects = [("table", name.strip("`")) for name in backend.tables.values()]
+        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool)
+        where = engine.url.render_as_string(hide_password=True)
+        try:
+
+            def present() -> set[str]:
+                inspector = sa.inspect(engine)
+                return {
+                    name
+                    for what, name in objects
+                    if (inspector.has_sequence(name) if what == "sequence"
+                        else inspector.has_table(name))
+                }  # fmt: skip
+
+            before = present()
+            backend.create_tables()
+            after = present()
+        except (sa.exc.DBAPIError, LockError) as exc:
+            print(f"jobfence migrate: lock tables on {where}: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            engine.dispose()
+    finally:
+        backend.close()
+    for what, name in objects:
+        state = "already there" if name in before else "created" if name in after else "missing"
+        print(f"{name}: {state}" + (" (sequence)" if what == "sequence" else ""))
+    if any(name not in after for _, name in objects):
+        print(f"jobfence migrate: lock tables missing on {where} after creating them",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"jobfence lock tables ready on {where}")
     return 0
 
 

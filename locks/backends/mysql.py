@@ -309,6 +309,20 @@ class MySQLBackend(LockBackend):
             self._pool.put(conn)
             self._ready = True
 
+    def create_tables(self) -> None:
+        """Create the lock tables where missing (safe to repeat; first use does it too)."""
+        self._ready = False
+        self._ensure_tables(None)
+
+    def ddl(self) -> list[str]:
+        """The statements `create_tables` runs, for a DBA (names follow the prefix)."""
+        return _ddl(*self.tables.values())
+
+    def server_time(self) -> float:
+        """Now on the server's clock (`NOW(6)` at UTC: the clock expiry runs on)."""
+        rows = self._run("SELECT UNIX_TIMESTAMP(NOW(6))", None, None)
+        return float(rows[0][0][0])
+
     def _statements(self) -> dict[str, str]:
         lk, jb, fc, mk = (self.tables[t] for t in ("locks", "jobs", "fence", "marks"))
         free = "expires_at <= NOW(6)"

@@ -396,6 +396,13 @@ class PostgresBackend(LockBackend):
                 conn.execute(stmt)
         self._ready = True
 
+    def server_time(self) -> float:
+        """Now on the server's clock (`clock_timestamp()`: the clock expiry runs on)."""
+        rows = self._run(
+            "server time", None, "SELECT extract(epoch FROM clock_timestamp())::float8", None
+        )
+        return float(rows[0][0])
+
     def session_problems(self) -> list[str]:
         """What in this server or session breaks the backend's statements (start-up check).
 

@@ -85,7 +85,8 @@ class Singletons:
 
     def waiting_for_release(self, task_id: str) -> bool:
         """True while some client of the lock database blocks on a release signal (BLPOP);
-        on a backend that polls (MariaDB), once the waiting delivery has started."""
+        on a SQL backend (MariaDB polls, PostgreSQL LISTENs), once the waiting delivery has
+        started."""
         if self.runtime.backend.name != "redis":
             return bool(self.preruns(task_id))
         clients = self.broker.client_list()
@@ -124,18 +125,21 @@ class _Module:
     broker: redis.Redis
 
 
-@pytest.fixture(scope="module", params=["redis", "mariadb"])
+@pytest.fixture(scope="module", params=["redis", "mariadb", "postgres"])
 def singleton_module(
     request: pytest.FixtureRequest,
     module_redis: RedisServer,
     fleet_factory: FleetFactory,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[_Module]:
-    """The fleet, with its locks on Redis or on MariaDB (JOBFENCE_LOCK_URL alone differs)."""
+    """The fleet, with its locks on Redis, MariaDB or PostgreSQL (JOBFENCE_LOCK_URL alone
+    differs)."""
     server = f"redis://{module_redis.host}:{module_redis.port}"
     lock_url = f"{server}/{LOCK_DB}"
     if request.param == "mariadb":
         lock_url = request.getfixturevalue("mariadb_url")
+    elif request.param == "postgres":
+        lock_url = request.getfixturevalue("pg_url")
     database_url = f"sqlite:///{tmp_path_factory.mktemp('sql-ledger') / 'ledger.sqlite'}"
     env = app_env(
         module_redis.url,  # broker: db 0
