@@ -385,7 +385,8 @@ class PostgresServer:
         os.chown(self.root, self._uid, self._gid)
         self.data = self.root / "data"
         self.log_path = self.root / "postgres.log"
-        self._finalizer = weakref.finalize(self, _remove_pg, None, str(self.root))
+        self._started: list[subprocess.Popen[bytes]] = []  # for the finalizer: kill, then remove
+        self._finalizer = weakref.finalize(self, _remove_pg, self._started, str(self.root))
         try:
             self._initdb(trust)
             if start:
@@ -455,6 +456,7 @@ class PostgresServer:
             )  # fmt: skip
         finally:
             log.close()
+        self._started[:] = [self.proc]
         wait_for(
             self._ready,
             self.ready_timeout,
@@ -539,5 +541,11 @@ def _pg_children_alive(data: Path) -> bool:
     return False
 
 
-def _remove_pg(_: None, root: str) -> None:
+def _remove_pg(started: list[subprocess.Popen[bytes]], root: str) -> None:
+    """Finalizer: SIGKILL a postmaster nobody stopped (ours, by pid), then remove its dir."""
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
     shutil.rmtree(root, ignore_errors=True)
