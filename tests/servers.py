@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -29,6 +32,8 @@ __all__ = [
     "POSTGRES_ADMIN_URL",
     "MariaDBDatabase",
     "PostgresDatabase",
+    "PostgresServer",
+    "PostgresServerError",
     "ProcessGroup",
     "RedisServer",
     "RedisServerError",
@@ -323,3 +328,224 @@ class ProcessGroup:
         tb: TracebackType | None,
     ) -> None:
         self.stop_all()
+
+
+# --------------------------------------------------------------------------- a private PostgreSQL
+
+
+class PostgresServerError(RuntimeError):
+    """A private PostgreSQL server could not be made or started."""
+
+
+def _pg_binary(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    if not candidates:
+        raise PostgresServerError(f"`{name}` not found on PATH or under /usr/lib/postgresql/*/bin")
+    return candidates[-1]
+
+
+class PostgresServer:
+    """A PostgreSQL cluster of its own (``initdb`` in a temp dir, own port), free to kill -9.
+
+        with PostgresServer(listen=("127.0.0.1",)) as server:
+            url = server.url            # postgresql+psycopg://postgres@127.0.0.1:<port>/postgres
+            server.kill9(); server.start()
+
+    Runs as the ``postgres`` OS user (postgres refuses root), ``fsync=on``, trust auth for
+    local sockets, loopback and the ``trust`` networks given; the unix socket lives in the
+    temp dir. `unavailable()` says why one cannot be made here (for pytest.skip).
+    """
+
+    OS_USER = "postgres"
+
+    def __init__(
+        self,
+        *,
+        listen: Sequence[str] = ("127.0.0.1",),
+        trust: Sequence[str] = (),
+        port: int | None = None,
+        start: bool = True,
+        ready_timeout: float = 60.0,
+    ) -> None:
+        reason = self.unavailable()
+        if reason is not None:
+            raise PostgresServerError(reason)
+        self.listen = tuple(listen)
+        self.host = self.listen[0]
+        self.port = port or free_port()
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        user = pwd.getpwnam(self.OS_USER)
+        self._uid, self._gid = user.pw_uid, user.pw_gid
+        # Not under pytest's tmp_path: that is root's, mode 0700, and postgres must enter it.
+        self.root = Path(tempfile.mkdtemp(prefix="jobfence-pg-"))
+        os.chown(self.root, self._uid, self._gid)
+        self.data = self.root / "data"
+        self.log_path = self.root / "postgres.log"
+        self._started: list[subprocess.Popen[bytes]] = []  # for the finalizer: kill, then remove
+        self._finalizer = weakref.finalize(self, _remove_pg, self._started, str(self.root))
+        try:
+            self._initdb(trust)
+            if start:
+                self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """None if a private server can be made here, else the reason."""
+        if os.geteuid() != 0:
+            return "a private PostgreSQL is started as the postgres OS user: needs root"
+        try:
+            pwd.getpwnam(cls.OS_USER)
+            for name in ("initdb", "postgres"):
+                _pg_binary(name)
+        except KeyError:
+            return f"no `{cls.OS_USER}` OS user to run a private PostgreSQL"
+        except PostgresServerError as exc:
+            return str(exc)
+        return None
+
+    def _as_postgres(self) -> dict[str, Any]:
+        return {"user": self._uid, "group": self._gid, "extra_groups": [], "cwd": self.root}
+
+    def _initdb(self, trust: Sequence[str]) -> None:
+        done = subprocess.run(
+            [_pg_binary("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+             "--no-sync", "-E", "UTF8", "--locale=C"],
+            capture_output=True, timeout=180, check=False, **self._as_postgres(),
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise PostgresServerError(f"initdb exited {done.returncode}: {done.stderr[-2000:]!r}")
+        hba = ["local all all trust", "host all all 127.0.0.1/32 trust"]
+        hba += [f"host all all {net} trust" for net in trust]
+        (self.data / "pg_hba.conf").write_text("\n".join(hba) + "\n")
+        with open(self.data / "postgresql.conf", "a") as conf:
+            conf.write(
+                "\nfsync = on\nmax_connections = 40\nshared_buffers = 16MB\n"
+                "logging_collector = off\n"
+            )
+
+    @property
+    def url(self) -> str:
+        return self.url_for(self.host)
+
+    def url_for(self, host: str, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@{host}:{self.port}/{database}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def start(self) -> None:
+        """Start the postmaster on the data dir (again after `kill9`/`stop`); wait until ready."""
+        if self.pid is not None:
+            return
+        log = open(self.log_path, "ab")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                [_pg_binary("postgres"), "-D", str(self.data), "-p", str(self.port),
+                 "-c", f"listen_addresses={','.join(self.listen)}",
+                 "-c", f"unix_socket_directories={self.root}"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                **self._as_postgres(),
+            )  # fmt: skip
+        finally:
+            log.close()
+        self._started[:] = [self.proc]
+        wait_for(
+            self._ready,
+            self.ready_timeout,
+            interval=0.05,
+            message=lambda: f"private PostgreSQL not ready:\n{procs.tail(str(self.log_path), 30)}",
+            error=PostgresServerError,
+        )
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise PostgresServerError(
+                f"postgres exited {self.proc.returncode}:\n{procs.tail(str(self.log_path), 30)}"
+            )
+        import psycopg
+
+        try:
+            psycopg.connect(
+                host=self.host, port=self.port, user="postgres", dbname="postgres",
+                connect_timeout=2,
+            ).close()  # fmt: skip
+        except psycopg.OperationalError:
+            return False
+        return True
+
+    def kill9(self) -> None:
+        """SIGKILL the postmaster we started (no shutdown checkpoint: crash recovery next)."""
+        assert self.proc is not None and self.proc.poll() is None, "not running"
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        # Its backends notice the postmaster is gone and exit; a new postmaster refuses to
+        # start while they still hold the shared memory, so wait for them (by the lock file).
+        wait_for(
+            lambda: not _pg_children_alive(self.data),
+            30.0,
+            interval=0.05,
+            message="the killed postmaster's backends did not exit",
+            error=PostgresServerError,
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Fast shutdown (SIGINT), SIGKILL after ``timeout``; idempotent."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        try:
+            self.stop()
+        finally:
+            self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<PostgresServer {self.host}:{self.port} pid={self.pid}>"
+
+
+def _pg_children_alive(data: Path) -> bool:
+    """Whether a process still has this data dir's shared memory (its backends, after kill -9)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if (entry / "cwd").resolve() == data.resolve():
+                return True
+    return False
+
+
+def _remove_pg(started: list[subprocess.Popen[bytes]], root: str) -> None:
+    """Finalizer: SIGKILL a postmaster nobody stopped (ours, by pid), then remove its dir."""
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+    shutil.rmtree(root, ignore_errors=True)
