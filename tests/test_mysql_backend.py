@@ -320,7 +320,11 @@ class _PrivateMariaDB:
             except pymysql.err.MySQLError:
                 return False
 
-        wait_for(up, timeout=60.0, message="private mariadbd did not start")
+        try:
+            wait_for(up, timeout=120.0, message="private mariadbd did not start")
+        except BaseException:
+            self.stop()  # never leave our own server running behind a failed start
+            raise
 
     def kill(self) -> None:
         assert self.proc is not None

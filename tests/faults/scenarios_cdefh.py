@@ -16,7 +16,7 @@ from pathlib import Path
 from jobfence.worker.faults_report import Outcome, Scenario, Side
 from tests.faults import fenced_app, hold, naive_app
 from tests.faults.rig import HOLD_DB, LEDGER_DB, Rig, plan_payments, wait_until
-from tests.integration.celery_fleet import Fleet
+from tests.integration.celery_fleet import Fleet, broker_backlog
 
 #: Generous: the box is shared and loaded.
 SETTLE_TIMEOUT = 90.0
@@ -182,11 +182,25 @@ def row_f(side: Side, workdir: Path, full: bool) -> Outcome:
         rig.publish(rig.charge_task("naive.charge_locked"), planned)
         broker = rig.client(rig.broker)
         # 2 processes x multiplier 4 = 8 messages held; an early ack frees two more slots.
-        wait_until(
-            lambda: len(fleet.executing_pids()) >= 2 and broker.hlen("unacked") >= min(n - 2, 8),
-            60.0,
-            "two bodies running and the worker's prefetch window full",
-        )
+        # kombu's Redis transport moves a message to `unacked` a step after BRPOP took it
+        # off the queue: a SIGKILL between the two loses that message on any broker side,
+        # jobfence or not. So strike only once the window is full and no fetch is in
+        # flight: the queue down to what the window leaves, `unacked` steady for a while.
+        steady: list[int] = []
+
+        def window_full_and_still() -> bool:
+            backlog = broker_backlog(broker)
+            queued = sum(v for k, v in backlog.items() if k != "unacked")
+            unacked = backlog.get("unacked", 0)
+            steady.append(unacked)
+            full = (
+                len(fleet.executing_pids()) >= 2
+                and unacked >= min(n - 2, 8)
+                and queued <= max(0, n - 8)
+            )
+            return full and len(steady) >= 10 and len(set(steady[-10:])) == 1
+
+        wait_until(window_full_and_still, 60.0, "the worker's prefetch window full and still")
         held = int(broker.hlen("unacked"))
         fleet.kill_worker(0, with_children=True)
         fleet.start_worker(0)
