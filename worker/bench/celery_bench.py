@@ -322,7 +322,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.celery_bench",
+        prog="python -m jobfence bench celery",
         description="Jobs/s and duplicate storms: plain Celery, jobfence, celery-once, "
         "celery-singleton on one fleet of real worker processes.",
     )

@@ -641,7 +641,7 @@ def run_sql(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.locks_bench",
+        prog="python -m jobfence bench locks",
         description="Acquire+release pairs/s and wake-up delay: jobfence vs Redis lock peers.",
     )
     p.add_argument("--pairs", type=int, default=1000, help="pairs per round (default 1000)")
