@@ -14,6 +14,7 @@ from pathlib import Path
 import pymysql  # type: ignore[import-untyped]
 import pytest
 import sqlalchemy as sa
+from pymysql.err import MySQLError, OperationalError  # type: ignore[import-untyped]
 
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.locks import Busy, JobRecord, LockError, open_backend
@@ -180,7 +181,7 @@ def test_a_lock_wait_that_never_ends_fails_as_unavailable(
         with pytest.raises(BackendUnavailable) as failed:
             backend.release(lease)
         cause = failed.value.__cause__
-        assert isinstance(cause, pymysql.err.OperationalError) and cause.args[0] == 1205
+        assert isinstance(cause, OperationalError) and cause.args[0] == 1205
     engine.dispose()
     assert backend.release(lease)  # nothing was released by the failed attempts
 
@@ -317,7 +318,7 @@ class _PrivateMariaDB:
             try:
                 pymysql.connect(host="127.0.0.1", port=self.port, user="root").close()
                 return True
-            except pymysql.err.MySQLError:
+            except MySQLError:
                 return False
 
         try:

@@ -17,6 +17,13 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import pymysql  # type: ignore[import-untyped]  # PyMySQL ships no type hints
 from pymysql.constants import CLIENT  # type: ignore[import-untyped]
 
+# The error classes PyMySQL raises, bound from sys.modules["pymysql.err"]: once Django (or
+# anyone) runs pymysql.install_as_MySQLdb() and imports MySQLdb.constants, a second copy
+# of pymysql/err.py is loaded as MySQLdb.err and replaces the `pymysql.err` attribute, so
+# `except pymysql.err.MySQLError` would stop matching what connections raise.
+from pymysql.err import Error as PyMySQLError  # type: ignore[import-untyped]
+from pymysql.err import MySQLError  # type: ignore[import-untyped]
+
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
@@ -139,7 +146,7 @@ class _Pool:
         idle, self.idle = self.idle, []
         if self.pid == os.getpid():
             for conn in idle:
-                with contextlib.suppress(pymysql.err.Error):
+                with contextlib.suppress(PyMySQLError):
                     conn.close()
 
 
@@ -231,7 +238,7 @@ class MySQLBackend(LockBackend):
             conn = self._connection(key)
             try:
                 out = self._execute(conn, sql, params)
-            except pymysql.err.MySQLError as exc:
+            except MySQLError as exc:
                 code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
                 if code in RETRY_ERRORS or code == NO_SUCH_TABLE:
                     if self._rollback(conn):
@@ -256,7 +263,7 @@ class MySQLBackend(LockBackend):
     def _connection(self, key: str | None) -> pymysql.connections.Connection[Any]:
         try:
             return self._pool.get()
-        except pymysql.err.MySQLError as exc:
+        except MySQLError as exc:
             raise BackendUnavailable(
                 f"cannot connect to the MySQL lock server: {exc}", key=key, cause=exc
             ) from exc
@@ -276,7 +283,7 @@ class MySQLBackend(LockBackend):
         try:
             conn.rollback()
             return True
-        except pymysql.err.Error:
+        except PyMySQLError:
             _discard(conn)
             return False
 
@@ -294,11 +301,11 @@ class MySQLBackend(LockBackend):
                             try:
                                 cur.execute(stmt)
                                 break
-                            except pymysql.err.MySQLError as exc:
+                            except MySQLError as exc:
                                 # 1050: a racing creator made it between our check and ours.
                                 if exc.args[0] not in (1050, *RETRY_ERRORS) or attempt == 4:
                                     raise
-            except pymysql.err.MySQLError as exc:
+            except MySQLError as exc:
                 _discard(conn)
                 raise BackendUnavailable(
                     f"could not create jobfence's lock tables ({exc}); grant CREATE on the "
