@@ -120,6 +120,7 @@ def check_url(
 LOCK_SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "memory")
 LOCK_SCHEMES += ("postgresql", "postgres", "postgresql+psycopg")
 LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
+LOCK_SCHEMES += ("zookeeper",)
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
@@ -145,8 +146,34 @@ def check_lock_url(url: str, variable: str) -> None:
                 variable, f"{redact(url)!r} names no database",
                 f"set {variable} to a URL such as mysql://user:password@127.0.0.1:3306/jobfence",
             )
+    elif scheme == "zookeeper":
+        _check_zookeeper_url(url, variable)
     elif scheme == "unix" and not rest.split("?", 1)[0]:
         raise UnsafeSettings(
             variable, f"{redact(url)!r} names no socket path",
             f"set {variable} to a URL such as unix:///run/redis/redis.sock?db=0",
         )
+
+
+def _check_zookeeper_url(url: str, variable: str) -> None:
+    """zookeeper://host:port[,host:port...][/chroot]: every host named, every port a number."""
+    fix = f"set {variable} to a URL such as zookeeper://zk1:2181,zk2:2181,zk3:2181/jobfence"
+    shown = redact(url)
+    userinfo, rest = _split_userinfo(url)
+    if userinfo:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has a user or password, which zookeeper:// does not take", fix
+        )
+    if "?" in rest or "#" in rest:
+        raise UnsafeSettings(variable, f"{shown!r} has a query or fragment", fix)
+    hosts, _, chroot = rest.partition("/")
+    for item in hosts.split(","):
+        host, colon, port = item.rpartition(":")
+        if not colon:
+            host, port = item, "2181"
+        if not host:
+            raise UnsafeSettings(variable, f"{shown!r} names no host in {item!r}", fix)
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise UnsafeSettings(variable, f"{shown!r} has port {port!r} in {item!r}", fix)
+    if chroot and any(p in ("", ".", "..") for p in chroot.rstrip("/").split("/")):
+        raise UnsafeSettings(variable, f"{shown!r} has chroot /{chroot}, not a node path", fix)

@@ -146,7 +146,14 @@ def open_backend(url: str, **options: Any) -> LockBackend:
             hint = f"{scheme}:// locks need PyMySQL: pip install jobfence[mysql]"
             raise ImportError(hint) from exc
         return MySQLBackend.from_url(url, **options)
+    if scheme.lower() == "zookeeper":
+        try:
+            from jobfence.locks.backends.zookeeper import ZooKeeperBackend
+        except ImportError as exc:
+            hint = "zookeeper:// locks need kazoo: pip install 'jobfence[zookeeper]'"
+            raise ImportError(hint) from exc
+        return ZooKeeperBackend.from_url(url, **options)
     raise ValueError(
         f"no lock backend for scheme {scheme!r}; use redis://, rediss://, unix://, "
-        "postgresql://, mysql:// or mariadb://"
+        "postgresql://, mysql://, mariadb:// or zookeeper://"
     )

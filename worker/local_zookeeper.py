@@ -203,6 +203,7 @@ class ZooKeeperServer:
             "4lw.commands.whitelist=srvr,ruok,mntr,stat,conf",
             "preAllocSize=1024",  # KB per transaction log file (64 MB by default)
             "autopurge.purgeInterval=0",
+            "maxClientCnxns=0",  # tests race dozens of processes from one address
         ]
         if self.peers:
             lines += ["initLimit=10", "syncLimit=5", "cnxTimeout=500"]
