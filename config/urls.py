@@ -126,6 +126,8 @@ LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 def check_lock_url(url: str, variable: str) -> None:
     """The lock URL: a supported scheme, a host for redis(s)://, a numeric port and db."""
+    if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "zookeeper":
+        _check_zookeeper_url(url, variable)  # a host list: its own message and example
     check_url(url, variable=variable, schemes=LOCK_SCHEMES, example=LOCK_EXAMPLE,
               what="lock backend")
     fix = f"set {variable} to a URL such as {LOCK_EXAMPLE}"
@@ -146,8 +148,6 @@ def check_lock_url(url: str, variable: str) -> None:
                 variable, f"{redact(url)!r} names no database",
                 f"set {variable} to a URL such as mysql://user:password@127.0.0.1:3306/jobfence",
             )
-    elif scheme == "zookeeper":
-        _check_zookeeper_url(url, variable)
     elif scheme == "unix" and not rest.split("?", 1)[0]:
         raise UnsafeSettings(
             variable, f"{redact(url)!r} names no socket path",

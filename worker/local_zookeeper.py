@@ -325,11 +325,22 @@ class ZooKeeperServer:
         return self.start()
 
     def pause(self) -> None:
-        """SIGSTOP the JVM: connections stay open, nothing is answered, no session expires."""
+        """SIGSTOP the JVM and return once every thread of it has stopped: connections stay
+        open, nothing is answered, no session expires."""
         if self._proc is None:
             raise RuntimeError("ZooKeeperServer is not running")
         procs.signal_leader(self._proc, signal.SIGSTOP)
         self._paused = True
+        tasks = Path(f"/proc/{self._proc.pid}/task")
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                states = [procs.proc_state(int(t.name)) for t in tasks.iterdir()]
+            except OSError:  # it died
+                return
+            if all(state in ("T", "t", None) for state in states):
+                return
+            time.sleep(0.001)
 
     def resume(self) -> None:
         if self._proc is None:

@@ -500,6 +500,9 @@ class ZooKeeperBackend(LockBackend):
         for part in ("locks", "keys"):
             path = f"{self.root}/{part}"
             self._call(session, "setup", None, lambda p=path: c.ensure_path_async(p))  # type: ignore[misc]
+        # The 256 buckets of key nodes, all at once: then a new key is one multi.
+        buckets = [f"{self.root}/keys/{i:02x}" for i in range(256)]
+        self._gather(session, [lambda b=b: c.create_async(b, b"") for b in buckets])  # type: ignore[misc]
         base = f"{self.root}/fence-base"
         try:
             _, stat = self._call(
@@ -1262,10 +1265,10 @@ class ZooKeeperBackend(LockBackend):
                 out.append(answer.get(timeout=self.socket_timeout))
             except ZookeeperError as exc:
                 if isinstance(exc, _TRANSPORT):
-                    raise BackendUnavailable("zookeeper prune failed", cause=exc) from exc
+                    raise BackendUnavailable("zookeeper request failed", cause=exc) from exc
                 out.append(exc)
             except (KazooTimeoutError, KazooException) as exc:
-                raise BackendUnavailable("zookeeper prune failed", cause=exc) from exc
+                raise BackendUnavailable("zookeeper request failed", cause=exc) from exc
         return out
 
     def _prune_bucket(self, session: _Session, bucket: str) -> int:
@@ -1313,8 +1316,12 @@ class ZooKeeperBackend(LockBackend):
         Raises BackendUnavailable if the server does not answer.
         """
         problems = []
-        for ttl in sorted(set(ttls)):
-            granted = self.session_ttl(ttl)
+        opened = set(self._sessions)
+        try:
+            granted_ttls = [(ttl, self.session_ttl(ttl)) for ttl in sorted(set(ttls))]
+        finally:
+            self._close_unused(opened)  # a prefork parent then forks with no client threads
+        for ttl, granted in granted_ttls:
             if granted > ttl + 0.0005:
                 problems.append((
                     f"the ZooKeeper server grants sessions of at least {granted:g}s, so leases "
@@ -1324,6 +1331,17 @@ class ZooKeeperBackend(LockBackend):
                     "minSessionTimeout (zoo.cfg; 2 x tickTime by default)",
                 ))  # fmt: skip
         return problems
+
+    def _close_unused(self, keep: set[int]) -> None:
+        """Stop the sessions opened since `keep` that hold no lock."""
+        with self._mutex:
+            used = {id(g.session) for g in self._grants.values()}
+            used |= {id(s) for ms, s in self._sessions.items() if ms in keep}  # shared
+            idle = [(ms, s) for ms, s in self._sessions.items() if id(s) not in used]
+            for ms, _ in idle:
+                del self._sessions[ms]
+        for session in {id(s): s for _, s in idle}.values():
+            session.stop()
 
     def close(self) -> None:
         if self._pid != os.getpid():
