@@ -199,6 +199,17 @@ class _Session:
         # kazoo's own flag: set before the state listeners hear of the connection
         return not self.dead and bool(self.client.connected)
 
+    def wait_connected(self, timeout: float) -> bool:
+        """Wait up to `timeout` for a (re)connection: an election or a dropped connection
+        costs a short wait, not an error. Requests go out only once connected, so none is
+        queued by kazoo to leave later, after its caller gave up."""
+        if self.connected:
+            return True
+        if self.dead:
+            return False
+        self.client._live.wait(timeout)  # kazoo's "connected" event
+        return self.connected
+
     def _state_changed(self, state: str) -> None:
         # kazoo's connection thread: record and hand over, never block here.
         # (LOST: the session ended, and its ephemeral nodes with it; `sid` says so.)
@@ -228,6 +239,12 @@ class _Session:
             self.dead = True
             raise BackendUnavailable(f"cannot connect to ZooKeeper: {exc!r}", cause=exc) from exc
         self.confirmed = self.clock.monotonic()
+
+    def retire(self) -> None:
+        """Give the session up: no more requests on it; its client stops in the background."""
+        if not self.dead:
+            self.dead = True
+            threading.Thread(target=self.stop, name="jobfence-zookeeper-stop", daemon=True).start()
 
     def stop(self) -> None:
         """End the session (its ephemeral nodes go at once if the server is reachable)."""
@@ -388,6 +405,8 @@ class ZooKeeperBackend(LockBackend):
         with self._mutex:
             session = self._sessions.get(ms)
             if session is None or session.dead:
+                if session is not None:
+                    session.retire()
                 session = self._connect(ms)
                 self._sessions[ms] = session
         return session
@@ -426,7 +445,7 @@ class ZooKeeperBackend(LockBackend):
     def _call(self, session: _Session, what: str, key: str | None, start: Callable[[], Any]) -> Any:
         """One request, one round trip. A server's answer (NoNode, ...) is raised as kazoo's
         error; no answer (not connected, timeout, connection lost) as BackendUnavailable."""
-        if not session.connected:
+        if not session.wait_connected(self.socket_timeout):
             raise BackendUnavailable(f"zookeeper {what}: not connected", key=key)
         sent = self.clock.monotonic()
         self.requests += 1
@@ -549,8 +568,8 @@ class ZooKeeperBackend(LockBackend):
 
     def _drop_other_sessions(self, keep: _Session) -> None:
         for session in list(self._sessions.values()):
-            if session is not keep and not session.dead:
-                session.dead = True  # its grants are lost; the reaper stops its client
+            if session is not keep:
+                session.retire()  # its grants are lost (the reaper says so to their leases)
         self._wake.set()
 
     # -- begin ------------------------------------------------------------------------------
@@ -1125,7 +1144,7 @@ class ZooKeeperBackend(LockBackend):
             if down is not None and now - down > session.ttl:
                 # Cut off longer than the session could live: drop the client (a wiped
                 # server refuses its reconnection for ever) and start afresh on next use.
-                session.dead = True
+                session.retire()
         with self._mutex:
             grants = list(self._grants.values())
             orphans, self._orphans = self._orphans, []
@@ -1140,7 +1159,6 @@ class ZooKeeperBackend(LockBackend):
             for ms, session in list(self._sessions.items()):
                 if session.dead:
                     del self._sessions[ms]
-                    threading.Thread(target=session.stop, daemon=True).start()
         return max(0.001, next_at - self.clock.monotonic())
 
     def _reap_grant(self, grant: _Grant, now: float) -> float:
