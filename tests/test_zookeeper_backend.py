@@ -14,7 +14,15 @@ from kazoo.client import KazooClient
 
 from jobfence.config import UnsafeSettings
 from jobfence.config.urls import check_lock_url
-from jobfence.locks import BackendUnavailable, JobRecord, Lease, LeaseLost, LockError, open_backend
+from jobfence.locks import (
+    BackendUnavailable,
+    Busy,
+    JobRecord,
+    Lease,
+    LeaseLost,
+    LockError,
+    open_backend,
+)
 from jobfence.locks.backends.zookeeper import ZooKeeperBackend, node_name, parse_url
 from jobfence.worker.local_zookeeper import ZooKeeperServer
 from tests.servers import wait_for
@@ -278,7 +286,32 @@ def test_a_fence_not_above_one_from_lost_data_is_refused(backend: ZooKeeperBacke
     backend._old_floor = first.fence + 10**12  # as if earlier data had reached this far
     with pytest.raises(BackendUnavailable, match="data was lost"):
         backend.try_acquire(key, 5.0)
-    assert backend.inspect(key) is None, "the refused grant's node stayed"
+    wait_for(lambda: backend.inspect(key) is None, 5.0, message="the refused grant's node stayed")
+
+
+def test_a_lock_node_nobody_extends_goes_after_its_ttl_though_its_session_lives(
+    backend: ZooKeeperBackend, raw: KazooClient, zookeeper_url: str
+) -> None:
+    """A node no lease holds (its process's reaper gone, say) is deleted by the next
+    contender once the server's clock is well past its TTL; a node kept alive is not."""
+    key, kept = _key(), _key()
+    assert backend.try_acquire(_key(), 5.0) is not None  # the prefix's nodes exist
+    stray = json.dumps({"key": key, "ttl_ms": 1000, "task_id": "gone"}).encode()
+    raw.create(f"{backend.root}/locks/{node_name(key)}", stray, ephemeral=True)
+    alive = backend.try_acquire(kept, 1.0)
+    assert alive is not None and alive.ttl == 1.0
+    other = open_backend(zookeeper_url, prefix="unit")
+    try:
+        assert isinstance(other.attempt(key, 5.0), Busy)
+        started = time.monotonic()
+        while time.monotonic() - started < 2.5:  # TTL 1 s + the margin, while extending
+            backend.extend(alive)
+            assert isinstance(other.attempt(kept, 5.0), Busy), "took an extended lease"
+            time.sleep(0.2)
+        taken = wait_for(lambda: other.try_acquire(key, 5.0), 5.0, interval=0.1)
+        assert taken.fence > 0 and raw.exists(f"{backend.root}/locks/{node_name(key)}")
+    finally:
+        other.close()
 
 
 # --------------------------------------------------------------------------- housekeeping

@@ -80,6 +80,7 @@ MAX_RECORD_BYTES = 512 * 1024  # ZooKeeper refuses packets over jute.maxbuffer (
 KNOWN_KEYS = 10_000  # key nodes this process knows exist (a cache, emptied when full)
 PRUNE_INTERVAL = 600.0
 RECONNECT_CAP = 1.0  # seconds between reconnection attempts at most (kazoo's default: 1 h)
+STALE_MARGIN = 0.5  # a node unextended this long past its TTL (or half the TTL) is no lease's
 
 # What says "the request's outcome is unknown" (or it never went out), as opposed to a
 # server's answer (NoNode, NodeExists, BadVersion...): the call raises BackendUnavailable.
@@ -697,31 +698,32 @@ class ZooKeeperBackend(LockBackend):
         data: bytes,
         started: float,
     ) -> _Grant | tuple[int, Exception]:
-        """Send one grant multi; a lost answer leaves a possible orphan for the reaper."""
+        """Send one grant multi. A node made for no lease (the answer was lost, or the
+        fence is refused) is an orphan: the reaper deletes it, owner-checked."""
         sid = session.sid
+        if self._base_us is None or sid not in self._base_seen:
+            self._load_base(session)  # before the create: nothing may fail after it
         before = time.time()
         try:
             results = self._multi(session, "begin", key, ops)
         except BackendUnavailable as exc:
             if exc.cause is not None:  # it went out: the node may exist, held by no lease
-                with self._mutex:
-                    self._orphans.append((p.lock, owner_digest(owner), session, sid))
-                self._wake.set()
+                self._orphan(p, owner, session, sid)
             raise
         failed = _failure(results)
         if failed is not None:
             return failed
         stat = results[-1]  # the key node's: one multi, one zxid, so mzxid = the lock's czxid
         self._note_clock(stat.mtime, before, time.time())
-        if sid is None or session.sid != sid:  # the session ended meanwhile: so did the node
-            raise BackendUnavailable("zookeeper begin: the session ended", key=key)
+        if sid is None or session.sid != sid or sid not in self._base_seen:
+            self._orphan(p, owner, session, sid)  # the session changed meanwhile
+            raise BackendUnavailable("zookeeper begin: the session changed", key=key)
         fence = self._fence(session, stat.mzxid)
         if fence <= self._old_floor:
             # At or below a fence granted on data the server has since lost: the new base
             # is not far enough above the old one (an ensemble's zxids carry its election
             # epoch in their top 32 bits: 2^32 µs, 72 minutes, per election). Refuse.
-            self._multi(session, "release", key, [("check", p.key, stat.version),
-                                                  ("delete", p.lock)])  # fmt: skip
+            self._orphan(p, owner, session, sid)
             raise BackendUnavailable(
                 f"ZooKeeper gave fence {fence}, not above {self._old_floor} seen before: its "
                 "data was lost; restore the data directory (or wait: the base is its "
@@ -739,6 +741,11 @@ class ZooKeeperBackend(LockBackend):
         if self.clock.monotonic() >= self._next_prune:
             self._prune_soon()
         return grant
+
+    def _orphan(self, p: _Paths, owner: str, session: _Session, sid: int | None) -> None:
+        with self._mutex:
+            self._orphans.append((p.lock, owner_digest(owner), session, sid))
+        self._wake.set()
 
     def _make_bucket(self, session: _Session, p: _Paths) -> None:
         try:
@@ -764,11 +771,32 @@ class ZooKeeperBackend(LockBackend):
         holder = _json(data)
         ttl = int(holder.get("ttl_ms", session.negotiated_ms)) / 1000
         left = (stat.mtime / 1000 + ttl) - self.server_now()
+        if left < -max(STALE_MARGIN, ttl / 2) and self._stale(session, key, p, stat, ttl):
+            return None
         return Busy(
             ttl_left=min(ttl, max(0.0, left)),
             task_id=str(holder.get("task_id", "")),
             fingerprint=str(holder.get("fingerprint", "")),
         )
+
+    def _stale(self, session: _Session, key: str, p: _Paths, stat: Any, ttl: float) -> bool:
+        """Delete a lock node nobody extended for well over its TTL; True if it went.
+
+        Its holder's deadline has passed (the node's mtime is later than the holder's last
+        confirmed extension), so no lease holds it; its session lives on (a holder process
+        whose reaper died, a node whose answer was lost). The server's clock decides, read
+        afresh; the delete is conditional on the node's version (not extended meanwhile).
+        """
+        if self.server_time() < stat.mtime / 1000 + ttl + max(STALE_MARGIN, ttl / 2):
+            return False
+        try:
+            self._call(session, "begin", key,
+                       lambda: session.client.delete_async(p.lock, stat.version))  # fmt: skip
+        except (NoNodeError, BadVersionError):
+            return True
+        log.warning("deleted the lock node of %s: not extended for %.3gs past its TTL",
+                    key, self.server_now() - stat.mtime / 1000 - ttl)  # fmt: skip
+        return True
 
     def _record(self, data: bytes, stat: Any) -> tuple[JobRecord, bool] | None:
         """The job record in `data` and whether it is still live (None: not a record)."""
