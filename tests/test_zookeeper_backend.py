@@ -338,3 +338,36 @@ def test_prune_removes_expired_records_and_idle_key_nodes(
         assert backend.try_acquire(gone, 5.0) is not None
     finally:
         backend.close()
+
+
+# --------------------------------------------------------------------------- start-up checks
+
+
+class _Conf:
+    task_always_eager = False
+
+
+def test_start_up_refuses_a_ttl_the_server_would_stretch_and_reports_a_dead_server(
+    zookeeper_url: str,
+) -> None:
+    from jobfence.config import Settings
+    from jobfence.tasks import Runtime
+    from jobfence.worker.checks import LOCK_SERVER_DOWN, check_lock_backend
+
+    cases = [
+        (zookeeper_url, 2.0, []),
+        (zookeeper_url, 0.5, ["refuse"]),  # the test server's minSessionTimeout is 1 s
+        ("zookeeper://127.0.0.1:1", 2.0, [LOCK_SERVER_DOWN]),
+    ]
+    for url, ttl, expected in cases:
+        settings = Settings(lock_url=url, default_ttl=ttl, heartbeat_fraction=0.3,
+                            socket_timeout=0.2, key_secret="a-real-random-secret")  # fmt: skip
+        runtime = Runtime(settings)
+        try:
+            findings = list(check_lock_backend(conf=_Conf(), runtime=runtime))
+        finally:
+            runtime.close()
+        assert [("refuse" if f.refuse else f.code) for f in findings] == expected, findings
+        if expected == ["refuse"]:
+            assert "JOBFENCE_LOCK_URL" in findings[0].setting
+            assert "0.5s" in findings[0].problem and "minSessionTimeout" in findings[0].fix
