@@ -520,9 +520,11 @@ class ZooKeeperBackend(LockBackend):
         for part in ("locks", "keys"):
             path = f"{self.root}/{part}"
             self._call(session, "setup", None, lambda p=path: c.ensure_path_async(p))  # type: ignore[misc]
-        # The 256 buckets of key nodes, all at once: then a new key is one multi.
-        buckets = [f"{self.root}/keys/{i:02x}" for i in range(256)]
-        self._gather(session, [lambda b=b: c.create_async(b, b"") for b in buckets])  # type: ignore[misc]
+        # The 256 buckets of key nodes in one multi (then a new key is one multi): racing
+        # processes send one request each, and all but the first find them made. A bucket
+        # missing later is made when a grant needs it.
+        self._multi(session, "setup", None,
+                    [("create", f"{self.root}/keys/{i:02x}", b"") for i in range(256)])  # fmt: skip
         base = f"{self.root}/fence-base"
         try:
             _, stat = self._call(
