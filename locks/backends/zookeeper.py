@@ -1,23 +1,4 @@
-"""The ZooKeeper lock backend: an ephemeral node per lock, the session as its lease, czxid fences.
-
-Layout under ``[/chroot]/<prefix>`` (every name below is the key's SHA-256, 32 hex digits;
-the plain key is in the node data):
-
-* ``fence-base``: made once per deployment; its ctime (server clock, ms) times 1000 is the
-  base of every fence, so a fresh data directory, whose zxids start again at 1, re-bases its
-  fences above the earlier ones (DESIGN §4, one fence space).
-* ``locks/<name>``: the lock, an ephemeral node of the holder's session; data: holder JSON
-  (key, task, host, pid, a digest of the owner token, TTL). Fence = base + its czxid.
-* ``keys/<2 hex>/<name>``: the key node, persistent; every grant sets it in the same multi
-  as the create, so its version counts the key's grants (the owner check of release,
-  extend and commit: ``check(key node, version)``) and its new mzxid is the lock's czxid.
-  Children: ``job`` (DONE/FAILED record), ``queued`` (published task id), ``deliveries``.
-
-The session is the lease: one session per process and TTL (its negotiated timeout is the
-TTL every lease on it reports). A holder that dies, freezes or is cut off loses its locks
-when the server expires its session; a live holder that stops extending a lease has its
-node deleted at the lease's deadline by this process's reaper thread.
-"""
+"""The ZooKeeper lock backend: an ephemeral node per lock, the session its lease, czxid fences."""
 
 from __future__ import annotations
 
@@ -156,7 +137,6 @@ class _Session:
 
     def __init__(self, hosts: str, requested_ms: int, socket_timeout: float, clock: Clock) -> None:
         self.clock = clock
-        self.requested_ms = requested_ms
         self.negotiated_ms = requested_ms
         self.client = KazooClient(
             hosts=hosts,
@@ -167,7 +147,6 @@ class _Session:
         )
         self.socket_timeout = socket_timeout
         self.down_since: float | None = None  # monotonic; None while connected
-        self.confirmed = 0.0  # send time (monotonic) of the latest request answered
         self.dead = False
         self.on_change: Callable[[], None] = lambda: None
         self._hook_negotiation()
@@ -226,20 +205,12 @@ class _Session:
         it before it reports the connection, and clears it when the session ends.)"""
         return None if self.dead else self.client._session_id  # type: ignore[no-any-return]
 
-    def loss_time(self) -> float | None:
-        """While cut off: when the server may first expire the session (Curator's rule: a
-        SUSPENDED session may be lost; count from the last request the server answered)."""
-        if self.down_since is None:
-            return None
-        return self.confirmed + self.ttl - (self.ttl * DRIFT_FRACTION + DRIFT_FLOOR)
-
     def start(self) -> None:
         try:
             self.client.start(timeout=self.socket_timeout)
         except (KazooException, KazooTimeoutError) as exc:
             self.dead = True
             raise BackendUnavailable(f"cannot connect to ZooKeeper: {exc!r}", cause=exc) from exc
-        self.confirmed = self.clock.monotonic()
 
     def retire(self) -> None:
         """Give the session up: no more requests on it; its client stops in the background."""
@@ -300,6 +271,24 @@ class _Paths:
 class ZooKeeperBackend(LockBackend):
     """Locks on a ZooKeeper server or ensemble. Build with `from_url`.
 
+    Layout under ``[/chroot]/<prefix>`` (a ``<name>`` is the key's SHA-256, 32 hex digits;
+    the plain key is in the node data):
+
+    * ``fence-base``: made once per deployment; its ctime (server clock, ms) times 1000 is
+      the base of every fence, so a fresh data directory, whose zxids start again at 1,
+      re-bases its fences above the earlier ones (DESIGN §4, one fence space).
+    * ``locks/<name>``: the lock, an ephemeral node of the holder's session; data: holder JSON
+      (key, task, host, pid, a digest of the owner token, TTL). Fence = base + its czxid.
+    * ``keys/<2 hex>/<name>``: the key node, persistent; every grant sets it in the same multi
+      as the create, so its version counts the key's grants (the owner check of release,
+      extend and commit: ``check(key node, version)``) and its new mzxid is the lock's czxid.
+      Children: ``job`` (DONE/FAILED record), ``queued`` (published task id), ``deliveries``.
+
+    The session is the lease: one session per process and TTL (its negotiated timeout is the
+    TTL every lease on it reports). A holder that dies, freezes or is cut off loses its locks
+    when the server expires its session; a live holder that stops extending a lease has its
+    node deleted at the lease's deadline by this process's reaper thread.
+
     Clients are made lazily in each process (kazoo runs threads, which a fork does not
     copy): a forked child starts with none and never touches its parent's.
     """
@@ -353,6 +342,7 @@ class ZooKeeperBackend(LockBackend):
             _inherited.extend(s.client for s in self._sessions.values())
         self._pid = os.getpid()
         self._mutex = threading.Lock()
+        self._connecting = threading.Lock()
         self._sessions: dict[int, _Session] = {}  # by requested TTL (ms)
         self._grants: dict[tuple[str, str], _Grant] = {}
         # Grants whose answer was lost: (lock path, owner digest, session, session id).
@@ -403,19 +393,20 @@ class ZooKeeperBackend(LockBackend):
         session = self._sessions.get(ms)
         if session is not None and not session.dead:
             return session
-        with self._mutex:
+        with self._connecting:  # one connection at a time; the reaper never waits for it
             session = self._sessions.get(ms)
             if session is None or session.dead:
                 if session is not None:
                     session.retire()
                 session = self._connect(ms)
-                self._sessions[ms] = session
+                with self._mutex:
+                    self._sessions[ms] = session
         return session
 
     def _connect(self, ms: int) -> _Session:
         session = _Session(self.hosts, ms, self.socket_timeout, self.clock)
         session.start()
-        for other in self._sessions.values():
+        for other in list(self._sessions.values()):
             if not other.dead and other.negotiated_ms == session.negotiated_ms:
                 session.stop()  # the server granted a TTL a session already has: share it
                 return other
@@ -448,18 +439,15 @@ class ZooKeeperBackend(LockBackend):
         error; no answer (not connected, timeout, connection lost) as BackendUnavailable."""
         if not session.wait_connected(self.socket_timeout):
             raise BackendUnavailable(f"zookeeper {what}: not connected", key=key)
-        sent = self.clock.monotonic()
         self.requests += 1
         try:
             result = start().get(timeout=self.socket_timeout)
         except _TRANSPORT as exc:
             raise BackendUnavailable(f"zookeeper {what} failed", key=key, cause=exc) from exc
         except ZookeeperError:
-            session.confirmed = max(session.confirmed, sent)
-            raise
+            raise  # the server's answer: NoNode, NodeExists, BadVersion...
         except KazooException as exc:
             raise BackendUnavailable(f"zookeeper {what} failed", key=key, cause=exc) from exc
-        session.confirmed = max(session.confirmed, sent)
         return result
 
     def _multi(
@@ -1192,7 +1180,15 @@ class ZooKeeperBackend(LockBackend):
         return max(0.001, next_at - self.clock.monotonic())
 
     def _reap_grant(self, grant: _Grant, now: float) -> float:
-        """Mark the lease lost when due; delete its node past the deadline. Next due time."""
+        """Mark the lease lost when due; delete its node past the deadline. Next due time.
+
+        Curator's rule (SUSPENDED: the lock may be gone; LOST: it is) holds by construction.
+        A lease's deadline is the send time of its last confirmed request plus the session
+        timeout, and the server can expire the session only that long after it last heard
+        from us, so while the connection is down the lease is marked lost at its deadline
+        (less the drift), before its session may expire; an ended session (LOST, or a new
+        session id) marks it lost at once. A reconnection in time rides through.
+        """
         session = grant.session
         lease = grant.lease() if grant.lease is not None else None
         if not grant.valid():
@@ -1202,14 +1198,12 @@ class ZooKeeperBackend(LockBackend):
                     LeaseLost("the ZooKeeper session ended", key=grant.key, fence=grant.fence)
                 )
             return now + 1.0
-        loss = session.loss_time()
-        drift = session.ttl * DRIFT_FRACTION + DRIFT_FLOOR
-        lost_at = grant.deadline - drift if loss is None else min(grant.deadline - drift, loss)
+        lost_at = grant.deadline - (session.ttl * DRIFT_FRACTION + DRIFT_FLOOR)
         if now >= lost_at and lease is not None and not lease.released:
             lease.mark_lost(
                 LeaseLost(
-                    "ZooKeeper session suspended past the point it may have expired"
-                    if loss is not None and loss <= grant.deadline - drift
+                    "cut off from ZooKeeper until the lease's deadline: its session may expire"
+                    if session.down_since is not None
                     else "lease deadline passed before an extension was confirmed",
                     key=grant.key,
                     fence=grant.fence,
