@@ -931,7 +931,7 @@ class ZooKeeperBackend(LockBackend):
             return False
         p = self._paths(mine.name)
         ok = False
-        for write in ("create", "set"):  # a plain lock's key may hold an older record
+        for write in ("create", "set") * 2:  # a plain lock's key may hold an older record
             ops = [("check", p.key, mine.version), (write, p.job, record), ("delete", p.lock)]
             failed = _failure(self._multi(mine.session, "commit", key, ops))
             if failed is None:
@@ -1105,8 +1105,10 @@ class ZooKeeperBackend(LockBackend):
 
     # -- waiting ----------------------------------------------------------------------------
     def _waits(self) -> dict[str, threading.Event]:
+        """This thread's watches set by refused attempts, by key (bounded: a caller that
+        never waits, try_acquire say, leaves them behind)."""
         waits: dict[str, threading.Event] | None = getattr(self._tls, "waits", None)
-        if waits is None:
+        if waits is None or len(waits) > 1000:
             waits = self._tls.waits = {}
         return waits
 

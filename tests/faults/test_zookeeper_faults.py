@@ -166,7 +166,7 @@ def test_leader_killed_while_leases_are_held_and_contended(ensemble: ZooKeeperEn
     # It rode through the election (extended, released as its own), or it was given up
     # before the key went to anyone else (the loop above checks the "before").
     assert (held.extended and held.released and not held.lost) or held.lost, held
-    assert len({h.worker for h in holds}) > 2
+    assert len({h.worker for h in holds}) >= 3  # mine and at least two contenders
 
 
 # --------------------------------------------------------------------------- partition
