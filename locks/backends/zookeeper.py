@@ -345,8 +345,8 @@ class ZooKeeperBackend(LockBackend):
         self._connecting = threading.Lock()
         self._sessions: dict[int, _Session] = {}  # by requested TTL (ms)
         self._grants: dict[tuple[str, str], _Grant] = {}
-        # Grants whose answer was lost: (lock path, owner digest, session, session id).
-        self._orphans: list[tuple[str, str, _Session, int | None]] = []
+        # Nodes made for no lease, to delete: (lock path, owner digest).
+        self._orphans: list[tuple[str, str]] = []
         self._tls = threading.local()
         self._reaper: threading.Thread | None = None
         self._wake = threading.Event()
@@ -690,15 +690,17 @@ class ZooKeeperBackend(LockBackend):
     ) -> _Grant | tuple[int, Exception]:
         """Send one grant multi. A node made for no lease (the answer was lost, or the
         fence is refused) is an orphan: the reaper deletes it, owner-checked."""
-        sid = session.sid
-        if self._base_us is None or sid not in self._base_seen:
+        if not session.wait_connected(self.socket_timeout):
+            raise BackendUnavailable("zookeeper begin: not connected", key=key)
+        if self._base_us is None or session.sid not in self._base_seen:
             self._load_base(session)  # before the create: nothing may fail after it
+        sid = session.sid  # the session the node will belong to, if it stays the same
         before = time.time()
         try:
             results = self._multi(session, "begin", key, ops)
         except BackendUnavailable as exc:
             if exc.cause is not None:  # it went out: the node may exist, held by no lease
-                self._orphan(p, owner, session, sid)
+                self._orphan(p, owner)
             raise
         failed = _failure(results)
         if failed is not None:
@@ -706,14 +708,14 @@ class ZooKeeperBackend(LockBackend):
         stat = results[-1]  # the key node's: one multi, one zxid, so mzxid = the lock's czxid
         self._note_clock(stat.mtime, before, time.time())
         if sid is None or session.sid != sid or sid not in self._base_seen:
-            self._orphan(p, owner, session, sid)  # the session changed meanwhile
+            self._orphan(p, owner)  # the session changed meanwhile
             raise BackendUnavailable("zookeeper begin: the session changed", key=key)
         fence = self._fence(session, stat.mzxid)
         if fence <= self._old_floor:
             # At or below a fence granted on data the server has since lost: the new base
             # is not far enough above the old one (an ensemble's zxids carry its election
             # epoch in their top 32 bits: 2^32 µs, 72 minutes, per election). Refuse.
-            self._orphan(p, owner, session, sid)
+            self._orphan(p, owner)
             raise BackendUnavailable(
                 f"ZooKeeper gave fence {fence}, not above {self._old_floor} seen before: its "
                 "data was lost; restore the data directory (or wait: the base is its "
@@ -732,9 +734,10 @@ class ZooKeeperBackend(LockBackend):
             self._prune_soon()
         return grant
 
-    def _orphan(self, p: _Paths, owner: str, session: _Session, sid: int | None) -> None:
+    def _orphan(self, p: _Paths, owner: str) -> None:
         with self._mutex:
-            self._orphans.append((p.lock, owner_digest(owner), session, sid))
+            if len(self._orphans) < 10_000:  # a server down for long: each try left one
+                self._orphans.append((p.lock, owner_digest(owner)))
         self._wake.set()
 
     def _make_bucket(self, session: _Session, p: _Paths) -> None:
@@ -1231,23 +1234,18 @@ class ZooKeeperBackend(LockBackend):
             if self._grants.get((grant.key, grant.owner)) is grant:
                 del self._grants[(grant.key, grant.owner)]
 
-    def _reap_orphan(self, path: str, digest: str, session: _Session, sid: int | None) -> bool:
-        """Delete a node a grant made whose answer was lost; True once settled."""
-        if sid is None or session.sid != sid:
-            return True  # the session ended: so did its ephemeral nodes
-        if not session.connected:
+    def _reap_orphan(self, path: str, digest: str) -> bool:
+        """Delete a node a grant made for no lease (its answer lost, its fence refused, its
+        session changed under it); True once settled. The owner digest says it is that
+        grant's node, whichever of our sessions made it; gone is settled too."""
+        session = next((s for s in list(self._sessions.values()) if s.connected), None)
+        if session is None:
             return False
         try:
             data, stat = self._call(session, "reap", None, lambda: session.client.get_async(path))
-        except NoNodeError:
-            return True
-        except BackendUnavailable:
-            return False
-        if _json(data).get("owner") != digest or stat.ephemeralOwner != sid:
-            return True
-        try:
-            self._call(session, "reap", None,
-                       lambda: session.client.delete_async(path, stat.version))  # fmt: skip
+            if _json(data).get("owner") == digest:
+                self._call(session, "reap", None,
+                           lambda: session.client.delete_async(path, stat.version))  # fmt: skip
         except (NoNodeError, BadVersionError):
             pass
         except BackendUnavailable:
