@@ -614,19 +614,9 @@ class RedlockBackend(LockBackend):
         """The grant's fence once a majority carries it under our lock, else None."""
         k = self.keys
         if proposal and all(accepted for _, accepted in tally.granted.values()):
-            # Every master that locked took the proposal: phase two is done. A master
-            # still silent gets it too, to end in line with the grant or without our key.
-            if tally.silent:
-                line = self._evalsha(
-                    "redlock_fence",
-                    [k.lock(key), k.fence(key), k.signal(key)],
-                    [owner, proposal, retention, SIGNAL_LIFETIME_MS],
-                )
-                for i in tally.silent:
-                    link = links[i]
-                    if link is not None and not link.send(line):
-                        link.close()
-                        links[i] = None
+            # Every master that locked took the proposal: phase two is done. A master that
+            # has not answered yet will mostly take it too; if not, it holds our key without
+            # the fence (never counted) until the release, queued behind on its connection.
             return proposal
         values = [value for value, _ in tally.granted.values()]
         fence = max([*values, proposal, self.fence_floor]) + 1
