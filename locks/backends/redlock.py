@@ -190,7 +190,7 @@ class _Master:
             return None
         try:
             return self.connect()
-        except (OSError, BackendUnavailable):
+        except OSError:
             self.down_until = time.monotonic() + RECONNECT_DELAY
             return None
 
@@ -199,7 +199,12 @@ class _Master:
             self.idle.append(link)
 
     def connect(self) -> _Link:
-        """A new link: authenticated, on its database, with every script loaded."""
+        """A new link, its set-up (AUTH, SELECT, every script) sent but not waited for.
+
+        The set-up's replies are read, and dropped, ahead of the first command's, so a
+        master that is frozen costs no more than one that is slow; a failed AUTH shows as
+        the NOAUTH error of the commands after it.
+        """
         sock = socket.create_connection((self.host, self.port), timeout=self.socket_timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -210,20 +215,11 @@ class _Master:
             if self.db:
                 setup.append(_pack("SELECT", self.db))
             setup += [_pack("SCRIPT", "LOAD", src) for src in self.scripts.values()]
-            link = _Link(sock)
-            sock.sendall(b"".join(setup))
-            link.owed = len(setup)
-            while link.owed:  # blocking reads, bounded by the socket timeout
-                got = link.take()
-                if got is _MORE:
-                    data = sock.recv(65536)
-                    if not data:
-                        raise ConnectionError("closed during set-up")
-                    link.buf += data
-                elif isinstance(got, _ErrorReply):
-                    # The master's own words (AUTH failed, no such db), never the password.
-                    raise BackendUnavailable(f"redlock master {self.name} refused set-up: {got}")
             sock.setblocking(False)
+            link = _Link(sock)
+            if not link.send(b"".join(setup)):
+                raise ConnectionError(f"redlock master {self.name}: set-up not sent")
+            link.owed = len(setup)
             return link
         except BaseException:
             sock.close()
@@ -368,7 +364,7 @@ class RedlockBackend(LockBackend):
             links[i] = None
             try:
                 links[i] = self.masters[i].connect()
-            except (OSError, BackendUnavailable):
+            except OSError:
                 self.masters[i].down_until = time.monotonic() + RECONNECT_DELAY
         return links
 
@@ -573,19 +569,22 @@ class RedlockBackend(LockBackend):
             self._checkin(links)
 
     def _phase_one(self, links: list[_Link | None], payload: bytes, deadline: float) -> _Tally:
-        q = self.quorum
+        q, n = self.quorum, len(self.masters)
 
         def decided(replies: dict[int, Any], pending: int) -> bool:
-            granted = done = 0
+            # Done when a majority granted or has the record, or when refusals alone rule
+            # a majority out. Masters that do not answer are waited for (up to the
+            # deadline): the error then says how many answered, and the clean-up knows
+            # which masters to wait for.
+            granted = done = refused = 0
             for v in replies.values():
                 if type(v) is list:
                     if v[0] == 1:
                         granted += 1
-                    elif v[0] == 2:
-                        done += 1
-            return (
-                granted >= q or done >= q or (granted + pending < q and done + pending < q)
-            )
+                    else:
+                        refused += 1
+                        done += v[0] == 2
+            return granted >= q or done >= q or refused > n - q or pending == 0
 
         replies = self._round(links, range(len(links)), payload, decided, deadline)
         tally = _Tally({}, {}, {}, [])
