@@ -25,7 +25,7 @@ from jobfence.config.urls import redlock_masters
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
-from jobfence.locks.errors import BackendUnavailable
+from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.keys import KeySpace
 from jobfence.locks.lease import DRIFT_FLOOR, DRIFT_FRACTION, OwnerMeta
 
@@ -518,6 +518,12 @@ class RedlockBackend(LockBackend):
         ttl = ttl_ms / 1000
         started = self.clock.monotonic()
         valid_until = started + ttl - (ttl * DRIFT_FRACTION + DRIFT_FLOOR)
+        if valid_until <= started:
+            raise LockError(
+                f"ttl {ttl:g}s leaves no validity after the clock-drift allowance "
+                f"(ttl x {DRIFT_FRACTION:g} + {DRIFT_FLOOR * 1000:g} ms); use a longer ttl",
+                key=key,
+            )
         io_deadline = time.monotonic() + min(self.socket_timeout, ttl)
         holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
         retention = max(self.fence_retention_ms, ttl_ms)
