@@ -673,7 +673,13 @@ class RedlockBackend(LockBackend):
     # -- keeping and ending grants ---------------------------------------------------
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
         payload = self._evalsha("extend", [self.keys.lock(key)], [owner, ttl_ms])
-        return self._majority(payload, key, "extend", lambda v: v == 1)
+        replies = self._everywhere(payload, ok=lambda v: v == 1)
+        extended, silent = self._count(replies, lambda v: v == 1)
+        if extended >= self.quorum:
+            return True
+        if len(self.masters) - silent < self.quorum:  # as in _extend_many
+            raise self._unavailable("extend", replies, key)
+        return False
 
     def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
         args: list[Any] = []
@@ -700,11 +706,13 @@ class RedlockBackend(LockBackend):
             )
         finally:
             self._checkin(links)
-        silent = sum(1 for v in replies.values() if type(v) is not list or len(v) != n)
-        counts = tallies(replies)
-        if any(c < q <= c + silent for c in counts):
+        # A lease lives while a majority holds it. With a majority of masters answering, one
+        # held on fewer is lost (the silent rest cannot be extended either); with fewer
+        # answering nothing can be told, and the keeper tries again.
+        answered = sum(1 for v in replies.values() if type(v) is list and len(v) == n)
+        if answered < q:
             raise self._unavailable("extend_many", replies, None)
-        return [c >= q for c in counts]
+        return [c >= q for c in tallies(replies)]
 
     def _release(self, key: str, owner: str) -> bool:
         k = self.keys

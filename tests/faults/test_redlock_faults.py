@@ -344,3 +344,24 @@ def _acquire(b: RedlockBackend, ttl: float = 5.0) -> Lease | None:
         return b.try_acquire("k", ttl)
     except BackendUnavailable:  # a master restarted or frozen: no majority this time
         return None
+
+
+# --------------------------------------------------------------------------- extensions
+
+
+def test_extend_many_keeps_a_lease_while_a_majority_still_holds_it(masters: RedisMasters) -> None:
+    b = backend(masters)
+    try:
+        kept, dropped = b.try_acquire("kept", 5.0), b.try_acquire("dropped", 5.0)
+        assert kept is not None and dropped is not None
+        masters.servers[2].kill()
+        rounds = b.rounds
+        assert b.extend_many([kept, dropped]) == [True, True]  # two of three still hold both
+        # Master 0 loses the second lease's key: only master 1 still holds it, no majority.
+        masters.client(0).delete(f"{PREFIX}:lock:{{dropped}}")
+        assert b.extend_many([kept, dropped]) == [True, False]
+        assert b.rounds - rounds == 2, "one parallel round trip per extend_many"
+        assert kept.held and dropped.lost
+        assert kept.release()
+    finally:
+        b.close()
