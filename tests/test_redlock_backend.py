@@ -266,3 +266,19 @@ def test_locks_list_inspect_and_release_work_on_redlock(masters: RedisMasters) -
         assert after.release()
     finally:
         backend.close()
+
+
+def test_masters_that_lost_their_scripts_get_them_again_in_line(
+    masters: RedisMasters, backend: RedlockBackend
+) -> None:
+    first = backend.try_acquire("flush", 5.0)
+    assert first is not None and first.release()
+    for i in range(3):  # every master answers NOSCRIPT: a grant needs the reload on two
+        admin = masters.client(i)
+        admin.script_flush()
+        admin.close()
+    lease = backend.try_acquire("flush", 5.0)
+    assert lease is not None and lease.fence > first.fence
+    info = backend.inspect("flush")
+    assert info is not None and info.fence == lease.fence
+    assert lease.release()

@@ -238,7 +238,10 @@ class _Master:
 
 def _drain(link: _Link, deadline: float) -> None:
     while link.owed:
-        got = link.take()
+        try:
+            got = link.take()
+        except ValueError:
+            return
         if got is not _MORE:
             continue
         left = deadline - time.monotonic()
@@ -408,50 +411,60 @@ class RedlockBackend(LockBackend):
                 break
             for fd, _ in poller.poll(left * 1000):
                 i = waiting[fd]
-                link = links[i]
-                assert link is not None
-                try:
-                    data = link.sock.recv(65536)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:  # closed or reset: whatever it owed is lost
-                    link.close()
-                    links[i] = None
-                    replies[i] = NO_REPLY
-                    del waiting[fd]
-                    poller.unregister(fd)
-                    continue
-                link.buf += data
-                while link.owed:
-                    value = link.take()
-                    if value is _MORE:
-                        break
-                    if link.owed:  # a reply to an earlier command nobody waits for
-                        continue
-                    if (
-                        isinstance(value, _ErrorReply)
-                        and value.startswith("NOSCRIPT")
-                        and i not in reloaded
-                    ):
-                        # The master lost its scripts (SCRIPT FLUSH): load them and resend,
-                        # in order on the same link.
-                        reloaded.add(i)
-                        sources = self.masters[i].scripts.values()
-                        loads = [_pack("SCRIPT", "LOAD", src) for src in sources]
-                        if link.send(b"".join([*loads, payload])):
-                            link.owed += len(loads)  # one send, but a reply per command
-                            continue
-                        link.close()
-                        links[i] = None
-                        value = NO_REPLY
+                value = self._read(links, i, payload, reloaded)
+                if value is not _MORE:
                     replies[i] = value
                     del waiting[fd]
                     poller.unregister(fd)
         for i in waiting.values():
             replies[i] = NO_REPLY
         return replies
+
+    def _read(
+        self, links: list[_Link | None], i: int, payload: bytes, reloaded: set[int]
+    ) -> Any:
+        """What master `i`'s link has for us: the awaited reply, NO_REPLY if the link
+        broke, or _MORE if it is still on its way (earlier replies are read and dropped)."""
+        link = links[i]
+        assert link is not None
+        try:
+            data = link.sock.recv(65536)
+        except BlockingIOError:
+            return _MORE
+        except OSError:
+            data = b""
+        if not data:  # closed or reset: whatever it owed is lost
+            return self._drop(links, i)
+        link.buf += data
+        while link.owed:
+            try:
+                value = link.take()
+            except ValueError:  # not RESP: the stream is out of step
+                return self._drop(links, i)
+            if value is _MORE or link.owed:  # incomplete, or a reply nobody waits for
+                if value is _MORE:
+                    return _MORE
+                continue
+            if not (isinstance(value, _ErrorReply) and value.startswith("NOSCRIPT")):
+                return value
+            if i in reloaded:
+                return value
+            # The master lost its scripts (SCRIPT FLUSH): load them and resend, in order
+            # on the same link.
+            reloaded.add(i)
+            loads = [_pack("SCRIPT", "LOAD", src) for src in self.masters[i].scripts.values()]
+            if not link.send(b"".join([*loads, payload])):
+                return self._drop(links, i)
+            link.owed += len(loads)  # one send, but a reply per command
+        return _MORE
+
+    @staticmethod
+    def _drop(links: list[_Link | None], i: int) -> Any:
+        link = links[i]
+        if link is not None:
+            link.close()
+        links[i] = None
+        return NO_REPLY
 
     def _evalsha(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> bytes:
         return _pack("EVALSHA", self.sha[script], len(keys), *keys, *args)
