@@ -73,34 +73,41 @@ def _parse(buf: bytearray, pos: int) -> tuple[Any, int] | object:
     if end < 0:
         return _MORE
     kind = buf[pos]
-    line = bytes(buf[pos + 1 : end])
+    if kind == 0x2A:  # '*' array
+        n = int(buf[pos + 1 : end])
+        if n < 0:
+            return None, end + 2
+        items: list[Any] = []
+        pos = end + 2
+        for _ in range(n):
+            got = _parse(buf, pos) if buf[pos : pos + 1] == b"*" else _scalar(buf, pos)
+            if not isinstance(got, tuple):
+                return _MORE
+            items.append(got[0])
+            pos = got[1]
+        return items, pos
+    return _scalar(buf, pos)
+
+
+def _scalar(buf: bytearray, pos: int) -> tuple[Any, int] | object:
+    end = buf.find(b"\r\n", pos)
+    if end < 0:
+        return _MORE
+    kind = buf[pos]
     if kind == 0x3A:  # ':' integer
-        return int(line), end + 2
+        return int(buf[pos + 1 : end]), end + 2
     if kind == 0x24:  # '$' bulk string
-        n = int(line)
+        n = int(buf[pos + 1 : end])
         if n < 0:
             return None, end + 2
         start = end + 2
         if len(buf) < start + n + 2:
             return _MORE
         return buf[start : start + n].decode(), start + n + 2
-    if kind == 0x2A:  # '*' array
-        n = int(line)
-        if n < 0:
-            return None, end + 2
-        items: list[Any] = []
-        pos = end + 2
-        for _ in range(n):
-            got = _parse(buf, pos)
-            if not isinstance(got, tuple):
-                return _MORE
-            items.append(got[0])
-            pos = got[1]
-        return items, pos
     if kind == 0x2B:  # '+' simple string
-        return line.decode(), end + 2
+        return buf[pos + 1 : end].decode(), end + 2
     if kind == 0x2D:  # '-' error
-        return _ErrorReply(line.decode()), end + 2
+        return _ErrorReply(buf[pos + 1 : end].decode()), end + 2
     raise ValueError(f"unexpected reply type {chr(kind)!r} from a redlock master")
 
 
@@ -178,10 +185,10 @@ class _Master:
         self.pid = os.getpid()
         self.down_until = 0.0
 
-    def checkout(self) -> _Link | None:
+    def checkout(self, pid: int) -> _Link | None:
         """An idle link, or a new one; None while the master refuses connections."""
-        if self.pid != os.getpid():  # a forked child: the parent's sockets are not ours
-            self.pid, self.idle = os.getpid(), []
+        if self.pid != pid:  # a forked child: the parent's sockets are not ours
+            self.pid, self.idle = pid, []
         try:
             return self.idle.pop()
         except IndexError:
@@ -194,8 +201,8 @@ class _Master:
             self.down_until = time.monotonic() + RECONNECT_DELAY
             return None
 
-    def checkin(self, link: _Link) -> None:
-        if self.pid == os.getpid():
+    def checkin(self, link: _Link, pid: int) -> None:
+        if self.pid == pid:
             self.idle.append(link)
 
     def connect(self) -> _Link:
@@ -352,7 +359,8 @@ class RedlockBackend(LockBackend):
     # -- the parallel round trip ----------------------------------------------------
     def _checkout(self) -> list[_Link | None]:
         """One link per master for one operation; links whose master closed them are renewed."""
-        links = [m.checkout() for m in self.masters]
+        pid = os.getpid()
+        links = [m.checkout(pid) for m in self.masters]
         poller = select.poll()
         for link in links:
             if link is not None and not link.owed:
@@ -372,12 +380,13 @@ class RedlockBackend(LockBackend):
         return links
 
     def _checkin(self, links: list[_Link | None]) -> None:
+        pid = os.getpid()
         for master, link in zip(self.masters, links, strict=True):
             if link is not None:
                 if link.owed > MAX_OWED:
                     link.close()
                 else:
-                    master.checkin(link)
+                    master.checkin(link, pid)
 
     def _round(
         self,

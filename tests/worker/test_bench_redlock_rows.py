@@ -14,6 +14,8 @@ def test_redlock_rows_run_and_report_orphaned_keys() -> None:
         redlock_rows.REDLOCK_5,
         redlock_rows.REDLOCK_5_TWO,
         redlock_rows.POTTERY_5,
+        redlock_rows.FLOOR_1,
+        redlock_rows.FLOOR_5,
     }
     for name, row in rows.items():
         assert row["pairs_run"] == 12 and row["us_per_pair"] > 0, name

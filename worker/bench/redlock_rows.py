@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ REDLOCK_3 = "jobfence Redlock, 3 masters"
 REDLOCK_5 = "jobfence Redlock, 5 masters"
 REDLOCK_5_TWO = "jobfence Redlock, 5, 2 phases"
 POTTERY_5 = "pottery Redlock, 5 masters"
+FLOOR_1 = "floor: 2 PING rounds, 1 node"
+FLOOR_5 = "floor: 2 PING rounds, 5 at once"
 # redis-py options every contender's clients get (as locks_bench.CLIENT_OPTIONS).
 CLIENT_OPTIONS: dict[str, Any] = {
     "socket_timeout": 2.0,
@@ -44,6 +47,7 @@ class Row:
     close: Callable[[], None]
     lock_pattern: str  # the lock keys this row leaves behind if it leaves any
     seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)  # this process's CPU per round
     pairs_run: int = 0
     orphans: int = 0
     refusals: list[int] = field(default_factory=lambda: [0])  # free key refused (pottery)
@@ -100,14 +104,45 @@ def build_rows(masters: RedisMasters) -> list[Row]:
     ]  # fmt: skip
     if importlib.util.find_spec("pottery") is not None:  # the bench extra; else no row
         rows.append(_pottery_row([redis.Redis.from_url(u, **CLIENT_OPTIONS) for u in urls]))
+    rows.append(_floor_row(FLOOR_1, masters.servers[:1]))
+    rows.append(_floor_row(FLOOR_5, masters.servers))
     return rows
 
 
-def _time(pair: Callable[[], None], n: int) -> float:
+def _time(pair: Callable[[], None], n: int) -> tuple[float, float]:
+    cpu = time.process_time()
     started = time.perf_counter()
     for _ in range(n):
         pair()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def _floor_row(name: str, servers: list[Any]) -> Row:
+    """Two rounds of PING sent to every server at once, every reply read: what a pair
+    over these servers costs with no lock and no Python client in the way."""
+    socks = []
+    for server in servers:
+        sock = socket.create_connection((server.host, server.port), timeout=2.0)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        socks.append(sock)
+    ping = b"*1\r\n$4\r\nPING\r\n"
+
+    def one_round() -> None:
+        for sock in socks:
+            sock.sendall(ping)
+        for sock in socks:
+            if sock.recv(64) != b"+PONG\r\n":
+                raise RedlockBenchError(f"{name}: unexpected reply")
+
+    def pair() -> None:
+        one_round()
+        one_round()
+
+    def close() -> None:
+        for sock in socks:
+            sock.close()
+
+    return Row(name, False, pair, close, "no-such-key:*")
 
 
 def run(
@@ -128,7 +163,9 @@ def run(
             for r in range(rounds):
                 for row in rows[r % len(rows) :] + rows[: r % len(rows)]:
                     gc.collect()
-                    row.seconds.append(_time(row.pair, pairs))
+                    wall, cpu = _time(row.pair, pairs)
+                    row.seconds.append(wall)
+                    row.cpu_seconds.append(cpu)
                     row.pairs_run += pairs
         finally:
             for row in rows:
@@ -156,6 +193,7 @@ def report(rows: list[Row], *, pairs: int, rounds: int, version: str) -> dict[st
             "us_per_pair_min": round(min(row.seconds) / pairs * 1e6, 2),
             "us_per_pair_max": round(max(row.seconds) / pairs * 1e6, 2),
             "vs_single": round(ratio(row, single), 3),
+            "cpu_us_per_pair": round(statistics.median(row.cpu_seconds) / pairs * 1e6, 2),
             "fence": row.fence,
             "pairs_run": row.pairs_run,
             "orphaned_lock_keys": row.orphans,
@@ -188,17 +226,22 @@ def format_rows(rep: dict[str, Any]) -> list[str]:
         "orphans: lock keys left on any master after the run, clients closed",
         "",
         f"  {'lock':<32} {'pairs/s':>8} {'µs/pair':>8} {'(min-max)':>13} {'vs 1 node':>9} "
-        f"{'orphans':>7} {'refused':>7}  fence",
+        f"{'cpu µs':>7} {'orphans':>7} {'refused':>7}  fence",
     ]
     for r in rep["rows"]:
         spread = f"({r['us_per_pair_min']:.0f}-{r['us_per_pair_max']:.0f})"
         out.append(
             f"  {r['name']:<32} {r['pairs_per_s']:>8.0f} {r['us_per_pair']:>8.1f} {spread:>13} "
-            f"{r['vs_single']:>8.2f}x {r['orphaned_lock_keys']:>7} {r['refused_free_key']:>7}  "
+            f"{r['vs_single']:>8.2f}x {r['cpu_us_per_pair']:>7.1f} {r['orphaned_lock_keys']:>7} "
+            f"{r['refused_free_key']:>7}  "
             f"{'yes' if r['fence'] else 'no'}"
         )
     out += [
         "  vs 1 node: median over rounds of this row's round time / the single node's (<1 faster)",
+        "  cpu µs: this process's CPU per pair (the loopback's receiving side runs in it too)",
+        "  floor: two rounds of PING to every server at once, raw sockets: what the servers and",
+        "  the loopback alone cost; on 2 cores the 5 servers and the client share them, so the",
+        "  5-master floor is several single-node floors, not one",
         "  refused: acquires of the free key that failed (the previous pair's release had not",
         "  reached every master yet); jobfence counts none: it would stop the run",
         "  jobfence Redlock, 5, 2 phases: the fence's second phase sent on every grant (the",
