@@ -29,6 +29,12 @@ from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.keys import KeySpace
 from jobfence.locks.lease import DRIFT_FLOOR, DRIFT_FRACTION, OwnerMeta
 
+# How the masters are asked in parallel: each master has plain non-blocking sockets of ours
+# (one per concurrent operation), a command is sent to every master, then poll() reads the
+# replies as they come. No thread pool: on the hot path a hand-off to threads costs more
+# than the round trip, and a fork never inherits a pool. Not redis-py's connections: their
+# reads block one connection at a time and drop the connection on a timeout, which would
+# lose the order of commands to a slow master (below) and the replies still on their way.
 SIGNAL_LIFETIME_MS = 2000
 DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 #: How far ahead of this host's clock a one-round proposal is made, in µs: it must clear the
@@ -252,7 +258,9 @@ def _drain(link: _Link, deadline: float) -> None:
         if got is not _MORE:
             continue
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([link.sock], [], [], left)[0]:
+        poller = select.poll()
+        poller.register(link.fd, select.POLLIN)
+        if left <= 0 or not poller.poll(left * 1000):
             return
         try:
             data = link.sock.recv(65536)
@@ -273,7 +281,25 @@ class _Tally:
     granted: dict[int, tuple[int, bool]]  # master -> (value, proposal accepted)
     busy: dict[int, list[Any]]
     done: dict[int, list[Any]]
-    silent: list[int]  # no reply (down, broken, or still pending)
+    silent: list[int]  # no reply (down, broken, or still pending), or an error reply
+    errors: list[str]  # the error replies among them
+
+
+@dataclass
+class _Attempt:
+    """One grant attempt: who asks, its fence proposal, its validity and its connections."""
+
+    key: str
+    owner: str
+    proposal: int  # 0: none, the fence takes two phases
+    retention: int  # ms a fence counter is kept
+    valid_until: float  # the backend's clock
+    deadline: float  # time.monotonic(): stop waiting for replies
+    links: list[_Link | None]
+    clock: Clock = SYSTEM_CLOCK
+
+    def valid(self) -> bool:
+        return self.clock.monotonic() < self.valid_until
 
 
 class RedlockBackend(LockBackend):
@@ -308,8 +334,9 @@ class RedlockBackend(LockBackend):
     ) -> None:
         super().__init__(clock=clock)
         if len(urls) < 3 or len(urls) % 2 == 0:
-            raise BackendUnavailable(
-                f"redlock needs an odd number of masters, at least 3; got {len(urls)}"
+            raise LockError(
+                f"redlock needs an odd number of masters, at least 3; got {len(urls)} "
+                "(JOBFENCE_LOCK_URL=redlock://host:port,host:port,host:port)"
             )
         self.keys = KeySpace(prefix)
         self.fence_retention_ms = int(fence_retention * 1000)
@@ -536,7 +563,6 @@ class RedlockBackend(LockBackend):
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
-        k = self.keys
         ttl = ttl_ms / 1000
         started = self.clock.monotonic()
         valid_until = started + ttl - (ttl * DRIFT_FRACTION + DRIFT_FLOOR)
@@ -546,57 +572,71 @@ class RedlockBackend(LockBackend):
                 f"(ttl x {DRIFT_FRACTION:g} + {DRIFT_FLOOR * 1000:g} ms); use a longer ttl",
                 key=key,
             )
-        io_deadline = time.monotonic() + min(self.socket_timeout, ttl)
-        holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
-        retention = max(self.fence_retention_ms, ttl_ms)
         proposal = 0
         if self.one_round:
             proposal = max(self.fence_floor + 1, time.time_ns() // 1000 + PROPOSAL_LEAD_US)
+        retention = max(self.fence_retention_ms, ttl_ms)
+        k = self.keys
         keys = [k.lock(key), k.fence(key)] + ([k.record(key)] if record else [])
+        holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
         payload = self._evalsha(
             "redlock_begin",
             keys,
             [owner, ttl_ms, retention, "1" if record else "0", meta.task_id, holder,
              fingerprint if record else "", proposal],
         )  # fmt: skip
-        links = self._checkout()
+        attempt = _Attempt(
+            key=key,
+            owner=owner,
+            proposal=proposal,
+            retention=retention,
+            valid_until=valid_until,
+            # Replies later than the validity are no use: stop waiting for them then.
+            deadline=time.monotonic() + min(self.socket_timeout, ttl),
+            links=self._checkout(),
+            clock=self.clock,
+        )
         try:
-            tally = self._phase_one(links, payload, io_deadline)
-            q = self.quorum
-            if len(tally.done) >= q:
-                self._release_on(links, key, owner, [*tally.granted, *tally.silent])
-                return _record(max(tally.done.values(), key=lambda r: int(r[4] or 0)))
-            if len(tally.granted) >= q and self.clock.monotonic() < valid_until:
-                fence = self._fence(links, key, owner, tally, proposal, retention, io_deadline)
-                if fence is not None and self.clock.monotonic() < valid_until:
-                    with self._lock:
-                        self.fence_floor = max(self.fence_floor, fence)
-                    return fence
-                self._release_on(links, key, owner, [*tally.granted, *tally.silent])
-                raise BackendUnavailable(
-                    "redlock grant not confirmed by a majority within its validity "
-                    f"({len(self.masters)} masters, ttl {ttl:g}s)",
-                    key=key,
-                )
-            self._release_on(links, key, owner, [*tally.granted, *tally.silent])
-            refused = len(tally.busy) + len(tally.done)
-            if tally.busy and refused > len(self.masters) - q:
-                return self._busy(tally)
-            if len(tally.granted) >= q:
-                raise BackendUnavailable(
-                    f"redlock acquire took longer than the lease's validity (ttl {ttl:g}s)",
-                    key=key,
-                )
-            answered = len(self.masters) - len(tally.silent)
-            raise BackendUnavailable(
-                f"redlock acquire: {answered} of {len(self.masters)} masters answered, a "
-                f"majority of {q} is needed",
-                key=key,
-            )
+            return self._settle(attempt, self._phase_one(attempt, payload), ttl)
         finally:
-            self._checkin(links)
+            self._checkin(attempt.links)
 
-    def _phase_one(self, links: list[_Link | None], payload: bytes, deadline: float) -> _Tally:
+    def _settle(self, attempt: _Attempt, tally: _Tally, ttl: float) -> int | Busy | JobRecord:
+        """Turn phase one's replies into a grant (after phase two if needed), the job's
+        record, Busy, or BackendUnavailable; whatever is not a grant is released at once."""
+        q, n = self.quorum, len(self.masters)
+        ours = [*tally.granted, *tally.silent]  # masters that hold, or may hold, our key
+        if len(tally.done) >= q:
+            self._release_on(attempt, ours)
+            return _record(max(tally.done.values(), key=lambda r: int(r[4] or 0)))
+        if len(tally.granted) >= q and attempt.valid():
+            fence = self._fence(attempt, tally)
+            if fence is not None and attempt.valid():
+                with self._lock:
+                    self.fence_floor = max(self.fence_floor, fence)
+                return fence
+            self._release_on(attempt, ours)
+            raise BackendUnavailable(
+                f"redlock grant not confirmed by a majority within its validity ({n} masters, "
+                f"ttl {ttl:g}s)",
+                key=attempt.key,
+            )
+        self._release_on(attempt, ours)
+        if tally.busy and len(tally.busy) + len(tally.done) > n - q:
+            return self._busy(tally)
+        if len(tally.granted) >= q:
+            raise BackendUnavailable(
+                f"redlock acquire took longer than the lease's validity (ttl {ttl:g}s)",
+                key=attempt.key,
+            )
+        detail = f" (a master said: {tally.errors[0]})" if tally.errors else ""
+        raise BackendUnavailable(
+            f"redlock acquire: {n - len(tally.silent)} of {n} masters answered, a majority "
+            f"of {q} is needed{detail}",
+            key=attempt.key,
+        )
+
+    def _phase_one(self, attempt: _Attempt, payload: bytes) -> _Tally:
         q, n = self.quorum, len(self.masters)
 
         def decided(replies: dict[int, Any], pending: int) -> bool:
@@ -614,12 +654,14 @@ class RedlockBackend(LockBackend):
                         done += v[0] == 2
             return granted >= q or done >= q or refused > n - q or pending == 0
 
-        replies = self._round(links, range(len(links)), payload, decided, deadline)
-        tally = _Tally({}, {}, {}, [])
-        for i in range(len(links)):
+        replies = self._round(attempt.links, range(n), payload, decided, attempt.deadline)
+        tally = _Tally({}, {}, {}, [], [])
+        for i in range(n):
             v = replies.get(i, NO_REPLY)
             if type(v) is not list:
                 tally.silent.append(i)
+                if isinstance(v, _ErrorReply):
+                    tally.errors.append(v)
             elif v[0] == 1:
                 tally.granted[i] = (int(v[1]), bool(v[2]))
             elif v[0] == 0:
@@ -628,18 +670,9 @@ class RedlockBackend(LockBackend):
                 tally.done[i] = v
         return tally
 
-    def _fence(
-        self,
-        links: list[_Link | None],
-        key: str,
-        owner: str,
-        tally: _Tally,
-        proposal: int,
-        retention: int,
-        deadline: float,
-    ) -> int | None:
+    def _fence(self, attempt: _Attempt, tally: _Tally) -> int | None:
         """The grant's fence once a majority carries it under our lock, else None."""
-        k = self.keys
+        proposal = attempt.proposal
         if proposal and all(accepted for _, accepted in tally.granted.values()):
             # Every master that locked took the proposal: phase two is done. A master that
             # has not answered yet will mostly take it too; if not, it holds our key without
@@ -647,10 +680,11 @@ class RedlockBackend(LockBackend):
             return proposal
         values = [value for value, _ in tally.granted.values()]
         fence = max([*values, proposal, self.fence_floor]) + 1
+        k, key = self.keys, attempt.key
         payload = self._evalsha(
             "redlock_fence",
             [k.lock(key), k.fence(key), k.signal(key)],
-            [owner, fence, retention, SIGNAL_LIFETIME_MS],
+            [attempt.owner, fence, attempt.retention, SIGNAL_LIFETIME_MS],
         )
         q = self.quorum
 
@@ -658,21 +692,23 @@ class RedlockBackend(LockBackend):
             ok = sum(1 for v in replies.values() if v == 1)
             return ok >= q or ok + pending < q
 
-        replies = self._round(links, [*tally.granted, *tally.silent], payload, decided, deadline)
+        # Phase two goes to the silent masters too (queued behind phase one on their
+        # connection): each ends in line with the grant, or without our key.
+        targets = [*tally.granted, *tally.silent]
+        replies = self._round(attempt.links, targets, payload, decided, attempt.deadline)
         accepted = sum(1 for v in replies.values() if v == 1)
         return fence if accepted >= q else None
 
-    def _release_on(
-        self, links: list[_Link | None], key: str, owner: str, masters: Sequence[int]
-    ) -> None:
-        """Owner-checked release on `masters` at once; waits for those that answer at all."""
+    def _release_on(self, attempt: _Attempt, masters: Sequence[int]) -> None:
+        """Owner-checked release on `masters` at once; waits for those that answer at all
+        (the others get it queued behind what they owe)."""
         if not masters:
             return
-        k = self.keys
+        k, key, links = self.keys, attempt.key, attempt.links
         payload = self._evalsha(
-            "release", [k.lock(key), k.signal(key)], [owner, SIGNAL_LIFETIME_MS]
+            "release", [k.lock(key), k.signal(key)], [attempt.owner, SIGNAL_LIFETIME_MS]
         )
-        live = {i for i in masters if links[i] is not None and not links[i].owed}  # type: ignore[union-attr]
+        live = {i for i in masters if (link := links[i]) is not None and not link.owed}
 
         def decided(replies: dict[int, Any], pending: int) -> bool:
             return live.issubset(replies)
