@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -282,3 +284,37 @@ def test_masters_that_lost_their_scripts_get_them_again_in_line(
     info = backend.inspect("flush")
     assert info is not None and info.fence == lease.fence
     assert lease.release()
+
+
+def _pairs(backend: RedlockBackend, key: str, n: int) -> list[int]:
+    fences = []
+    for _ in range(n):
+        lease = backend.try_acquire(key, 5.0)
+        assert lease is not None and lease.release()
+        fences.append(lease.fence)
+    return fences
+
+
+def _child_pairs(backend: RedlockBackend, go: Any, out: Any) -> None:
+    try:
+        go.wait(10)
+        out.put(_pairs(backend, "forked-child", 200))
+    except BaseException as exc:
+        out.put(repr(exc))
+
+
+def test_a_forked_child_opens_its_own_connections(backend: RedlockBackend) -> None:
+    """Parent and child use the same backend object at the same time: had the child kept
+    the parent's sockets, their replies would cross."""
+    _pairs(backend, "forked-parent", 1)  # the parent's connections exist now
+    ctx = multiprocessing.get_context("fork")
+    go, out = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_child_pairs, args=(backend, go, out))
+    child.start()
+    go.set()
+    mine = _pairs(backend, "forked-parent", 200)
+    theirs = out.get(timeout=30)
+    child.join(10)
+    assert child.exitcode == 0 and isinstance(theirs, list), theirs
+    for fences in (mine, theirs):
+        assert len(fences) == 200 and fences == sorted(set(fences))

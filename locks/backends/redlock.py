@@ -238,11 +238,10 @@ class _Master:
             sock.close()
             raise
 
-    def close(self, drain: float) -> None:
-        """Read what idle links still owe (up to `drain` seconds), then close everything."""
+    def close(self, deadline: float) -> None:
+        """Read what idle links still owe (until `deadline`), then close everything."""
         idle, self.idle = self.idle, []
         if self.pid == os.getpid():
-            deadline = time.monotonic() + drain
             for link in idle:
                 _drain(link, deadline)
                 link.close()
@@ -991,9 +990,9 @@ class RedlockBackend(LockBackend):
 
     def close(self) -> None:
         """Wait briefly for replies still owed (so what was sent has run), then disconnect."""
-        drain = min(self.socket_timeout, 1.0)
+        deadline = time.monotonic() + min(self.socket_timeout, 1.0)
         for master in self.masters:
-            master.close(drain)
+            master.close(deadline)
 
 
 def _record(reply: list[Any]) -> JobRecord:
