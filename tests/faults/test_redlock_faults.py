@@ -21,7 +21,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from jobfence.locks import BackendUnavailable, Lease, LeaseLost
+from jobfence.locks import BackendUnavailable, Lease, LeaseLost, RedisFenceGuard, StaleFence
 from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.worker.redis_masters import RedisMasters
 from tests.servers import wait_for
@@ -253,6 +253,14 @@ def test_one_master_frozen_during_a_grant_the_lease_lapses_before_another_can_ta
         with pytest.raises(LeaseLost):
             lease.check()
         assert taken.fence > lease.fence
+        # And a frozen first holder that writes anyway is refused by the resource's guard.
+        store = masters.client(0)
+        guard = RedisFenceGuard(store, prefix="res")
+        guard.write("account", taken.fence, [("RPUSH", "writes", "new")], write_id="new")
+        with pytest.raises(StaleFence):
+            guard.write("account", lease.fence, [("RPUSH", "writes", "old")], write_id="old")
+        assert store.lrange("writes", 0, -1) == ["new"]
+        store.close()
         masters.servers[2].resume()
         assert taken.release()
         assert lease.release() is False
