@@ -126,6 +126,9 @@ LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 def check_lock_url(url: str, variable: str) -> None:
     """The lock URL: a supported scheme, a host for redis(s)://, a numeric port and db."""
+    if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "etcd":
+        _check_etcd_url(url, variable)  # a list of members: the one-host checks do not apply
+        return
     check_url(url, variable=variable, schemes=LOCK_SCHEMES, example=LOCK_EXAMPLE,
               what="lock backend")
     fix = f"set {variable} to a URL such as {LOCK_EXAMPLE}"
@@ -146,8 +149,6 @@ def check_lock_url(url: str, variable: str) -> None:
                 variable, f"{redact(url)!r} names no database",
                 f"set {variable} to a URL such as mysql://user:password@127.0.0.1:3306/jobfence",
             )
-    elif scheme == "etcd":
-        _check_etcd_url(url, variable)
     elif scheme == "unix" and not rest.split("?", 1)[0]:
         raise UnsafeSettings(
             variable, f"{redact(url)!r} names no socket path",
@@ -164,11 +165,12 @@ def _check_etcd_url(url: str, variable: str) -> None:
             variable, f"{redact(url)!r} has a user or password: etcd authentication is not "
             "supported", "reach etcd on a network only the fleet can reach, without credentials",
         )
-    hosts = rest.split("?", 1)[0].split("#", 1)[0]
-    if hosts.rstrip("/").count("/"):
-        raise UnsafeSettings(variable, f"{redact(url)!r} has a path; etcd URLs name members only",
-                             fix)
-    for member in hosts.rstrip("/").split(","):
+    hosts = rest.rstrip("/")
+    if any(c in hosts for c in "/?#"):
+        raise UnsafeSettings(
+            variable, f"{redact(url)!r} has a path or options; etcd URLs name members only", fix
+        )
+    for member in hosts.split(","):
         host, colon, port = member.strip().rpartition(":")
         if not colon or not host.strip("[]"):
             raise UnsafeSettings(

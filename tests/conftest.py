@@ -8,14 +8,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobfence.worker.local_etcd import EtcdCluster, EtcdServerError, etcd_unavailable
 from tests.servers import (
+    ETCD_TIMING,
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
+    EtcdCluster,
+    EtcdServerError,
     MariaDBDatabase,
     PostgresDatabase,
     ProcessGroup,
     RedisServer,
+    etcd_unavailable,
 )
 
 
@@ -67,11 +70,6 @@ def fresh_redis() -> Iterator[RedisServer]:
     """A private redis-server for this test only: free to kill, pause or restart."""
     with RedisServer() as server:
         yield server
-
-
-#: Fast elections (etcd's floor for a lease is 1.5 election timeouts): tests' short TTLs and
-#: leader failovers take well under a second.
-ETCD_TIMING = {"election_timeout_ms": 500, "heartbeat_ms": 50}
 
 
 @pytest.fixture(scope="session")

@@ -134,8 +134,8 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     if backend.name == "postgres":
         yield from check_postgres_lock(backend, setting, settings.lock_url)
         return
-    if backend.name == "mysql":
-        yield from _check_sql_server(backend, setting, settings.lock_url)
+    if backend.name in ("mysql", "etcd"):
+        yield from _check_lock_server(backend, setting, settings.lock_url)
         return
     if not isinstance(backend, RedisBackend):
         return
@@ -187,8 +187,9 @@ def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Findin
         )
 
 
-def _check_sql_server(backend: Any, setting: str, url: str) -> Iterator[Finding]:
-    """A database lock server whose settings make every grant fail (locks.backends.mysql)."""
+def _check_lock_server(backend: Any, setting: str, url: str) -> Iterator[Finding]:
+    """A lock server whose version or state makes every grant fail (its backend's
+    `server_problems`: locks.backends.mysql, locks.backends.etcd)."""
     try:
         problems = backend.server_problems()
     except BackendUnavailable as exc:

@@ -69,16 +69,16 @@ def parse_endpoints(url: str) -> list[str]:
             "etcd:// URLs take no user or password: etcd authentication is not supported, "
             "use etcd://host:2379 on a network only the fleet can reach"
         )
-    hosts = rest.split("?", 1)[0].split("#", 1)[0].rstrip("/")
-    if "/" in hosts:
-        raise ValueError(f"etcd URL {url!r} has a path; use etcd://host:2379[,host:2379...]")
+    hosts = rest.rstrip("/")
+    if any(c in hosts for c in "/?#"):
+        raise ValueError(
+            f"etcd URL {url!r} has a path or options; use etcd://host:2379[,host:2379...]"
+        )
     endpoints = []
     for item in hosts.split(","):
         host, colon, port = item.strip().rpartition(":")
-        if not colon:
-            host, port = item.strip(), "2379"
-        if not host or not host.strip("[]"):
-            raise ValueError(f"etcd URL {url!r} has an endpoint without a host")
+        if not colon or not host.strip("[]"):
+            raise ValueError(f"etcd URL {url!r}: member {item.strip()!r} is not host:port")
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"etcd URL {url!r} has port {port!r}, not a number in 1-65535")
         endpoints.append(f"{host}:{port}")
