@@ -370,11 +370,12 @@ class EtcdCluster:
         self.wait_healthy()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop every member (SIGTERM, SIGKILL after `timeout`), reap, delete the temp dir."""
+    def stop(self, timeout: float = 10.0, *, kill: bool = False) -> None:
+        """Stop every member (SIGTERM, SIGKILL after `timeout`; SIGKILL at once with `kill`:
+        a cluster whose data goes anyway), reap, delete the temp dir."""
         running = [n.proc for n in self._nodes if n.proc is not None]
         if running:
-            procs.stop(running, timeout=timeout)
+            procs.stop(running, sig=signal.SIGKILL if kill else signal.SIGTERM, timeout=timeout)
         for node in self._nodes:
             node.proc = None
             if node.stdio is not None:

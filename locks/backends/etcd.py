@@ -431,6 +431,9 @@ class EtcdBackend(LockBackend):
         lock, holder, beat = (self._key(k, key) for k in ("lock", "holder", "beat"))
         done, failed = self._key("done", key), self._key("failed", key)
         now = time.time()
+        # A grant or release of ours that got no answer may still hold a key (maybe this
+        # one), kept alive by this very process's lease: delete those first.
+        self._sweep()
         for _ in range(4):
             base, base_text = self._fence_base(key)
             session = self._session(ttl, key)
