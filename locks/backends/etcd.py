@@ -248,7 +248,8 @@ class EtcdBackend(LockBackend):
         idempotent: bool = False,
         suspect: tuple[str, str] | None = None,
     ) -> Any:
-        """One request; transport and server errors become BackendUnavailable.
+        """One request; transport and server errors become BackendUnavailable (the server's
+        answer, a GatewayError, is its `cause`).
 
         `suspect` (key, owner): if the request may have been applied without an answer, a
         later call deletes that grant (it would otherwise live as long as the lease).
@@ -257,16 +258,14 @@ class EtcdBackend(LockBackend):
             return self.gateway.call(path, body, idempotent=idempotent)
         except Unreachable as exc:
             raise BackendUnavailable(f"etcd {what} failed", key=key, cause=exc) from exc
-        except OutcomeUnknown as exc:
-            if suspect is not None:
+        except (OutcomeUnknown, GatewayError) as exc:
+            if suspect is not None and not (
+                isinstance(exc, GatewayError) and exc.surely_not_applied
+            ):
                 self._suspects[suspect] = None
             raise BackendUnavailable(
                 f"etcd {what} failed on {self.gateway.endpoint}", key=key, cause=exc
             ) from exc
-        except GatewayError as exc:
-            if suspect is not None and not exc.surely_not_applied:
-                self._suspects[suspect] = None
-            raise
 
     def _txn(
         self,
@@ -281,48 +280,30 @@ class EtcdBackend(LockBackend):
         body: dict[str, Any] = {"compare": compare, "success": success}
         if failure:
             body["failure"] = failure
-        try:
-            reply: dict[str, Any] = self._call(what, key, "/v3/kv/txn", body, suspect=suspect)
-        except GatewayError as exc:
-            raise BackendUnavailable(
-                f"etcd {what} failed on {self.gateway.endpoint}", key=key, cause=exc
-            ) from exc
+        reply: dict[str, Any] = self._call(what, key, "/v3/kv/txn", body, suspect=suspect)
         return reply
 
     def _read(self, what: str, key: str | None, ops: list[dict[str, Any]]) -> list[Any]:
         """A read-only txn (safe to repeat on another endpoint); its responses."""
-        try:
-            reply = self._call(
-                what, key, "/v3/kv/txn", {"success": ops}, idempotent=True
-            )
-        except GatewayError as exc:
-            raise BackendUnavailable(
-                f"etcd {what} failed on {self.gateway.endpoint}", key=key, cause=exc
-            ) from exc
+        reply = self._call(what, key, "/v3/kv/txn", {"success": ops}, idempotent=True)
         responses: list[Any] = reply.get("responses", [])
         return responses
 
     # -- leases -------------------------------------------------------------------------
     def _grant(self, ttl: int, key: str | None) -> _Session:
         sent = self.clock.monotonic()
-        try:
-            reply = self._call("lease grant", key, "/v3/lease/grant", {"TTL": ttl})
-        except GatewayError as exc:
-            raise BackendUnavailable("etcd lease grant failed", key=key, cause=exc) from exc
-        granted = int(reply.get("TTL", 0))
+        reply = self._call("lease grant", key, "/v3/lease/grant", {"TTL": ttl})
+        granted = int(reply.get("TTL", 0))  # etcd may raise a TTL below its floor
         if not reply.get("ID") or granted <= 0:
             raise BackendUnavailable(f"etcd lease grant refused: {reply.get('error', reply)}",
                                      key=key)  # fmt: skip
-        return _Session(id=str(reply["ID"]), ttl=max(granted, ttl), since=sent)
+        return _Session(id=str(reply["ID"]), ttl=granted, since=sent)
 
     def _keepalive(self, lease_id: str, key: str | None) -> int:
         """Renew `lease_id`; its TTL, or 0 if etcd no longer has it (the lease is lost)."""
-        try:
-            reply = self._call(
-                "lease keepalive", key, "/v3/lease/keepalive", {"ID": lease_id}, idempotent=True
-            )
-        except GatewayError as exc:
-            raise BackendUnavailable("etcd lease keepalive failed", key=key, cause=exc) from exc
+        reply = self._call(
+            "lease keepalive", key, "/v3/lease/keepalive", {"ID": lease_id}, idempotent=True
+        )
         # A reply without TTL (proto3 leaves out zeros) means the lease has expired.
         return int(reply.get("result", {}).get("TTL", 0))
 
@@ -493,11 +474,8 @@ class EtcdBackend(LockBackend):
         lease = held.get("lease")
         if not lease:
             return 0.0
-        try:
-            reply = self._call("lease ttl", key, "/v3/lease/timetolive", {"ID": lease},
-                               idempotent=True)  # fmt: skip
-        except GatewayError as exc:
-            raise BackendUnavailable("etcd lease ttl failed", key=key, cause=exc) from exc
+        reply = self._call("lease ttl", key, "/v3/lease/timetolive", {"ID": lease},
+                           idempotent=True)  # fmt: skip
         left = int(reply.get("TTL", 0))
         granted = int(reply.get("grantedTTL", 0))
         if left < 0 or granted <= 0:
@@ -609,7 +587,7 @@ class EtcdBackend(LockBackend):
         result_ttl_ms: int,
     ) -> bool:
         lock = self._key("lock", key)
-        base = self._base[0] if self._base is not None else 0
+        base, _ = self._fence_base(key)  # another base (a new cluster): no key of ours left
         text = json.dumps({"fingerprint": fingerprint, "result": result, "fence": fence,
                            "finished": time.time()}, separators=(",", ":"))  # fmt: skip
         mine, other = ("done", "failed") if state == "DONE" else ("failed", "done")
@@ -682,10 +660,7 @@ class EtcdBackend(LockBackend):
         end = _prefix_end(start)
         while True:
             body = {"key": b64(start), "range_end": b64(end), "limit": str(SCAN_PAGE)}
-            try:
-                reply = self._call("scan", None, "/v3/kv/range", body, idempotent=True)
-            except GatewayError as exc:
-                raise BackendUnavailable("etcd scan failed", cause=exc) from exc
+            reply = self._call("scan", None, "/v3/kv/range", body, idempotent=True)
             kvs = reply.get("kvs") or []
             keys = [unb64(kv["key"])[len(head):] for kv in kvs]
             wanted = [(k, kv) for k, kv in zip(keys, kvs, strict=True)
@@ -800,8 +775,10 @@ class EtcdBackend(LockBackend):
             try:
                 reply = self._call("wait", key, "/v3/kv/range", {"key": b64(lock)},
                                    idempotent=True)  # fmt: skip
-            except GatewayError:
-                self.clock.sleep(timeout)
+            except BackendUnavailable as exc:
+                if not isinstance(exc.cause, GatewayError):
+                    raise
+                self.clock.sleep(timeout)  # etcd answered, but not this: poll
                 return
             if not reply.get("kvs"):
                 return  # not held now
@@ -818,27 +795,23 @@ class EtcdBackend(LockBackend):
         """What in the server breaks this backend (start-up check): (problem, fix) pairs."""
         try:
             reply = self.gateway.get("/version")
-            alarms = self._call("alarms", None, "/v3/maintenance/alarm", {"action": "GET"},
-                                idempotent=True)  # fmt: skip
-        except (Unreachable, OutcomeUnknown, GatewayError) as exc:
+        except Unreachable as exc:
             raise BackendUnavailable("etcd check failed", cause=exc) from exc
-        problems = []
         version = str(reply.get("etcdserver", "0.0"))
         try:
             numbers = tuple(int(x) for x in version.split(".")[:2])
         except ValueError:
             numbers = (0, 0)
         if numbers < VERSION_NEEDED:
-            problems.append((
-                f"the etcd server is version {version}: its JSON gateway is not at /v3",
-                "run etcd 3.4 or later",
-            ))  # fmt: skip
-        for alarm in alarms.get("alarms") or []:
-            problems.append((
-                f"the etcd server has alarm {alarm.get('alarm', '?')} raised, so it refuses writes",
-                "compact and defragment it (etcdctl compact/defrag), then etcdctl alarm disarm",
-            ))  # fmt: skip
-        return problems
+            return [(f"the etcd server is version {version}: its JSON gateway is not at /v3",
+                     "run etcd 3.4 or later")]  # fmt: skip
+        alarms = self._call("alarms", None, "/v3/maintenance/alarm", {"action": "GET"},
+                            idempotent=True)  # fmt: skip
+        return [
+            (f"the etcd server has alarm {alarm.get('alarm', '?')} raised, so it refuses writes",
+             "compact and defragment it (etcdctl compact/defrag), then etcdctl alarm disarm")
+            for alarm in alarms.get("alarms") or []
+        ]  # fmt: skip
 
     def close(self) -> None:
         self._sweep()  # best effort: errors wait for the leases to run out
