@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import math
 import os
@@ -88,6 +89,11 @@ def parse_endpoints(url: str) -> list[str]:
 def whole_seconds(ttl_ms: int) -> int:
     """A TTL in ms as etcd can grant it: whole seconds, rounded up, at least MIN_TTL."""
     return max(MIN_TTL, math.ceil(ttl_ms / 1000))
+
+
+def _lease_gone(exc: BackendUnavailable) -> bool:
+    """etcd refused a put on a lease it no longer has (expired, or a new cluster)."""
+    return isinstance(exc.cause, GatewayError) and "lease not found" in exc.cause.message
 
 
 def _kv(response: dict[str, Any]) -> dict[str, Any] | None:
@@ -436,7 +442,7 @@ class EtcdBackend(LockBackend):
                 reply = self._txn("begin", key, compare, success, failure,
                                   suspect=(key, owner))  # fmt: skip
             except BackendUnavailable as exc:
-                if isinstance(exc.cause, GatewayError) and "lease not found" in exc.cause.message:
+                if _lease_gone(exc):
                     self._drop_session(session.id)  # expired meanwhile: take a new one
                     continue
                 raise
@@ -591,26 +597,36 @@ class EtcdBackend(LockBackend):
         text = json.dumps({"fingerprint": fingerprint, "result": result, "fence": fence,
                            "finished": time.time()}, separators=(",", ":"))  # fmt: skip
         mine, other = ("done", "failed") if state == "DONE" else ("failed", "done")
+
+        def send(lease: str) -> dict[str, Any]:
+            return self._txn(
+                "commit",
+                key,
+                # The owner token and the grant's create revision: this grant, no other.
+                [_equals(lock, owner), _created_at(lock, fence - base)],
+                [_put(self._key(mine, key), text, lease), _delete(self._key(other, key)),
+                 _delete(lock), _delete(self._key("holder", key)),
+                 _delete(self._key("beat", key))],
+                suspect=(key, owner),
+            )  # fmt: skip
+
+        reply = self._on_timed_lease(result_ttl_ms / 1000, key, send)
+        return bool(reply.get("succeeded"))
+
+    def _on_timed_lease(
+        self, seconds: float, key: str, send: Callable[[str], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """`send(lease)` with a lease ending at least `seconds` from now; once more with a
+        new lease if etcd no longer has the cached one (a new cluster)."""
         for attempt in (0, 1):
-            lease = self._timed_lease(result_ttl_ms / 1000, key)
+            lease = self._timed_lease(seconds, key)
             try:
-                reply = self._txn(
-                    "commit",
-                    key,
-                    # The owner token and the grant's create revision: this grant, no other.
-                    [_equals(lock, owner), _created_at(lock, fence - base)],
-                    [_put(self._key(mine, key), text, lease), _delete(self._key(other, key)),
-                     _delete(lock), _delete(self._key("holder", key)),
-                     _delete(self._key("beat", key))],
-                    suspect=(key, owner),
-                )  # fmt: skip
+                return send(lease)
             except BackendUnavailable as exc:
-                lost = isinstance(exc.cause, GatewayError) and "lease not found" in str(exc.cause)
-                if attempt == 0 and lost:
+                if attempt == 0 and _lease_gone(exc):
                     self._drop_session(lease)
                     continue
                 raise
-            return bool(reply.get("succeeded"))
         raise AssertionError("unreachable")
 
     # -- inspect and admin ---------------------------------------------------------------
@@ -719,18 +735,21 @@ class EtcdBackend(LockBackend):
 
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
         queued = self._key("queued", key)
-        lease = self._timed_lease(ttl, key)
-        reply = self._txn(
-            "claim_publish",
-            key,
-            [_absent(queued)],
-            [_put(queued, task_id, lease)],
-            [{"request_txn": {
-                "compare": [_equals(queued, task_id)],
-                "success": [_put(queued, task_id, lease)],
-                "failure": [_range(queued)],
-            }}],
-        )  # fmt: skip
+
+        def send(lease: str) -> dict[str, Any]:
+            return self._txn(
+                "claim_publish",
+                key,
+                [_absent(queued)],
+                [_put(queued, task_id, lease)],
+                [{"request_txn": {
+                    "compare": [_equals(queued, task_id)],
+                    "success": [_put(queued, task_id, lease)],
+                    "failure": [_range(queued)],
+                }}],
+            )  # fmt: skip
+
+        reply = self._on_timed_lease(ttl, key, send)
         if reply.get("succeeded"):
             return None
         nested = reply["responses"][0].get("response_txn", {})
@@ -747,13 +766,18 @@ class EtcdBackend(LockBackend):
         for _ in range(8):  # racing increments: re-read and try again
             kv = _kv(self._read("count_delivery", key, [_range(name)])[0])
             count = int(_value(kv) or 0) + 1
-            lease = self._timed_lease(window_ms / 1000, key)
             revision = int(kv.get("mod_revision", 0)) if kv is not None else 0
             guard = _mod_at(name, revision) if kv is not None else _absent(name)
-            reply = self._txn("count_delivery", key, [guard], [_put(name, str(count), lease)])
+            put = functools.partial(self._put_guarded, "count_delivery", key, guard, name, count)
+            reply = self._on_timed_lease(window_ms / 1000, key, put)
             if reply.get("succeeded"):
                 return count
         raise BackendUnavailable("etcd count_delivery kept racing", key=key)
+
+    def _put_guarded(
+        self, what: str, key: str, guard: dict[str, Any], name: str, value: object, lease: str
+    ) -> dict[str, Any]:
+        return self._txn(what, key, [guard], [_put(name, str(value), lease)])
 
     # -- waiting -------------------------------------------------------------------------
     def wait_for_release(self, key: str, timeout: float) -> None:

@@ -326,12 +326,25 @@ def _try(backend: EtcdBackend, key: str) -> Lease | None:
         return None
 
 
+def _records(backend: EtcdBackend, key: str) -> None:
+    """A job record, a publish marker and a delivery count, each on a cached timed lease."""
+    lease = backend.begin(key, 5.0, record=True, fingerprint="fp")
+    assert isinstance(lease, Lease)
+    assert backend.commit(lease, state="DONE", result="1", fingerprint="fp", result_ttl=60.0)
+    record = backend.job_record(key)
+    assert record is not None and record.fence == lease.fence
+    assert backend.claim_publish(key, "task-1", 60.0) is None
+    assert backend.claim_publish(key, "task-2", 60.0) == "task-1"
+    assert backend.count_delivery(key, 60.0) == 1
+
+
 def test_fences_rise_across_a_restart_and_a_fresh_data_dir_rebases_above_them() -> None:
     single = _cluster(1)
     try:
         old = EtcdBackend.from_url(single.url, prefix="restart")
         fences = _fences(old, "k", 20)
         base = old._fence_base("k")[0]
+        _records(old, "before")  # caches this client's record and marker leases
 
         single.restart(kill=True)  # kill -9, then from the same data directory
         fences += _fences(old, "k", 5)
@@ -346,6 +359,7 @@ def test_fences_rise_across_a_restart_and_a_fresh_data_dir_rebases_above_them() 
         fences += _fences(fresh, "k", 5)
         fences += _fences(newcomer, "k", 5)
         assert all(a < b for a, b in itertools.pairwise(fences)), fences
+        _records(old, "after")  # its cached leases died with the old cluster: new ones
         for b in (old, newcomer, fresh):
             b.close()
     finally:
