@@ -321,6 +321,24 @@ def test_the_check_command_runs_on_an_etcd_lock_url(etcd_url: str, redis_url: st
     assert "lock server" not in done.stdout  # reached: no "cannot reach" warning
 
 
+def test_a_ttl_that_etcd_rounds_up_to_the_visibility_timeout_is_refused(etcd_url: str) -> None:
+    from types import SimpleNamespace
+
+    from jobfence.tasks import Runtime
+    from jobfence.worker.checks import check_timeouts
+
+    settings = Settings(lock_url=etcd_url, default_ttl=2.5, visibility_timeout=3.0,
+                        socket_timeout=0.5, key_secret="a-real-random-secret")  # fmt: skip
+    runtime = Runtime(settings)
+    conf = SimpleNamespace(broker_transport_options={"visibility_timeout": 3.0})
+    try:
+        (finding,) = check_timeouts(conf, runtime)
+    finally:
+        runtime.close()
+    assert finding.refuse and finding.setting == "JOBFENCE_DEFAULT_TTL"
+    assert "3s (asked 2.5s; the lock server grants whole seconds)" in finding.problem
+
+
 def test_an_alarm_that_stops_writes_is_named(backend: EtcdBackend) -> None:
     assert backend.server_problems() == []
     member = backend.gateway.call("/v3/maintenance/status", {})["header"]["member_id"]

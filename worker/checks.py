@@ -317,18 +317,27 @@ def check_timeouts(conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()) -> It
         "a crashed worker's message comes back after the visibility timeout and must find "
         "the dead holder's lease expired by then"
     )
-    if settings.default_ttl >= vt:
+    granted = getattr(runtime.backend, "granted_ttl", None)  # etcd: whole seconds, >= 2
+
+    def shown(ttl: float) -> tuple[float, str]:
+        real = float(granted(ttl)) if callable(granted) else ttl
+        return real, (f"{real:g}s (asked {ttl:g}s; the lock server grants whole seconds)"
+                      if real != ttl else f"{ttl:g}s")  # fmt: skip
+
+    ttl, text = shown(settings.default_ttl)
+    if ttl >= vt:
         yield _refuse(
             f"{ENV_PREFIX}DEFAULT_TTL",
-            f"the lease TTL {settings.default_ttl:g}s is not shorter than the broker's "
-            f"visibility timeout {vt:g}s: {why}",
+            f"the lease TTL {text} is not shorter than the broker's visibility timeout "
+            f"{vt:g}s: {why}",
             f"lower {ENV_PREFIX}DEFAULT_TTL or raise {ENV_PREFIX}VISIBILITY_TIMEOUT",
         )
-    for name, ttl in _singleton_ttls(tasks):
+    for name, task_ttl in _singleton_ttls(tasks):
+        ttl, text = shown(task_ttl)
         if ttl >= vt:
             yield _refuse(
                 f"task {name} ttl",
-                f"its lease TTL {ttl:g}s is not shorter than the visibility timeout {vt:g}s: {why}",
+                f"its lease TTL {text} is not shorter than the visibility timeout {vt:g}s: {why}",
                 f"lower the task's ttl= or raise {ENV_PREFIX}VISIBILITY_TIMEOUT",
             )
     if settings.max_countdown and vt <= settings.max_countdown:

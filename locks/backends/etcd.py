@@ -21,6 +21,7 @@ from jobfence.locks.backend import (
     JobRecord,
     LockBackend,
     LockInfo,
+    validate_ttl,
 )
 from jobfence.locks.backends.etcd_gateway import (
     Gateway,
@@ -233,6 +234,12 @@ class EtcdBackend(LockBackend):
         endpoints = parse_endpoints(url)
         kind = cls if len(endpoints) == 1 or cls is not EtcdBackend else EtcdClusterBackend
         return kind(endpoints, prefix=prefix, socket_timeout=socket_timeout, clock=clock)
+
+    @staticmethod
+    def granted_ttl(ttl: float) -> float:
+        """The TTL a lease asked for `ttl` seconds really gets (at least; etcd may raise it
+        to its own floor, and the Lease then reports that)."""
+        return float(whole_seconds(validate_ttl(ttl)))
 
     # -- keys -------------------------------------------------------------------------
     def _key(self, kind: str, key: str) -> str:
