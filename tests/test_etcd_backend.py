@@ -162,6 +162,22 @@ def test_a_forked_child_takes_a_lease_of_its_own(backend: EtcdBackend) -> None:
     assert parent.release()
 
 
+def test_scan_reads_page_by_page_and_matches_the_glob(
+    backend: EtcdBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobfence.locks.backends import etcd
+
+    monkeypatch.setattr(etcd, "SCAN_PAGE", 3)
+    held = [backend.try_acquire(f"scan:{i}", 10.0) for i in range(7)]
+    other = backend.try_acquire("other:1", 10.0)
+    assert all(held) and other is not None
+    found = {i.key: i.fence for i in backend.scan("scan:*")}
+    assert found == {le.key: le.fence for le in held if le is not None}
+    assert [i.key for i in backend.scan("*:1")] == ["other:1", "scan:1"]
+    for lease in [*held, other]:
+        assert lease is not None and lease.release()
+
+
 # --------------------------------------------------------------------------- waiting
 
 
