@@ -69,7 +69,10 @@ class Settings(BaseSettings):
 
     lock_url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="Lock backend URL (redis://, rediss://, unix://, postgresql://, mysql://, mariadb://).",
+        description=(
+            "Lock backend URL (redis://, rediss://, unix://, postgresql://, mysql://, "
+            "mariadb://, etcd://host:port[,host:port...])."
+        ),
     )
     broker_url: str | None = Field(default=None, description="Celery broker URL.")
     result_backend: str | None = Field(default=None, description="Celery result backend URL.")
