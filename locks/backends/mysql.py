@@ -155,6 +155,14 @@ class MySQLBackend(LockBackend):
 
     Expiry runs on the server clock (`NOW(6)`, sessions at UTC and READ COMMITTED); each
     call is one round trip (a multi-statement transaction where it needs several).
+
+    One SQL text for both servers (tests/test_mysql_backend.py checks every statement
+    sent): no RETURNING (MariaDB only; answers come from a SELECT in the same transaction),
+    no VALUES(col) in upserts (deprecated on MySQL 8.0.20+) and no row alias (`AS new`, a
+    syntax error on MariaDB), no sequences (MariaDB only; a bare NEXTVAL repeats after a
+    crash), isolation set by SET SESSION TRANSACTION (MySQL 8 removed tx_isolation).
+    MySQL 8's default caching_sha2_password needs the `cryptography` package on plain TCP
+    (the `mysql` extra brings it), or TLS (`ssl_ca` in the URL).
     """
 
     name: ClassVar[str] = "mysql"
