@@ -484,6 +484,7 @@ class MySQLBackend(LockBackend):
             ),
             "forget": f"DELETE FROM {jb} WHERE key_hash = %s AND {live}",
             "force_release": f"DELETE FROM {lk} WHERE key_hash = %s AND {live}",
+            "release_grant": f"DELETE FROM {lk} WHERE key_hash = %s AND fence = %s AND {live}",
             # A live marker of another task id stays; the value is assigned before
             # expires_at, so both read the old expiry.
             "claim_publish": ";".join(
@@ -664,6 +665,10 @@ class MySQLBackend(LockBackend):
 
     def force_release(self, key: str) -> bool:
         return bool(self._run(self._sql["force_release"], (key_hash(key),), key)[0])
+
+    def release_grant(self, key: str, fence: int) -> bool:
+        """Remove `key`'s lock if still held under `fence`: checked in the one statement."""
+        return bool(self._run(self._sql["release_grant"], (key_hash(key), fence), key)[0])
 
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
         params = {"h": key_hash(key), "v": task_id, "ttl": max(1000, int(ttl * 1e6))}
