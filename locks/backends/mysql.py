@@ -10,7 +10,7 @@ import random
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -104,18 +104,6 @@ def _ddl(locks: str, jobs: str, fence: str, marks: str) -> list[str]:
     ]
 
 
-class Ok(int):
-    """A statement's affected-row count, and the last insert id its OK packet carried
-    (what LAST_INSERT_ID(expr) set, for an UPDATE that used it)."""
-
-    last_id: int
-
-    def __new__(cls, rowcount: int, last_id: int | None) -> Ok:
-        ok = super().__new__(cls, rowcount)
-        ok.last_id = int(last_id or 0)
-        return ok
-
-
 class _Pool:
     """Idle connections of one process, one thread at a time each; forgotten after a fork.
 
@@ -166,12 +154,10 @@ class MySQLBackend(LockBackend):
     """Locks in a MySQL 8 / MariaDB 10.5+ table. Build with `from_url` or `from_settings`.
 
     Expiry runs on the server clock (`NOW(6)`, sessions at UTC and READ COMMITTED); each
-    call is one round trip (a multi-statement transaction where it needs several), but
-    an acquire that is refused or answered by a DONE record reads its answer in a second.
+    call is one round trip (a multi-statement transaction where it needs several).
 
     One SQL text for both servers (tests/test_mysql_backend.py checks every statement
-    sent): no RETURNING (MariaDB only; a grant is read from an OK packet, other answers
-    from session variables set in the acquire transaction),
+    sent): no RETURNING (MariaDB only; answers come from a SELECT in the same transaction),
     no VALUES(col) in upserts (deprecated on MySQL 8.0.20+) and no row alias (`AS new`, a
     syntax error on MariaDB), no sequences (MariaDB only; a bare NEXTVAL repeats after a
     crash), isolation set by SET SESSION TRANSACTION (MySQL 8 removed tx_isolation).
@@ -248,30 +234,18 @@ class MySQLBackend(LockBackend):
         return conn
 
     # -- running statements ---------------------------------------------------------
-    def _run(
-        self,
-        sql: str,
-        params: Any,
-        key: str | None,
-        follow: Callable[[list[Any]], str | None] | None = None,
-    ) -> list[Any]:
+    def _run(self, sql: str, params: Any, key: str | None) -> list[Any]:
         """Run `sql` (one or more statements) in one round trip; per statement its rows
-        (a list of tuples) or, for a statement without rows, an `Ok`: its affected-row
-        count, carrying the OK packet's last insert id.
+        (a tuple of tuples) or, for a statement without rows, its affected-row count.
 
-        `follow(out)` may name a statement to run next on the same connection (it reads
-        that session's variables); its results are appended. A deadlock or lock-wait
-        timeout rolled the transaction back: retried (bounded, with jitter). Any other
-        error closes the connection and raises BackendUnavailable.
+        A deadlock or lock-wait timeout rolled the transaction back: retried (bounded,
+        with jitter). Any other error closes the connection and raises BackendUnavailable.
         """
         self._ensure_tables(key)
         for attempt in range(ATTEMPTS):
             conn = self._connection(key)
             try:
                 out = self._execute(conn, sql, params)
-                then = follow(out) if follow is not None else None
-                if then is not None:
-                    out += self._execute(conn, then, None)
             except MySQLError as exc:
                 code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
                 if code in RETRY_ERRORS or code == NO_SUCH_TABLE:
@@ -308,8 +282,7 @@ class MySQLBackend(LockBackend):
             cur.execute(sql, params)
             out: list[Any] = []
             while True:
-                rows = list(cur.fetchall()) if cur.description else None
-                out.append(rows if rows is not None else Ok(cur.rowcount, cur.lastrowid))
+                out.append(list(cur.fetchall()) if cur.description else cur.rowcount)
                 if not cur.nextset():
                     return out
 
@@ -419,35 +392,30 @@ class MySQLBackend(LockBackend):
         )
         stamp = f"UPDATE {lk} SET fence = LAST_INSERT_ID() WHERE key_hash = %(h)s AND owner = %(o)s"
         clear_failed = f"DELETE FROM {jb} WHERE key_hash = %(h)s AND EXISTS ({mine})"
-        # A grant is read from the OK packet of `advance` (one row matched; the fence is the
-        # LAST_INSERT_ID it set), so a granted acquire returns no result set at all. The
-        # holder and the DONE record are kept in session variables inside the transaction
-        # (MAX: exactly one row, NULLs when there is none), read by a second statement on
-        # the same connection only when the key was not granted.
         answer = (
-            "SELECT MAX(TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at)), MAX(task_id),"
-            f" MAX(fingerprint) FROM {lk} WHERE key_hash = %(h)s"
-            " INTO @jf_left, @jf_tid, @jf_fp"
+            f"SELECT owner = %(o)s, fence, TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at),"
+            f" task_id, fingerprint FROM {lk} WHERE key_hash = %(h)s"
         )
         record = (
-            "SELECT MAX(state), MAX(fingerprint), MAX(result), MAX(fence),"
-            " MAX(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', finished_at))"
+            f"SELECT state, fingerprint, result, fence,"
+            f" TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', finished_at)"
             f" FROM {jb} WHERE key_hash = %(h)s AND state = 'DONE' AND expires_at > NOW(6)"
-            " INTO @jf_rstate, @jf_rfp, @jf_rresult, @jf_rfence, @jf_rfinished"
         )
         live = "expires_at > NOW(6)"
-        begin = ["START TRANSACTION", upsert, advance, stamp, answer, "COMMIT"]
-        begin_job = ["START TRANSACTION", upsert, undo_if_done, advance, stamp, clear_failed]
-        begin_job += [answer, record, "COMMIT"]
-        # Where `advance` sits in each batch: its OK packet says whether we were granted.
-        self._advance_at = {"begin": begin.index(advance), "begin_job": begin_job.index(advance)}
         return {
-            "begin": ";".join(begin),
-            "begin_job": ";".join(begin_job),
-            "busy": "SELECT @jf_left, @jf_tid, @jf_fp",
-            "busy_or_done": (
-                "SELECT @jf_left, @jf_tid, @jf_fp,"
-                " @jf_rstate, @jf_rfp, @jf_rresult, @jf_rfence, @jf_rfinished"
+            "begin": ";".join(["START TRANSACTION", upsert, advance, stamp, answer, "COMMIT"]),
+            "begin_job": ";".join(
+                [
+                    "START TRANSACTION",
+                    upsert,
+                    undo_if_done,
+                    advance,
+                    stamp,
+                    clear_failed,
+                    answer,
+                    record,
+                    "COMMIT",
+                ]
             ),
             "extend": (
                 f"UPDATE {lk} SET heartbeat_at = NOW(6), expires_at = NOW(6) + INTERVAL %s"
@@ -531,31 +499,25 @@ class MySQLBackend(LockBackend):
             "fp": fingerprint,
             "floor": self.fence_floor,
         }
-        advanced = self._advance_at["begin_job" if record else "begin"]
-        read = self._sql["busy_or_done" if record else "busy"]
-        sets = self._run(
-            self._sql["begin_job" if record else "begin"],
-            params,
-            key,
-            follow=lambda out: None if out[advanced] == 1 else read,
-        )
-        if sets[advanced] == 1:  # the counter advanced for our row: granted
-            granted = int(sets[advanced].last_id)
-            if granted > self.fence_floor:
-                self.fence_floor = granted
-            return granted
-        left_us, task_id, fp, *done = sets[-1][0]
-        if done and done[0] == "DONE":
-            state, rfp, result, fence, finished_us = done
+        sets = self._run(self._sql["begin_job" if record else "begin"], params, key)
+        rows = [s for s in sets if isinstance(s, list)]
+        if record and rows[1]:
+            state, fp, result, fence, finished_us = rows[1][0]
             return JobRecord(
                 state=state,
-                fingerprint=rfp,
+                fingerprint=fp,
                 result=result,
                 fence=int(fence),
                 finished_at=int(finished_us) / 1e6,
             )
-        if left_us is None:
+        if not rows[0]:
             raise BackendUnavailable("mysql begin: the lock row vanished", key=key)
+        is_mine, fence, left_us, task_id, fp = rows[0][0]
+        if is_mine:
+            granted = int(fence)
+            if granted > self.fence_floor:
+                self.fence_floor = granted
+            return granted
         return Busy(ttl_left=max(0, int(left_us)) / 1e6, task_id=task_id, fingerprint=fp)
 
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
