@@ -338,6 +338,12 @@ class MySQLBackend(LockBackend):
         rows = self._run("SELECT UNIX_TIMESTAMP(NOW(6))", None, None)
         return float(rows[0][0][0])
 
+    # Where an acquire+release pair's ~1.2-1.5 ms goes on loopback here (MariaDB 10.11,
+    # profiled): two durable commits (a redo-log flush each, ~170 µs on this disk), the six
+    # statements of `begin` run server-side, and PyMySQL decoding seven replies (~400 µs
+    # of client CPU). One round trip per call is the floor. Reading a grant from the
+    # counter UPDATE's OK packet instead of a SELECT saved ~50 µs of client CPU, no wall
+    # time we could measure, and cost refused acquires a second round trip: not taken.
     def _statements(self) -> dict[str, str]:
         lk, jb, fc, mk = (self.tables[t] for t in ("locks", "jobs", "fence", "marks"))
         free = "expires_at <= NOW(6)"
