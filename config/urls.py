@@ -121,6 +121,7 @@ LOCK_SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "memory")
 LOCK_SCHEMES += ("postgresql", "postgres", "postgresql+psycopg")
 LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
 LOCK_SCHEMES += ("redlock",)
+LOCK_SCHEMES += ("etcd",)
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
@@ -192,6 +193,9 @@ def check_lock_url(url: str, variable: str) -> None:
     if url.lower().startswith("redlock://"):
         redlock_masters(url, variable)
         return
+    if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "etcd":
+        _check_etcd_url(url, variable)  # a list of members: the one-host checks do not apply
+        return
     check_url(url, variable=variable, schemes=LOCK_SCHEMES, example=LOCK_EXAMPLE,
               what="lock backend")
     fix = f"set {variable} to a URL such as {LOCK_EXAMPLE}"
@@ -217,3 +221,30 @@ def check_lock_url(url: str, variable: str) -> None:
             variable, f"{redact(url)!r} names no socket path",
             f"set {variable} to a URL such as unix:///run/redis/redis.sock?db=0",
         )
+
+
+def _check_etcd_url(url: str, variable: str) -> None:
+    """etcd://host:port[,host:port...]: every member a host and a numeric port, no path."""
+    fix = f"set {variable} to a URL such as etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
+    rest = url.split("://", 1)[1]
+    if _split_userinfo(url)[0]:
+        raise UnsafeSettings(
+            variable, f"{redact(url)!r} has a user or password: etcd authentication is not "
+            "supported", "reach etcd on a network only the fleet can reach, without credentials",
+        )
+    hosts = rest.rstrip("/")
+    if any(c in hosts for c in "/?#"):
+        raise UnsafeSettings(
+            variable, f"{redact(url)!r} has a path or options; etcd URLs name members only", fix
+        )
+    for member in hosts.split(","):
+        host, colon, port = member.strip().rpartition(":")
+        if not colon or not host.strip("[]"):
+            raise UnsafeSettings(
+                variable, f"{redact(url)!r}: member {member.strip()!r} is not host:port", fix
+            )
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise UnsafeSettings(
+                variable, f"{redact(url)!r}: member {member.strip()!r} has port {port!r}, not a "
+                "number in 1-65535", fix,
+            )

@@ -150,7 +150,11 @@ def open_backend(url: str, **options: Any) -> LockBackend:
             hint = f"{scheme}:// locks need PyMySQL: pip install jobfence[mysql]"
             raise ImportError(hint) from exc
         return MySQLBackend.from_url(url, **options)
+    if scheme.lower() == "etcd":  # the JSON gateway over http.client: nothing to install
+        from jobfence.locks.backends.etcd import EtcdBackend
+
+        return EtcdBackend.from_url(url, **options)
     raise ValueError(
         f"no lock backend for scheme {scheme!r}; use redis://, rediss://, unix://, "
-        "postgresql://, mysql://, mariadb:// or redlock://"
+        "postgresql://, mysql://, mariadb://, redlock:// or etcd://"
     )

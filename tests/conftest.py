@@ -9,12 +9,16 @@ import pytest
 import redis
 
 from tests.servers import (
+    ETCD_TIMING,
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
+    EtcdCluster,
+    EtcdServerError,
     MariaDBDatabase,
     PostgresDatabase,
     ProcessGroup,
     RedisServer,
+    etcd_unavailable,
 )
 
 
@@ -66,6 +70,32 @@ def fresh_redis() -> Iterator[RedisServer]:
     """A private redis-server for this test only: free to kill, pause or restart."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdCluster]:
+    """One private single-member etcd for the session (tests use prefixes of their own);
+    skipped where no etcd binary is installed."""
+    reason = etcd_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        cluster = EtcdCluster(**ETCD_TIMING).start()
+    except EtcdServerError as exc:
+        pytest.skip(f"cannot start a private etcd here: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def etcd_url(etcd_server: EtcdCluster) -> str:
+    """The `etcd://` URL of the session's etcd, started again if a test stopped it."""
+    for i in range(etcd_server.size):
+        if not etcd_server.running(i):
+            etcd_server.start_member(i)
+    return etcd_server.url
 
 
 @pytest.fixture(scope="session")

@@ -135,8 +135,8 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     if backend.name == "postgres":
         yield from check_postgres_lock(backend, setting, settings.lock_url)
         return
-    if backend.name == "mysql":
-        yield from _check_sql_server(backend, setting, settings.lock_url)
+    if backend.name in ("mysql", "etcd"):
+        yield from _check_lock_server(backend, setting, settings.lock_url)
         return
     if isinstance(backend, RedlockBackend):
         # Per master: refuse eviction; warn when one is down or keeps no crash-proof AOF
@@ -194,8 +194,9 @@ def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Findin
         )
 
 
-def _check_sql_server(backend: Any, setting: str, url: str) -> Iterator[Finding]:
-    """A database lock server whose settings make every grant fail (locks.backends.mysql)."""
+def _check_lock_server(backend: Any, setting: str, url: str) -> Iterator[Finding]:
+    """A lock server whose version or state makes every grant fail (its backend's
+    `server_problems`: locks.backends.mysql, locks.backends.etcd)."""
     try:
         problems = backend.server_problems()
     except BackendUnavailable as exc:
@@ -325,18 +326,27 @@ def check_timeouts(conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()) -> It
         "a crashed worker's message comes back after the visibility timeout and must find "
         "the dead holder's lease expired by then"
     )
-    if settings.default_ttl >= vt:
+    granted = getattr(runtime.backend, "granted_ttl", None)  # etcd: whole seconds, >= 2
+
+    def shown(ttl: float) -> tuple[float, str]:
+        real = float(granted(ttl)) if callable(granted) else ttl
+        return real, (f"{real:g}s (asked {ttl:g}s; the lock server grants whole seconds)"
+                      if real != ttl else f"{ttl:g}s")  # fmt: skip
+
+    ttl, text = shown(settings.default_ttl)
+    if ttl >= vt:
         yield _refuse(
             f"{ENV_PREFIX}DEFAULT_TTL",
-            f"the lease TTL {settings.default_ttl:g}s is not shorter than the broker's "
-            f"visibility timeout {vt:g}s: {why}",
+            f"the lease TTL {text} is not shorter than the broker's visibility timeout "
+            f"{vt:g}s: {why}",
             f"lower {ENV_PREFIX}DEFAULT_TTL or raise {ENV_PREFIX}VISIBILITY_TIMEOUT",
         )
-    for name, ttl in _singleton_ttls(tasks):
+    for name, task_ttl in _singleton_ttls(tasks):
+        ttl, text = shown(task_ttl)
         if ttl >= vt:
             yield _refuse(
                 f"task {name} ttl",
-                f"its lease TTL {ttl:g}s is not shorter than the visibility timeout {vt:g}s: {why}",
+                f"its lease TTL {text} is not shorter than the visibility timeout {vt:g}s: {why}",
                 f"lower the task's ttl= or raise {ENV_PREFIX}VISIBILITY_TIMEOUT",
             )
     if settings.max_countdown and vt <= settings.max_countdown:

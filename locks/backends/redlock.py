@@ -22,7 +22,14 @@ from redis.retry import Retry
 
 from jobfence.config.settings import Settings
 from jobfence.config.urls import redlock_masters
-from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backend import (
+    Busy,
+    Capabilities,
+    JobRecord,
+    LockBackend,
+    LockInfo,
+    validate_key,
+)
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
@@ -904,6 +911,16 @@ class RedlockBackend(LockBackend):
             "redlock_admin", [k.lock(key), k.signal(key)], ["unlock", SIGNAL_LIFETIME_MS]
         )
         return self._any(payload, key, "force_release")
+
+    def release_grant(self, key: str, fence: int) -> bool:
+        """Remove `key`'s lock on every master where it still carries `fence`, in the same
+        script that checks it: a grant made since the operator looked is left alone."""
+        validate_key(key)
+        k = self.keys
+        payload = self._evalsha(
+            "redlock_admin", [k.lock(key), k.signal(key)], ["judged", SIGNAL_LIFETIME_MS, fence]
+        )
+        return self._any(payload, key, "release_grant")
 
     def _any(self, payload: bytes, key: str, what: str) -> bool:
         """Sent to every master; True if any had the key. Raises without a majority."""

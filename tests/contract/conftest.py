@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
 # the server allows it, how to count round trips and how to lose all its data.
-BACKENDS = ["redis", "memory", "postgres", "mariadb", "redlock3", "redlock5"]
+BACKENDS = ["redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5"]
 
 
 @dataclass
@@ -87,6 +88,8 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         return _postgres_harness(request)
     if name == "mariadb":
         return _mariadb_harness(request)
+    if name == "etcd":
+        return _etcd_harness(request)
     if name.startswith("redlock"):
         return _redlock_harness(int(name.removeprefix("redlock")), request)
     raise AssertionError(f"no contract harness for backend {name!r}")
@@ -173,6 +176,29 @@ def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
         requests=lambda: sent[0],
         lose_data=lose_data,
     )
+
+
+def _etcd_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """The session's etcd, under a prefix of this test's own; losing data restarts it with
+    an empty data directory (a new cluster: keys, leases, revisions and the fence base gone).
+
+    No request count: extend_many is a txn plus one keep-alive per lease (etcd has no op
+    that does both), so the contract's one-request check does not apply.
+    """
+    from jobfence.locks.backends.etcd import EtcdBackend
+    from jobfence.worker.local_etcd import EtcdCluster
+
+    server: EtcdCluster = request.getfixturevalue("etcd_server")
+    url: str = request.getfixturevalue("etcd_url")
+    prefix = f"contract-{uuid.uuid4().hex[:8]}"
+
+    def connect() -> LockBackend:
+        return EtcdBackend.from_url(url, prefix=prefix)
+
+    def lose_data() -> None:
+        server.restart(fresh=True)
+
+    return BackendHarness(name="etcd", backend=connect(), connect=connect, lose_data=lose_data)
 
 
 def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:

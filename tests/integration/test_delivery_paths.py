@@ -133,21 +133,23 @@ class _Module:
     broker: redis.Redis
 
 
-@pytest.fixture(scope="module", params=["redis", "mariadb", "postgres", "redlock"])
+@pytest.fixture(scope="module", params=["redis", "mariadb", "postgres", "etcd", "redlock"])
 def singleton_module(
     request: pytest.FixtureRequest,
     module_redis: RedisServer,
     fleet_factory: FleetFactory,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[_Module]:
-    """The fleet, with its locks on Redis, MariaDB, PostgreSQL or Redlock over three masters
-    (JOBFENCE_LOCK_URL alone differs)."""
+    """The fleet, with its locks on Redis, MariaDB, PostgreSQL, etcd or Redlock over three
+    masters (JOBFENCE_LOCK_URL alone differs)."""
     server = f"redis://{module_redis.host}:{module_redis.port}"
     lock_url = f"{server}/{LOCK_DB}"
     if request.param == "mariadb":
         lock_url = request.getfixturevalue("mariadb_url")
     elif request.param == "postgres":
         lock_url = request.getfixturevalue("pg_url")
+    elif request.param == "etcd":
+        lock_url = request.getfixturevalue("etcd_server").url
     elif request.param == "redlock":  # three private masters of its own
         lock_url = request.getfixturevalue("redlock_urls")
     database_url = f"sqlite:///{tmp_path_factory.mktemp('sql-ledger') / 'ledger.sqlite'}"

@@ -1,7 +1,8 @@
 """Lock benchmark: acquire+release pairs/s and release-to-waiter wake-up, jobfence beside peers.
 
 Redis locks first (private redis-server), then PostgreSQL and MariaDB in the same run
-(`worker/bench/sql_rows.py`: a scratch database on each server, dropped at the end).
+(`worker/bench/sql_rows.py`: a scratch database on each server, dropped at the end), then
+etcd (`worker/bench/etcd_rows.py`: a private etcd unless one is given).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
-from jobfence.worker.bench import redlock_rows, sql_rows
+from jobfence.worker.bench import etcd_rows, redlock_rows, sql_rows
 from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
@@ -593,6 +594,8 @@ def format_report(report: dict[str, Any]) -> str:
         for label, version in sql["servers"].items():
             out.append(f"  {label} server: {version}")
         out += sql_rows.format_rows(sql["rows"], sql["skipped"], jf, jf_wake)
+    if "etcd" in report:
+        out += etcd_rows.format_rows(report["etcd"])
     if "redlock" in report:
         out += redlock_rows.format_rows(report["redlock"])
     out += [
@@ -605,7 +608,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'MET' if t['wakeup_median_under_5ms'] else 'MISSED'}",
     ]
     for name, met in t.items():
-        if name.startswith(("postgres_", "mariadb_", "redlock")):
+        if name.startswith(("postgres_", "mariadb_", "etcd_", "redlock")):
             out.append(f"  {name.replace('_', ' ')}: {'MET' if met else 'MISSED'}")
     return "\n".join(out)
 
@@ -670,6 +673,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sql-pairs", type=int, default=200, help="pairs per round on SQL rows (default 200)"
     )
     p.add_argument(
+        "--etcd",
+        default=None,
+        metavar="URL",
+        help="etcd to measure (etcd://host:port); default: a private etcd started for the "
+        "run; '' skips",
+    )
+    p.add_argument(
         "--redlock-pairs",
         type=int,
         default=500,
@@ -716,6 +726,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         report["sql"] = run_sql(args)
         report["targets"].update(report["sql"]["targets"])
+        if not args.json:
+            print("running the etcd row ...", flush=True)
+        report["etcd"] = etcd_rows.run(
+            args.etcd, pairs=args.sql_pairs, rounds=args.rounds, warmup=args.warmup // 5,
+            trials=args.waiters, seed=args.seed,
+        )  # fmt: skip
+        report["targets"].update(report["etcd"].get("targets", {}))
         if args.redlock_pairs:
             if not args.json:
                 print("running Redlock rows on 5 private masters ...", flush=True)
