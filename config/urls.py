@@ -120,12 +120,79 @@ def check_url(
 LOCK_SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "memory")
 LOCK_SCHEMES += ("postgresql", "postgres", "postgresql+psycopg")
 LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
+LOCK_SCHEMES += ("redlock",)
 LOCK_SCHEMES += ("etcd",)
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
+REDLOCK_EXAMPLE = "redlock://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
+
+
+def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
+    """The redis:// URL of each master a redlock:// URL names, in its order.
+
+    `redlock://[user:password@]host:port,host:port,host:port[,...][/db]`: an odd number of
+    at least three distinct masters, so a majority outlives the loss of any minority (an
+    even count tolerates no more failures than the odd count below it, and splits votes).
+    The user, password and db apply to every master.
+    """
+    fix = f"set {variable} to a URL such as {REDLOCK_EXAMPLE}"
+    shown = redact(url)
+    if not url.lower().startswith("redlock://"):
+        raise UnsafeSettings(variable, f"{shown!r} is not a redlock:// URL", fix)
+    userinfo, rest = _split_userinfo(url)
+    if any(c in userinfo for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+        )
+    hosts, _, tail = rest.partition("/")
+    if "?" in rest:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has query options, which redlock:// does not take", fix
+        )
+    db = tail.strip("/")
+    if db and not db.isdigit():
+        raise UnsafeSettings(variable, f"{shown!r} has database {db!r}, which is not a number", fix)
+    masters: list[str] = []
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise UnsafeSettings(variable, f"{shown!r} has an empty master in its list", fix)
+        probe = f"redis://{entry}"
+        host, port = _host_port(probe)
+        problem = _port_problem(probe)
+        if problem or not host.strip("[]"):
+            raise UnsafeSettings(
+                variable, f"{shown!r}: master {entry!r} {problem or 'names no host'}", fix
+            )
+        masters.append(f"{host}:{port or 6379}")
+    duplicates = sorted({m for m in masters if masters.count(m) > 1})
+    if duplicates:
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} names master {duplicates[0]} more than once: one server would cast "
+            "several votes of the majority",
+            "list each master once",
+        )
+    if len(masters) < 3 or len(masters) % 2 == 0:
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} names {len(masters)} master(s); Redlock needs an odd number, at least "
+            "3 (3 survive the loss of one, 5 of two; an even count survives no more than the "
+            "odd count below it)",
+            fix,
+        )
+    auth = f"{userinfo}@" if userinfo else ""
+    return [f"redis://{auth}{m}/{db or 0}" for m in masters]
+
+
 def check_lock_url(url: str, variable: str) -> None:
     """The lock URL: a supported scheme, a host for redis(s)://, a numeric port and db."""
+    if url.lower().startswith("redlock://"):
+        redlock_masters(url, variable)
+        return
     if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "etcd":
         _check_etcd_url(url, variable)  # a list of members: the one-host checks do not apply
         return

@@ -19,9 +19,10 @@ from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings
 from jobfence.config.settings import ENV_PREFIX, unknown_variables
-from jobfence.config.urls import check_url, redact
+from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, RedisBackend
 from jobfence.locks.backends.redis import tls_hint
+from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.tasks import Runtime, SingletonTask
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,12 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     if backend.name in ("mysql", "etcd"):
         yield from _check_lock_server(backend, setting, settings.lock_url)
         return
+    if isinstance(backend, RedlockBackend):
+        # Per master: refuse eviction; warn when one is down or keeps no crash-proof AOF
+        # (its fence is then not durable, and the backend's capabilities say so).
+        for refuse, problem, fix in backend.check_servers():
+            yield Finding(refuse, setting, problem, fix)
+        return
     if not isinstance(backend, RedisBackend):
         return
     try:
@@ -251,6 +258,8 @@ def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threa
 
 
 def _same_server(a: str, b: str) -> bool:
+    if urlsplit(b).scheme == "redlock":  # one of its masters (each checked as the lock server)
+        return any(_same_server(a, master) for master in redlock_masters(b))
     pa, pb = urlsplit(a), urlsplit(b)
     if pa.scheme == "unix" or pb.scheme == "unix":
         return pa.path == pb.path

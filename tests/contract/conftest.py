@@ -16,7 +16,7 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
 # the server allows it, how to count round trips and how to lose all its data.
-BACKENDS = ["redis", "memory", "postgres", "mariadb", "etcd"]
+BACKENDS = ["redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5"]
 
 
 @dataclass
@@ -90,7 +90,38 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         return _mariadb_harness(request)
     if name == "etcd":
         return _etcd_harness(request)
+    if name.startswith("redlock"):
+        return _redlock_harness(int(name.removeprefix("redlock")), request)
     raise AssertionError(f"no contract harness for backend {name!r}")
+
+
+def _redlock_harness(n: int, request: pytest.FixtureRequest) -> BackendHarness:
+    """`n` private masters with the persistence a durable fence needs (AOF, fsync always, on
+    tmpfs); losing data crashes every master and starts it empty. A round trip is one
+    command to every master in parallel: the most any one master has run."""
+    from jobfence.locks.backends.redlock import RedlockBackend
+    from jobfence.worker.redis_masters import RedisMasters
+
+    started: dict[int, RedisMasters] = request.getfixturevalue("redlock_masters")
+    masters = started.get(n)
+    if masters is None:  # one set per size for the session: starting 5 servers per test adds up
+        masters = started[n] = RedisMasters(n, durable=True).start()
+    url = masters.url
+
+    def connect() -> LockBackend:
+        return RedlockBackend.from_url(url, prefix="contract")
+
+    backend = connect()
+    assert isinstance(backend, RedlockBackend)
+    assert backend.check_servers() == []  # and so its fence is durable
+    counters = [_redis_requests(server) for server in masters.servers]
+    return BackendHarness(
+        name=f"redlock{n}",
+        backend=backend,
+        connect=connect,
+        requests=lambda: max(count() for count in counters),
+        lose_data=masters.lose_all_data,
+    )
 
 
 def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
@@ -198,6 +229,15 @@ def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
         requests=lambda: backend.statements,
         lose_data=lose_data,
     )
+
+
+@pytest.fixture(scope="session")
+def redlock_masters() -> Iterator[dict[int, Any]]:
+    """Redlock masters by their number, started on first use, stopped after the session."""
+    started: dict[int, Any] = {}
+    yield started
+    for masters in started.values():
+        masters.stop()
 
 
 @pytest.fixture(params=BACKENDS)

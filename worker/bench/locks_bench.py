@@ -32,7 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
-from jobfence.worker.bench import etcd_rows, sql_rows
+from jobfence.worker.bench import etcd_rows, redlock_rows, sql_rows
 from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
@@ -596,6 +596,8 @@ def format_report(report: dict[str, Any]) -> str:
         out += sql_rows.format_rows(sql["rows"], sql["skipped"], jf, jf_wake)
     if "etcd" in report:
         out += etcd_rows.format_rows(report["etcd"])
+    if "redlock" in report:
+        out += redlock_rows.format_rows(report["redlock"])
     out += [
         "",
         "targets",
@@ -606,7 +608,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'MET' if t['wakeup_median_under_5ms'] else 'MISSED'}",
     ]
     for name, met in t.items():
-        if name.startswith(("postgres_", "mariadb_", "etcd_")):
+        if name.startswith(("postgres_", "mariadb_", "etcd_", "redlock")):
             out.append(f"  {name.replace('_', ' ')}: {'MET' if met else 'MISSED'}")
     return "\n".join(out)
 
@@ -677,12 +679,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="etcd to measure (etcd://host:port); default: a private etcd started for the "
         "run; '' skips",
     )
+    p.add_argument(
+        "--redlock-pairs",
+        type=int,
+        default=500,
+        help="pairs per round on the Redlock rows, over 5 private masters (default 500; 0 skips)",
+    )
     args = p.parse_args(argv)
     for name in ("pairs", "rounds", "waiters", "sql_pairs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.redlock_pairs < 0:
+        p.error("--redlock-pairs must be >= 0")
     return args
 
 
@@ -723,12 +733,23 @@ def main(argv: list[str] | None = None) -> int:
             trials=args.waiters, seed=args.seed,
         )  # fmt: skip
         report["targets"].update(report["etcd"].get("targets", {}))
+        if args.redlock_pairs:
+            if not args.json:
+                print("running Redlock rows on 5 private masters ...", flush=True)
+            report["redlock"] = redlock_rows.run(
+                pairs=args.redlock_pairs,
+                rounds=args.rounds,
+                warmup=args.warmup // 5,
+                executable=args.redis_server,
+            )
+            report["targets"].update(report["redlock"]["targets"])
     except (
         BenchError,
         sql_rows.SqlBenchError,
         SQLAlchemyError,
         redis.RedisError,
         locks.LockError,
+        redlock_rows.RedlockBenchError,
     ) as exc:
         print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
