@@ -258,9 +258,12 @@ def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threa
 
 
 def _same_server(a: str, b: str) -> bool:
+    """Whether Redis URL `a` names the server (or a Redlock master) of lock URL `b`."""
     if urlsplit(b).scheme == "redlock":  # one of its masters (each checked as the lock server)
         return any(_same_server(a, master) for master in redlock_masters(b))
     pa, pb = urlsplit(a), urlsplit(b)
+    if pb.scheme not in REDIS_SCHEMES:  # a database, etcd, ZooKeeper: never the Redis broker
+        return False
     if pa.scheme == "unix" or pb.scheme == "unix":
         return pa.path == pb.path
     return (pa.hostname, pa.port or 6379) == (pb.hostname, pb.port or 6379)
