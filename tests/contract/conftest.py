@@ -262,15 +262,6 @@ def _cluster_harness(request: pytest.FixtureRequest) -> BackendHarness:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[Any]:
-    """A private 3-master Redis Cluster for the session (no replicas)."""
-    from jobfence.worker.local_cluster import LocalCluster
-
-    with LocalCluster(masters=3) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="session")
 def redlock_masters() -> Iterator[dict[int, Any]]:
     """Redlock masters by their number, started on first use, stopped after the session."""
     started: dict[int, Any] = {}
