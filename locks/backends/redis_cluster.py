@@ -10,13 +10,23 @@ from typing import Any, ClassVar
 
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_nodes
 from jobfence.locks.backend import Capabilities, validate_ttl
-from jobfence.locks.backends.redis import DEFAULT_FENCE_RETENTION, RedisBackend
+from jobfence.locks.backends.redis import DEFAULT_FENCE_RETENTION, RedisBackend, _Lane
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, NotOwner
@@ -56,6 +66,7 @@ class RedisClusterBackend(RedisBackend):
         super().__init__(client, prefix=prefix, fence_retention=fence_retention,  # type: ignore[arg-type]
                          clock=clock)  # fmt: skip
         self.cluster: Any = client  # redis-py's cluster client is largely untyped
+        self._lanes: dict[str, _Lane] = {}  # per node name: the hot path's connections
         self._max_block = max(0.01, 0.8 * socket_timeout)
         self._extend_source = script_source(EXTEND_SCRIPT)
         self._extend_sha = hashlib.sha1(self._extend_source.encode()).hexdigest()
@@ -114,6 +125,32 @@ class RedisClusterBackend(RedisBackend):
         """ha on this instance: true when the cluster has replicas to fail over to."""
         caps = replace(type(self).capabilities, ha=bool(self.cluster.get_replicas()))
         vars(self)["capabilities"] = caps
+
+    def _evalsha(self, sha: str, keys: list[str], args: list[Any]) -> Any:
+        """On the lane of the node the cluster map gives for the keys' slot; a redirect goes
+        through redis-py's cluster client, which follows it and fixes its map.
+
+        MOVED, ASK, TRYAGAIN and CLUSTERDOWN are answers from a node that did not run the
+        script, so sending it again is safe. A timeout or a broken connection is not: it
+        raises (BackendUnavailable, from `_call`), after the map is read again so that the
+        next call finds a promoted replica.
+        """
+        try:
+            node = self.cluster.nodes_manager.get_node_from_slot(self.cluster.keyslot(keys[0]))
+            pool = node.redis_connection.connection_pool
+        except (RedisError, RedisClusterException, AttributeError):
+            return self.cluster.evalsha(sha, len(keys), *keys, *args)
+        lane = self._lanes.get(node.name)
+        if lane is None or lane.pool is not pool:
+            lane = self._lanes[node.name] = _Lane(pool)
+        try:
+            return lane.call("EVALSHA", sha, len(keys), *keys, *args)
+        except (AskError, TryAgainError, ClusterDownError):  # MovedError is an AskError
+            return self.cluster.evalsha(sha, len(keys), *keys, *args)
+        except (RedisConnectionError, RedisTimeoutError):
+            with contextlib.suppress(RedisError, RedisClusterException):
+                self.cluster.nodes_manager.initialize()
+            raise
 
     def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
         try:
@@ -280,4 +317,7 @@ class RedisClusterBackend(RedisBackend):
         return found
 
     def close(self) -> None:
+        lanes, self._lanes = self._lanes, {}
+        for lane in lanes.values():
+            lane.close()
         self.cluster.close()

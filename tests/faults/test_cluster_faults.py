@@ -108,7 +108,9 @@ def test_fence_keeps_increasing_across_a_failover_and_the_late_write_is_refused(
 
     new = wait_for(lambda: _acquire(backend, key, 10.0), timeout=30.0,
                    message="no grant after the failover")  # fmt: skip
-    assert cluster.node_of(backend.keys.lock(key)) == 3  # served by the promoted replica
+    # Served by the promoted replica (the other nodes learn of it a moment later).
+    wait_for(lambda: cluster.node_of(backend.keys.lock(key)) == 3, timeout=10.0,
+             message="the slot's replica was not promoted")  # fmt: skip
     fences.append(new.fence)
     for _ in range(20):
         assert new.release()
