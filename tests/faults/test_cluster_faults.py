@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,8 @@ import pytest
 from jobfence.locks import BackendUnavailable, Lease, RedisFenceGuard, StaleFence
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.worker.local_cluster import LocalCluster
+from tests.faults.rig import CHARGE, Rig, plan_payments, wait_until
+from tests.faults.scenarios_cdefh import SETTLE_TIMEOUT
 from tests.servers import wait_for
 
 pytestmark = pytest.mark.fault
@@ -132,3 +135,30 @@ def test_fence_keeps_increasing_across_a_failover_and_the_late_write_is_refused(
     data.set(naive_balance, "old-late")
     assert data.get(naive_balance) == "old-late"
     backend.close()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_payment_storm_on_real_workers_charges_once_across_a_master_kill(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A payment storm on a real fleet locked on the cluster; a master is killed when a third
+    is charged, and every other payment is published again after it: every payment is
+    charged once, none is lost. (The fence-less control is the test above: a second holder
+    during the failover writes over the first.)"""
+    cluster.wait_ok()
+    n = 24
+    planned = plan_payments("cl", n)
+    with Rig("jobfence", tmp_path, start_locks=False,
+             env_extra={"JOBFENCE_LOCK_URL": cluster.url}) as rig:  # fmt: skip
+        fleet = rig.fleet(workers=2, concurrency=2)
+        rig.publish(CHARGE, planned)
+        wait_until(lambda: rig.done(planned) >= n // 3 and fleet.executing_pids(), 60.0,
+                   "a third of the payments charged, bodies running")  # fmt: skip
+        at = rig.done(planned)
+        cluster.servers[2].kill()  # a master with its replica: its slots fail over
+        rig.publish(CHARGE, planned[::2])
+        rig.settle(fleet, planned, SETTLE_TIMEOUT)
+        outcome = rig.tally(planned, f"master killed at {at}/{n} charged")
+    assert (outcome.double, outcome.lost) == (0, 0), outcome
+    assert not outcome.broken, outcome
