@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -25,7 +25,7 @@ from redis.retry import Retry
 
 from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_nodes
-from jobfence.locks.backend import Capabilities, validate_ttl
+from jobfence.locks.backend import Capabilities, JobRecord, LockInfo, validate_ttl
 from jobfence.locks.backends.redis import DEFAULT_FENCE_RETENTION, RedisBackend, _Lane
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -157,6 +157,51 @@ class RedisClusterBackend(RedisBackend):
             return super()._call(name, keys, args, key)
         except RedisClusterException as exc:  # no node for the slot (cluster down), say
             raise BackendUnavailable(f"redis cluster {name} failed", key=key, cause=exc) from exc
+
+    # -- the single node's admin calls, with the cluster client's own errors as unavailability
+    def _inspect(self, key: str) -> LockInfo | None:
+        with self._unavailable("inspect", key):
+            return super()._inspect(key)
+
+    def scan(self, match: str = "*") -> Iterator[LockInfo]:
+        with self._unavailable("scan", None):
+            yield from super().scan(match)
+
+    def job_record(self, key: str) -> JobRecord | None:
+        with self._unavailable("job_record", key):
+            return super().job_record(key)
+
+    def clear_publish(self, key: str) -> None:
+        with self._unavailable("clear_publish", key):
+            super().clear_publish(key)
+
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        with self._unavailable("count_delivery", key):
+            return super()._count_delivery(key, window_ms)
+
+    def forget(self, key: str) -> bool:
+        with self._unavailable("forget", key):
+            return super().forget(key)
+
+    def force_release(self, key: str) -> bool:
+        with self._unavailable("force_release", key):
+            return super().force_release(key)
+
+    def wait_for_release(self, key: str, timeout: float) -> None:
+        with self._unavailable("wait", key):
+            super().wait_for_release(key, timeout)
+
+    def server_time(self) -> float:
+        with self._unavailable("time", None):
+            seconds, micros = self.cluster.time()
+        return float(seconds) + float(micros) / 1e6
+
+    @contextlib.contextmanager
+    def _unavailable(self, what: str, key: str | None) -> Iterator[None]:
+        try:
+            yield
+        except (RedisError, RedisClusterException) as exc:
+            raise BackendUnavailable(f"redis cluster {what} failed", key=key, cause=exc) from exc
 
     # -- heartbeats: one script per node, all nodes at once ------------------------------
     def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
