@@ -18,6 +18,7 @@ from jobfence.worker.local_cluster import LocalCluster
 from tests.servers import wait_for
 
 SCRIPT_CALLS = ("cmdstat_evalsha", "cmdstat_eval")
+SECRET = "cluster-test-" + "k" * 32
 
 
 @pytest.fixture
@@ -186,3 +187,33 @@ def test_bad_cluster_urls_are_refused_naming_the_variable(url: str, problem: str
     text = str(refused.value)
     assert "JOBFENCE_LOCK_URL" in text and problem in text
     assert "redis+cluster://10.0.0.1:6379" in text
+
+
+def test_settings_refuse_a_bad_cluster_url_and_keep_the_password_out() -> None:
+    from jobfence.config import Settings
+
+    with pytest.raises(UnsafeSettings) as refused:
+        Settings(key_secret=SECRET, lock_url="redis+cluster://u:hunter2@h:1,h:99999")
+    assert "JOBFENCE_LOCK_URL" in str(refused.value) and "hunter2" not in str(refused.value)
+    assert Settings(key_secret=SECRET, lock_url="redis+cluster://h:1,h:2").lock_url == "redis+cluster://h:1,h:2"
+
+
+def test_the_worker_start_up_checks_every_node(
+    redis_cluster: LocalCluster, backend: RedisClusterBackend
+) -> None:
+    from types import SimpleNamespace
+
+    from jobfence.config import Settings
+    from jobfence.tasks import Runtime
+    from jobfence.worker.checks import check_lock_backend
+
+    runtime = Runtime(Settings(key_secret=SECRET, lock_url=redis_cluster.url), backend=backend)
+    node: Any = redis_cluster.client(2)
+    node.config_set("maxmemory-policy", "volatile-lru")
+    try:
+        findings = list(check_lock_backend(SimpleNamespace(task_always_eager=False), runtime))
+    finally:
+        node.config_set("maxmemory-policy", "noeviction")
+    refused = [f for f in findings if f.refuse]
+    assert len(refused) == 1 and "volatile-lru" in refused[0].problem
+    assert refused[0].setting == "JOBFENCE_LOCK_URL"
