@@ -217,3 +217,43 @@ def test_the_worker_start_up_checks_every_node(
     refused = [f for f in findings if f.refuse]
     assert len(refused) == 1 and "volatile-lru" in refused[0].problem
     assert refused[0].setting == "JOBFENCE_LOCK_URL"
+
+
+def test_a_held_lease_follows_its_slot_through_a_migration(
+    redis_cluster: LocalCluster, backend: RedisClusterBackend
+) -> None:
+    """Resharding under a held lease: while its slot migrates (ASK) and after it moved
+    (MOVED), the lease extends and releases through a client whose map is stale."""
+    key = f"moving:{uuid.uuid4().hex[:6]}"
+    lease = backend.try_acquire(key, 5.0)
+    assert lease is not None
+    name = backend.keys.lock(key)
+    slot = key_slot(name.encode())
+    src = redis_cluster.node_of(name)
+    dst = (src + 1) % 3
+    source: Any = redis_cluster.client(src)
+    target: Any = redis_cluster.client(dst)
+    src_id, dst_id = redis_cluster.ids[src], redis_cluster.ids[dst]
+    target.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    keys = source.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+    assert name in keys
+    to = redis_cluster.servers[dst]
+    source.execute_command("MIGRATE", to.host, to.port, "", 0, 5000, "KEYS", *keys)
+
+    # Mid-migration: the source answers ASK for the keys it no longer has.
+    assert backend.extend_many([lease]) == [True] and not lease.lost
+    lease.extend()
+
+    for index in range(3):
+        c: Any = redis_cluster.client(index)
+        c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    wait_for(lambda: redis_cluster.node_of(name) == dst, timeout=10.0, message="slot not moved")
+
+    # Moved: the backend's map still names the source, which answers MOVED.
+    assert backend.extend_many([lease]) == [True] and not lease.lost
+    info = backend.inspect(key)
+    assert info is not None and info.fence == lease.fence
+    assert lease.release()
+    again = backend.try_acquire(key, 5.0)
+    assert again is not None and again.fence > lease.fence
