@@ -149,7 +149,8 @@ class RedisClusterBackend(RedisBackend):
             return self.cluster.evalsha(sha, len(keys), *keys, *args)
         except (RedisConnectionError, RedisTimeoutError):
             with contextlib.suppress(RedisError, RedisClusterException):
-                self.cluster.nodes_manager.initialize()
+                # The failed node asked last: a frozen one would hold up the map's refresh.
+                self.cluster.nodes_manager.initialize(last_failed_node_name=node.name)
             raise
 
     def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
