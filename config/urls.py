@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, unquote, urlencode
 
 from jobfence.config.errors import UnsafeSettings
 
@@ -122,6 +122,7 @@ LOCK_SCHEMES += ("postgresql", "postgres", "postgresql+psycopg")
 LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
 LOCK_SCHEMES += ("redlock",)
 LOCK_SCHEMES += ("etcd",)
+LOCK_SCHEMES += ("redis+cluster",)
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
@@ -188,10 +189,64 @@ def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
     return [f"redis://{auth}{m}/{db or 0}" for m in masters]
 
 
+CLUSTER_EXAMPLE = "redis+cluster://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
+
+
+def cluster_nodes(
+    url: str, variable: str = "JOBFENCE_LOCK_URL"
+) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """(seed nodes, user, password) of `redis+cluster://[user:password@]host:port[,...]`.
+
+    The seeds are where the client first asks for the cluster's map; any one that answers
+    will do, so list several. A cluster has database 0 only: no path but '/' or '/0'.
+    """
+    fix = f"set {variable} to a URL such as {CLUSTER_EXAMPLE}"
+    shown = redact(url)
+    if not url.lower().startswith("redis+cluster://"):
+        raise UnsafeSettings(variable, f"{shown!r} is not a redis+cluster:// URL", fix)
+    userinfo, rest = _split_userinfo(url)
+    if any(c in userinfo for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+        )
+    if "?" in rest or "#" in rest:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has query options, which redis+cluster:// does not take", fix
+        )
+    hosts, _, tail = rest.partition("/")
+    if tail.strip("/") not in ("", "0"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} names database {tail.strip('/')!r}: a Redis Cluster has database 0 only",
+            fix,
+        )
+    nodes: list[tuple[str, int]] = []
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        probe = f"redis://{entry}"
+        host, port = _host_port(probe)
+        problem = _port_problem(probe)
+        if not entry or problem or not host.strip("[]"):
+            what = problem or "names no host"
+            raise UnsafeSettings(variable, f"{shown!r}: node {entry!r} {what}", fix)
+        nodes.append((host.strip("[]"), int(port or 6379)))
+    user, colon, password = userinfo.partition(":")
+    return (
+        list(dict.fromkeys(nodes)),
+        unquote(user) or None,
+        unquote(password) if colon else None,
+    )
+
+
 def check_lock_url(url: str, variable: str) -> None:
     """The lock URL: a supported scheme, a host for redis(s)://, a numeric port and db."""
     if url.lower().startswith("redlock://"):
         redlock_masters(url, variable)
+        return
+    if url.lower().startswith("redis+cluster://"):
+        cluster_nodes(url, variable)
         return
     if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "etcd":
         _check_etcd_url(url, variable)  # a list of members: the one-host checks do not apply

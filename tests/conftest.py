@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -124,3 +125,13 @@ def process_group(tmp_path: Path) -> Iterator[ProcessGroup]:
     """
     with ProcessGroup(tmp_path / "procs") as group:
         yield group
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Any]:
+    """A private 3-master Redis Cluster for the session (no replicas); tests keep to key
+    prefixes of their own."""
+    from jobfence.worker.local_cluster import LocalCluster
+
+    with LocalCluster(masters=3) as cluster:
+        yield cluster

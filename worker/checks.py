@@ -22,6 +22,7 @@ from jobfence.config.settings import ENV_PREFIX, unknown_variables
 from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, RedisBackend
 from jobfence.locks.backends.redis import tls_hint
+from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.tasks import Runtime, SingletonTask
 
@@ -137,6 +138,12 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         return
     if backend.name in ("mysql", "etcd"):
         yield from _check_lock_server(backend, setting, settings.lock_url)
+        return
+    if isinstance(backend, RedisClusterBackend):
+        # Every node, replicas too (they become masters): refuse eviction; warn when one
+        # is down, the cluster state is not ok, or no replica can take over a failed master.
+        for refuse, problem, fix in backend.check_servers():
+            yield Finding(refuse, setting, problem, fix)
         return
     if isinstance(backend, RedlockBackend):
         # Per master: refuse eviction; warn when one is down or keeps no crash-proof AOF
@@ -423,7 +430,11 @@ def enforce_or_exit(app: Any, runtime: Runtime, what: str) -> None:
             flush=True,
         )
         raise SystemExit(EX_CONFIG) from None
-    if lock_server_down(findings) and isinstance(runtime.backend, RedisBackend):
+    if (
+        lock_server_down(findings)
+        and isinstance(runtime.backend, RedisBackend)
+        and not isinstance(runtime.backend, RedisClusterBackend)  # its URL is no redis://
+    ):
         watch_lock_server(runtime)
 
 

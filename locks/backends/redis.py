@@ -166,7 +166,7 @@ class RedisBackend(LockBackend):
             else None
         )
         self._tls = issubclass(getattr(pool, "connection_class", object), SSLConnection)
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout")
         self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
 
     @classmethod

@@ -16,7 +16,7 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
 # the server allows it, how to count round trips and how to lose all its data.
-BACKENDS = ["redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5"]
+BACKENDS = ["redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5", "cluster"]
 
 
 @dataclass
@@ -92,6 +92,8 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         return _etcd_harness(request)
     if name.startswith("redlock"):
         return _redlock_harness(int(name.removeprefix("redlock")), request)
+    if name == "cluster":
+        return _cluster_harness(request)
     raise AssertionError(f"no contract harness for backend {name!r}")
 
 
@@ -227,6 +229,34 @@ def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
         backend=backend,
         connect=connect,
         requests=lambda: backend.statements,
+        lose_data=lose_data,
+    )
+
+
+def _cluster_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """The session's 3-master cluster under a prefix of this test's own; losing data
+    crashes every master and starts it empty (its cluster config kept, so it rejoins). A
+    round trip is the most script calls any one node has run (extend_many sends one script
+    to every node at once)."""
+    from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+
+    cluster = request.getfixturevalue("redis_cluster")
+    prefix = f"contract-{uuid.uuid4().hex[:8]}"
+
+    def connect() -> LockBackend:
+        return RedisClusterBackend.from_url(cluster.url, prefix=prefix)
+
+    def lose_data() -> None:
+        for server in cluster.masters:
+            server.restart()
+        cluster.wait_ok()
+
+    counters = [_redis_requests(server) for server in cluster.masters]
+    return BackendHarness(
+        name="cluster",
+        backend=connect(),
+        connect=connect,
+        requests=lambda: max(count() for count in counters),
         lose_data=lose_data,
     )
 

@@ -32,7 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
-from jobfence.worker.bench import etcd_rows, redlock_rows, sql_rows
+from jobfence.worker.bench import cluster_rows, etcd_rows, redlock_rows, sql_rows
 from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
@@ -598,6 +598,8 @@ def format_report(report: dict[str, Any]) -> str:
         out += etcd_rows.format_rows(report["etcd"])
     if "redlock" in report:
         out += redlock_rows.format_rows(report["redlock"])
+    if "cluster" in report:
+        out += cluster_rows.format_rows(report["cluster"])
     out += [
         "",
         "targets",
@@ -685,6 +687,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=500,
         help="pairs per round on the Redlock rows, over 5 private masters (default 500; 0 skips)",
     )
+    p.add_argument(
+        "--cluster-pairs",
+        type=int,
+        default=2000,
+        help="pairs per client process on the Cluster rows, 1 node vs a private 3-master "
+        "cluster with 1 and 4 client processes (default 2000; 0 skips)",
+    )
     args = p.parse_args(argv)
     for name in ("pairs", "rounds", "waiters", "sql_pairs"):
         if getattr(args, name) < 1:
@@ -693,6 +702,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if args.redlock_pairs < 0:
         p.error("--redlock-pairs must be >= 0")
+    if args.cluster_pairs < 0:
+        p.error("--cluster-pairs must be >= 0")
     return args
 
 
@@ -743,6 +754,12 @@ def main(argv: list[str] | None = None) -> int:
                 executable=args.redis_server,
             )
             report["targets"].update(report["redlock"]["targets"])
+        if args.cluster_pairs:
+            if not args.json:
+                print("running Cluster rows on a private 3-master cluster ...", flush=True)
+            report["cluster"] = cluster_rows.run(
+                pairs=args.cluster_pairs, rounds=3, executable=args.redis_server
+            )
     except (
         BenchError,
         sql_rows.SqlBenchError,
@@ -750,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         redis.RedisError,
         locks.LockError,
         redlock_rows.RedlockBenchError,
+        cluster_rows.ClusterBenchError,
     ) as exc:
         print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
