@@ -99,8 +99,12 @@ class LocalSentinel:
             for i in range(replicas + 1)
         ]
         self.sentinels = [
-            _Sentinel(port=0, conf=root / f"sentinel{i}.conf", log=root / f"sentinel{i}.log",
-                      myid=secrets.token_hex(20))  # fmt: skip
+            _Sentinel(
+                port=0,
+                conf=root / f"sentinel{i}.conf",
+                log=root / f"sentinel{i}.log",
+                myid=secrets.token_hex(20),
+            )
             for i in range(sentinels)
         ]
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -223,8 +227,8 @@ class LocalSentinel:
                 info = master.info("replication")
             except redis.RedisError:
                 return False
-            online = [v for k, v in info.items()
-                      if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"]  # fmt: skip
+            links = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+            online = [v for v in links if v.get("state") == "online"]
             return info.get("role") == "master" and len(online) == want_replicas
 
         self._poll(ready, timeout, "the Sentinel topology did not settle")
