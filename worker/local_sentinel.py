@@ -124,7 +124,7 @@ class LocalSentinel:
                 continue
             client = sentinel.client()
             try:
-                addr = client.sentinel_get_master_addr_by_name(self.service)
+                addr: Any = client.sentinel_get_master_addr_by_name(self.service)
             except redis.RedisError:
                 continue
             finally:
@@ -208,7 +208,7 @@ class LocalSentinel:
                                         f"{procs.tail(sentinel.log)}")  # fmt: skip
                 client = sentinel.client()
                 try:
-                    state = client.sentinel_master(self.service)
+                    state: Any = client.sentinel_master(self.service)
                 except redis.RedisError:
                     return False
                 finally:
@@ -286,7 +286,7 @@ class LocalSentinel:
         kernel would have buffered for a stopped process."""
         client = self.master().client(socket_timeout=2.0)
         try:
-            client.execute_command("CLIENT", "KILL", "TYPE", "replica")
+            client.client_kill_filter(_type="slave")
         finally:
             client.close()
 
