@@ -135,6 +135,10 @@ def open_backend(url: str, **options: Any) -> LockBackend:
                 name=exc.name,
             ) from exc
         return PostgresBackend.from_url(url, **options)
+    if scheme.lower() == "redis+sentinel":
+        from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+
+        return RedisSentinelBackend.from_url(url, **options)
     if scheme.lower() == "redlock":
         from jobfence.locks.backends.redlock import RedlockBackend
 
@@ -156,5 +160,5 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         return EtcdBackend.from_url(url, **options)
     raise ValueError(
         f"no lock backend for scheme {scheme!r}; use redis://, rediss://, unix://, "
-        "postgresql://, mysql://, mariadb://, redlock:// or etcd://"
+        "postgresql://, mysql://, mariadb://, redlock://, etcd:// or redis+sentinel://"
     )
