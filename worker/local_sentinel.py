@@ -314,10 +314,12 @@ class LocalSentinel:
         return self.master()
 
     def rejoin(self, node: RedisServer, timeout: float = 30.0) -> None:
-        """Start a killed node again, empty, as a replica of the current master."""
+        """Make `node` a replica of the current master again: started anew (empty) if it
+        was killed; if it lives on as a deposed master, told at once what the sentinels
+        would tell it at their next 10 s INFO round. Returns once the topology is whole."""
         master = self.master()
         try:
-            node.start()
+            node.start()  # a no-op while it runs
         except RedisServerError as exc:
             raise SentinelError(f"node {node.port} did not come back: {exc}") from exc
         client = node.client(socket_timeout=2.0)
