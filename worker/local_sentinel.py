@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import IO, Any, Self, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -25,6 +25,7 @@ from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, fr
 __all__ = ["LocalSentinel", "SentinelError"]
 
 SERVICE = "jfmaster"
+T = TypeVar("T")
 
 
 class SentinelError(RuntimeError):
@@ -312,6 +313,24 @@ class LocalSentinel:
 
         self._poll(promoted, timeout, "no replica was promoted")
         return self.master()
+
+    def failover_losing(self, write: Callable[[], T], timeout: float = 30.0) -> T:
+        """Run `write` on a master whose replicas never get it, then crash the master and
+        wait until a replica is promoted without it; returns what `write` returned.
+
+        The recipe of the research notes §6: replicas frozen (SIGSTOP) and cut off, the
+        write, the master killed (SIGKILL), the replicas resumed (SIGCONT) within the
+        sentinels' down-after time, so they stay eligible and the failover takes ~3 s.
+        """
+        self.freeze_replicas()
+        try:
+            self.cut_replication()
+            result = write()
+        finally:
+            old = self.kill_master()
+            self.thaw_replicas()
+        self.wait_for_failover(old, timeout)
+        return result
 
     def rejoin(self, node: RedisServer, timeout: float = 30.0) -> None:
         """Make `node` a replica of the current master again: started anew (empty) if it
