@@ -32,7 +32,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
-from jobfence.worker.bench import etcd_rows, redlock_rows, sql_rows
+from jobfence.worker.bench import etcd_rows, redlock_rows, sentinel_rows, sql_rows
+from jobfence.worker.local_sentinel import SentinelError
 from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
@@ -598,6 +599,8 @@ def format_report(report: dict[str, Any]) -> str:
         out += etcd_rows.format_rows(report["etcd"])
     if "redlock" in report:
         out += redlock_rows.format_rows(report["redlock"])
+    if "sentinel" in report:
+        out += sentinel_rows.format_rows(report["sentinel"])
     out += [
         "",
         "targets",
@@ -685,6 +688,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=500,
         help="pairs per round on the Redlock rows, over 5 private masters (default 500; 0 skips)",
     )
+    p.add_argument(
+        "--sentinel-pairs",
+        type=int,
+        default=500,
+        help="pairs per round on the Sentinel row, over a private master, 2 replicas and 3 "
+        "sentinels (default 500; 0 skips)",
+    )
     args = p.parse_args(argv)
     for name in ("pairs", "rounds", "waiters", "sql_pairs"):
         if getattr(args, name) < 1:
@@ -693,6 +703,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if args.redlock_pairs < 0:
         p.error("--redlock-pairs must be >= 0")
+    if args.sentinel_pairs < 0:
+        p.error("--sentinel-pairs must be >= 0")
     return args
 
 
@@ -743,6 +755,15 @@ def main(argv: list[str] | None = None) -> int:
                 executable=args.redis_server,
             )
             report["targets"].update(report["redlock"]["targets"])
+        if args.sentinel_pairs:
+            if not args.json:
+                print("running the Sentinel row ...", flush=True)
+            report["sentinel"] = sentinel_rows.run(
+                pairs=args.sentinel_pairs,
+                rounds=args.rounds,
+                warmup=args.warmup // 5,
+                executable=args.redis_server,
+            )
     except (
         BenchError,
         sql_rows.SqlBenchError,
@@ -750,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         redis.RedisError,
         locks.LockError,
         redlock_rows.RedlockBenchError,
+        SentinelError,
     ) as exc:
         print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
