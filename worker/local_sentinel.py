@@ -108,7 +108,12 @@ class LocalSentinel:
             )
             for i in range(sentinels)
         ]
-        self._finalizer: weakref.finalize[Any, Any] | None = None
+        # Sentinels started so far: the finalizer reaps them (and deletes the files) if this
+        # object is dropped without stop().
+        self._popens: list[subprocess.Popen[bytes]] = []
+        self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
+            self, _reap, self._popens, self._root
+        )
 
     # -- addresses -------------------------------------------------------------------
 
@@ -173,8 +178,7 @@ class LocalSentinel:
             sentinel.proc = procs.spawn(
                 [self.executable, str(sentinel.conf), "--sentinel"], stdout=sentinel.stdio
             )
-        popens = [s.proc for s in self.sentinels if s.proc is not None]
-        self._finalizer = weakref.finalize(self, _reap, popens, self._root)
+            self._popens.append(sentinel.proc)
 
     def _write_conf(self, sentinel: _Sentinel, master_port: int) -> None:
         name = self.service
@@ -246,6 +250,7 @@ class LocalSentinel:
         running = [s.proc for s in self.sentinels if s.proc is not None]
         if running:
             procs.stop(running, timeout=5)
+        self._popens.clear()
         for sentinel in self.sentinels:
             sentinel.proc = None
             if sentinel.stdio is not None:
