@@ -278,6 +278,9 @@ class LocalSentinel:
         frozen = self.replicas()
         for node in frozen:
             node.pause()
+        # SIGSTOP lands asynchronously: wait until the kernel shows each one stopped.
+        self._poll(lambda: all(procs.proc_state(n.pid) in ("T", "t") for n in frozen), 5.0,
+                   "a replica did not stop")  # fmt: skip
         return frozen
 
     def thaw_replicas(self) -> None:
