@@ -71,7 +71,8 @@ class Settings(BaseSettings):
         default="redis://127.0.0.1:6379/0",
         description=(
             "Lock backend URL (redis://, rediss://, unix://, postgresql://, mysql://, "
-            "mariadb://, redlock://host:port,..., etcd://host:port[,host:port...])."
+            "mariadb://, redlock://host:port,..., etcd://host:port[,host:port...], "
+            "redis+sentinel://host:port[,host:port...]/<master-name>[/db])."
         ),
     )
     broker_url: str | None = Field(default=None, description="Celery broker URL.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlencode
 
 from jobfence.config.errors import UnsafeSettings
@@ -123,6 +124,7 @@ LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
 LOCK_SCHEMES += ("redlock",)
 LOCK_SCHEMES += ("etcd",)
 LOCK_SCHEMES += ("redis+cluster",)
+LOCK_SCHEMES += ("redis+sentinel",)
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
@@ -240,6 +242,82 @@ def cluster_nodes(
     )
 
 
+SENTINEL_EXAMPLE = "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379/mymaster/0"
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a redis+sentinel:// URL names: the sentinels, the master's name, its database
+    and the credentials of the master (and its replicas; the sentinels are asked without)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+    username: str | None
+    password: str | None = field(repr=False)
+
+
+def sentinel_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> SentinelTarget:
+    """Parse `redis+sentinel://[user:password@]host:port[,host:port...]/<master-name>[/db]`.
+
+    Each host is a sentinel (port 26379 if left out), the path names the master the
+    sentinels monitor (`sentinel monitor <master-name> ...`) and optionally its database.
+    """
+    fix = f"set {variable} to a URL such as {SENTINEL_EXAMPLE}"
+    shown = redact(url)
+    if not url.lower().startswith("redis+sentinel://"):
+        raise UnsafeSettings(variable, f"{shown!r} is not a redis+sentinel:// URL", fix)
+    userinfo, rest = _split_userinfo(url)
+    if any(c in userinfo for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+        )
+    if "?" in rest or "#" in rest:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has query options, which redis+sentinel:// does not take", fix
+        )
+    hosts, _, path = rest.partition("/")
+    sentinels: list[tuple[str, int]] = []
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise UnsafeSettings(variable, f"{shown!r} has an empty sentinel in its list", fix)
+        probe = f"redis://{entry}"
+        host, port = _host_port(probe)
+        problem = _port_problem(probe)
+        if problem or not host.strip("[]"):
+            raise UnsafeSettings(
+                variable, f"{shown!r}: sentinel {entry!r} {problem or 'names no host'}", fix
+            )
+        sentinels.append((host.strip("[]"), int(port or 26379)))
+    if len(set(sentinels)) != len(sentinels):
+        raise UnsafeSettings(variable, f"{shown!r} names a sentinel more than once",
+                             "list each sentinel once")  # fmt: skip
+    service, _, db = path.strip("/").partition("/")
+    if not service:
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} names no master: the path must be the name the sentinels monitor "
+            "it by (sentinel monitor <name> ...)",
+            fix,
+        )
+    if db and not db.isdigit():
+        raise UnsafeSettings(
+            variable, f"{shown!r} has database {db!r}, which is not a number (or a '/' in the "
+            "master's name)", fix,
+        )
+    user, colon, password = userinfo.partition(":")
+    return SentinelTarget(
+        sentinels=tuple(sentinels),
+        service=unquote(service),
+        db=int(db or 0),
+        username=unquote(user) or None,
+        password=unquote(password) if colon else None,
+    )
+
+
 def check_lock_url(url: str, variable: str) -> None:
     """The lock URL: a supported scheme, a host for redis(s)://, a numeric port and db."""
     if url.lower().startswith("redlock://"):
@@ -247,6 +325,9 @@ def check_lock_url(url: str, variable: str) -> None:
         return
     if url.lower().startswith("redis+cluster://"):
         cluster_nodes(url, variable)
+        return
+    if url.lower().startswith("redis+sentinel://"):
+        sentinel_target(url, variable)
         return
     if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "etcd":
         _check_etcd_url(url, variable)  # a list of members: the one-host checks do not apply

@@ -139,6 +139,10 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 
         return RedisClusterBackend.from_url(url, **options)
+    if scheme.lower() == "redis+sentinel":
+        from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+
+        return RedisSentinelBackend.from_url(url, **options)
     if scheme.lower() == "redlock":
         from jobfence.locks.backends.redlock import RedlockBackend
 
@@ -160,5 +164,6 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         return EtcdBackend.from_url(url, **options)
     raise ValueError(
         f"no lock backend for scheme {scheme!r}; use redis://, rediss://, unix://, "
-        "postgresql://, mysql://, mariadb://, redlock://, redis+cluster:// or etcd://"
+        "postgresql://, mysql://, mariadb://, redlock://, redis+sentinel://, redis+cluster:// "
+        "or etcd://"
     )

@@ -23,6 +23,7 @@ from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, RedisBackend
 from jobfence.locks.backends.redis import tls_hint
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.tasks import Runtime, SingletonTask
 
@@ -151,6 +152,9 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         for refuse, problem, fix in backend.check_servers():
             yield Finding(refuse, setting, problem, fix)
         return
+    if isinstance(backend, RedisSentinelBackend):
+        yield from check_sentinel_lock(backend, setting, settings.lock_url)
+        return
     if not isinstance(backend, RedisBackend):
         return
     try:
@@ -177,6 +181,59 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         )
         return
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
+
+
+def check_sentinel_lock(backend: RedisSentinelBackend, setting: str, url: str) -> Iterator[Finding]:
+    """The master the sentinels name, as a single lock server, and each replica (one is
+    promoted on failover, with its own policy); warn of a master with no replica to fail
+    over to, or fewer than 3 sentinels (a quorum that survives the loss of one)."""
+    topo = backend.topology()
+    if topo.master is None:
+        # As for one server: come up and wait rather than crash-loop during an outage.
+        yield _warn(
+            setting,
+            f"the sentinels of {redact(url)} name no master for {backend.service!r} at "
+            f"start-up ({topo.error}); starting anyway: jobs wait and are redelivered until "
+            "one answers, and its eviction policy is unchecked",
+            "start the sentinels and the master, or fix the URL (sentinel addresses and the "
+            "master's name as in 'sentinel monitor <name>') if it is wrong",
+        )
+        return
+    try:
+        yield from check_eviction(backend.client, "Sentinel master", setting, url)
+    except RedisError as exc:
+        yield _warn(setting, f"the Sentinel master of {redact(url)} does not answer ({exc}); "
+                    "its eviction policy is unchecked",
+                    "make sure it runs with maxmemory-policy noeviction")  # fmt: skip
+    for address in topo.replicas:
+        client = backend.node_client(address)
+        where = f"{address[0]}:{address[1]}"
+        try:
+            what = f"replica {where} (promoted on failover)"
+            yield from check_eviction(client, what, setting, url)
+        except RedisError as exc:
+            yield _warn(
+                setting,
+                f"replica {where} of {redact(url)} does not answer ({exc}); its eviction "
+                "policy is unchecked",
+                "make sure every replica runs with maxmemory-policy noeviction",
+            )
+        finally:
+            client.close()
+    if not topo.replicas:
+        yield _warn(
+            setting,
+            f"the Sentinel master of {redact(url)} has no live replica: if it fails there is "
+            "nothing to promote, and locks wait for it to come back",
+            "run at least one replica (two, so one survives a failover)",
+        )
+    if topo.sentinels < 3:
+        yield _warn(
+            setting,
+            f"only {topo.sentinels} sentinel(s) watch {backend.service!r}: fewer than 3 "
+            "cannot keep a majority through the loss of one, so a failover may never happen",
+            "run at least 3 sentinels on separate hosts",
+        )
 
 
 def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Finding]:

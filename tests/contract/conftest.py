@@ -16,7 +16,9 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
 # the server allows it, how to count round trips and how to lose all its data.
-BACKENDS = ["redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5", "cluster"]
+BACKENDS = [
+    "redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5", "cluster", "sentinel",
+]
 
 
 @dataclass
@@ -94,6 +96,8 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         return _redlock_harness(int(name.removeprefix("redlock")), request)
     if name == "cluster":
         return _cluster_harness(request)
+    if name == "sentinel":
+        return _sentinel_harness(request)
     raise AssertionError(f"no contract harness for backend {name!r}")
 
 
@@ -123,6 +127,41 @@ def _redlock_harness(n: int, request: pytest.FixtureRequest) -> BackendHarness:
         connect=connect,
         requests=lambda: max(count() for count in counters),
         lose_data=masters.lose_all_data,
+    )
+
+
+def _sentinel_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """The session's Sentinel topology (1 master, 2 replicas, 3 sentinels), under a prefix
+    of this test's own. Losing data empties the master (FLUSHALL reaches the replicas too,
+    SCRIPT FLUSH drops the loaded scripts): a failover onto a replica that never received
+    a grant is the fault suite's (tests/faults/test_sentinel_faults.py)."""
+    from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+    from jobfence.worker.local_sentinel import LocalSentinel
+
+    started: list[LocalSentinel] = request.getfixturevalue("sentinel_topology")
+    if not started:  # one topology for the session, started on first use
+        started.append(LocalSentinel().start())
+    topology = started[0]
+    topology.wait_ready()
+    url = topology.url
+    prefix = f"contract-{uuid.uuid4().hex[:8]}"
+
+    def connect() -> LockBackend:
+        return RedisSentinelBackend.from_url(url, prefix=prefix)
+
+    master = topology.master()
+
+    def lose_data() -> None:
+        admin = master.client()
+        admin.flushall()
+        admin.script_flush()
+
+    return BackendHarness(
+        name="sentinel",
+        backend=connect(),
+        connect=connect,
+        requests=_redis_requests(master),
+        lose_data=lose_data,
     )
 
 
@@ -268,6 +307,15 @@ def redlock_masters() -> Iterator[dict[int, Any]]:
     yield started
     for masters in started.values():
         masters.stop()
+
+
+@pytest.fixture(scope="session")
+def sentinel_topology() -> Iterator[list[Any]]:
+    """The session's Sentinel topology (empty until a test starts it), stopped at the end."""
+    started: list[Any] = []
+    yield started
+    for topology in started:
+        topology.stop()
 
 
 @pytest.fixture(params=BACKENDS)

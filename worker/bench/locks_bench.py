@@ -32,7 +32,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
-from jobfence.worker.bench import cluster_rows, etcd_rows, redlock_rows, sql_rows
+from jobfence.worker.bench import cluster_rows, etcd_rows, redlock_rows, sentinel_rows, sql_rows
+from jobfence.worker.local_sentinel import SentinelError
 from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
@@ -600,6 +601,8 @@ def format_report(report: dict[str, Any]) -> str:
         out += redlock_rows.format_rows(report["redlock"])
     if "cluster" in report:
         out += cluster_rows.format_rows(report["cluster"])
+    if "sentinel" in report:
+        out += sentinel_rows.format_rows(report["sentinel"])
     out += [
         "",
         "targets",
@@ -694,6 +697,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="pairs per client process on the Cluster rows, 1 node vs a private 3-master "
         "cluster with 1 and 4 client processes (default 2000; 0 skips)",
     )
+    p.add_argument(
+        "--sentinel-pairs",
+        type=int,
+        default=500,
+        help="pairs per round on the Sentinel row, over a private master, 2 replicas and 3 "
+        "sentinels (default 500; 0 skips)",
+    )
     args = p.parse_args(argv)
     for name in ("pairs", "rounds", "waiters", "sql_pairs"):
         if getattr(args, name) < 1:
@@ -704,6 +714,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--redlock-pairs must be >= 0")
     if args.cluster_pairs < 0:
         p.error("--cluster-pairs must be >= 0")
+    if args.sentinel_pairs < 0:
+        p.error("--sentinel-pairs must be >= 0")
     return args
 
 
@@ -760,6 +772,15 @@ def main(argv: list[str] | None = None) -> int:
             report["cluster"] = cluster_rows.run(
                 pairs=args.cluster_pairs, rounds=3, executable=args.redis_server
             )
+        if args.sentinel_pairs:
+            if not args.json:
+                print("running the Sentinel row ...", flush=True)
+            report["sentinel"] = sentinel_rows.run(
+                pairs=args.sentinel_pairs,
+                rounds=args.rounds,
+                warmup=args.warmup // 5,
+                executable=args.redis_server,
+            )
     except (
         BenchError,
         sql_rows.SqlBenchError,
@@ -768,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         locks.LockError,
         redlock_rows.RedlockBenchError,
         cluster_rows.ClusterBenchError,
+        SentinelError,
     ) as exc:
         print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
