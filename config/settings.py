@@ -69,8 +69,12 @@ class Settings(BaseSettings):
 
     lock_url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="Lock backend URL (redis://, rediss://, unix://, postgresql://, mysql://, "
-        "mariadb://, zookeeper://).",
+        description=(
+            "Lock backend URL (redis://, rediss://, unix://, postgresql://, mysql://, "
+            "mariadb://, redlock://host:port,..., etcd://host:port[,host:port...], "
+            "redis+sentinel://host:port[,host:port...]/<master-name>[/db], "
+            "redis+cluster://host:port,..., zookeeper://host:port[,host:port...][/chroot])."
+        ),
     )
     broker_url: str | None = Field(default=None, description="Celery broker URL.")
     result_backend: str | None = Field(default=None, description="Celery result backend URL.")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, urlencode
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, unquote, urlencode
 
 from jobfence.config.errors import UnsafeSettings
 
@@ -120,14 +121,221 @@ def check_url(
 LOCK_SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "memory")
 LOCK_SCHEMES += ("postgresql", "postgres", "postgresql+psycopg")
 LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
+LOCK_SCHEMES += ("redlock",)
+LOCK_SCHEMES += ("etcd",)
+LOCK_SCHEMES += ("redis+cluster",)
+LOCK_SCHEMES += ("redis+sentinel",)
 LOCK_SCHEMES += ("zookeeper",)
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
+REDLOCK_EXAMPLE = "redlock://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
+
+
+def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
+    """The redis:// URL of each master a redlock:// URL names, in its order.
+
+    `redlock://[user:password@]host:port,host:port,host:port[,...][/db]`: an odd number of
+    at least three distinct masters, so a majority outlives the loss of any minority (an
+    even count tolerates no more failures than the odd count below it, and splits votes).
+    The user, password and db apply to every master.
+    """
+    fix = f"set {variable} to a URL such as {REDLOCK_EXAMPLE}"
+    shown = redact(url)
+    if not url.lower().startswith("redlock://"):
+        raise UnsafeSettings(variable, f"{shown!r} is not a redlock:// URL", fix)
+    userinfo, rest = _split_userinfo(url)
+    if any(c in userinfo for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+        )
+    hosts, _, tail = rest.partition("/")
+    if "?" in rest:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has query options, which redlock:// does not take", fix
+        )
+    db = tail.strip("/")
+    if db and not db.isdigit():
+        raise UnsafeSettings(variable, f"{shown!r} has database {db!r}, which is not a number", fix)
+    masters: list[str] = []
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise UnsafeSettings(variable, f"{shown!r} has an empty master in its list", fix)
+        probe = f"redis://{entry}"
+        host, port = _host_port(probe)
+        problem = _port_problem(probe)
+        if problem or not host.strip("[]"):
+            raise UnsafeSettings(
+                variable, f"{shown!r}: master {entry!r} {problem or 'names no host'}", fix
+            )
+        masters.append(f"{host}:{port or 6379}")
+    duplicates = sorted({m for m in masters if masters.count(m) > 1})
+    if duplicates:
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} names master {duplicates[0]} more than once: one server would cast "
+            "several votes of the majority",
+            "list each master once",
+        )
+    if len(masters) < 3 or len(masters) % 2 == 0:
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} names {len(masters)} master(s); Redlock needs an odd number, at least "
+            "3 (3 survive the loss of one, 5 of two; an even count survives no more than the "
+            "odd count below it)",
+            fix,
+        )
+    auth = f"{userinfo}@" if userinfo else ""
+    return [f"redis://{auth}{m}/{db or 0}" for m in masters]
+
+
+CLUSTER_EXAMPLE = "redis+cluster://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
+
+
+def cluster_nodes(
+    url: str, variable: str = "JOBFENCE_LOCK_URL"
+) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """(seed nodes, user, password) of `redis+cluster://[user:password@]host:port[,...]`.
+
+    The seeds are where the client first asks for the cluster's map; any one that answers
+    will do, so list several. A cluster has database 0 only: no path but '/' or '/0'.
+    """
+    fix = f"set {variable} to a URL such as {CLUSTER_EXAMPLE}"
+    shown = redact(url)
+    if not url.lower().startswith("redis+cluster://"):
+        raise UnsafeSettings(variable, f"{shown!r} is not a redis+cluster:// URL", fix)
+    userinfo, rest = _split_userinfo(url)
+    if any(c in userinfo for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+        )
+    if "?" in rest or "#" in rest:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has query options, which redis+cluster:// does not take", fix
+        )
+    hosts, _, tail = rest.partition("/")
+    if tail.strip("/") not in ("", "0"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} names database {tail.strip('/')!r}: a Redis Cluster has database 0 only",
+            fix,
+        )
+    nodes: list[tuple[str, int]] = []
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        probe = f"redis://{entry}"
+        host, port = _host_port(probe)
+        problem = _port_problem(probe)
+        if not entry or problem or not host.strip("[]"):
+            what = problem or "names no host"
+            raise UnsafeSettings(variable, f"{shown!r}: node {entry!r} {what}", fix)
+        nodes.append((host.strip("[]"), int(port or 6379)))
+    user, colon, password = userinfo.partition(":")
+    return (
+        list(dict.fromkeys(nodes)),
+        unquote(user) or None,
+        unquote(password) if colon else None,
+    )
+
+
+SENTINEL_EXAMPLE = "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379/mymaster/0"
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a redis+sentinel:// URL names: the sentinels, the master's name, its database
+    and the credentials of the master (and its replicas; the sentinels are asked without)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+    username: str | None
+    password: str | None = field(repr=False)
+
+
+def sentinel_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> SentinelTarget:
+    """Parse `redis+sentinel://[user:password@]host:port[,host:port...]/<master-name>[/db]`.
+
+    Each host is a sentinel (port 26379 if left out), the path names the master the
+    sentinels monitor (`sentinel monitor <master-name> ...`) and optionally its database.
+    """
+    fix = f"set {variable} to a URL such as {SENTINEL_EXAMPLE}"
+    shown = redact(url)
+    if not url.lower().startswith("redis+sentinel://"):
+        raise UnsafeSettings(variable, f"{shown!r} is not a redis+sentinel:// URL", fix)
+    userinfo, rest = _split_userinfo(url)
+    if any(c in userinfo for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+        )
+    if "?" in rest or "#" in rest:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has query options, which redis+sentinel:// does not take", fix
+        )
+    hosts, _, path = rest.partition("/")
+    sentinels: list[tuple[str, int]] = []
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise UnsafeSettings(variable, f"{shown!r} has an empty sentinel in its list", fix)
+        probe = f"redis://{entry}"
+        host, port = _host_port(probe)
+        problem = _port_problem(probe)
+        if problem or not host.strip("[]"):
+            raise UnsafeSettings(
+                variable, f"{shown!r}: sentinel {entry!r} {problem or 'names no host'}", fix
+            )
+        sentinels.append((host.strip("[]"), int(port or 26379)))
+    if len(set(sentinels)) != len(sentinels):
+        raise UnsafeSettings(variable, f"{shown!r} names a sentinel more than once",
+                             "list each sentinel once")  # fmt: skip
+    service, _, db = path.strip("/").partition("/")
+    if not service:
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} names no master: the path must be the name the sentinels monitor "
+            "it by (sentinel monitor <name> ...)",
+            fix,
+        )
+    if db and not db.isdigit():
+        raise UnsafeSettings(
+            variable, f"{shown!r} has database {db!r}, which is not a number (or a '/' in the "
+            "master's name)", fix,
+        )
+    user, colon, password = userinfo.partition(":")
+    return SentinelTarget(
+        sentinels=tuple(sentinels),
+        service=unquote(service),
+        db=int(db or 0),
+        username=unquote(user) or None,
+        password=unquote(password) if colon else None,
+    )
+
+
 def check_lock_url(url: str, variable: str) -> None:
     """The lock URL: a supported scheme, a host for redis(s)://, a numeric port and db."""
+    if url.lower().startswith("redlock://"):
+        redlock_masters(url, variable)
+        return
+    if url.lower().startswith("redis+cluster://"):
+        cluster_nodes(url, variable)
+        return
+    if url.lower().startswith("redis+sentinel://"):
+        sentinel_target(url, variable)
+        return
+    if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "etcd":
+        _check_etcd_url(url, variable)  # a list of members: the one-host checks do not apply
+        return
     if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "zookeeper":
         _check_zookeeper_url(url, variable)  # a host list: its own message and example
+        return
     check_url(url, variable=variable, schemes=LOCK_SCHEMES, example=LOCK_EXAMPLE,
               what="lock backend")
     fix = f"set {variable} to a URL such as {LOCK_EXAMPLE}"
@@ -153,6 +361,33 @@ def check_lock_url(url: str, variable: str) -> None:
             variable, f"{redact(url)!r} names no socket path",
             f"set {variable} to a URL such as unix:///run/redis/redis.sock?db=0",
         )
+
+
+def _check_etcd_url(url: str, variable: str) -> None:
+    """etcd://host:port[,host:port...]: every member a host and a numeric port, no path."""
+    fix = f"set {variable} to a URL such as etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
+    rest = url.split("://", 1)[1]
+    if _split_userinfo(url)[0]:
+        raise UnsafeSettings(
+            variable, f"{redact(url)!r} has a user or password: etcd authentication is not "
+            "supported", "reach etcd on a network only the fleet can reach, without credentials",
+        )
+    hosts = rest.rstrip("/")
+    if any(c in hosts for c in "/?#"):
+        raise UnsafeSettings(
+            variable, f"{redact(url)!r} has a path or options; etcd URLs name members only", fix
+        )
+    for member in hosts.split(","):
+        host, colon, port = member.strip().rpartition(":")
+        if not colon or not host.strip("[]"):
+            raise UnsafeSettings(
+                variable, f"{redact(url)!r}: member {member.strip()!r} is not host:port", fix
+            )
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise UnsafeSettings(
+                variable, f"{redact(url)!r}: member {member.strip()!r} has port {port!r}, not a "
+                "number in 1-65535", fix,
+            )
 
 
 def _check_zookeeper_url(url: str, variable: str) -> None:

@@ -71,11 +71,13 @@ _PG_LOCK_AND_FENCE = (
     " RETURNING fence"
     ") SELECT l.iso, l.got, (SELECT fence FROM granted) FROM l"
 )
-# VALUES() rather than MySQL 8's row alias: MariaDB rejects the alias, MySQL 8 only warns.
+# The clock expression again in the UPDATE part, neither VALUES(fence) (deprecated since
+# MySQL 8.0.20) nor a row alias (`AS new`, MySQL 8.0.19+, a syntax error on MariaDB): one
+# statement both accept without a warning. No RETURNING (MySQL has none): a locking read.
+_MY_NOW_US = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)"
 _MY_FENCE = text(
-    "INSERT INTO jobfence_fences (resource, fence) "
-    "VALUES (:resource, CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)) "
-    "ON DUPLICATE KEY UPDATE fence = GREATEST(fence + 1, VALUES(fence))"
+    f"INSERT INTO jobfence_fences (resource, fence) VALUES (:resource, {_MY_NOW_US}) "
+    f"ON DUPLICATE KEY UPDATE fence = GREATEST(fence + 1, {_MY_NOW_US})"
 )
 _MY_READ_FENCE = text("SELECT fence FROM jobfence_fences WHERE resource = :resource FOR UPDATE")
 

@@ -135,6 +135,18 @@ def open_backend(url: str, **options: Any) -> LockBackend:
                 name=exc.name,
             ) from exc
         return PostgresBackend.from_url(url, **options)
+    if scheme.lower() == "redis+cluster":
+        from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+
+        return RedisClusterBackend.from_url(url, **options)
+    if scheme.lower() == "redis+sentinel":
+        from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+
+        return RedisSentinelBackend.from_url(url, **options)
+    if scheme.lower() == "redlock":
+        from jobfence.locks.backends.redlock import RedlockBackend
+
+        return RedlockBackend.from_url(url, **options)
     if scheme == "memory":
         from jobfence.locks.backends.memory import MemoryBackend
 
@@ -146,6 +158,10 @@ def open_backend(url: str, **options: Any) -> LockBackend:
             hint = f"{scheme}:// locks need PyMySQL: pip install jobfence[mysql]"
             raise ImportError(hint) from exc
         return MySQLBackend.from_url(url, **options)
+    if scheme.lower() == "etcd":  # the JSON gateway over http.client: nothing to install
+        from jobfence.locks.backends.etcd import EtcdBackend
+
+        return EtcdBackend.from_url(url, **options)
     if scheme.lower() == "zookeeper":
         try:
             from jobfence.locks.backends.zookeeper import ZooKeeperBackend
@@ -155,5 +171,6 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         return ZooKeeperBackend.from_url(url, **options)
     raise ValueError(
         f"no lock backend for scheme {scheme!r}; use redis://, rediss://, unix://, "
-        "postgresql://, mysql://, mariadb:// or zookeeper://"
+        "postgresql://, mysql://, mariadb://, redlock://, redis+sentinel://, redis+cluster:// "
+        "etcd:// or zookeeper://"
     )

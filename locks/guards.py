@@ -194,6 +194,7 @@ class RedisFenceGuard:
         if not isinstance(write_id, str) or len(write_id) > 255:
             raise LockError("write_id must be a string of at most 255 characters", key=resource)
         touched = list(keys) if keys is not None else [str(c[1]) for c in commands if len(c) > 1]
+        self._check_one_slot(resource, fence, touched)
         body = json.dumps([[_arg(a) for a in c] for c in commands])
         reply, lost = self._send(resource, fence, write_id, body, touched)
         code = int(reply[0])
@@ -218,6 +219,23 @@ class RedisFenceGuard:
             reason=_text(reply[3]),
             replies=list(reply[4:]),
         )
+
+    def _check_one_slot(self, resource: str, fence: int, touched: list[str]) -> None:
+        """On a cluster client (it has `keyslot`), refuse keys outside the resource's slot:
+        the script must run where its fence lives, and a cluster runs it in one slot."""
+        keyslot = getattr(self.client, "keyslot", None)
+        if keyslot is None:
+            return
+        home = keyslot(self.keys.resource_fence(resource))
+        for index, name in enumerate(touched, 1):
+            if keyslot(name) != home:
+                raise FencedWriteRefused(
+                    resource=resource, fence=fence, index=None,
+                    reason=f"key {index} of the write is in another hash slot than its "
+                    "resource's, and on a Redis Cluster a fenced write runs in one slot; put "
+                    "the resource in braces in the key's name, "
+                    f"e.g. 'balance:{{{resource}}}'",
+                )  # fmt: skip
 
     def advance(self, resource: str, fence: int) -> int:
         """Raise the resource's floor to `fence` (no write); return the floor now in force.

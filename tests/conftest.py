@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -12,12 +13,16 @@ import redis
 from jobfence.worker import local_zookeeper
 from jobfence.worker.local_zookeeper import ZooKeeperServer
 from tests.servers import (
+    ETCD_TIMING,
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
+    EtcdCluster,
+    EtcdServerError,
     MariaDBDatabase,
     PostgresDatabase,
     ProcessGroup,
     RedisServer,
+    etcd_unavailable,
 )
 
 
@@ -72,6 +77,32 @@ def fresh_redis() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdCluster]:
+    """One private single-member etcd for the session (tests use prefixes of their own);
+    skipped where no etcd binary is installed."""
+    reason = etcd_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        cluster = EtcdCluster(**ETCD_TIMING).start()
+    except EtcdServerError as exc:
+        pytest.skip(f"cannot start a private etcd here: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def etcd_url(etcd_server: EtcdCluster) -> str:
+    """The `etcd://` URL of the session's etcd, started again if a test stopped it."""
+    for i in range(etcd_server.size):
+        if not etcd_server.running(i):
+            etcd_server.start_member(i)
+    return etcd_server.url
+
+
+@pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     """SQLAlchemy URL of a scratch PostgreSQL database, dropped at the end of the session."""
     yield from scratch_database_url(PostgresDatabase, POSTGRES_ADMIN_URL)
@@ -115,3 +146,13 @@ def process_group(tmp_path: Path) -> Iterator[ProcessGroup]:
     """
     with ProcessGroup(tmp_path / "procs") as group:
         yield group
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Any]:
+    """A private 3-master Redis Cluster for the session (no replicas); tests keep to key
+    prefixes of their own."""
+    from jobfence.worker.local_cluster import LocalCluster
+
+    with LocalCluster(masters=3) as cluster:
+        yield cluster

@@ -24,12 +24,16 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from jobfence.worker import procs
+from jobfence.worker.local_etcd import EtcdCluster, EtcdServerError, etcd_unavailable
 from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
 
 __all__ = [
+    "ETCD_TIMING",
     "HOST",
     "MARIADB_ADMIN_URL",
     "POSTGRES_ADMIN_URL",
+    "EtcdCluster",
+    "EtcdServerError",
     "MariaDBDatabase",
     "PostgresDatabase",
     "PostgresServer",
@@ -37,6 +41,7 @@ __all__ = [
     "ProcessGroup",
     "RedisServer",
     "RedisServerError",
+    "etcd_unavailable",
     "free_port",
     "stop_process",
     "unique_name",
@@ -47,6 +52,9 @@ T = TypeVar("T")
 
 POSTGRES_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 MARIADB_ADMIN_URL = "mysql+pymysql://root@127.0.0.1:3306/test"
+#: Private etcd members for tests: fast elections (a lease's floor is 1.5 election timeouts,
+#: so 1 s) and leader failovers well under a second.
+ETCD_TIMING: dict[str, int] = {"election_timeout_ms": 500, "heartbeat_ms": 50}
 
 
 # --------------------------------------------------------------------------- helpers

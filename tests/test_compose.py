@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,115 @@ def test_the_image_copies_every_folder_the_jobfence_package_maps() -> None:
     assert needed >= {"jobfence", "config", "locks", "tasks", "worker"}
     copied = set(re.findall(r"^COPY (\S+) \./\1$", (REPO_ROOT / "Dockerfile").read_text(), re.M))
     assert needed <= copied, f"Dockerfile misses {sorted(needed - copied)}"
+
+
+def _compose(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is not installed (.ci/setup installs Debian's)")
+    env = {**os.environ, "JOBFENCE_KEY_SECRET": "compose-check-only"}
+    return subprocess.run(
+        [exe, "-f", str(COMPOSE), *args], env=env, cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "sentinel"]], ids=["default", "sentinel"])
+def test_docker_compose_accepts_the_file(profile: list[str]) -> None:
+    done = _compose(*profile, "config", "-q")
+    assert done.returncode == 0, done.stderr
+
+
+SENTINEL_PROFILE = {
+    "lock-master", "lock-replica-1", "lock-replica-2", "sentinel-1", "sentinel-2", "sentinel-3",
+}
+
+
+def test_the_sentinel_profile_is_optional(services):
+    profiled = {name for name, s in services.items() if "sentinel" in (s.get("profiles") or [])}
+    assert profiled == SENTINEL_PROFILE  # `docker compose up` without --profile skips them
+    for name in ("worker", "beat-a", "beat-b", "flower"):
+        assert not SENTINEL_PROFILE & set(services[name].get("depends_on") or {}), name
+
+
+def _sentinel_url_in_comment() -> str:
+    found = re.search(r"JOBFENCE_LOCK_URL=(redis\+sentinel://\S+)", COMPOSE.read_text())
+    assert found is not None, "the compose file's comment shows no redis+sentinel:// URL"
+    return found[1]
+
+
+def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url(
+    services, tmp_path: Path
+) -> None:
+    """Run the profile's own commands (hosts and ports mapped to free local ones) and take a
+    lock through the URL its comment gives, with the start-up checks passing."""
+    from jobfence.config.urls import sentinel_target
+    from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+    from jobfence.worker.redis_server import HOST, free_port
+    from tests.servers import stop_process, wait_for
+
+    target = sentinel_target(_sentinel_url_in_comment())
+    hosts = [h for h, _ in target.sentinels]
+    assert sorted(hosts) == ["sentinel-1", "sentinel-2", "sentinel-3"]
+    master_port = free_port()
+
+    def redis_argv(name: str) -> list[str]:
+        argv = words(services[name]["command"])
+        assert option(argv, "--maxmemory-policy") == "noeviction"
+        assert option(argv, "--appendonly") == "yes"
+        if "--replicaof" in argv:
+            i = argv.index("--replicaof")
+            assert argv[i + 1 : i + 3] == ["lock-master", "6379"]
+            argv[i + 1 : i + 3] = [HOST, str(master_port)]
+        port = master_port if name == "lock-master" else free_port()
+        (tmp_path / name).mkdir()
+        return [*argv, "--port", str(port), "--bind", HOST, "--dir", str(tmp_path / name)]
+
+    script = words(services["sentinel-1"]["command"])[2]
+    conf = re.search(r"<<'CONF'\n(.*?)\n\s*CONF\n", script, re.S)
+    assert conf is not None and "exec redis-server /tmp/sentinel.conf --sentinel" in script
+    lines = [line.strip() for line in conf[1].splitlines()]
+    assert f"sentinel monitor {target.service} lock-master 6379 2" in lines
+    procs: list[subprocess.Popen[bytes]] = []
+    sentinels: list[tuple[str, int]] = []
+    try:
+        for name in ("lock-master", "lock-replica-1", "lock-replica-2"):
+            argv = redis_argv(name)
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+        for name in sorted(hosts):
+            port = free_port()
+            local = [
+                line.replace("port 26379", f"port {port}")
+                .replace("lock-master 6379", f"{HOST} {master_port}")
+                for line in lines
+            ]
+            path = tmp_path / f"{name}.conf"
+            path.write_text("\n".join([*local, f"bind {HOST}", f"dir {tmp_path}", ""]))
+            procs.append(subprocess.Popen(["redis-server", str(path), "--sentinel"],
+                                          stdout=subprocess.DEVNULL))  # fmt: skip
+            sentinels.append((HOST, port))
+        url = "redis+sentinel://" + ",".join(f"{h}:{p}" for h, p in sentinels)
+        url += f"/{target.service}/{target.db}"
+
+        def ready() -> bool:
+            try:
+                backend = RedisSentinelBackend.from_url(url, prefix="compose")
+            except Exception:
+                return False
+            try:
+                topo = backend.topology()
+                return topo.master is not None and len(topo.replicas) == 2
+            finally:
+                backend.close()
+
+        wait_for(ready, timeout=30, interval=0.1, message="the replayed Sentinel profile is not up")
+        backend = RedisSentinelBackend.from_url(url, prefix="compose")
+        try:
+            lease = backend.try_acquire("compose:probe", ttl=5)
+            assert lease is not None and lease.fence > 0
+            assert backend.release(lease)
+        finally:
+            backend.close()
+    finally:
+        for proc in reversed(procs):
+            stop_process(proc)

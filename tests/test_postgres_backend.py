@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -266,40 +261,6 @@ def test_one_prune_pass_per_interval_across_clients(db: PostgresDatabase) -> Non
     finally:
         a.close()
         b.close()
-
-
-def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "jobfence", *args],
-        env={**os.environ, "JOBFENCE_LOCK_URL": url, "JOBFENCE_DEFAULT_TTL": "5"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def test_the_locks_cli_works_on_postgres_through_the_url_alone(db: PostgresDatabase) -> None:
-    backend = PostgresBackend.from_url(db.url)  # the CLI's prefix: the default
-    try:
-        gone = subprocess.Popen([sys.executable, "-c", "pass"])
-        gone.wait()
-        meta = OwnerMeta(host=socket.gethostname(), pid=gone.pid, task_id="id-1", task_name="t")
-        lease = backend.try_acquire("orders:1", 60.0, meta=meta)
-        assert lease is not None
-        listed = _cli(db.url, "locks", "list", "--json")
-        assert listed.returncode == 0, listed.stderr
-        items = json.loads(listed.stdout)
-        assert [(i["key"], i["fence"]) for i in items] == [("orders:1", lease.fence)]
-        assert lease.owner not in listed.stdout
-        orphans = _cli(db.url, "locks", "orphans")
-        assert "orders:1" in orphans.stdout, orphans.stdout + orphans.stderr
-        released = _cli(db.url, "locks", "release", "orders:1", "--force")
-        assert released.returncode == 0, released.stderr
-        assert backend.inspect("orders:1") is None
-        again = backend.try_acquire("orders:1", 5.0)
-        assert again is not None and again.fence > lease.fence
-    finally:
-        backend.close()
 
 
 def test_a_key_moves_between_redis_and_postgres_with_rising_fences(

@@ -154,8 +154,7 @@ def release_grant(backend: LockBackend, key: str, fence: int) -> bool:
             except WatchError:
                 return False  # the lock changed hands while we looked
         return bool(deleted)
-    info = backend.inspect(key)  # other backends: check, then release (not atomic)
-    return info is not None and info.fence == fence and backend.force_release(key)
+    return backend.release_grant(key, fence)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,12 @@ from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings
 from jobfence.config.settings import ENV_PREFIX, unknown_variables
-from jobfence.config.urls import check_url, redact
+from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, RedisBackend
 from jobfence.locks.backends.redis import tls_hint
+from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.tasks import Runtime, SingletonTask
 
 log = logging.getLogger(__name__)
@@ -136,12 +139,27 @@ def check_lock_backend(
     if backend.name == "postgres":
         yield from check_postgres_lock(backend, setting, settings.lock_url)
         return
-    if backend.name == "mysql":
-        yield from _check_sql_server(backend, setting, settings.lock_url)
+    if backend.name in ("mysql", "etcd"):
+        yield from _check_lock_server(backend, setting, settings.lock_url)
+        return
+    if isinstance(backend, RedisClusterBackend):
+        # Every node, replicas too (they become masters): refuse eviction; warn when one
+        # is down, the cluster state is not ok, or no replica can take over a failed master.
+        for refuse, problem, fix in backend.check_servers():
+            yield Finding(refuse, setting, problem, fix)
+        return
+    if isinstance(backend, RedlockBackend):
+        # Per master: refuse eviction; warn when one is down or keeps no crash-proof AOF
+        # (its fence is then not durable, and the backend's capabilities say so).
+        for refuse, problem, fix in backend.check_servers():
+            yield Finding(refuse, setting, problem, fix)
+        return
+    if isinstance(backend, RedisSentinelBackend):
+        yield from check_sentinel_lock(backend, setting, settings.lock_url)
         return
     if backend.name == "zookeeper":
         ttls = [settings.default_ttl, *(ttl for _, ttl in _singleton_ttls(tasks))]
-        yield from _check_sql_server(backend, setting, settings.lock_url, ttls)
+        yield from _check_lock_server(backend, setting, settings.lock_url, ttls)
         return
     if not isinstance(backend, RedisBackend):
         return
@@ -171,6 +189,59 @@ def check_lock_backend(
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
 
 
+def check_sentinel_lock(backend: RedisSentinelBackend, setting: str, url: str) -> Iterator[Finding]:
+    """The master the sentinels name, as a single lock server, and each replica (one is
+    promoted on failover, with its own policy); warn of a master with no replica to fail
+    over to, or fewer than 3 sentinels (a quorum that survives the loss of one)."""
+    topo = backend.topology()
+    if topo.master is None:
+        # As for one server: come up and wait rather than crash-loop during an outage.
+        yield _warn(
+            setting,
+            f"the sentinels of {redact(url)} name no master for {backend.service!r} at "
+            f"start-up ({topo.error}); starting anyway: jobs wait and are redelivered until "
+            "one answers, and its eviction policy is unchecked",
+            "start the sentinels and the master, or fix the URL (sentinel addresses and the "
+            "master's name as in 'sentinel monitor <name>') if it is wrong",
+        )
+        return
+    try:
+        yield from check_eviction(backend.client, "Sentinel master", setting, url)
+    except RedisError as exc:
+        yield _warn(setting, f"the Sentinel master of {redact(url)} does not answer ({exc}); "
+                    "its eviction policy is unchecked",
+                    "make sure it runs with maxmemory-policy noeviction")  # fmt: skip
+    for address in topo.replicas:
+        client = backend.node_client(address)
+        where = f"{address[0]}:{address[1]}"
+        try:
+            what = f"replica {where} (promoted on failover)"
+            yield from check_eviction(client, what, setting, url)
+        except RedisError as exc:
+            yield _warn(
+                setting,
+                f"replica {where} of {redact(url)} does not answer ({exc}); its eviction "
+                "policy is unchecked",
+                "make sure every replica runs with maxmemory-policy noeviction",
+            )
+        finally:
+            client.close()
+    if not topo.replicas:
+        yield _warn(
+            setting,
+            f"the Sentinel master of {redact(url)} has no live replica: if it fails there is "
+            "nothing to promote, and locks wait for it to come back",
+            "run at least one replica (two, so one survives a failover)",
+        )
+    if topo.sentinels < 3:
+        yield _warn(
+            setting,
+            f"only {topo.sentinels} sentinel(s) watch {backend.service!r}: fewer than 3 "
+            "cannot keep a majority through the loss of one, so a failover may never happen",
+            "run at least 3 sentinels on separate hosts",
+        )
+
+
 def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Finding]:
     """A PostgreSQL lock backend: reachable, and its sessions as its statements need them."""
     try:
@@ -193,11 +264,12 @@ def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Findin
         )
 
 
-def _check_sql_server(
+def _check_lock_server(
     backend: Any, setting: str, url: str, ttls: Sequence[float] | None = None
 ) -> Iterator[Finding]:
-    """A lock server whose settings break grants: a database's (locks.backends.mysql), or a
-    ZooKeeper that would stretch the TTLs (`ttls`) to its session bounds."""
+    """A lock server whose version or state makes every grant fail (its backend's
+    `server_problems`: locks.backends.mysql, locks.backends.etcd), or a ZooKeeper that would
+    stretch the lease TTLs `ttls` to its session bounds."""
     try:
         problems = backend.server_problems() if ttls is None else backend.server_problems(ttls)
     except BackendUnavailable as exc:
@@ -259,7 +331,12 @@ def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threa
 
 
 def _same_server(a: str, b: str) -> bool:
+    """Whether Redis URL `a` names the server (or a Redlock master) of lock URL `b`."""
+    if urlsplit(b).scheme == "redlock":  # one of its masters (each checked as the lock server)
+        return any(_same_server(a, master) for master in redlock_masters(b))
     pa, pb = urlsplit(a), urlsplit(b)
+    if pb.scheme not in REDIS_SCHEMES:  # a database, etcd, ZooKeeper: never the Redis broker
+        return False
     if pa.scheme == "unix" or pb.scheme == "unix":
         return pa.path == pb.path
     return (pa.hostname, pa.port or 6379) == (pb.hostname, pb.port or 6379)
@@ -325,18 +402,27 @@ def check_timeouts(conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()) -> It
         "a crashed worker's message comes back after the visibility timeout and must find "
         "the dead holder's lease expired by then"
     )
-    if settings.default_ttl >= vt:
+    granted = getattr(runtime.backend, "granted_ttl", None)  # etcd: whole seconds, >= 2
+
+    def shown(ttl: float) -> tuple[float, str]:
+        real = float(granted(ttl)) if callable(granted) else ttl
+        return real, (f"{real:g}s (asked {ttl:g}s; the lock server grants whole seconds)"
+                      if real != ttl else f"{ttl:g}s")  # fmt: skip
+
+    ttl, text = shown(settings.default_ttl)
+    if ttl >= vt:
         yield _refuse(
             f"{ENV_PREFIX}DEFAULT_TTL",
-            f"the lease TTL {settings.default_ttl:g}s is not shorter than the broker's "
-            f"visibility timeout {vt:g}s: {why}",
+            f"the lease TTL {text} is not shorter than the broker's visibility timeout "
+            f"{vt:g}s: {why}",
             f"lower {ENV_PREFIX}DEFAULT_TTL or raise {ENV_PREFIX}VISIBILITY_TIMEOUT",
         )
-    for name, ttl in _singleton_ttls(tasks):
+    for name, task_ttl in _singleton_ttls(tasks):
+        ttl, text = shown(task_ttl)
         if ttl >= vt:
             yield _refuse(
                 f"task {name} ttl",
-                f"its lease TTL {ttl:g}s is not shorter than the visibility timeout {vt:g}s: {why}",
+                f"its lease TTL {text} is not shorter than the visibility timeout {vt:g}s: {why}",
                 f"lower the task's ttl= or raise {ENV_PREFIX}VISIBILITY_TIMEOUT",
             )
     if settings.max_countdown and vt <= settings.max_countdown:
@@ -410,7 +496,11 @@ def enforce_or_exit(app: Any, runtime: Runtime, what: str) -> None:
             flush=True,
         )
         raise SystemExit(EX_CONFIG) from None
-    if lock_server_down(findings) and isinstance(runtime.backend, RedisBackend):
+    if (
+        lock_server_down(findings)
+        and isinstance(runtime.backend, RedisBackend)
+        and not isinstance(runtime.backend, RedisClusterBackend)  # its URL is no redis://
+    ):
         watch_lock_server(runtime)
 
 

@@ -148,6 +148,11 @@ _FORCE_RELEASE = f"""WITH r AS (UPDATE {TABLE} SET {_FREE}
 WHERE prefix = %(prefix)s AND key = %(key)s AND expires_at > clock_timestamp()
 RETURNING true AS waiters){_WAKE}"""
 
+_RELEASE_GRANT = f"""WITH r AS (UPDATE {TABLE} SET {_FREE}
+WHERE prefix = %(prefix)s AND key = %(key)s AND fence = %(fence)s
+  AND expires_at > clock_timestamp()
+RETURNING true AS waiters){_WAKE}"""
+
 _HOLDER = """fence, extract(epoch FROM expires_at - clock_timestamp())::float8, host, pid, task_id,
   task_name, extract(epoch FROM acquired_at)::float8,
   extract(epoch FROM coalesce(heartbeat_at, acquired_at))::float8, process_start"""
@@ -563,6 +568,10 @@ class PostgresBackend(LockBackend):
 
     def force_release(self, key: str) -> bool:
         return self._wake("force_release", key, _FORCE_RELEASE, {})
+
+    def release_grant(self, key: str, fence: int) -> bool:
+        """Remove `key`'s lock if still held under `fence`: checked in the one statement."""
+        return self._wake("release_grant", key, _RELEASE_GRANT, {"fence": fence})
 
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
         params = {"prefix": self.prefix, "key": key, "task_id": task_id,

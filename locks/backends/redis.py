@@ -69,6 +69,19 @@ def tls_hint(exc: BaseException) -> str | None:
     return None
 
 
+def client_options(socket_timeout: float) -> dict[str, Any]:
+    """The options of every client of a lock server, whatever finds the server."""
+    return {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": socket_timeout,
+        "decode_responses": True,
+        "health_check_interval": 0,
+        # No client-side retries: a hung server must fail within socket_timeout, and a
+        # re-sent acquire or commit is not idempotent.
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
 class _Lane:
     """Connections kept out of the client's pool for the one-script calls on the hot path.
 
@@ -166,7 +179,7 @@ class RedisBackend(LockBackend):
             else None
         )
         self._tls = issubclass(getattr(pool, "connection_class", object), SSLConnection)
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout")
         self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
 
     @classmethod
@@ -179,17 +192,14 @@ class RedisBackend(LockBackend):
         fence_retention: float = DEFAULT_FENCE_RETENTION,
         clock: Clock = SYSTEM_CLOCK,
     ) -> RedisBackend:
-        client = redis.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout,
-            decode_responses=True,
-            health_check_interval=0,
-            # No client-side retries: a hung server must fail within socket_timeout, and a
-            # re-sent acquire or commit is not idempotent.
-            retry=Retry(NoBackoff(), 0),
-        )
+        client = cls.client_for(url, socket_timeout=socket_timeout)
         return cls(client, prefix=prefix, fence_retention=fence_retention, clock=clock)
+
+    @classmethod
+    def client_for(cls, url: str, *, socket_timeout: float) -> redis.Redis:
+        """The client `from_url` builds on: a subclass for another topology (Sentinel)
+        overrides this alone and keeps every script, the lane and the admin calls."""
+        return redis.Redis.from_url(url, **client_options(socket_timeout))
 
     @classmethod
     def from_settings(cls, settings: Settings, *, clock: Clock = SYSTEM_CLOCK) -> RedisBackend:

@@ -1034,6 +1034,19 @@ class ZooKeeperBackend(LockBackend):
             return False
         return True
 
+    def release_grant(self, key: str, fence: int) -> bool:
+        """Remove `key`'s lock only if it is still the grant of `fence`, in one multi: the key
+        node's mzxid is its last grant's czxid, and its version moves with every grant."""
+        validate_key(key)
+        session = self._any_session()
+        p = self._paths(node_name(key))
+        base = self._fence(session, 0)
+        got = self._read(session, "release_grant", key, p.key)
+        if got is None or base + int(got[1].mzxid) != fence:
+            return False
+        ops = [("check", p.key, got[1].version), ("delete", p.lock)]
+        return _failure(self._multi(session, "release_grant", key, ops)) is None
+
     # -- markers: the queued task, crash-suspect deliveries ----------------------------------
     def _key_node(self, session: _Session, key: str, p: _Paths) -> None:
         """Make the key node (and its bucket) if missing."""

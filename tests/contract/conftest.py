@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,10 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
 # the server allows it, how to count round trips and how to lose all its data.
-BACKENDS = ["redis", "memory", "postgres", "mariadb", "zookeeper"]
+BACKENDS = [
+    "redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5", "cluster", "sentinel",
+    "zookeeper",
+]
 
 
 @dataclass
@@ -87,9 +91,81 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         return _postgres_harness(request)
     if name == "mariadb":
         return _mariadb_harness(request)
+    if name == "etcd":
+        return _etcd_harness(request)
+    if name.startswith("redlock"):
+        return _redlock_harness(int(name.removeprefix("redlock")), request)
+    if name == "cluster":
+        return _cluster_harness(request)
+    if name == "sentinel":
+        return _sentinel_harness(request)
     if name == "zookeeper":
         return _zookeeper_harness(request)
     raise AssertionError(f"no contract harness for backend {name!r}")
+
+
+def _redlock_harness(n: int, request: pytest.FixtureRequest) -> BackendHarness:
+    """`n` private masters with the persistence a durable fence needs (AOF, fsync always, on
+    tmpfs); losing data crashes every master and starts it empty. A round trip is one
+    command to every master in parallel: the most any one master has run."""
+    from jobfence.locks.backends.redlock import RedlockBackend
+    from jobfence.worker.redis_masters import RedisMasters
+
+    started: dict[int, RedisMasters] = request.getfixturevalue("redlock_masters")
+    masters = started.get(n)
+    if masters is None:  # one set per size for the session: starting 5 servers per test adds up
+        masters = started[n] = RedisMasters(n, durable=True).start()
+    url = masters.url
+
+    def connect() -> LockBackend:
+        return RedlockBackend.from_url(url, prefix="contract")
+
+    backend = connect()
+    assert isinstance(backend, RedlockBackend)
+    assert backend.check_servers() == []  # and so its fence is durable
+    counters = [_redis_requests(server) for server in masters.servers]
+    return BackendHarness(
+        name=f"redlock{n}",
+        backend=backend,
+        connect=connect,
+        requests=lambda: max(count() for count in counters),
+        lose_data=masters.lose_all_data,
+    )
+
+
+def _sentinel_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """The session's Sentinel topology (1 master, 2 replicas, 3 sentinels), under a prefix
+    of this test's own. Losing data empties the master (FLUSHALL reaches the replicas too,
+    SCRIPT FLUSH drops the loaded scripts): a failover onto a replica that never received
+    a grant is the fault suite's (tests/faults/test_sentinel_faults.py)."""
+    from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+    from jobfence.worker.local_sentinel import LocalSentinel
+
+    started: list[LocalSentinel] = request.getfixturevalue("sentinel_topology")
+    if not started:  # one topology for the session, started on first use
+        started.append(LocalSentinel().start())
+    topology = started[0]
+    topology.wait_ready()
+    url = topology.url
+    prefix = f"contract-{uuid.uuid4().hex[:8]}"
+
+    def connect() -> LockBackend:
+        return RedisSentinelBackend.from_url(url, prefix=prefix)
+
+    master = topology.master()
+
+    def lose_data() -> None:
+        admin = master.client()
+        admin.flushall()
+        admin.script_flush()
+
+    return BackendHarness(
+        name="sentinel",
+        backend=connect(),
+        connect=connect,
+        requests=_redis_requests(master),
+        lose_data=lose_data,
+    )
 
 
 def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
@@ -146,6 +222,29 @@ def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
     )
 
 
+def _etcd_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """The session's etcd, under a prefix of this test's own; losing data restarts it with
+    an empty data directory (a new cluster: keys, leases, revisions and the fence base gone).
+
+    No request count: extend_many is a txn plus one keep-alive per lease (etcd has no op
+    that does both), so the contract's one-request check does not apply.
+    """
+    from jobfence.locks.backends.etcd import EtcdBackend
+    from jobfence.worker.local_etcd import EtcdCluster
+
+    server: EtcdCluster = request.getfixturevalue("etcd_server")
+    url: str = request.getfixturevalue("etcd_url")
+    prefix = f"contract-{uuid.uuid4().hex[:8]}"
+
+    def connect() -> LockBackend:
+        return EtcdBackend.from_url(url, prefix=prefix)
+
+    def lose_data() -> None:
+        server.restart(fresh=True)
+
+    return BackendHarness(name="etcd", backend=connect(), connect=connect, lose_data=lose_data)
+
+
 def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
     """A scratch database per test; data loss drops the lease table and the fence sequence."""
     from jobfence.locks.backends import postgres
@@ -197,6 +296,52 @@ def _zookeeper_harness(request: pytest.FixtureRequest) -> BackendHarness:
         connect=connect,
         lose_data=lambda: server.restart(fresh=True) and None,
     )
+
+
+def _cluster_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """The session's 3-master cluster under a prefix of this test's own; losing data
+    crashes every master and starts it empty (its cluster config kept, so it rejoins). A
+    round trip is the most script calls any one node has run (extend_many sends one script
+    to every node at once)."""
+    from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+
+    cluster = request.getfixturevalue("redis_cluster")
+    prefix = f"contract-{uuid.uuid4().hex[:8]}"
+
+    def connect() -> LockBackend:
+        return RedisClusterBackend.from_url(cluster.url, prefix=prefix)
+
+    def lose_data() -> None:
+        for server in cluster.masters:
+            server.restart()
+        cluster.wait_ok()
+
+    counters = [_redis_requests(server) for server in cluster.masters]
+    return BackendHarness(
+        name="cluster",
+        backend=connect(),
+        connect=connect,
+        requests=lambda: max(count() for count in counters),
+        lose_data=lose_data,
+    )
+
+
+@pytest.fixture(scope="session")
+def redlock_masters() -> Iterator[dict[int, Any]]:
+    """Redlock masters by their number, started on first use, stopped after the session."""
+    started: dict[int, Any] = {}
+    yield started
+    for masters in started.values():
+        masters.stop()
+
+
+@pytest.fixture(scope="session")
+def sentinel_topology() -> Iterator[list[Any]]:
+    """The session's Sentinel topology (empty until a test starts it), stopped at the end."""
+    started: list[Any] = []
+    yield started
+    for topology in started:
+        topology.stop()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -207,6 +207,21 @@ def test_stranger_cannot_release_or_extend(backend: LockBackend) -> None:
     assert backend.inspect(key) is None
 
 
+def test_an_admin_release_removes_only_the_grant_it_judged(backend: LockBackend) -> None:
+    """`release_grant(key, fence)`: the operator's orphan release, owner-checked by fence."""
+    key = _key("judged")
+    judged = backend.try_acquire(key, 10.0)
+    assert judged is not None
+    assert backend.force_release(key)
+    newer = backend.try_acquire(key, 10.0)  # the lock changed hands after it was judged
+    assert newer is not None and newer.fence > judged.fence
+    assert backend.release_grant(key, judged.fence) is False
+    assert _info(backend, key).fence == newer.fence
+    assert backend.release_grant(key, newer.fence) is True
+    assert backend.inspect(key) is None
+    assert backend.release_grant(key, newer.fence) is False  # nothing held any more
+
+
 def test_busy_key_is_refused_with_time_left(backend: LockBackend) -> None:
     key = _key("busy")
     holder = backend.try_acquire(key, 10.0)

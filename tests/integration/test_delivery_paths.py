@@ -25,6 +25,7 @@ from celery.result import AsyncResult
 
 from jobfence.locks.backend import JobRecord
 from jobfence.tasks import DUPLICATE, SUPERSEDED, ArgumentsNotSerializable, Runtime, runtime_for
+from jobfence.worker.redis_masters import RedisMasters
 from tests.integration.apps import singleton_app
 from tests.integration.apps.common import app_env
 from tests.integration.celery_fleet import Fleet, FleetFactory, broker_backlog
@@ -117,6 +118,13 @@ class Singletons:
         )
 
 
+@pytest.fixture(scope="module")
+def redlock_urls() -> Iterator[str]:
+    """A redlock:// URL over three private masters, for the module."""
+    with RedisMasters(3) as masters:
+        yield masters.url
+
+
 @dataclass
 class _Module:
     fleet: Fleet
@@ -125,21 +133,27 @@ class _Module:
     broker: redis.Redis
 
 
-@pytest.fixture(scope="module", params=["redis", "mariadb", "postgres", "zookeeper"])
+@pytest.fixture(
+    scope="module", params=["redis", "mariadb", "postgres", "etcd", "redlock", "zookeeper"]
+)
 def singleton_module(
     request: pytest.FixtureRequest,
     module_redis: RedisServer,
     fleet_factory: FleetFactory,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[_Module]:
-    """The fleet, with its locks on Redis, MariaDB, PostgreSQL or ZooKeeper
-    (JOBFENCE_LOCK_URL alone differs)."""
+    """The fleet, with its locks on Redis, MariaDB, PostgreSQL, etcd, Redlock over three
+    masters or ZooKeeper (JOBFENCE_LOCK_URL alone differs)."""
     server = f"redis://{module_redis.host}:{module_redis.port}"
     lock_url = f"{server}/{LOCK_DB}"
     if request.param == "mariadb":
         lock_url = request.getfixturevalue("mariadb_url")
     elif request.param == "postgres":
         lock_url = request.getfixturevalue("pg_url")
+    elif request.param == "etcd":
+        lock_url = request.getfixturevalue("etcd_server").url
+    elif request.param == "redlock":  # three private masters of its own
+        lock_url = request.getfixturevalue("redlock_urls")
     elif request.param == "zookeeper":
         lock_url = f"{request.getfixturevalue('zookeeper_server').url}/delivery-paths"
     database_url = f"sqlite:///{tmp_path_factory.mktemp('sql-ledger') / 'ledger.sqlite'}"

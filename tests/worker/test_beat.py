@@ -1,4 +1,5 @@
-"""Beat leader election on a real Redis, and one run per (entry, slot) even with two beats."""
+"""Beat leader election on real lock servers (Redis, PostgreSQL, MariaDB), and one run per
+(entry, slot) even with two beats."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,7 +21,7 @@ from celery.beat import ScheduleEntry
 from celery.schedules import crontab, schedule
 
 from jobfence.config import Settings
-from jobfence.locks import LeaseKeeper, RedisBackend
+from jobfence.locks import LeaseKeeper, LockBackend, open_backend
 from jobfence.tasks import HEADER, runtime_for
 from jobfence.worker.app import create_app
 from jobfence.worker.beat import (
@@ -30,7 +32,7 @@ from jobfence.worker.beat import (
     last_cron_fire,
     slot_key,
 )
-from tests.servers import RedisServer, wait_for
+from tests.servers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TTL = 1.5
@@ -108,9 +110,37 @@ def test_interval_entries_fall_due_once_per_aligned_period(utc_app):
 # --------------------------------------------------------------------------- election
 
 
+LOCK_BACKENDS = ["redis", "postgres", "mariadb"]
+
+
+@pytest.fixture(params=LOCK_BACKENDS)
+def lock_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """Where the beats elect their leader; the broker stays on the private Redis."""
+    if request.param == "redis":
+        return redis_url
+    url: str = request.getfixturevalue("pg_url" if request.param == "postgres" else "mariadb_url")
+    return url
+
+
 @pytest.fixture
-def settings(redis_url: str) -> Settings:
-    return Settings(lock_url=redis_url, default_ttl=TTL, socket_timeout=0.3)
+def settings(lock_url: str, redis_url: str) -> Settings:
+    # A prefix of its own per test: the SQL databases live for the session, and a leader
+    # that "died" in one test must not hold the next test's leader key.
+    return Settings(
+        lock_url=lock_url,
+        broker_url=_db(redis_url, 1),
+        result_backend=_db(redis_url, 2),
+        key_prefix=f"bt{uuid.uuid4().hex[:8]}",
+        default_ttl=TTL,
+        socket_timeout=0.3,
+    )
+
+
+def open_lock_backend(settings: Settings) -> LockBackend:
+    """A second client of the beats' lock backend (an operator, the test's eyes)."""
+    return open_backend(
+        settings.lock_url, prefix=settings.key_prefix, socket_timeout=settings.socket_timeout
+    )
 
 
 @pytest.fixture
@@ -187,7 +217,7 @@ def test_only_the_leader_dispatches(make_scheduler, broker, settings):
     messages = queued(broker)
     assert len(messages) == 1
     assert messages[0]["headers"][HEADER] == f"{ENTRY}@2030-01-01T02:00:00Z"
-    backend = RedisBackend.from_settings(settings)
+    backend = open_lock_backend(settings)
     try:
         info = backend.inspect(LEADER_KEY)
     finally:
@@ -235,7 +265,7 @@ def test_a_leader_that_lost_its_lease_stops_dispatching(make_scheduler, broker, 
     a, b = make_scheduler(), make_scheduler()
     a.tick()
     assert len(queued(broker)) == 1
-    backend = RedisBackend.from_settings(settings)
+    backend = open_lock_backend(settings)
     try:
         backend.force_release(LEADER_KEY)  # e.g. an operator, or the lock server lost it
     finally:
@@ -262,28 +292,34 @@ def test_a_leader_that_lost_its_lease_stops_dispatching(make_scheduler, broker, 
 # --------------------------------------------------------------------------- real processes
 
 
-def _beat_env(server: RedisServer) -> dict[str, str]:
-    return {
-        "JOBFENCE_LOCK_URL": server.url,
-        "JOBFENCE_DEFAULT_TTL": "2",
-        "JOBFENCE_SOCKET_TIMEOUT": "0.5",
+def jobfence_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The JOBFENCE_* variables that give a `celery` process these settings."""
+    env = {
+        "JOBFENCE_LOCK_URL": settings.lock_url,
+        "JOBFENCE_BROKER_URL": settings.broker_url or "",
+        "JOBFENCE_RESULT_BACKEND": settings.result_backend or "",
+        "JOBFENCE_KEY_PREFIX": settings.key_prefix,
+        "JOBFENCE_DEFAULT_TTL": str(settings.default_ttl),
+        "JOBFENCE_SOCKET_TIMEOUT": str(settings.socket_timeout),
     }
+    return {**env, **extra}
 
 
 def test_two_real_beats_elect_one_and_the_standby_takes_over_after_a_kill(
-    fresh_redis, process_group
+    settings, process_group, tmp_path
 ):
     ttl = 2.0
+    env = jobfence_env(settings, JOBFENCE_DEFAULT_TTL=str(ttl), JOBFENCE_SOCKET_TIMEOUT="0.5")
     beats = [
         process_group.spawn(
             [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "beat",
-             "-l", "INFO"],
-            env=_beat_env(fresh_redis), cwd=REPO_ROOT, name=f"beat-{i}",
+             "-l", "INFO", "-s", str(tmp_path / f"beat-{i}-schedule")],
+            env=env, cwd=REPO_ROOT, name=f"beat-{i}",
         )
         for i in range(2)
     ]  # fmt: skip
     pids = {p.pid for p in beats}
-    backend = RedisBackend.from_url(fresh_redis.url)
+    backend = open_lock_backend(settings)
     try:
 
         def leader_pid() -> int | None:
@@ -308,7 +344,7 @@ def test_two_real_beats_elect_one_and_the_standby_takes_over_after_a_kill(
 
 
 def test_two_beats_dispatching_the_same_slot_run_the_task_once(
-    make_scheduler, broker, clock, settings, process_group
+    make_scheduler, broker, clock, settings, redis_url, process_group
 ):
     # Split brain: each beat holds its own leader key, so both dispatch every slot.
     a = make_scheduler(leader_key="beat-leader-a")
@@ -324,13 +360,8 @@ def test_two_beats_dispatching_the_same_slot_run_the_task_once(
     keys = [m["headers"][HEADER] for m in queued(broker)]
     assert keys == [f"{ENTRY}@2030-01-01T02:00:00Z"] * 2 + [f"{ENTRY}@2030-01-01T03:00:00Z"] * 2
 
-    record = redis.Redis.from_url(_db(settings.lock_url, 3))
-    env = {
-        "JOBFENCE_LOCK_URL": settings.lock_url,
-        "JOBFENCE_DEFAULT_TTL": str(TTL),
-        "JOBFENCE_SOCKET_TIMEOUT": "0.3",
-        "SLOT_RECORD_URL": _db(settings.lock_url, 3),
-    }
+    record = redis.Redis.from_url(_db(redis_url, 3))
+    env = jobfence_env(settings, SLOT_RECORD_URL=_db(redis_url, 3))
     worker = process_group.spawn(
         [sys.executable, "-m", "celery", "-A", "tests.worker.slot_app", "worker",
          "--pool", "solo", "-l", "INFO", "--without-gossip", "--without-mingle"],

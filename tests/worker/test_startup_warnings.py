@@ -15,6 +15,7 @@ from jobfence.tasks import install
 from jobfence.worker.checks import (
     EX_CONFIG,
     StartupWarning,
+    _same_server,
     check_broker,
     check_environment,
     enforce,
@@ -117,3 +118,16 @@ def test_the_check_command_refuses_bad_settings_without_showing_secrets() -> Non
     assert "JOBFENCE_LOCK_URL" in output and "JOBFENCE_DEFAULT_TTL" in output
     assert "s3cr3t-Key-Value-0042" not in output and "hunter2-Pa55" not in output
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "lock_url",
+    [
+        "etcd://127.0.0.1:2379,127.0.0.1:22379",
+        "zookeeper://127.0.0.1:2181,127.0.0.1:2182/jobs",
+        "postgresql://jf@127.0.0.1:6379/jobs",
+    ],
+)
+def test_a_lock_server_that_is_not_redis_is_never_taken_for_the_redis_broker(lock_url: str) -> None:
+    # A multi-member URL has no single port: urlsplit(...).port raised ValueError before.
+    assert not _same_server("redis://127.0.0.1:6379/1", lock_url)

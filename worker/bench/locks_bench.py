@@ -2,6 +2,7 @@
 
 Redis locks first (private redis-server), then PostgreSQL and MariaDB in the same run
 (`worker/bench/sql_rows.py`: a scratch database on each server, dropped at the end), then
+etcd (`worker/bench/etcd_rows.py`: a private etcd unless one is given), then
 ZooKeeper (`worker/bench/zookeeper_rows.py`: a private server unless one is given).
 """
 
@@ -33,7 +34,15 @@ from sqlalchemy.exc import SQLAlchemyError
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
 from jobfence.worker import local_zookeeper
-from jobfence.worker.bench import sql_rows, zookeeper_rows
+from jobfence.worker.bench import (
+    cluster_rows,
+    etcd_rows,
+    redlock_rows,
+    sentinel_rows,
+    sql_rows,
+    zookeeper_rows,
+)
+from jobfence.worker.local_sentinel import SentinelError
 from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
@@ -595,6 +604,14 @@ def format_report(report: dict[str, Any]) -> str:
         for label, version in sql["servers"].items():
             out.append(f"  {label} server: {version}")
         out += sql_rows.format_rows(sql["rows"], sql["skipped"], jf, jf_wake)
+    if "etcd" in report:
+        out += etcd_rows.format_rows(report["etcd"])
+    if "redlock" in report:
+        out += redlock_rows.format_rows(report["redlock"])
+    if "cluster" in report:
+        out += cluster_rows.format_rows(report["cluster"])
+    if "sentinel" in report:
+        out += sentinel_rows.format_rows(report["sentinel"])
     if "zookeeper" in report:
         out += zookeeper_rows.format_rows(report["zookeeper"])
     out += [
@@ -607,7 +624,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'MET' if t['wakeup_median_under_5ms'] else 'MISSED'}",
     ]
     for name, met in t.items():
-        if name.startswith(("postgres_", "mariadb_", "zookeeper_")):
+        if name.startswith(("postgres_", "mariadb_", "etcd_", "redlock", "zookeeper_")):
             out.append(f"  {name.replace('_', ' ')}: {'MET' if met else 'MISSED'}")
     return "\n".join(out)
 
@@ -672,6 +689,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sql-pairs", type=int, default=200, help="pairs per round on SQL rows (default 200)"
     )
     p.add_argument(
+        "--etcd",
+        default=None,
+        metavar="URL",
+        help="etcd to measure (etcd://host:port); default: a private etcd started for the "
+        "run; '' skips",
+    )
+    p.add_argument(
+        "--redlock-pairs",
+        type=int,
+        default=500,
+        help="pairs per round on the Redlock rows, over 5 private masters (default 500; 0 skips)",
+    )
+    p.add_argument(
+        "--cluster-pairs",
+        type=int,
+        default=2000,
+        help="pairs per client process on the Cluster rows, 1 node vs a private 3-master "
+        "cluster with 1 and 4 client processes (default 2000; 0 skips)",
+    )
+    p.add_argument(
+        "--sentinel-pairs",
+        type=int,
+        default=500,
+        help="pairs per round on the Sentinel row, over a private master, 2 replicas and 3 "
+        "sentinels (default 500; 0 skips)",
+    )
+    p.add_argument(
         "--zookeeper",
         default=zookeeper_rows.AUTO,
         metavar="URL",
@@ -684,6 +728,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.redlock_pairs < 0:
+        p.error("--redlock-pairs must be >= 0")
+    if args.cluster_pairs < 0:
+        p.error("--cluster-pairs must be >= 0")
+    if args.sentinel_pairs < 0:
+        p.error("--sentinel-pairs must be >= 0")
     return args
 
 
@@ -717,6 +767,38 @@ def main(argv: list[str] | None = None) -> int:
         )
         report["sql"] = run_sql(args)
         report["targets"].update(report["sql"]["targets"])
+        if not args.json:
+            print("running the etcd row ...", flush=True)
+        report["etcd"] = etcd_rows.run(
+            args.etcd, pairs=args.sql_pairs, rounds=args.rounds, warmup=args.warmup // 5,
+            trials=args.waiters, seed=args.seed,
+        )  # fmt: skip
+        report["targets"].update(report["etcd"].get("targets", {}))
+        if args.redlock_pairs:
+            if not args.json:
+                print("running Redlock rows on 5 private masters ...", flush=True)
+            report["redlock"] = redlock_rows.run(
+                pairs=args.redlock_pairs,
+                rounds=args.rounds,
+                warmup=args.warmup // 5,
+                executable=args.redis_server,
+            )
+            report["targets"].update(report["redlock"]["targets"])
+        if args.cluster_pairs:
+            if not args.json:
+                print("running Cluster rows on a private 3-master cluster ...", flush=True)
+            report["cluster"] = cluster_rows.run(
+                pairs=args.cluster_pairs, rounds=3, executable=args.redis_server
+            )
+        if args.sentinel_pairs:
+            if not args.json:
+                print("running the Sentinel row ...", flush=True)
+            report["sentinel"] = sentinel_rows.run(
+                pairs=args.sentinel_pairs,
+                rounds=args.rounds,
+                warmup=args.warmup // 5,
+                executable=args.redis_server,
+            )
         report["zookeeper"] = zookeeper_rows.run(
             args.zookeeper, pairs=args.sql_pairs, rounds=args.rounds, warmup=args.warmup // 5,
             trials=args.waiters, seed=args.seed, quiet=args.json,
@@ -729,6 +811,9 @@ def main(argv: list[str] | None = None) -> int:
         local_zookeeper.ZooKeeperError,
         redis.RedisError,
         locks.LockError,
+        redlock_rows.RedlockBenchError,
+        cluster_rows.ClusterBenchError,
+        SentinelError,
     ) as exc:
         print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,863 @@
+"""The etcd lock backend: leases and txns on etcd's v3 JSON gateway, create revisions as fences."""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from jobfence.locks.backend import (
+    BeginResult,
+    Busy,
+    Capabilities,
+    JobRecord,
+    LockBackend,
+    LockInfo,
+    validate_ttl,
+)
+from jobfence.locks.backends.etcd_gateway import (
+    Gateway,
+    GatewayError,
+    OutcomeUnknown,
+    Unreachable,
+    b64,
+    unb64,
+)
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import BackendUnavailable, LockError
+from jobfence.locks.lease import Lease, OwnerMeta
+
+SCHEMES = ("etcd",)
+#: Lease TTLs are whole seconds on etcd; shorter asks are raised to this (etcd's own floor
+#: is 1.5 election timeouts, 2 s with its defaults).
+MIN_TTL = 2
+#: A grant attaches the key to the process's lease for that TTL; if that lease was last
+#: confirmed more than this fraction of its TTL ago, it is kept alive first (one more round
+#: trip), so a new grant always starts with most of its TTL ahead.
+REFRESH_FRACTION = 0.4
+#: Ops per txn: etcd refuses more than --max-txn-ops (128 by default) in one branch.
+TXN_CHUNK = 100
+#: Scan reads held locks this many at a time.
+SCAN_PAGE = 500
+#: Longest one wait_for_release blocks in a watch (the caller loops anyway).
+MAX_WAIT = 30.0
+VERSION_NEEDED = (3, 4)
+
+
+@dataclass
+class _Session:
+    """One etcd lease: `ttl` whole seconds, confirmed alive at `since` (monotonic, send time)."""
+
+    id: str
+    ttl: int
+    since: float
+
+
+def parse_endpoints(url: str) -> list[str]:
+    """host:port of each member in `etcd://host:port[,host:port...]`; ValueError with the fix."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in SCHEMES:
+        raise ValueError(f"not an etcd URL: {url.split('://', 1)[0]}:// (use etcd://host:2379)")
+    if "@" in rest:
+        raise ValueError(
+            "etcd:// URLs take no user or password: etcd authentication is not supported, "
+            "use etcd://host:2379 on a network only the fleet can reach"
+        )
+    hosts = rest.rstrip("/")
+    if any(c in hosts for c in "/?#"):
+        raise ValueError(
+            f"etcd URL {url!r} has a path or options; use etcd://host:2379[,host:2379...]"
+        )
+    endpoints = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon or not host.strip("[]"):
+            raise ValueError(f"etcd URL {url!r}: member {item.strip()!r} is not host:port")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"etcd URL {url!r} has port {port!r}, not a number in 1-65535")
+        endpoints.append(f"{host}:{port}")
+    return endpoints
+
+
+def whole_seconds(ttl_ms: int) -> int:
+    """A TTL in ms as etcd can grant it: whole seconds, rounded up, at least MIN_TTL."""
+    return max(MIN_TTL, math.ceil(ttl_ms / 1000))
+
+
+def _lease_gone(exc: BackendUnavailable) -> bool:
+    """etcd refused a put on a lease it no longer has (expired, or a new cluster)."""
+    return isinstance(exc.cause, GatewayError) and "lease not found" in exc.cause.message
+
+
+def _kv(response: dict[str, Any]) -> dict[str, Any] | None:
+    """The one key-value of a txn's range response, or None if the key is absent."""
+    kvs = response.get("response_range", {}).get("kvs") or []
+    return kvs[0] if kvs else None
+
+
+def _value(kv: dict[str, Any] | None) -> str:
+    return unb64(kv["value"]) if kv is not None and kv.get("value") else ""
+
+
+def _range(key: str) -> dict[str, Any]:
+    return {"request_range": {"key": b64(key)}}
+
+
+def _delete(key: str) -> dict[str, Any]:
+    return {"request_delete_range": {"key": b64(key)}}
+
+
+def _put(key: str, value: str, lease: str | None = None) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease is not None:
+        put["lease"] = lease
+    return {"request_put": put}
+
+
+def _moved(key: str, lease: str) -> dict[str, Any]:
+    """Put `key` on another lease, keeping its value (and its create revision)."""
+    return {"request_put": {"key": b64(key), "ignore_value": True, "lease": lease}}
+
+
+def _absent(key: str) -> dict[str, Any]:
+    return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+
+def _present(key: str) -> dict[str, Any]:
+    return {"key": b64(key), "target": "CREATE", "result": "GREATER", "create_revision": "0"}
+
+
+def _created_at(key: str, revision: int) -> dict[str, Any]:
+    return {"key": b64(key), "target": "CREATE", "result": "EQUAL",
+            "create_revision": str(revision)}  # fmt: skip
+
+
+def _mod_at(key: str, revision: int) -> dict[str, Any]:
+    return {"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)}
+
+
+def _equals(key: str, value: str) -> dict[str, Any]:
+    return {"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(value)}
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The range end that selects every key starting with `prefix`."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
+
+
+def _glob_head(match: str) -> str:
+    head = ""
+    for ch in match:
+        if ch in "*?[":
+            break
+        head += ch
+    return head
+
+
+class EtcdBackend(LockBackend):
+    """Locks on an etcd cluster through its v3 JSON gateway. Build with `from_url`.
+
+    Per lock key `k` (under `prefix`): `lock/k` holds the owner token, `holder/k` what
+    `inspect` shows, `beat/k` the last heartbeat; all three sit on this process's lease for
+    that TTL (one lease per process and TTL, as etcd's own concurrency.Session does), so a
+    process that stops keeping its lease alive loses all its locks together. A grant is
+    one txn that creates the keys if `lock/k` is absent; the fence is the key's create
+    revision above a per-deployment base (µs clock when the base was created), so a new
+    cluster (a fresh data directory) starts above every fence an older one issued.
+    Job records (`done/k`, `failed/k`) sit on leases that outlive the record's TTL by a
+    little, shared by the records of a few seconds, so they cost no round trip of their own.
+    """
+
+    name: ClassVar[str] = "etcd"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        native_fencing=True, durable_fence=True, ha=False, release_notify=True
+    )
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        prefix: str = "jobfence",
+        socket_timeout: float = 2.0,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        super().__init__(clock=clock)
+        if not prefix or any(c in prefix for c in "\n\0"):
+            raise LockError(f"etcd key prefix must be a non-empty line of text, got {prefix!r}")
+        self.prefix = prefix
+        self.endpoints = list(endpoints)
+        self.socket_timeout = socket_timeout
+        self.gateway = Gateway(self.endpoints, timeout=socket_timeout)
+        self.fence_floor = 0  # the highest fence this client was granted
+        self._base: tuple[int, str] | None = None  # (fence base, its stored text)
+        self._base_key = f"{prefix}/fence-base"
+        self._mutex = threading.Lock()
+        self._reset_process_state()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (b := ref()) and b._reset_process_state())  # type: ignore[func-returns-value]
+
+    def _reset_process_state(self) -> None:
+        """Leases belong to the process that took them: a forked child starts without any."""
+        self._mutex = threading.Lock()
+        self._sessions: dict[int, _Session] = {}  # lock leases, by TTL
+        self._timed: dict[int, _Session] = {}  # record and marker leases, by minimum life
+        self._granted: dict[str, tuple[float, int]] = {}  # owner -> (since, ttl) of a grant
+        self._suspects: dict[tuple[str, str], None] = {}  # grants whose fate is unknown
+        self._local = threading.local()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "jobfence",
+        socket_timeout: float = 2.0,
+        fence_retention: float | None = None,  # accepted for open_backend; revisions are kept
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> EtcdBackend:
+        """`etcd://host:port[,host:port...]`: one endpoint, or several members to fail over."""
+        del fence_retention
+        endpoints = parse_endpoints(url)
+        kind = cls if len(endpoints) == 1 or cls is not EtcdBackend else EtcdClusterBackend
+        return kind(endpoints, prefix=prefix, socket_timeout=socket_timeout, clock=clock)
+
+    @staticmethod
+    def granted_ttl(ttl: float) -> float:
+        """The TTL a lease asked for `ttl` seconds really gets (at least; etcd may raise it
+        to its own floor, and the Lease then reports that)."""
+        return float(whole_seconds(validate_ttl(ttl)))
+
+    # -- keys -------------------------------------------------------------------------
+    def _key(self, kind: str, key: str) -> str:
+        return f"{self.prefix}/{kind}/{key}"
+
+    @property
+    def requests(self) -> int:
+        """Requests sent to etcd so far (each one round trip)."""
+        return self.gateway.requests
+
+    # -- calls ------------------------------------------------------------------------
+    def _call(
+        self,
+        what: str,
+        key: str | None,
+        path: str,
+        body: dict[str, Any],
+        *,
+        idempotent: bool = False,
+        suspect: tuple[str, str] | None = None,
+    ) -> Any:
+        """One request; transport and server errors become BackendUnavailable (the server's
+        answer, a GatewayError, is its `cause`).
+
+        `suspect` (key, owner): if the request may have been applied without an answer, a
+        later call deletes that grant (it would otherwise live as long as the lease).
+        """
+        try:
+            return self.gateway.call(path, body, idempotent=idempotent)
+        except Unreachable as exc:
+            raise BackendUnavailable(f"etcd {what} failed", key=key, cause=exc) from exc
+        except (OutcomeUnknown, GatewayError) as exc:
+            if suspect is not None and not (
+                isinstance(exc, GatewayError) and exc.surely_not_applied
+            ):
+                self._suspects[suspect] = None
+            raise BackendUnavailable(
+                f"etcd {what} failed on {self.gateway.endpoint}", key=key, cause=exc
+            ) from exc
+
+    def _txn(
+        self,
+        what: str,
+        key: str | None,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]] | None = None,
+        *,
+        suspect: tuple[str, str] | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"compare": compare, "success": success}
+        if failure:
+            body["failure"] = failure
+        reply: dict[str, Any] = self._call(what, key, "/v3/kv/txn", body, suspect=suspect)
+        return reply
+
+    def _read(self, what: str, key: str | None, ops: list[dict[str, Any]]) -> list[Any]:
+        """A read-only txn (safe to repeat on another endpoint); its responses."""
+        reply = self._call(what, key, "/v3/kv/txn", {"success": ops}, idempotent=True)
+        responses: list[Any] = reply.get("responses", [])
+        return responses
+
+    # -- leases -------------------------------------------------------------------------
+    def _grant(self, ttl: int, key: str | None) -> _Session:
+        sent = self.clock.monotonic()
+        reply = self._call("lease grant", key, "/v3/lease/grant", {"TTL": ttl})
+        granted = int(reply.get("TTL", 0))  # etcd may raise a TTL below its floor
+        if not reply.get("ID") or granted <= 0:
+            raise BackendUnavailable(f"etcd lease grant refused: {reply.get('error', reply)}",
+                                     key=key)  # fmt: skip
+        return _Session(id=str(reply["ID"]), ttl=granted, since=sent)
+
+    def _keepalive(self, lease_id: str, key: str | None) -> int:
+        """Renew `lease_id`; its TTL, or 0 if etcd no longer has it (the lease is lost)."""
+        reply = self._call(
+            "lease keepalive", key, "/v3/lease/keepalive", {"ID": lease_id}, idempotent=True
+        )
+        # A reply without TTL (proto3 leaves out zeros) means the lease has expired.
+        return int(reply.get("result", {}).get("TTL", 0))
+
+    def _session(self, ttl: int, key: str | None, *, max_age: float | None = None) -> _Session:
+        """This process's lease for `ttl`, confirmed alive within `max_age` seconds
+        (default REFRESH_FRACTION of the TTL); granted anew if it was lost."""
+        with self._mutex:
+            current = self._sessions.get(ttl)
+            now = self.clock.monotonic()
+            limit = REFRESH_FRACTION * ttl if max_age is None else max_age
+            if current is not None and now - current.since <= limit:
+                return current
+            if current is not None:
+                sent = self.clock.monotonic()
+                if self._keepalive(current.id, key) > 0:
+                    current.since = max(current.since, sent)
+                    return current
+                del self._sessions[ttl]
+            session = self._sessions[ttl] = self._grant(ttl, key)
+            return session
+
+    def _drop_session(self, lease_id: str) -> None:
+        with self._mutex:
+            for ttl, session in list(self._sessions.items()):
+                if session.id == lease_id:
+                    del self._sessions[ttl]
+            for life, session in list(self._timed.items()):
+                if session.id == lease_id:
+                    del self._timed[life]
+
+    def _confirmed(self, lease_id: str, sent: float) -> None:
+        with self._mutex:
+            for session in self._sessions.values():
+                if session.id == lease_id and sent > session.since:
+                    session.since = sent
+
+    def _timed_lease(self, seconds: float, key: str | None) -> str:
+        """A lease that ends at least `seconds` from now and not much later: shared by the
+        records and markers written within a slack of a few percent of its life."""
+        life = max(MIN_TTL, math.ceil(seconds))
+        slack = max(1, min(60, math.ceil(life * 0.05)))
+        with self._mutex:
+            current = self._timed.get(life)
+            if current is not None and self.clock.monotonic() - current.since <= (
+                current.ttl - life
+            ):
+                return current.id
+            session = self._timed[life] = self._grant(life + slack, key)
+            return session.id
+
+    # -- fence base ---------------------------------------------------------------------
+    def _fence_base(self, key: str | None) -> tuple[int, str]:
+        """(base, its stored text): read once, created the first time a deployment needs it."""
+        base = self._base
+        if base is not None:
+            return base
+        found = _kv(self._read("fence base", key, [_range(self._base_key)])[0])
+        if found is None:
+            # Above this client's clock, the server's (Date header, whole seconds) and every
+            # fence this client has seen; whoever creates it first wins.
+            proposed = str(max(int(time.time() * 1e6), self.gateway.date_us(),
+                               self.fence_floor + 1))  # fmt: skip
+            reply = self._txn(
+                "fence base",
+                key,
+                [_absent(self._base_key)],
+                [_put(self._base_key, proposed)],
+                [_range(self._base_key)],
+            )
+            text = proposed if reply.get("succeeded") else _value(_kv(reply["responses"][0]))
+        else:
+            text = _value(found)
+        try:
+            base = (int(text), text)
+        except ValueError as exc:
+            raise BackendUnavailable(
+                f"etcd key {self._base_key!r} does not hold a number; delete it only together "
+                "with every lock key (a new base is then taken from the clock)",
+                key=key,
+            ) from exc
+        self._base = base
+        return base
+
+    # -- acquire -------------------------------------------------------------------------
+    def begin(
+        self,
+        key: str,
+        ttl: float,
+        *,
+        meta: OwnerMeta | None = None,
+        record: bool = False,
+        fingerprint: str = "",
+    ) -> BeginResult:
+        got = super().begin(key, ttl, meta=meta, record=record, fingerprint=fingerprint)
+        if isinstance(got, Lease):
+            # The key lives as long as the process lease it sits on: its deadline counts
+            # from that lease's last confirmation, with the TTL etcd granted (whole seconds).
+            since, granted = self._granted.pop(got.owner)
+            got.renewed(since, float(granted))
+        return got
+
+    def _begin(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
+        ttl = whole_seconds(ttl_ms)
+        lock, holder, beat = (self._key(k, key) for k in ("lock", "holder", "beat"))
+        done, failed = self._key("done", key), self._key("failed", key)
+        now = time.time()
+        # A grant or release of ours that got no answer may still hold a key (maybe this
+        # one), kept alive by this very process's lease: delete those first.
+        self._sweep()
+        for _ in range(4):
+            base, base_text = self._fence_base(key)
+            session = self._session(ttl, key)
+            shown = json.dumps({
+                "host": meta.host, "pid": meta.pid, "task_id": meta.task_id,
+                "task_name": meta.task_name, "process_start": meta.process_start,
+                "fingerprint": fingerprint if record else "", "acquired": now,
+                "ttl": session.ttl,
+            }, separators=(",", ":"))  # fmt: skip
+            compare = [_absent(lock), _equals(self._base_key, base_text)]
+            success = [_put(lock, owner, session.id), _put(holder, shown, session.id),
+                       _put(beat, repr(now), session.id)]  # fmt: skip
+            failure = [_range(lock), _range(holder), _range(self._base_key)]
+            if record:
+                compare.append(_absent(done))
+                success.append(_delete(failed))  # an earlier run's FAILED record goes
+                failure.append(_range(done))
+            try:
+                reply = self._txn("begin", key, compare, success, failure,
+                                  suspect=(key, owner))  # fmt: skip
+            except BackendUnavailable as exc:
+                if _lease_gone(exc):
+                    self._drop_session(session.id)  # expired meanwhile: take a new one
+                    continue
+                raise
+            revision = int(reply["header"]["revision"])
+            if reply.get("succeeded"):
+                fence = base + revision  # the keys' create revision, above the base
+                if fence > self.fence_floor:
+                    self.fence_floor = fence
+                self._granted[owner] = (session.since, session.ttl)
+                return fence
+            responses = reply["responses"]
+            held, info, stored = (_kv(r) for r in responses[:3])
+            if stored is None or _value(stored) != base_text:
+                self._base = None  # a new cluster or a restore: take its base, and again
+                continue
+            if record and (rec := _kv(responses[3])) is not None:
+                return self._record("DONE", _value(rec))
+            if held is not None:
+                self._local.busy = (key, revision)  # wait_for_release watches from here
+                holder_fields = json.loads(_value(info) or "{}")
+                # The holder's lease TTL bounds its time left (its keeper renews it every
+                # third of it); asking etcd for the exact figure would cost a round trip
+                # per refused attempt, and waiters are woken by a watch anyway.
+                return Busy(
+                    ttl_left=float(holder_fields.get("ttl", ttl)),
+                    task_id=str(holder_fields.get("task_id", "")),
+                    fingerprint=str(holder_fields.get("fingerprint", "")),
+                )
+        raise BackendUnavailable("etcd begin did not settle (lease or fence base kept changing)",
+                                 key=key)  # fmt: skip
+
+    def _ttl_left(self, held: dict[str, Any], key: str) -> float:
+        """Seconds until the holder's lease ends at the latest (etcd reports whole seconds,
+        rounded down); 0 if it has already ended."""
+        lease = held.get("lease")
+        if not lease:
+            return 0.0
+        reply = self._call("lease ttl", key, "/v3/lease/timetolive", {"ID": lease},
+                           idempotent=True)  # fmt: skip
+        left = int(reply.get("TTL", 0))
+        granted = int(reply.get("grantedTTL", 0))
+        if left < 0 or granted <= 0:
+            return 0.0
+        return float(min(left + 1, granted))
+
+    @staticmethod
+    def _record(state: str, text: str) -> JobRecord:
+        fields = json.loads(text or "{}")
+        return JobRecord(
+            state=state,
+            fingerprint=str(fields.get("fingerprint", "")),
+            result=str(fields.get("result", "")),
+            fence=int(fields.get("fence", 0)),
+            finished_at=float(fields.get("finished", 0.0)),
+        )
+
+    # -- extend ------------------------------------------------------------------------
+    def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
+        # Renewed now (within this call), so the caller's deadline from its start holds;
+        # the keys move onto that lease, which is another one if the TTL changed.
+        session = self._session(whole_seconds(ttl_ms), key, max_age=0.0)
+        lock, holder, beat = (self._key(k, key) for k in ("lock", "holder", "beat"))
+        reply = self._txn(
+            "extend",
+            key,
+            [_equals(lock, owner), _present(holder)],
+            [_moved(lock, session.id), _moved(holder, session.id),
+             _put(beat, repr(time.time()), session.id)],
+        )  # fmt: skip
+        return bool(reply.get("succeeded"))
+
+    def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """One txn checks every key is still ours and stamps its heartbeat (reading which
+        lease it sits on); then one keep-alive per lease. A lease etcd no longer has loses
+        all its keys."""
+        self._sweep()
+        results = [False] * len(items)
+        by_lease: dict[str, list[int]] = {}
+        now = repr(time.time())
+        for start in range(0, len(items), TXN_CHUNK):
+            chunk = items[start : start + TXN_CHUNK]
+            ops = []
+            for key, owner, _ in chunk:
+                lock, beat = self._key("lock", key), self._key("beat", key)
+                ops.append({"request_txn": {
+                    "compare": [_equals(lock, owner), _present(beat)],
+                    "success": [{"request_put": {"key": b64(beat), "value": b64(now),
+                                                 "ignore_lease": True}}, _range(lock)],
+                }})  # fmt: skip
+            reply = self._txn("extend_many", None, [], ops)
+            for offset, response in enumerate(reply.get("responses", [])):
+                nested = response.get("response_txn", {})
+                if not nested.get("succeeded"):
+                    continue
+                held = _kv(nested["responses"][1])
+                if held is not None and held.get("lease"):
+                    by_lease.setdefault(str(held["lease"]), []).append(start + offset)
+        for lease_id, indexes in by_lease.items():
+            sent = self.clock.monotonic()
+            if self._keepalive(lease_id, None) > 0:
+                self._confirmed(lease_id, sent)
+                for i in indexes:
+                    results[i] = True
+            else:
+                self._drop_session(lease_id)
+        return results
+
+    def _sweep(self) -> None:
+        """Delete grants whose acquire or release had no answer, if they are still ours."""
+        if not self._suspects:
+            return
+        suspects = list(self._suspects)[:TXN_CHUNK]
+        ops = []
+        for key, owner in suspects:
+            lock = self._key("lock", key)
+            ops.append({"request_txn": {
+                "compare": [_equals(lock, owner)],
+                "success": [_delete(lock), _delete(self._key("holder", key)),
+                            _delete(self._key("beat", key))],
+            }})  # fmt: skip
+        try:
+            self._txn("sweep", None, [], ops)
+        except BackendUnavailable:
+            return  # the next call tries again
+        for suspect in suspects:
+            self._suspects.pop(suspect, None)
+
+    # -- release and commit ----------------------------------------------------------------
+    def _release(self, key: str, owner: str) -> bool:
+        lock = self._key("lock", key)
+        reply = self._txn(
+            "release",
+            key,
+            [_equals(lock, owner)],
+            [_delete(lock), _delete(self._key("holder", key)), _delete(self._key("beat", key))],
+            suspect=(key, owner),
+        )
+        return bool(reply.get("succeeded"))
+
+    def _commit(
+        self,
+        key: str,
+        owner: str,
+        fence: int,
+        state: str,
+        result: str,
+        fingerprint: str,
+        result_ttl_ms: int,
+    ) -> bool:
+        lock = self._key("lock", key)
+        base, _ = self._fence_base(key)  # another base (a new cluster): no key of ours left
+        text = json.dumps({"fingerprint": fingerprint, "result": result, "fence": fence,
+                           "finished": time.time()}, separators=(",", ":"))  # fmt: skip
+        mine, other = ("done", "failed") if state == "DONE" else ("failed", "done")
+
+        def send(lease: str) -> dict[str, Any]:
+            return self._txn(
+                "commit",
+                key,
+                # The owner token and the grant's create revision: this grant, no other.
+                [_equals(lock, owner), _created_at(lock, fence - base)],
+                [_put(self._key(mine, key), text, lease), _delete(self._key(other, key)),
+                 _delete(lock), _delete(self._key("holder", key)),
+                 _delete(self._key("beat", key))],
+                suspect=(key, owner),
+            )  # fmt: skip
+
+        reply = self._on_timed_lease(result_ttl_ms / 1000, key, send)
+        return bool(reply.get("succeeded"))
+
+    def _on_timed_lease(
+        self, seconds: float, key: str, send: Callable[[str], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """`send(lease)` with a lease ending at least `seconds` from now; once more with a
+        new lease if etcd no longer has the cached one (a new cluster)."""
+        for attempt in (0, 1):
+            lease = self._timed_lease(seconds, key)
+            try:
+                return send(lease)
+            except BackendUnavailable as exc:
+                if attempt == 0 and _lease_gone(exc):
+                    self._drop_session(lease)
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    # -- inspect and admin ---------------------------------------------------------------
+    def _inspect(self, key: str) -> LockInfo | None:
+        held, info, beat = (
+            _kv(r)
+            for r in self._read(
+                "inspect",
+                key,
+                [_range(self._key(k, key)) for k in ("lock", "holder", "beat")],
+            )
+        )
+        if held is None:
+            return None
+        return self._info(key, held, info, beat)
+
+    def _info(
+        self,
+        key: str,
+        held: dict[str, Any],
+        info: dict[str, Any] | None,
+        beat: dict[str, Any] | None,
+        ttl_left: Callable[[dict[str, Any]], float] | None = None,
+    ) -> LockInfo:
+        base, _ = self._fence_base(key)
+        fields = json.loads(_value(info) or "{}")
+        acquired = float(fields.get("acquired", 0.0))
+        beat_text = _value(beat)
+        return LockInfo(
+            key=key,
+            fence=base + int(held.get("create_revision", 0)),
+            ttl_left=(ttl_left or (lambda h: self._ttl_left(h, key)))(held),
+            host=str(fields.get("host", "")),
+            pid=int(fields.get("pid", 0)),
+            task_id=str(fields.get("task_id", "")),
+            task_name=str(fields.get("task_name", "")),
+            acquired_at=acquired,
+            last_heartbeat=float(beat_text) if beat_text else acquired,
+            process_start=str(fields.get("process_start", "")),
+        )
+
+    def scan(self, match: str = "*") -> Iterator[LockInfo]:
+        """Held locks matching `match`, read a page at a time (each page one range, one txn
+        for what `inspect` shows, one TTL query per distinct lease)."""
+        head = f"{self.prefix}/lock/"
+        start = (head + _glob_head(match)).encode()
+        end = _prefix_end(start)
+        while True:
+            body = {"key": b64(start), "range_end": b64(end), "limit": str(SCAN_PAGE)}
+            reply = self._call("scan", None, "/v3/kv/range", body, idempotent=True)
+            kvs = reply.get("kvs") or []
+            keys = [unb64(kv["key"])[len(head):] for kv in kvs]
+            wanted = [(k, kv) for k, kv in zip(keys, kvs, strict=True)
+                      if fnmatch.fnmatchcase(k, match)]  # fmt: skip
+            yield from self._page(wanted)
+            if not reply.get("more") or not kvs:
+                return
+            start = _after(unb64(kvs[-1]["key"]))
+
+    def _page(self, wanted: list[tuple[str, dict[str, Any]]]) -> Iterator[LockInfo]:
+        if not wanted:
+            return
+        ops = []
+        for key, _ in wanted:
+            ops += [_range(self._key("holder", key)), _range(self._key("beat", key))]
+        responses: list[Any] = []
+        for start in range(0, len(ops), TXN_CHUNK):
+            responses += self._read("scan", None, ops[start : start + TXN_CHUNK])
+        ttls: dict[str, float] = {}
+
+        def ttl_left(held: dict[str, Any]) -> float:
+            lease = str(held.get("lease", ""))
+            if lease not in ttls:
+                ttls[lease] = self._ttl_left(held, "")
+            return ttls[lease]
+
+        for i, (key, held) in enumerate(wanted):
+            yield self._info(key, held, _kv(responses[2 * i]), _kv(responses[2 * i + 1]),
+                             ttl_left)  # fmt: skip
+
+    def job_record(self, key: str) -> JobRecord | None:
+        ops = [_range(self._key("done", key)), _range(self._key("failed", key))]
+        done, failed = (_kv(r) for r in self._read("job_record", key, ops))
+        if done is not None:
+            return self._record("DONE", _value(done))
+        if failed is not None:
+            return self._record("FAILED", _value(failed))
+        return None
+
+    def forget(self, key: str) -> bool:
+        reply = self._txn(
+            "forget", key, [], [_delete(self._key("done", key)), _delete(self._key("failed", key))]
+        )
+        return any(
+            int(r.get("response_delete_range", {}).get("deleted", 0)) for r in reply["responses"]
+        )
+
+    def force_release(self, key: str) -> bool:
+        reply = self._txn(
+            "force_release",
+            key,
+            [],
+            [_delete(self._key(k, key)) for k in ("lock", "holder", "beat")],
+        )
+        return bool(int(reply["responses"][0].get("response_delete_range", {}).get("deleted", 0)))
+
+    def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
+        queued = self._key("queued", key)
+
+        def send(lease: str) -> dict[str, Any]:
+            return self._txn(
+                "claim_publish",
+                key,
+                [_absent(queued)],
+                [_put(queued, task_id, lease)],
+                [{"request_txn": {
+                    "compare": [_equals(queued, task_id)],
+                    "success": [_put(queued, task_id, lease)],
+                    "failure": [_range(queued)],
+                }}],
+            )  # fmt: skip
+
+        reply = self._on_timed_lease(ttl, key, send)
+        if reply.get("succeeded"):
+            return None
+        nested = reply["responses"][0].get("response_txn", {})
+        if nested.get("succeeded"):
+            return None
+        held = _value(_kv(nested["responses"][0]))
+        return held if held and held != task_id else None
+
+    def clear_publish(self, key: str) -> None:
+        self._txn("clear_publish", key, [], [_delete(self._key("queued", key))])
+
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        name = self._key("deliveries", key)
+        for _ in range(8):  # racing increments: re-read and try again
+            kv = _kv(self._read("count_delivery", key, [_range(name)])[0])
+            count = int(_value(kv) or 0) + 1
+            revision = int(kv.get("mod_revision", 0)) if kv is not None else 0
+            guard = _mod_at(name, revision) if kv is not None else _absent(name)
+            put = functools.partial(self._put_guarded, "count_delivery", key, guard, name, count)
+            reply = self._on_timed_lease(window_ms / 1000, key, put)
+            if reply.get("succeeded"):
+                return count
+        raise BackendUnavailable("etcd count_delivery kept racing", key=key)
+
+    def _put_guarded(
+        self, what: str, key: str, guard: dict[str, Any], name: str, value: object, lease: str
+    ) -> dict[str, Any]:
+        return self._txn(what, key, [guard], [_put(name, str(value), lease)])
+
+    # -- waiting -------------------------------------------------------------------------
+    def wait_for_release(self, key: str, timeout: float) -> None:
+        """Block until `key` is deleted (released, committed, expired) or `timeout` passes.
+
+        A watch from the revision at which this thread's last refused attempt saw the key
+        held, so a release between that answer and this wait is not missed. If the watch
+        cannot be set up, sleeps the timeout instead (the caller polls).
+        """
+        timeout = min(timeout, MAX_WAIT)
+        if timeout < 0.001:
+            return
+        busy = getattr(self._local, "busy", None)
+        self._local.busy = None
+        lock = self._key("lock", key)
+        if busy is not None and busy[0] == key:
+            revision = int(busy[1])
+        else:
+            try:
+                reply = self._call("wait", key, "/v3/kv/range", {"key": b64(lock)},
+                                   idempotent=True)  # fmt: skip
+            except BackendUnavailable as exc:
+                if not isinstance(exc.cause, GatewayError):
+                    raise
+                self.clock.sleep(timeout)  # etcd answered, but not this: poll
+                return
+            if not reply.get("kvs"):
+                return  # not held now
+            revision = int(reply["header"]["revision"])
+        try:
+            self.gateway.wait_deleted(lock.encode(), revision + 1, timeout)
+        except (Unreachable, OutcomeUnknown) as exc:
+            raise BackendUnavailable("etcd wait failed", key=key, cause=exc) from exc
+        except GatewayError:
+            self.clock.sleep(timeout)
+
+    # -- checks and housekeeping ------------------------------------------------------------
+    def server_problems(self) -> list[tuple[str, str]]:
+        """What in the server breaks this backend (start-up check): (problem, fix) pairs."""
+        try:
+            reply = self.gateway.get("/version")
+        except Unreachable as exc:
+            raise BackendUnavailable("etcd check failed", cause=exc) from exc
+        version = str(reply.get("etcdserver", "0.0"))
+        try:
+            numbers = tuple(int(x) for x in version.split(".")[:2])
+        except ValueError:
+            numbers = (0, 0)
+        if numbers < VERSION_NEEDED:
+            return [(f"the etcd server is version {version}: its JSON gateway is not at /v3",
+                     "run etcd 3.4 or later")]  # fmt: skip
+        alarms = self._call("alarms", None, "/v3/maintenance/alarm", {"action": "GET"},
+                            idempotent=True)  # fmt: skip
+        return [
+            (f"the etcd server has alarm {alarm.get('alarm', '?')} raised, so it refuses writes",
+             "compact and defragment it (etcdctl compact/defrag), then etcdctl alarm disarm")
+            for alarm in alarms.get("alarms") or []
+        ]  # fmt: skip
+
+    def close(self) -> None:
+        self._sweep()  # best effort: errors wait for the leases to run out
+        self.gateway.close()
+
+
+def _after(key: str) -> bytes:
+    """The smallest key after `key` (for paging a range)."""
+    return key.encode() + b"\0"
+
+
+class EtcdClusterBackend(EtcdBackend):
+    """An EtcdBackend given several members: it fails over between them, so it survives the
+    loss of one (a majority must stay up for etcd to answer at all)."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        native_fencing=True, durable_fence=True, ha=True, release_notify=True
+    )

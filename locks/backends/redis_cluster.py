@@ -1,0 +1,369 @@
+"""Locks on a Redis Cluster: the single-node scripts, one slot each; heartbeats batched per node."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any, ClassVar
+
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from jobfence.config.settings import Settings
+from jobfence.config.urls import cluster_nodes
+from jobfence.locks.backend import Capabilities, JobRecord, LockInfo, validate_ttl
+from jobfence.locks.backends.redis import DEFAULT_FENCE_RETENTION, RedisBackend, _Lane
+from jobfence.locks.backends.redis_scripts import script_source
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import BackendUnavailable, NotOwner
+from jobfence.locks.lease import Lease
+
+EXTEND_SCRIPT = "cluster_extend_many"
+_Node: Any = ClusterNode  # redis-py leaves it untyped
+
+
+class RedisClusterBackend(RedisBackend):
+    """Locks on a Redis Cluster (7.0 or later). Build with `from_url`.
+
+    Every script of the single-node backend touches the keys of one lock key only, and
+    KeySpace wraps that key in `{...}`, so they share one hash slot: each runs where its
+    slot lives, with the fence `max(last + 1, node time in µs)` of that slot's node. redis-py's
+    cluster client routes them and follows MOVED/ASK (the node did not run the command);
+    it never re-sends after a timeout or a broken connection (a re-sent acquire or commit
+    is not idempotent), so a node that fails mid-call, or a slot whose master is down
+    before its replica takes over, raises BackendUnavailable. `extend_many` sends one
+    script to each node that serves a held lock, all at once, then reads the replies.
+    """
+
+    name: ClassVar[str] = "redis-cluster"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        native_fencing=True, durable_fence=True, ha=False, release_notify=True
+    )
+
+    def __init__(
+        self,
+        client: RedisCluster,
+        *,
+        prefix: str = "jobfence",
+        fence_retention: float = DEFAULT_FENCE_RETENTION,
+        socket_timeout: float = 2.0,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        super().__init__(client, prefix=prefix, fence_retention=fence_retention,  # type: ignore[arg-type]
+                         clock=clock)  # fmt: skip
+        self.cluster: Any = client  # redis-py's cluster client is largely untyped
+        self._lanes: dict[str, _Lane] = {}  # per node name: the hot path's connections
+        self._max_block = max(0.01, 0.8 * socket_timeout)
+        self._extend_source = script_source(EXTEND_SCRIPT)
+        self._extend_sha = hashlib.sha1(self._extend_source.encode()).hexdigest()
+        # On every primary now, so the first heartbeat is one round trip too (a node that
+        # misses it later, a promoted replica say, loads it on its first NOSCRIPT).
+        with contextlib.suppress(RedisError, RedisClusterException):
+            self.cluster.script_load(self._extend_source)
+        self._note_replicas()
+
+    @classmethod
+    def from_url(  # type: ignore[override]
+        cls,
+        url: str,
+        *,
+        prefix: str = "jobfence",
+        socket_timeout: float = 2.0,
+        fence_retention: float = DEFAULT_FENCE_RETENTION,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> RedisClusterBackend:
+        """`redis+cluster://[user:password@]host:port[,host:port...]` (seed nodes)."""
+        nodes, username, password = cluster_nodes(url)
+        try:
+            client = RedisCluster(
+                startup_nodes=[_Node(host, port) for host, port in nodes],
+                username=username,
+                password=password,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=socket_timeout,
+                decode_responses=True,
+                health_check_interval=0,
+                # MOVED/ASK are followed inside one attempt; a timeout or a broken
+                # connection is not retried (the command may have run).
+                retry=Retry(NoBackoff(), 0),
+            )
+        except (RedisError, RedisClusterException) as exc:
+            raise BackendUnavailable(
+                f"no seed node of the cluster answered ({type(exc).__name__}); check "
+                "JOBFENCE_LOCK_URL lists reachable cluster nodes", cause=exc,
+            ) from exc  # fmt: skip
+        return cls(client, prefix=prefix, fence_retention=fence_retention,
+                   socket_timeout=socket_timeout, clock=clock)  # fmt: skip
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, clock: Clock = SYSTEM_CLOCK
+    ) -> RedisClusterBackend:
+        return cls.from_url(
+            settings.lock_url,
+            prefix=settings.key_prefix,
+            socket_timeout=settings.socket_timeout,
+            fence_retention=settings.fence_retention,
+            clock=clock,
+        )
+
+    def _note_replicas(self) -> None:
+        """ha on this instance: true when the cluster has replicas to fail over to."""
+        caps = replace(type(self).capabilities, ha=bool(self.cluster.get_replicas()))
+        vars(self)["capabilities"] = caps
+
+    def _evalsha(self, sha: str, keys: list[str], args: list[Any]) -> Any:
+        """On the lane of the node the cluster map gives for the keys' slot; a redirect goes
+        through redis-py's cluster client, which follows it and fixes its map.
+
+        MOVED, ASK, TRYAGAIN and CLUSTERDOWN are answers from a node that did not run the
+        script, so sending it again is safe. A timeout or a broken connection is not: it
+        raises (BackendUnavailable, from `_call`), after the map is read again so that the
+        next call finds a promoted replica.
+        """
+        try:
+            node = self.cluster.nodes_manager.get_node_from_slot(self.cluster.keyslot(keys[0]))
+            pool = node.redis_connection.connection_pool
+        except (RedisError, RedisClusterException, AttributeError):
+            return self.cluster.evalsha(sha, len(keys), *keys, *args)
+        lane = self._lanes.get(node.name)
+        if lane is None or lane.pool is not pool:
+            lane = self._lanes[node.name] = _Lane(pool)
+        try:
+            return lane.call("EVALSHA", sha, len(keys), *keys, *args)
+        except (AskError, TryAgainError, ClusterDownError):  # MovedError is an AskError
+            return self.cluster.evalsha(sha, len(keys), *keys, *args)
+        except (RedisConnectionError, RedisTimeoutError):
+            with contextlib.suppress(RedisError, RedisClusterException):
+                # The failed node asked last: a frozen one would hold up the map's refresh.
+                self.cluster.nodes_manager.initialize(last_failed_node_name=node.name)
+            raise
+
+    def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
+        try:
+            return super()._call(name, keys, args, key)
+        except RedisClusterException as exc:  # no node for the slot (cluster down), say
+            raise BackendUnavailable(f"redis cluster {name} failed", key=key, cause=exc) from exc
+
+    # -- the single node's admin calls, with the cluster client's own errors as unavailability
+    def _inspect(self, key: str) -> LockInfo | None:
+        with self._unavailable("inspect", key):
+            return super()._inspect(key)
+
+    def scan(self, match: str = "*") -> Iterator[LockInfo]:
+        with self._unavailable("scan", None):
+            yield from super().scan(match)
+
+    def job_record(self, key: str) -> JobRecord | None:
+        with self._unavailable("job_record", key):
+            return super().job_record(key)
+
+    def clear_publish(self, key: str) -> None:
+        with self._unavailable("clear_publish", key):
+            super().clear_publish(key)
+
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        with self._unavailable("count_delivery", key):
+            return super()._count_delivery(key, window_ms)
+
+    def forget(self, key: str) -> bool:
+        with self._unavailable("forget", key):
+            return super().forget(key)
+
+    def force_release(self, key: str) -> bool:
+        with self._unavailable("force_release", key):
+            return super().force_release(key)
+
+    def wait_for_release(self, key: str, timeout: float) -> None:
+        with self._unavailable("wait", key):
+            super().wait_for_release(key, timeout)
+
+    def server_time(self) -> float:
+        with self._unavailable("time", None):
+            seconds, micros = self.cluster.time()
+        return float(seconds) + float(micros) / 1e6
+
+    @contextlib.contextmanager
+    def _unavailable(self, what: str, key: str | None) -> Iterator[None]:
+        try:
+            yield
+        except (RedisError, RedisClusterException) as exc:
+            raise BackendUnavailable(f"redis cluster {what} failed", key=key, cause=exc) from exc
+
+    # -- heartbeats: one script per node, all nodes at once ------------------------------
+    def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        """As the base, but a node that did not answer leaves only its own leases unknown:
+        the others are renewed or marked lost first, then BackendUnavailable is raised (the
+        keeper retries the batch soon)."""
+        if not leases:
+            return []
+        started = self.clock.monotonic()
+        items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
+        results, failure = self._extend_per_node(items)
+        for lease, ok in zip(leases, results, strict=True):
+            if ok is True:
+                lease.renewed(started)
+            elif ok is False:
+                lease.mark_lost(
+                    NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
+                )
+        if failure is not None:
+            raise failure
+        return [bool(ok) for ok in results]
+
+    def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        results, failure = self._extend_per_node(items)
+        if failure is not None:
+            raise failure
+        return [bool(ok) for ok in results]
+
+    def _extend_per_node(
+        self, items: Sequence[tuple[str, str, int]]
+    ) -> tuple[list[bool | None], BackendUnavailable | None]:
+        """Each lock's answer (None: unknown), and the error that left some unknown."""
+        groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+        manager = self.cluster.nodes_manager
+        for i, (key, _, _) in enumerate(items):
+            slot = self.cluster.keyslot(self.keys.lock(key))
+            try:
+                node = manager.get_node_from_slot(slot)
+            except (RedisClusterException, RedisError):
+                node = None
+            if node is None:
+                groups.setdefault("", (_Node("", 0), []))[1].append(i)
+            else:
+                groups.setdefault(node.name, (node, []))[1].append(i)
+        results: list[bool | None] = [None] * len(items)
+        retry: list[int] = list(groups.pop("", (None, []))[1])
+        sent: list[tuple[Any, Any, list[int]]] = []
+        for node, indexes in groups.values():
+            args: list[Any] = []
+            for i in indexes:
+                key, owner, ttl_ms = items[i]
+                args += [self.keys.lock(key), owner, ttl_ms]
+            try:
+                pool = self.cluster.get_redis_connection(node).connection_pool
+                conn = pool.get_connection()
+            except (RedisError, RedisClusterException):
+                retry += indexes
+                continue
+            try:
+                conn.send_command("EVALSHA", self._extend_sha, 0, *args)
+            except RedisError:
+                conn.disconnect()  # type: ignore[no-untyped-call]
+                pool.release(conn)
+                retry += indexes
+                continue
+            sent.append((pool, conn, indexes))
+        for pool, conn, indexes in sent:  # every node works on its batch meanwhile
+            try:
+                reply = self._read_extend(conn, indexes, items)
+            except RedisError:
+                conn.disconnect()  # type: ignore[no-untyped-call]
+                retry += indexes
+                continue
+            finally:
+                pool.release(conn)
+            for i, answer in zip(indexes, reply, strict=True):
+                if int(answer) < 0:  # the slot moved away from this node
+                    retry.append(i)
+                else:
+                    results[i] = bool(int(answer))
+        failure: BackendUnavailable | None = None
+        for i in sorted(retry):  # through the cluster client: it follows MOVED/ASK
+            key, owner, ttl_ms = items[i]
+            try:
+                results[i] = bool(
+                    self._call("extend", [self.keys.lock(key)], [owner, ttl_ms], key)
+                )
+            except BackendUnavailable as exc:
+                failure = failure or exc
+        return results, failure
+
+    def _read_extend(
+        self, conn: Any, indexes: list[int], items: Sequence[tuple[str, str, int]]
+    ) -> list[Any]:
+        try:
+            return list(conn.read_response())
+        except NoScriptError:
+            # A node that never saw the script (a replica promoted since, a restart): load
+            # it there and send again; nothing ran.
+            conn.send_command("SCRIPT", "LOAD", self._extend_source)
+            conn.read_response()
+            args: list[Any] = []
+            for i in indexes:
+                key, owner, ttl_ms = items[i]
+                args += [self.keys.lock(key), owner, ttl_ms]
+            conn.send_command("EVALSHA", self._extend_sha, 0, *args)
+            return list(conn.read_response())
+        except ResponseError:
+            # READONLY (a demoted master), CLUSTERDOWN, ...: the script did not run.
+            return [-1] * len(indexes)
+
+    # -- servers ---------------------------------------------------------------------------
+    def check_servers(self) -> list[tuple[bool, str, str]]:
+        """What about the cluster is unsafe (refuse) or weakens a guarantee (warn), per node.
+
+        Returns (refuse, problem, fix) triples for the start-up checks, and sets this
+        instance's `capabilities.ha` (replicas exist to fail over to).
+        """
+        found: list[tuple[bool, str, str]] = []
+        try:
+            self.cluster.nodes_manager.initialize()
+        except (RedisError, RedisClusterException) as exc:
+            return [(False, f"the cluster does not answer ({type(exc).__name__}: {exc}); "
+                     "starting anyway: jobs wait and are redelivered until it does",
+                     "start the cluster, or fix the URL if it is wrong")]  # fmt: skip
+        for node in self.cluster.get_nodes():
+            client: Any = self.cluster.get_redis_connection(node)
+            try:
+                policy = client.config_get("maxmemory-policy").get("maxmemory-policy", "")
+                state = str(client.execute_command("CLUSTER", "INFO"))
+            except ResponseError as exc:
+                found.append((False, f"cannot read the settings of cluster node {node.name} "
+                              f"({exc}; CONFIG is disabled or not permitted): its eviction "
+                              "policy is unchecked",
+                              "make sure every node runs with maxmemory-policy noeviction"))
+                continue  # fmt: skip
+            except RedisError as exc:
+                found.append((False, f"cluster node {node.name} does not answer "
+                              f"({type(exc).__name__}); the slots it serves wait for a "
+                              "failover", "start it, or fix the URL if it is wrong"))
+                continue  # fmt: skip
+            if policy != "noeviction":
+                found.append((True, f"cluster node {node.name} ({node.server_type}) has "
+                              f"maxmemory-policy {policy!r}: under memory pressure it may "
+                              "evict lock, fence and job-record keys",
+                              "run every node, replicas too (they become masters), with "
+                              "--maxmemory-policy noeviction"))  # fmt: skip
+            if "cluster_state:ok" not in state:
+                found.append((False, f"cluster node {node.name} reports a cluster state "
+                              "other than ok: keys in uncovered slots cannot be locked",
+                              "assign every slot and check CLUSTER INFO"))  # fmt: skip
+        self._note_replicas()
+        if not self.capabilities.ha:
+            found.append((False, "the cluster has no replicas: a master that fails takes "
+                          "its slots' locks down until it is back",
+                          "give every master a replica (redis-cli --cluster add-node "
+                          "--cluster-slave)"))  # fmt: skip
+        return found
+
+    def close(self) -> None:
+        lanes, self._lanes = self._lanes, {}
+        for lane in lanes.values():
+            lane.close()
+        self.cluster.close()

@@ -1,0 +1,128 @@
+"""Locks on the master a set of Redis Sentinels names, followed across a failover."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+from jobfence.config.urls import sentinel_target
+from jobfence.locks.backend import Capabilities
+from jobfence.locks.backends.redis import RedisBackend, client_options
+
+# Why the single-node backend serves unchanged: redis-py's `Sentinel.master_for` returns a
+# plain redis.Redis whose pool asks the sentinels for the master's address at every new
+# connection, so the scripts, the lane and the admin calls all land on the current master.
+# A connection to a master that died breaks (BackendUnavailable; the next call reconnects
+# to whichever master the sentinels name by then). One to a master demoted to a replica
+# gets READONLY for the first write, which redis-py's SentinelManagedConnection turns into
+# a ConnectionError ("The previous master is now a slave") and a disconnect: a lock server
+# that cannot be reached, never a refusal such as "not the owner".
+#
+# The fence is the single node's, max(last + 1, server time in µs, this client's floor): a
+# promoted replica that never received the newest grant still hands out a higher fence, as
+# long as the hosts' clocks agree to within the time between two grants of a key.
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What the sentinels say about the master, for the start-up checks."""
+
+    master: tuple[str, int] | None
+    replicas: list[tuple[str, int]] = field(default_factory=list)
+    #: The most sentinels any answering sentinel knows of, itself included (0: none answered).
+    sentinels: int = 0
+    #: Why no master was found, when none was.
+    error: str = ""
+
+
+class RedisSentinelBackend(RedisBackend):
+    """Locks on the current master of a Sentinel-managed Redis. Build with `from_url`."""
+
+    name: ClassVar[str] = "redis-sentinel"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        native_fencing=True, durable_fence=True, ha=True, release_notify=True
+    )
+
+    def __init__(self, client: redis.Redis, **options: Any) -> None:
+        pool = client.connection_pool
+        if not isinstance(pool, SentinelConnectionPool):
+            raise TypeError("RedisSentinelBackend needs a client from Sentinel.master_for")
+        super().__init__(client, **options)
+        self.sentinel: Sentinel = pool.sentinel_manager
+        self.service: str = pool.service_name
+
+    @classmethod
+    def client_for(cls, url: str, *, socket_timeout: float) -> redis.Redis:
+        target = sentinel_target(url)
+        options = client_options(socket_timeout)
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(target.sentinels),
+            # Believe a sentinel only while it sees a majority of those listed (itself
+            # included): one cut off from its peers may still name a deposed master.
+            min_other_sentinels=len(target.sentinels) // 2,
+            sentinel_kwargs={
+                "socket_timeout": socket_timeout,
+                "socket_connect_timeout": socket_timeout,
+                "retry": Retry(NoBackoff(), 0),
+                "decode_responses": True,
+            },
+        )
+        client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+            target.service,
+            db=target.db,
+            username=target.username,
+            password=target.password,
+            **options,
+        )
+        return client
+
+    def master_address(self) -> tuple[str, int]:
+        """The master's address as the sentinels name it now (MasterNotFoundError if none
+        does: none answers, or the master is down and not yet replaced)."""
+        host, port = self.sentinel.discover_master(self.service)  # type: ignore[no-untyped-call]
+        return str(host), int(port)
+
+    def topology(self) -> Topology:
+        """The master, its live replicas and how many sentinels watch it."""
+        try:
+            master = self.master_address()
+        except RedisError as exc:
+            return Topology(master=None, error=f"{type(exc).__name__}: {exc}")
+        known = 0
+        for client in self.sentinel.sentinels:
+            try:
+                state: Any = client.sentinel_master(self.service)
+            except RedisError:
+                continue
+            known = max(known, int(state.get("num-other-sentinels", 0)) + 1)
+        try:
+            found = self.sentinel.discover_slaves(self.service)  # type: ignore[no-untyped-call]
+            replicas = [(str(h), int(p)) for h, p in found]
+        except RedisError:
+            replicas = []
+        return Topology(master=master, replicas=replicas, sentinels=known)
+
+    def node_client(self, address: tuple[str, int]) -> redis.Redis:
+        """A client of one node (a replica, say) with the master's credentials and timeouts;
+        the caller closes it."""
+        kwargs = self.client.connection_pool.connection_kwargs
+        return redis.Redis(
+            host=address[0],
+            port=address[1],
+            username=kwargs.get("username"),
+            password=kwargs.get("password"),
+            socket_timeout=kwargs.get("socket_timeout"),
+            socket_connect_timeout=kwargs.get("socket_connect_timeout"),
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+
+    def close(self) -> None:
+        super().close()
+        self.sentinel.close()

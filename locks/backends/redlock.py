@@ -1,0 +1,1023 @@
+"""Redlock over N independent Redis masters, with a fencing token that only goes up."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import select
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import parse_url
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from jobfence.config.settings import Settings
+from jobfence.config.urls import redlock_masters
+from jobfence.locks.backend import (
+    Busy,
+    Capabilities,
+    JobRecord,
+    LockBackend,
+    LockInfo,
+    validate_key,
+)
+from jobfence.locks.backends.redis_scripts import script_source
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import BackendUnavailable, LockError
+from jobfence.locks.keys import KeySpace
+from jobfence.locks.lease import DRIFT_FLOOR, DRIFT_FRACTION, OwnerMeta
+
+# How the masters are asked in parallel: each master has plain non-blocking sockets of ours
+# (one per concurrent operation), a command is sent to every master, then poll() reads the
+# replies as they come. No thread pool: on the hot path a hand-off to threads costs more
+# than the round trip, and a fork never inherits a pool. Not redis-py's connections: their
+# reads block one connection at a time and drop the connection on a timeout, which would
+# lose the order of commands to a slow master (below) and the replies still on their way.
+SIGNAL_LIFETIME_MS = 2000
+DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
+#: How far ahead of this host's clock a one-round proposal is made, in µs: it must clear the
+#: masters' clocks plus the trip there, or the grant falls back to the second phase.
+PROPOSAL_LEAD_US = 20_000
+#: Replies a connection may owe (commands sent to a master that has not answered yet) before
+#: it is dropped: a master that far behind is treated as down.
+MAX_OWED = 64
+#: After a failed connect, a master is skipped (counted as not answering) this long.
+RECONNECT_DELAY = 0.5
+SCRIPTS = (
+    "redlock_begin",
+    "redlock_fence",
+    "redlock_commit",
+    "redlock_inspect",
+    "redlock_admin",
+    "release",
+    "extend",
+    "extend_many",
+    "claim_publish",
+)
+
+
+class _ErrorReply(str):
+    """An error reply from a master (a script error, NOSCRIPT, READONLY ...)."""
+
+
+class _Missing:
+    """No reply from a master: it was down, the connection broke, or the deadline passed."""
+
+    def __repr__(self) -> str:
+        return "<no reply>"
+
+
+NO_REPLY: Any = _Missing()
+_MORE = object()  # the buffer ends inside a reply
+
+
+def _parse(buf: bytearray, pos: int) -> tuple[Any, int] | object:
+    """One RESP2 reply from `buf` at `pos`: (value, next position), or _MORE if incomplete."""
+    end = buf.find(b"\r\n", pos)
+    if end < 0:
+        return _MORE
+    kind = buf[pos]
+    if kind == 0x2A:  # '*' array
+        n = int(buf[pos + 1 : end])
+        if n < 0:
+            return None, end + 2
+        items: list[Any] = []
+        pos = end + 2
+        for _ in range(n):
+            got = _parse(buf, pos) if buf[pos : pos + 1] == b"*" else _scalar(buf, pos)
+            if not isinstance(got, tuple):
+                return _MORE
+            items.append(got[0])
+            pos = got[1]
+        return items, pos
+    return _scalar(buf, pos)
+
+
+def _scalar(buf: bytearray, pos: int) -> tuple[Any, int] | object:
+    end = buf.find(b"\r\n", pos)
+    if end < 0:
+        return _MORE
+    kind = buf[pos]
+    if kind == 0x3A:  # ':' integer
+        return int(buf[pos + 1 : end]), end + 2
+    if kind == 0x24:  # '$' bulk string
+        n = int(buf[pos + 1 : end])
+        if n < 0:
+            return None, end + 2
+        start = end + 2
+        if len(buf) < start + n + 2:
+            return _MORE
+        return buf[start : start + n].decode(), start + n + 2
+    if kind == 0x2B:  # '+' simple string
+        return buf[pos + 1 : end].decode(), end + 2
+    if kind == 0x2D:  # '-' error
+        return _ErrorReply(buf[pos + 1 : end].decode()), end + 2
+    raise ValueError(f"unexpected reply type {chr(kind)!r} from a redlock master")
+
+
+def _pack(*args: Any) -> bytes:
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg.encode() if isinstance(arg, str) else b"%d" % arg
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+class _Link:
+    """One connection to one master: its socket, what it has read, and the replies it owes.
+
+    Commands go out without waiting for earlier replies (a master that is slow to answer
+    keeps receiving them, in order, on this one connection), so what was sent to a master
+    runs there in the order sent, even when the client stopped waiting: a release sent after
+    an acquire it never saw answered still removes that acquire's key.
+    """
+
+    __slots__ = ("buf", "fd", "owed", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.buf = bytearray()
+        self.owed = 0
+
+    def send(self, data: bytes) -> bool:
+        try:
+            sent = self.sock.send(data)
+        except OSError:
+            return False
+        if sent != len(data):  # the master is so far behind its buffers are full
+            return False
+        self.owed += 1
+        return True
+
+    def take(self) -> Any:
+        """The next complete reply in the buffer, or _MORE."""
+        got = _parse(self.buf, 0)
+        if not isinstance(got, tuple):
+            return _MORE
+        del self.buf[: got[1]]
+        self.owed -= 1
+        return got[0]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _Master:
+    """One Redlock master: its address, idle links, and a redis-py client for admin calls."""
+
+    def __init__(self, url: str, *, socket_timeout: float, scripts: dict[str, str]) -> None:
+        opts = parse_url(url)  # type: ignore[no-untyped-call]
+        self.host = str(opts.get("host", "127.0.0.1"))
+        self.port = int(opts.get("port", 6379))
+        self.db = int(opts.get("db", 0) or 0)
+        self.username = opts.get("username")
+        self.password = opts.get("password")
+        self.name = f"{self.host}:{self.port}"
+        self.socket_timeout = socket_timeout
+        self.scripts = scripts
+        self.client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            decode_responses=True,
+            health_check_interval=0,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self.idle: list[_Link] = []
+        self.pid = os.getpid()
+        self.down_until = 0.0
+
+    def checkout(self, pid: int) -> _Link | None:
+        """An idle link, or a new one; None while the master refuses connections."""
+        if self.pid != pid:  # a forked child: the parent's sockets are not ours
+            self.pid, self.idle = pid, []
+        try:
+            return self.idle.pop()
+        except IndexError:
+            pass
+        if time.monotonic() < self.down_until:
+            return None
+        try:
+            return self.connect()
+        except OSError:
+            self.down_until = time.monotonic() + RECONNECT_DELAY
+            return None
+
+    def checkin(self, link: _Link, pid: int) -> None:
+        if self.pid == pid:
+            self.idle.append(link)
+
+    def connect(self) -> _Link:
+        """A new link, its set-up (AUTH, SELECT, every script) sent but not waited for.
+
+        The set-up's replies are read, and dropped, ahead of the first command's, so a
+        master that is frozen costs no more than one that is slow; a failed AUTH shows as
+        the NOAUTH error of the commands after it.
+        """
+        sock = socket.create_connection((self.host, self.port), timeout=self.socket_timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            setup: list[bytes] = []
+            if self.password:
+                auth = (self.username, self.password) if self.username else (self.password,)
+                setup.append(_pack("AUTH", *auth))
+            if self.db:
+                setup.append(_pack("SELECT", self.db))
+            setup += [_pack("SCRIPT", "LOAD", src) for src in self.scripts.values()]
+            sock.setblocking(False)
+            link = _Link(sock)
+            if not link.send(b"".join(setup)):
+                raise ConnectionError(f"redlock master {self.name}: set-up not sent")
+            link.owed = len(setup)
+            return link
+        except BaseException:
+            sock.close()
+            raise
+
+    def close(self, deadline: float) -> None:
+        """Read what idle links still owe (until `deadline`), then close everything."""
+        idle, self.idle = self.idle, []
+        if self.pid == os.getpid():
+            for link in idle:
+                _drain(link, deadline)
+                link.close()
+        self.client.close()
+
+
+def _drain(link: _Link, deadline: float) -> None:
+    while link.owed:
+        try:
+            got = link.take()
+        except ValueError:
+            return
+        if got is not _MORE:
+            continue
+        left = deadline - time.monotonic()
+        poller = select.poll()
+        poller.register(link.fd, select.POLLIN)
+        if left <= 0 or not poller.poll(left * 1000):
+            return
+        try:
+            data = link.sock.recv(65536)
+        except OSError:
+            return
+        if not data:
+            return
+        link.buf += data
+
+
+Decide = Callable[[dict[int, Any], int], bool]
+
+
+@dataclass
+class _Tally:
+    """Phase one's replies, sorted by kind."""
+
+    granted: dict[int, tuple[int, bool]]  # master -> (value, proposal accepted)
+    busy: dict[int, list[Any]]
+    done: dict[int, list[Any]]
+    silent: list[int]  # no reply (down, broken, or still pending), or an error reply
+    errors: list[str]  # the error replies among them
+
+
+@dataclass
+class _Attempt:
+    """One grant attempt: who asks, its fence proposal, its validity and its connections."""
+
+    key: str
+    owner: str
+    proposal: int  # 0: none, the fence takes two phases
+    retention: int  # ms a fence counter is kept
+    valid_until: float  # the backend's clock
+    deadline: float  # time.monotonic(): stop waiting for replies
+    links: list[_Link | None]
+    clock: Clock = SYSTEM_CLOCK
+
+    def valid(self) -> bool:
+        return self.clock.monotonic() < self.valid_until
+
+
+class RedlockBackend(LockBackend):
+    """Locks on a majority of N independent Redis masters. Build with `from_url`.
+
+    A grant takes the lock on every master in parallel and counts only with a majority
+    and validity left (TTL - elapsed - drift, on the monotonic clock). Its fence is
+    written, under the lock, on a majority: phase one asks every master for
+    max(stored fence, server µs); phase two writes max + 1 where the stored fence is
+    lower. The client proposes a fence with phase one (above its own clock and every fence
+    it has seen); where every master that locked took the proposal, that was phase two
+    and the grant is done in one round trip. See README "Lock backends" for what it
+    guarantees and where it breaks.
+    """
+
+    name: ClassVar[str] = "redlock"
+    # The fence is durable only where every master keeps its data through a crash (AOF,
+    # appendfsync always): `check_servers` finds out and says so on this instance.
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        native_fencing=True, durable_fence=False, ha=True, release_notify=True
+    )
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        prefix: str = "jobfence",
+        socket_timeout: float = 2.0,
+        fence_retention: float = DEFAULT_FENCE_RETENTION,
+        one_round: bool = True,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        super().__init__(clock=clock)
+        if len(urls) < 3 or len(urls) % 2 == 0:
+            raise LockError(
+                f"redlock needs an odd number of masters, at least 3; got {len(urls)} "
+                "(JOBFENCE_LOCK_URL=redlock://host:port,host:port,host:port)"
+            )
+        self.keys = KeySpace(prefix)
+        self.fence_retention_ms = int(fence_retention * 1000)
+        self.socket_timeout = socket_timeout
+        self.one_round = one_round
+        sources = {name: script_source(name) for name in SCRIPTS}
+        self.sha = {n: hashlib.sha1(s.encode()).hexdigest() for n, s in sources.items()}
+        self.masters = [_Master(u, socket_timeout=socket_timeout, scripts=sources) for u in urls]
+        self.quorum = len(self.masters) // 2 + 1
+        self.fence_floor = 0  # the highest fence granted to this client, on any key
+        self.rounds = 0  # parallel round trips made (each sends one command per master)
+        self._max_block = max(0.01, 0.8 * socket_timeout)
+        self._wait_on = 0  # the master waiters block on; moves on when it fails
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "jobfence",
+        socket_timeout: float = 2.0,
+        fence_retention: float = DEFAULT_FENCE_RETENTION,
+        one_round: bool = True,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> RedlockBackend:
+        """`redlock://[user:password@]host:port,host:port,host:port[,...][/db]`."""
+        return cls(
+            redlock_masters(url),
+            prefix=prefix,
+            socket_timeout=socket_timeout,
+            fence_retention=fence_retention,
+            one_round=one_round,
+            clock=clock,
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, clock: Clock = SYSTEM_CLOCK) -> RedlockBackend:
+        return cls.from_url(
+            settings.lock_url,
+            prefix=settings.key_prefix,
+            socket_timeout=settings.socket_timeout,
+            fence_retention=settings.fence_retention,
+            clock=clock,
+        )
+
+    # -- the parallel round trip ----------------------------------------------------
+    def _checkout(self) -> list[_Link | None]:
+        """One link per master for one operation; links whose master closed them are renewed."""
+        pid = os.getpid()
+        links = [m.checkout(pid) for m in self.masters]
+        poller = select.poll()
+        for link in links:
+            if link is not None and not link.owed:
+                poller.register(link.fd, select.POLLIN)
+        # Something to read on a link that owes nothing: the master closed it (restart,
+        # idle timeout) or it is out of step. Replace it now, before a command is lost.
+        for fd, _ in poller.poll(0):
+            i = next(j for j, lk in enumerate(links) if lk is not None and lk.fd == fd)
+            stale = links[i]
+            assert stale is not None
+            stale.close()
+            links[i] = None
+            try:
+                links[i] = self.masters[i].connect()
+            except OSError:
+                self.masters[i].down_until = time.monotonic() + RECONNECT_DELAY
+        return links
+
+    def _checkin(self, links: list[_Link | None]) -> None:
+        pid = os.getpid()
+        for master, link in zip(self.masters, links, strict=True):
+            if link is not None:
+                if link.owed > MAX_OWED:
+                    link.close()
+                else:
+                    master.checkin(link, pid)
+
+    def _round(
+        self,
+        links: list[_Link | None],
+        targets: Sequence[int],
+        payload: bytes,
+        decided: Decide,
+        deadline: float,
+    ) -> dict[int, Any]:
+        """Send `payload` to every target master, then read replies until `decided` or the
+        deadline. Returns a reply (or NO_REPLY) per target; masters still silent keep
+        owing theirs on their link."""
+        self.rounds += 1
+        replies: dict[int, Any] = {}
+        waiting: dict[int, int] = {}  # fd -> master
+        poller = select.poll()
+        for i in targets:
+            link = links[i]
+            if link is None or not link.send(payload):
+                if link is not None:
+                    link.close()
+                    links[i] = None
+                replies[i] = NO_REPLY
+                continue
+            waiting[link.fd] = i
+            poller.register(link.fd, select.POLLIN)
+        reloaded: set[int] = set()
+        while waiting and not decided(replies, len(waiting)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for fd, _ in poller.poll(left * 1000):
+                i = waiting[fd]
+                value = self._read(links, i, payload, reloaded)
+                if value is not _MORE:
+                    replies[i] = value
+                    del waiting[fd]
+                    poller.unregister(fd)
+        for i in waiting.values():
+            replies[i] = NO_REPLY
+        return replies
+
+    def _read(
+        self, links: list[_Link | None], i: int, payload: bytes, reloaded: set[int]
+    ) -> Any:
+        """What master `i`'s link has for us: the awaited reply, NO_REPLY if the link
+        broke, or _MORE if it is still on its way (earlier replies are read and dropped)."""
+        link = links[i]
+        assert link is not None
+        try:
+            data = link.sock.recv(65536)
+        except BlockingIOError:
+            return _MORE
+        except OSError:
+            data = b""
+        if not data:  # closed or reset: whatever it owed is lost
+            return self._drop(links, i)
+        link.buf += data
+        while link.owed:
+            try:
+                value = link.take()
+            except ValueError:  # not RESP: the stream is out of step
+                return self._drop(links, i)
+            if value is _MORE or link.owed:  # incomplete, or a reply nobody waits for
+                if value is _MORE:
+                    return _MORE
+                continue
+            if not (isinstance(value, _ErrorReply) and value.startswith("NOSCRIPT")):
+                return value
+            if i in reloaded:
+                return value
+            # The master lost its scripts (SCRIPT FLUSH): load them and resend, in order
+            # on the same link.
+            reloaded.add(i)
+            loads = [_pack("SCRIPT", "LOAD", src) for src in self.masters[i].scripts.values()]
+            if not link.send(b"".join([*loads, payload])):
+                return self._drop(links, i)
+            link.owed += len(loads)  # one send, but a reply per command
+        return _MORE
+
+    @staticmethod
+    def _drop(links: list[_Link | None], i: int) -> Any:
+        link = links[i]
+        if link is not None:
+            link.close()
+        links[i] = None
+        return NO_REPLY
+
+    def _evalsha(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> bytes:
+        return _pack("EVALSHA", self.sha[script], len(keys), *keys, *args)
+
+    def _io_deadline(self, started: float) -> float:
+        return started + self.socket_timeout
+
+    def _unavailable(
+        self, what: str, replies: dict[int, Any], key: str | None
+    ) -> BackendUnavailable:
+        errors = [v for v in replies.values() if isinstance(v, _ErrorReply)]
+        answered = sum(1 for v in replies.values() if v is not NO_REPLY)
+        detail = f" (a master said: {errors[0]})" if errors else ""
+        return BackendUnavailable(
+            f"redlock {what}: {answered} of {len(self.masters)} masters answered, "
+            f"a majority of {self.quorum} is needed{detail}",
+            key=key,
+        )
+
+    def _count(self, replies: dict[int, Any], ok: Callable[[Any], bool]) -> tuple[int, int]:
+        """(masters whose reply passes `ok`, masters that gave no usable reply)."""
+        good = sum(1 for v in replies.values() if v is not NO_REPLY and ok(v))
+        silent = sum(1 for v in replies.values() if v is NO_REPLY or isinstance(v, _ErrorReply))
+        return good, silent
+
+    def _everywhere(
+        self, payload: bytes, *, ok: Callable[[Any], bool] | None = None
+    ) -> dict[int, Any]:
+        """One round to every master. With `ok`, stop once a majority passed it or cannot."""
+        q = self.quorum
+
+        def decided(replies: dict[int, Any], pending: int) -> bool:
+            if ok is None:
+                return False
+            good = sum(1 for v in replies.values() if v is not NO_REPLY and ok(v))
+            return good >= q or good + pending < q
+
+        links = self._checkout()
+        try:
+            return self._round(
+                links, range(len(links)), payload, decided,
+                self._io_deadline(time.monotonic()),
+            )  # fmt: skip
+        finally:
+            self._checkin(links)
+
+    def _majority(
+        self, payload: bytes, key: str | None, what: str, ok: Callable[[Any], bool]
+    ) -> bool:
+        """True if a majority passed `ok`; raises BackendUnavailable if it cannot be told."""
+        replies = self._everywhere(payload, ok=ok)
+        good, silent = self._count(replies, ok)
+        if good >= self.quorum:
+            return True
+        if good + silent >= self.quorum:
+            raise self._unavailable(what, replies, key)
+        return False
+
+    # -- grants ---------------------------------------------------------------------
+    def _begin(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
+        ttl = ttl_ms / 1000
+        started = self.clock.monotonic()
+        valid_until = started + ttl - (ttl * DRIFT_FRACTION + DRIFT_FLOOR)
+        if valid_until <= started:
+            raise LockError(
+                f"ttl {ttl:g}s leaves no validity after the clock-drift allowance "
+                f"(ttl x {DRIFT_FRACTION:g} + {DRIFT_FLOOR * 1000:g} ms); use a longer ttl",
+                key=key,
+            )
+        proposal = 0
+        if self.one_round:
+            proposal = max(self.fence_floor + 1, time.time_ns() // 1000 + PROPOSAL_LEAD_US)
+        retention = max(self.fence_retention_ms, ttl_ms)
+        k = self.keys
+        keys = [k.lock(key), k.fence(key)] + ([k.record(key)] if record else [])
+        holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
+        payload = self._evalsha(
+            "redlock_begin",
+            keys,
+            [owner, ttl_ms, retention, "1" if record else "0", meta.task_id, holder,
+             fingerprint if record else "", proposal],
+        )  # fmt: skip
+        attempt = _Attempt(
+            key=key,
+            owner=owner,
+            proposal=proposal,
+            retention=retention,
+            valid_until=valid_until,
+            # Replies later than the validity are no use: stop waiting for them then.
+            deadline=time.monotonic() + min(self.socket_timeout, ttl),
+            links=self._checkout(),
+            clock=self.clock,
+        )
+        try:
+            return self._settle(attempt, self._phase_one(attempt, payload), ttl)
+        finally:
+            self._checkin(attempt.links)
+
+    def _settle(self, attempt: _Attempt, tally: _Tally, ttl: float) -> int | Busy | JobRecord:
+        """Turn phase one's replies into a grant (after phase two if needed), the job's
+        record, Busy, or BackendUnavailable; whatever is not a grant is released at once."""
+        q, n = self.quorum, len(self.masters)
+        ours = [*tally.granted, *tally.silent]  # masters that hold, or may hold, our key
+        if len(tally.done) >= q:
+            self._release_on(attempt, ours)
+            return _record(max(tally.done.values(), key=lambda r: int(r[4] or 0)))
+        if len(tally.granted) >= q and attempt.valid():
+            fence = self._fence(attempt, tally)
+            if fence is not None and attempt.valid():
+                with self._lock:
+                    self.fence_floor = max(self.fence_floor, fence)
+                return fence
+            self._release_on(attempt, ours)
+            raise BackendUnavailable(
+                f"redlock grant not confirmed by a majority within its validity ({n} masters, "
+                f"ttl {ttl:g}s)",
+                key=attempt.key,
+            )
+        self._release_on(attempt, ours)
+        if tally.busy and len(tally.busy) + len(tally.done) > n - q:
+            return self._busy(tally)
+        if len(tally.granted) >= q:
+            raise BackendUnavailable(
+                f"redlock acquire took longer than the lease's validity (ttl {ttl:g}s)",
+                key=attempt.key,
+            )
+        detail = f" (a master said: {tally.errors[0]})" if tally.errors else ""
+        raise BackendUnavailable(
+            f"redlock acquire: {n - len(tally.silent)} of {n} masters answered, a majority "
+            f"of {q} is needed{detail}",
+            key=attempt.key,
+        )
+
+    def _phase_one(self, attempt: _Attempt, payload: bytes) -> _Tally:
+        q, n = self.quorum, len(self.masters)
+
+        def decided(replies: dict[int, Any], pending: int) -> bool:
+            # Done when a majority granted or has the record, or when refusals alone rule
+            # a majority out. Masters that do not answer are waited for (up to the
+            # deadline): the error then says how many answered, and the clean-up knows
+            # which masters to wait for.
+            granted = done = refused = 0
+            for v in replies.values():
+                if type(v) is list:
+                    if v[0] == 1:
+                        granted += 1
+                    else:
+                        refused += 1
+                        done += v[0] == 2
+            return granted >= q or done >= q or refused > n - q or pending == 0
+
+        replies = self._round(attempt.links, range(n), payload, decided, attempt.deadline)
+        tally = _Tally({}, {}, {}, [], [])
+        for i in range(n):
+            v = replies.get(i, NO_REPLY)
+            if type(v) is not list:
+                tally.silent.append(i)
+                if isinstance(v, _ErrorReply):
+                    tally.errors.append(v)
+            elif v[0] == 1:
+                tally.granted[i] = (int(v[1]), bool(v[2]))
+            elif v[0] == 0:
+                tally.busy[i] = v
+            else:
+                tally.done[i] = v
+        return tally
+
+    def _fence(self, attempt: _Attempt, tally: _Tally) -> int | None:
+        """The grant's fence once a majority carries it under our lock, else None."""
+        proposal = attempt.proposal
+        if proposal and all(accepted for _, accepted in tally.granted.values()):
+            # Every master that locked took the proposal: phase two is done. A master that
+            # has not answered yet will mostly take it too; if not, it holds our key without
+            # the fence (never counted) until the release, queued behind on its connection.
+            return proposal
+        values = [value for value, _ in tally.granted.values()]
+        fence = max([*values, proposal, self.fence_floor]) + 1
+        k, key = self.keys, attempt.key
+        payload = self._evalsha(
+            "redlock_fence",
+            [k.lock(key), k.fence(key), k.signal(key)],
+            [attempt.owner, fence, attempt.retention, SIGNAL_LIFETIME_MS],
+        )
+        q = self.quorum
+
+        def decided(replies: dict[int, Any], pending: int) -> bool:
+            ok = sum(1 for v in replies.values() if v == 1)
+            return ok >= q or ok + pending < q
+
+        # Phase two goes to the silent masters too (queued behind phase one on their
+        # connection): each ends in line with the grant, or without our key.
+        targets = [*tally.granted, *tally.silent]
+        replies = self._round(attempt.links, targets, payload, decided, attempt.deadline)
+        accepted = sum(1 for v in replies.values() if v == 1)
+        return fence if accepted >= q else None
+
+    def _release_on(self, attempt: _Attempt, masters: Sequence[int]) -> None:
+        """Owner-checked release on `masters` at once; waits for those that answer at all
+        (the others get it queued behind what they owe)."""
+        if not masters:
+            return
+        k, key, links = self.keys, attempt.key, attempt.links
+        payload = self._evalsha(
+            "release", [k.lock(key), k.signal(key)], [attempt.owner, SIGNAL_LIFETIME_MS]
+        )
+        live = {i for i in masters if (link := links[i]) is not None and not link.owed}
+
+        def decided(replies: dict[int, Any], pending: int) -> bool:
+            return live.issubset(replies)
+
+        self._round(links, masters, payload, decided, self._io_deadline(time.monotonic()))
+
+    def _busy(self, tally: _Tally) -> Busy:
+        # The holder's grant ends when enough of its masters expire for a majority to be
+        # free: with `free` masters not held, that is the (quorum - free)-th expiry.
+        free = len(self.masters) - len(tally.busy)
+        ttls = sorted(
+            float("inf") if int(v[1]) < 0 else int(v[1]) / 1000 for v in tally.busy.values()
+        )
+        nth = max(0, min(len(ttls) - 1, self.quorum - free - 1))
+        (task_id, fingerprint), _ = Counter(
+            (str(v[2] or ""), str(v[3] or "")) for v in tally.busy.values()
+        ).most_common(1)[0]
+        return Busy(ttl_left=ttls[nth], task_id=task_id, fingerprint=fingerprint)
+
+    # -- keeping and ending grants ---------------------------------------------------
+    def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
+        payload = self._evalsha("extend", [self.keys.lock(key)], [owner, ttl_ms])
+        replies = self._everywhere(payload, ok=lambda v: v == 1)
+        extended, silent = self._count(replies, lambda v: v == 1)
+        if extended >= self.quorum:
+            return True
+        if len(self.masters) - silent < self.quorum:  # as in _extend_many
+            raise self._unavailable("extend", replies, key)
+        return False
+
+    def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        args: list[Any] = []
+        for _, owner, ttl_ms in items:
+            args += [owner, ttl_ms]
+        payload = self._evalsha("extend_many", [self.keys.lock(k) for k, _, _ in items], args)
+        q, n = self.quorum, len(items)
+
+        def tallies(replies: dict[int, Any]) -> list[int]:
+            counts = [0] * n
+            for v in replies.values():
+                if type(v) is list and len(v) == n:
+                    for j, x in enumerate(v):
+                        counts[j] += x == 1
+            return counts
+
+        def decided(replies: dict[int, Any], pending: int) -> bool:
+            return all(c >= q or c + pending < q for c in tallies(replies))
+
+        links = self._checkout()
+        try:
+            replies = self._round(
+                links, range(len(links)), payload, decided, self._io_deadline(time.monotonic())
+            )
+        finally:
+            self._checkin(links)
+        # A lease lives while a majority holds it. With a majority of masters answering, one
+        # held on fewer is lost (the silent rest cannot be extended either); with fewer
+        # answering nothing can be told, and the keeper tries again.
+        answered = sum(1 for v in replies.values() if type(v) is list and len(v) == n)
+        if answered < q:
+            raise self._unavailable("extend_many", replies, None)
+        return [c >= q for c in tallies(replies)]
+
+    def _release(self, key: str, owner: str) -> bool:
+        k = self.keys
+        payload = self._evalsha(
+            "release", [k.lock(key), k.signal(key)], [owner, SIGNAL_LIFETIME_MS]
+        )
+        return self._majority(payload, key, "release", lambda v: v == 1)
+
+    def _commit(
+        self,
+        key: str,
+        owner: str,
+        fence: int,
+        state: str,
+        result: str,
+        fingerprint: str,
+        result_ttl_ms: int,
+    ) -> bool:
+        k = self.keys
+        payload = self._evalsha(
+            "redlock_commit",
+            [k.lock(key), k.record(key), k.signal(key)],
+            [owner, state, result, fingerprint, fence, result_ttl_ms, SIGNAL_LIFETIME_MS,
+             time.time_ns() // 1_000_000],
+        )  # fmt: skip
+        return self._majority(payload, key, "commit", lambda v: v == 1)
+
+    # -- reading --------------------------------------------------------------------
+    def _inspect(self, key: str) -> LockInfo | None:
+        payload = self._evalsha("redlock_inspect", [self.keys.lock(key)], [])
+        replies = self._everywhere(payload)
+        views = [v for v in replies.values() if type(v) is list and len(v) == 6]
+        if len(views) < self.quorum:
+            raise self._unavailable("inspect", replies, key)
+        by_fence: dict[str, list[list[Any]]] = {}
+        for v in views:
+            if v[0] is not None and int(v[5]) != -2:
+                by_fence.setdefault(str(v[0]), []).append(v)
+        held = [group for group in by_fence.values() if len(group) >= self.quorum]
+        if not held:
+            return None
+        group = held[0]
+        fence = int(group[0][0])
+        # The lock holds while a majority of its copies live: the quorum-th longest TTL.
+        ttls = sorted((max(0, int(v[5])) for v in group), reverse=True)
+        first = min(group, key=lambda v: int(v[3] or 0))
+        host, pid, task_name, started = [*str(first[2]).split("\n", 3), "", "", ""][:4]
+        acquired = min(int(v[3] or 0) for v in group)
+        beat = max(int(v[4] or v[3] or 0) for v in group)
+        return LockInfo(
+            key=key,
+            fence=fence,
+            ttl_left=ttls[self.quorum - 1] / 1000,
+            host=host,
+            pid=int(pid or 0),
+            task_id=str(first[1]),
+            task_name=task_name,
+            acquired_at=acquired / 1000,
+            last_heartbeat=beat / 1000,
+            process_start=started,
+        )
+
+    def scan(self, match: str = "*") -> Iterator[LockInfo]:
+        names: set[str] = set()
+        reached = 0
+        for master in self.masters:
+            try:
+                names.update(
+                    str(n)
+                    for n in master.client.scan_iter(match=self.keys.lock_pattern(match), count=500)
+                )
+                reached += 1
+            except RedisError:
+                continue
+        if reached < self.quorum:
+            raise BackendUnavailable(
+                f"redlock scan: {reached} of {len(self.masters)} masters answered, a majority "
+                f"of {self.quorum} is needed"
+            )
+        for name in sorted(names):
+            info = self._inspect(self.keys.key_of_lock(name))
+            if info is not None:
+                yield info
+
+    def job_record(self, key: str) -> JobRecord | None:
+        payload = _pack(
+            "HMGET", self.keys.record(key), "state", "fingerprint", "result", "fence", "finished_ms"
+        )
+        replies = self._everywhere(payload)
+        rows = [tuple(v) for v in replies.values() if type(v) is list and len(v) == 5]
+        if len(rows) < self.quorum:
+            raise self._unavailable("job_record", replies, key)
+        for row, count in Counter(rows).most_common():
+            if count >= self.quorum and row[0] in ("DONE", "FAILED"):
+                return _record([2, *row])
+        return None
+
+    def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
+        payload = self._evalsha(
+            "claim_publish", [self.keys.queued(key)], [task_id, int(ttl * 1000)]
+        )
+        replies = self._everywhere(payload)
+        answers = [v for v in replies.values() if v is not NO_REPLY and type(v) is not _ErrorReply]
+        if len(answers) < self.quorum:
+            raise self._unavailable("claim_publish", replies, key)
+        held = Counter(str(v) for v in answers if v)
+        if held:
+            other, count = held.most_common(1)[0]
+            if count >= self.quorum:
+                return other
+        return None
+
+    def clear_publish(self, key: str) -> None:
+        payload = self._evalsha("redlock_admin", [self.keys.queued(key)], ["delete"])
+        self._majority(payload, key, "clear_publish", lambda v: isinstance(v, int))
+
+    def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        payload = self._evalsha("redlock_admin", [self.keys.deliveries(key)], ["count", window_ms])
+        replies = self._everywhere(payload)
+        counts = [v for v in replies.values() if type(v) is int]
+        if len(counts) < self.quorum:
+            raise self._unavailable("count_delivery", replies, key)
+        return max(counts)  # a master that lost its count must not reset the cap
+
+    def forget(self, key: str) -> bool:
+        payload = self._evalsha("redlock_admin", [self.keys.record(key)], ["delete"])
+        return self._any(payload, key, "forget")
+
+    def force_release(self, key: str) -> bool:
+        k = self.keys
+        payload = self._evalsha(
+            "redlock_admin", [k.lock(key), k.signal(key)], ["unlock", SIGNAL_LIFETIME_MS]
+        )
+        return self._any(payload, key, "force_release")
+
+    def release_grant(self, key: str, fence: int) -> bool:
+        """Remove `key`'s lock on every master where it still carries `fence`, in the same
+        script that checks it: a grant made since the operator looked is left alone."""
+        validate_key(key)
+        k = self.keys
+        payload = self._evalsha(
+            "redlock_admin", [k.lock(key), k.signal(key)], ["judged", SIGNAL_LIFETIME_MS, fence]
+        )
+        return self._any(payload, key, "release_grant")
+
+    def _any(self, payload: bytes, key: str, what: str) -> bool:
+        """Sent to every master; True if any had the key. Raises without a majority."""
+        replies = self._everywhere(payload)
+        counts = [v for v in replies.values() if type(v) is int]
+        if len(counts) < self.quorum:
+            raise self._unavailable(what, replies, key)
+        return any(counts)
+
+    # -- waiting, time, servers -------------------------------------------------------
+    def wait_for_release(self, key: str, timeout: float) -> None:
+        """Block on one master's signal list until a release pushes it, or `timeout`.
+
+        A release signals on every master where the refused attempt marked the lock as
+        waited on; the waiter listens on one. If that master fails, the next one is used
+        from the next wait on, and this wait sleeps instead (the caller's backoff polls).
+        """
+        timeout = min(timeout, self._max_block)
+        if timeout < 0.001:
+            return
+        index = self._wait_on % len(self.masters)
+        try:
+            self.masters[index].client.blpop([self.keys.signal(key)], timeout=timeout)
+        except RedisError:
+            self._wait_on = index + 1
+            self.clock.sleep(timeout)
+
+    def server_time(self) -> float:
+        for master in self.masters:
+            try:
+                seconds, micros = master.client.time()
+            except RedisError:
+                continue
+            return float(seconds) + float(micros) / 1e6
+        raise BackendUnavailable("redlock: no master answered TIME")
+
+    def check_servers(self) -> list[tuple[bool, str, str]]:
+        """What about the masters is unsafe (refuse) or weakens a guarantee (warn).
+
+        Returns (refuse, problem, fix) triples, for the start-up checks. Also sets this
+        instance's `capabilities.durable_fence`: true only when every master answered and
+        keeps its data through a crash (appendonly yes, appendfsync always).
+        """
+        found: list[tuple[bool, str, str]] = []
+        durable = 0
+        for master in self.masters:
+            try:
+                conf = master.client.config_get("maxmemory-policy")
+                conf.update(master.client.config_get("append*"))
+            except ResponseError as exc:
+                found.append((False, f"cannot read the settings of redlock master {master.name} "
+                              f"({exc}; CONFIG is disabled or not permitted): its eviction "
+                              "policy and persistence are unchecked",
+                              "make sure it runs with maxmemory-policy noeviction, appendonly "
+                              "yes and appendfsync always"))  # fmt: skip
+                continue
+            except RedisError as exc:
+                found.append((False, f"redlock master {master.name} does not answer "
+                              f"({type(exc).__name__}: {exc}); grants go on while a majority "
+                              f"of {self.quorum} answers",
+                              "start it, or fix the URL if it is wrong"))  # fmt: skip
+                continue
+            policy = conf.get("maxmemory-policy", "")
+            if policy != "noeviction":
+                found.append((True, f"redlock master {master.name} has maxmemory-policy "
+                              f"{policy!r}: under memory pressure it may evict lock, fence "
+                              "and job-record keys",
+                              "run every master with --maxmemory-policy noeviction"))  # fmt: skip
+            if conf.get("appendonly") == "yes" and conf.get("appendfsync") == "always":
+                durable += 1
+            else:
+                found.append((False, f"redlock master {master.name} runs appendonly "
+                              f"{conf.get('appendonly')!r}, appendfsync "
+                              f"{conf.get('appendfsync')!r}: after a crash it comes back "
+                              "without the fences it had, and the fence then rests on the "
+                              "server clocks (skew between masters below the time between "
+                              "two grants of a key) and on each client's own floor",
+                              "run every master with appendonly yes and appendfsync always, "
+                              "or restart a crashed master only after the longest TTL has "
+                              "passed"))  # fmt: skip
+        caps = replace(type(self).capabilities, durable_fence=durable == len(self.masters))
+        vars(self)["capabilities"] = caps  # this instance's servers, not the class's default
+        return found
+
+    def close(self) -> None:
+        """Wait briefly for replies still owed (so what was sent has run), then disconnect."""
+        deadline = time.monotonic() + min(self.socket_timeout, 1.0)
+        for master in self.masters:
+            master.close(deadline)
+
+
+def _record(reply: list[Any]) -> JobRecord:
+    _, state, fingerprint, result, fence, finished_ms = (str(x or "") for x in reply)
+    return JobRecord(
+        state=state,
+        fingerprint=fingerprint,
+        result=result,
+        fence=int(fence or 0),
+        finished_at=int(finished_ms or 0) / 1000,
+    )

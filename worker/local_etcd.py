@@ -1,0 +1,418 @@
+"""Private etcd servers on 127.0.0.1 (one node or a cluster), started, stopped and reaped by us."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+from jobfence.worker import procs
+from jobfence.worker.redis_server import HOST, free_port
+
+__all__ = ["EtcdCluster", "EtcdServerError", "etcd_unavailable"]
+
+EXECUTABLE = "etcd"
+
+
+class EtcdServerError(RuntimeError):
+    """A private etcd could not be started."""
+
+
+def etcd_unavailable(executable: str = EXECUTABLE) -> str | None:
+    """Why a private etcd cannot run here (no binary), or None."""
+    if shutil.which(executable) is None:
+        return f"{executable!r} is not on PATH (Debian: apt-get install etcd-server)"
+    return None
+
+
+@dataclass
+class _Node:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    stdio: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{HOST}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{HOST}:{self.peer_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and not procs.exited(self.proc)
+
+
+def _reap_all(nodes: list[_Node], workdir: str | None) -> None:
+    """Last-resort cleanup (the finalizer): never leave an etcd behind."""
+    for node in nodes:
+        if node.proc is not None:
+            with contextlib.suppress(Exception):
+                procs.finish(node.proc, timeout=5)
+        if node.stdio is not None:
+            node.stdio.close()
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _get_json(url: str, timeout: float) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def _post_json(url: str, body: dict[str, Any], timeout: float) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+class EtcdCluster:
+    """`size` etcd members on free loopback ports, as child processes of this one.
+
+    Usage::
+
+        with EtcdCluster(size=3, election_timeout_ms=500, heartbeat_ms=50) as cluster:
+            backend = EtcdBackend.from_url(cluster.url)
+
+    Data directories live under `workdir` (kept if given, else a temporary directory that
+    `stop()` deletes). Ports are chosen at the first start and kept, so a member restarted
+    with `start_member` (its data kept) or a cluster restarted with `restart(fresh=True)`
+    (data wiped: a brand-new cluster) answers on the same URL.
+    """
+
+    def __init__(
+        self,
+        size: int = 1,
+        *,
+        executable: str = EXECUTABLE,
+        workdir: str | Path | None = None,
+        election_timeout_ms: int = 1000,
+        heartbeat_ms: int = 100,
+        startup_timeout: float = 30.0,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"size must be at least 1, got {size}")
+        self.size = size
+        self.executable = executable
+        self.election_timeout_ms = election_timeout_ms
+        self.heartbeat_ms = heartbeat_ms
+        self.startup_timeout = startup_timeout
+        self.extra_args = tuple(extra_args)
+        self._given_workdir = Path(workdir) if workdir is not None else None
+        self._workdir: str | None = None
+        self._nodes: list[_Node] = []
+        self._token = ""
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    # -- addresses --------------------------------------------------------------------
+    @property
+    def endpoints(self) -> list[str]:
+        """host:port of every member's client URL."""
+        return [f"{HOST}:{n.client_port}" for n in self._require_nodes()]
+
+    @property
+    def url(self) -> str:
+        """The `etcd://` lock URL listing every member."""
+        return "etcd://" + ",".join(self.endpoints)
+
+    def member_url(self, index: int) -> str:
+        """The `etcd://` URL of member `index` alone."""
+        return f"etcd://{self.endpoints[index]}"
+
+    def client_url(self, index: int) -> str:
+        """The member's http:// client URL (its JSON gateway)."""
+        return self._require_nodes()[index].client_url
+
+    def pid(self, index: int) -> int:
+        proc = self._require_nodes()[index].proc
+        if proc is None:
+            raise RuntimeError(f"etcd member {index} is not running")
+        return proc.pid
+
+    def running(self, index: int) -> bool:
+        return self._require_nodes()[index].running
+
+    @property
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            raise RuntimeError("EtcdCluster has not been started yet")
+        return Path(self._workdir)
+
+    def _require_nodes(self) -> list[_Node]:
+        if not self._nodes:
+            raise RuntimeError("EtcdCluster has not been started yet")
+        return self._nodes
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> Self:
+        """Start every member and wait until each answers /health; idempotent."""
+        reason = etcd_unavailable(self.executable)
+        if reason:
+            raise EtcdServerError(reason)
+        if self._workdir is None:
+            if self._given_workdir is not None:
+                self._given_workdir.mkdir(parents=True, exist_ok=True)
+                self._workdir = str(self._given_workdir)
+            else:
+                self._workdir = tempfile.mkdtemp(prefix="jobfence-etcd-")
+        fresh = not self._nodes
+        for attempt in range(3 if fresh else 1):
+            if not self._nodes:
+                self._plan()
+            if self._finalizer is None:
+                owned = self._workdir if self._given_workdir is None else None
+                self._finalizer = weakref.finalize(self, _reap_all, self._nodes, owned)
+            for node in self._nodes:
+                if not node.running:
+                    self._spawn(node)
+            try:
+                self.wait_healthy()
+                return self
+            except EtcdServerError as exc:
+                # free_port() is racy: another process may take a port before etcd does.
+                if attempt == 2 or not fresh or "address already in use" not in str(exc):
+                    raise
+                self._discard_plan()
+        raise AssertionError("unreachable")
+
+    def _discard_plan(self) -> None:
+        for node in self._nodes:
+            if node.proc is not None:
+                procs.finish(node.proc, timeout=10)
+                node.proc = None
+            if node.stdio is not None:
+                node.stdio.close()
+                node.stdio = None
+            shutil.rmtree(node.data_dir.parent, ignore_errors=True)
+        self._nodes.clear()
+
+    def _plan(self) -> None:
+        assert self._workdir is not None
+        ports: set[int] = set()
+        while len(ports) < 2 * self.size:
+            ports.add(free_port())
+        ordered = sorted(ports)
+        self._token = f"jobfence-{ordered[0]}-{int(time.time() * 1000)}"
+        for i in range(self.size):
+            base = Path(self._workdir) / f"m{i}"
+            base.mkdir(parents=True, exist_ok=True)
+            self._nodes.append(
+                _Node(
+                    name=f"m{i}",
+                    client_port=ordered[2 * i],
+                    peer_port=ordered[2 * i + 1],
+                    data_dir=base / "data",
+                    log_path=base / "etcd.log",
+                )
+            )
+
+    def _command(self, node: _Node) -> list[str]:
+        initial = ",".join(f"{n.name}={n.peer_url}" for n in self._nodes)
+        return [
+            self.executable,
+            "--name", node.name,
+            "--data-dir", str(node.data_dir),
+            "--listen-client-urls", node.client_url,
+            "--advertise-client-urls", node.client_url,
+            "--listen-peer-urls", node.peer_url,
+            "--initial-advertise-peer-urls", node.peer_url,
+            "--initial-cluster", initial,
+            "--initial-cluster-token", self._token,
+            "--initial-cluster-state", "new",  # ignored once the data dir exists
+            "--election-timeout", str(self.election_timeout_ms),
+            "--heartbeat-interval", str(self.heartbeat_ms),
+            # History kept for watches that resume from a revision; compacted after that
+            # so a long-running server does not grow to its space quota.
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "1h",
+            "--logger", "zap",
+            "--log-level", "warn",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def _spawn(self, node: _Node) -> None:
+        if node.stdio is not None:
+            node.stdio.close()
+        node.stdio = open(node.log_path, "ab")  # noqa: SIM115 - closed when the node stops
+        try:
+            node.proc = procs.spawn(self._command(node), stdout=node.stdio)
+        except OSError as exc:
+            raise EtcdServerError(f"cannot run {self.executable!r}: {exc}") from exc
+
+    def healthy(self, index: int, timeout: float = 1.0) -> bool:
+        """True if member `index` answers /health with health true (it sees a leader)."""
+        node = self._require_nodes()[index]
+        if not node.running:
+            return False
+        try:
+            reply = _get_json(f"{node.client_url}/health", timeout)
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+        return bool(reply.get("health") in ("true", True))
+
+    def wait_healthy(self, indexes: Sequence[int] | None = None) -> None:
+        """Wait until the members (all running ones by default) answer /health."""
+        nodes = self._require_nodes()
+        wanted = list(indexes) if indexes is not None else [
+            i for i, n in enumerate(nodes) if n.proc is not None
+        ]
+        deadline = time.monotonic() + self.startup_timeout
+        for i in wanted:
+            while not self.healthy(i):
+                node = nodes[i]
+                if node.proc is not None and procs.exited(node.proc):
+                    code = procs.finish(node.proc)
+                    node.proc = None
+                    raise EtcdServerError(
+                        f"etcd member {node.name} on port {node.client_port} exited with code "
+                        f"{code} during start-up\n{procs.tail(node.log_path)}"
+                    )
+                if time.monotonic() >= deadline:
+                    raise EtcdServerError(
+                        f"etcd member {node.name} on port {node.client_port} not healthy within "
+                        f"{self.startup_timeout:.0f}s\n{procs.tail(node.log_path)}"
+                    )
+                time.sleep(0.02)
+
+    def leader(self, timeout: float = 1.0) -> int | None:
+        """Index of the member that is leader now (as a running member reports it), or None."""
+        nodes = self._require_nodes()
+        for node in nodes:
+            if not node.running:
+                continue
+            try:
+                status = _post_json(f"{node.client_url}/v3/maintenance/status", {}, timeout)
+            except (OSError, ValueError, urllib.error.URLError):
+                continue
+            leader_id = status.get("leader")
+            if not leader_id or leader_id == "0":
+                continue
+            for i, other in enumerate(nodes):
+                if not other.running:
+                    continue
+                try:
+                    own = _post_json(f"{other.client_url}/v3/maintenance/status", {}, timeout)
+                except (OSError, ValueError, urllib.error.URLError):
+                    continue
+                if own.get("header", {}).get("member_id") == leader_id:
+                    return i
+        return None
+
+    def kill_member(self, index: int) -> None:
+        """SIGKILL member `index` (a crash) and reap it; its data directory is kept."""
+        node = self._require_nodes()[index]
+        if node.proc is not None:
+            procs.finish(node.proc, timeout=10)
+            node.proc = None
+
+    def stop_member(self, index: int, timeout: float = 10.0) -> None:
+        """SIGTERM member `index` (SIGKILL after `timeout`), reap it; its data is kept."""
+        node = self._require_nodes()[index]
+        if node.proc is not None:
+            procs.stop([node.proc], timeout=timeout)
+            node.proc = None
+
+    def start_member(self, index: int, *, wait: bool = True) -> None:
+        """Start member `index` again from its data directory (same ports)."""
+        node = self._require_nodes()[index]
+        if not node.running:
+            self._spawn(node)
+        if wait:
+            self.wait_healthy([index])
+
+    def pause_member(self, index: int) -> None:
+        """SIGSTOP member `index`: its connections stay open, nothing is answered."""
+        proc = self._require_nodes()[index].proc
+        if proc is not None:
+            procs.signal_leader(proc, signal.SIGSTOP)
+
+    def resume_member(self, index: int) -> None:
+        proc = self._require_nodes()[index].proc
+        if proc is not None:
+            procs.signal_leader(proc, signal.SIGCONT)
+
+    def restart(self, *, fresh: bool = False, kill: bool = True) -> Self:
+        """Stop every member (SIGKILL with `kill`, else SIGTERM) and start them again on the
+        same ports: from their data directories, or with `fresh` from empty ones (a new
+        cluster: every key, lease and revision is gone)."""
+        nodes = self._require_nodes()
+        for i in range(len(nodes)):
+            if kill:
+                self.kill_member(i)
+            else:
+                self.stop_member(i)
+        if fresh:
+            self._token = f"{self._token.rsplit('-', 1)[0]}-{int(time.time() * 1000)}"
+            for node in nodes:
+                shutil.rmtree(node.data_dir, ignore_errors=True)
+        for node in nodes:
+            self._spawn(node)
+        self.wait_healthy()
+        return self
+
+    def stop(self, timeout: float = 10.0, *, kill: bool = False) -> None:
+        """Stop every member (SIGTERM, SIGKILL after `timeout`; SIGKILL at once with `kill`:
+        a cluster whose data goes anyway), reap, delete the temp dir."""
+        running = [n.proc for n in self._nodes if n.proc is not None]
+        if running:
+            procs.stop(running, sig=signal.SIGKILL if kill else signal.SIGTERM, timeout=timeout)
+        for node in self._nodes:
+            node.proc = None
+            if node.stdio is not None:
+                node.stdio.close()
+                node.stdio = None
+        if self._workdir is not None and self._given_workdir is None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        self._workdir = None
+        self._nodes.clear()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(
+            f"--- {n.name} ({n.log_path}) ---\n{procs.tail(n.log_path, lines)}" for n in self._nodes
+        )
+
+    @contextlib.contextmanager
+    def member_paused(self, index: int) -> Iterator[None]:
+        self.pause_member(index)
+        try:
+            yield
+        finally:
+            self.resume_member(index)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = ",".join(self.endpoints) if self._nodes else "not started"
+        return f"EtcdCluster(size={self.size}, {where})"

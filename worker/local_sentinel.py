@@ -1,0 +1,373 @@
+"""A private Redis Sentinel topology (1 master, replicas, sentinels) on 127.0.0.1, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from jobfence.worker import procs
+from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
+
+__all__ = ["LocalSentinel", "SentinelError"]
+
+SERVICE = "jfmaster"
+T = TypeVar("T")
+
+
+class SentinelError(RuntimeError):
+    """The topology could not be started, or did not reach the state waited for."""
+
+
+@dataclass
+class _Sentinel:
+    port: int
+    conf: Path
+    log: Path
+    myid: str
+    proc: subprocess.Popen[bytes] | None = None
+    stdio: IO[bytes] | None = field(default=None, repr=False)
+
+    def client(self, timeout: float = 1.0) -> redis.Redis:
+        return redis.Redis(host=HOST, port=self.port, socket_timeout=timeout,
+                           socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                           decode_responses=True)  # fmt: skip
+
+
+def _reap(popens: list[subprocess.Popen[bytes]], root: str) -> None:
+    """Last-resort cleanup (finalizer): no sentinel outlives the object that started it."""
+    for proc in popens:
+        with contextlib.suppress(Exception):
+            procs.finish(proc, timeout=5)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+class LocalSentinel:
+    """One master, `replicas` replicas and `sentinels` sentinels, each a child process on a
+    free port of 127.0.0.1, non-persistent (data lives in memory only).
+
+    The sentinels are told the whole topology in their config files (each other's ids, the
+    replicas), so they agree on it at once instead of after the 2-10 s of hello and INFO
+    rounds. ``url`` is the ``redis+sentinel://`` lock URL. Stopping is by pid, never by name.
+
+    For fault tests, the key-loss recipe (research notes §6): ``freeze_replicas()``, write on
+    the master, ``kill_master()``, ``thaw_replicas()``, ``wait_for_failover()``; a write the
+    replicas never received is gone on the promoted one.
+    """
+
+    def __init__(
+        self,
+        *,
+        service: str = SERVICE,
+        replicas: int = 2,
+        sentinels: int = 3,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 3000,
+        executable: str = "redis-server",
+    ) -> None:
+        if sentinels < 1 or replicas < 0:
+            raise ValueError("need at least one sentinel and a non-negative replica count")
+        self.service = service
+        self.quorum = sentinels // 2 + 1
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.executable = executable
+        self._root = tempfile.mkdtemp(prefix="jobfence-sentinel-")
+        root = Path(self._root)
+        master_port = free_port()
+        self.nodes = [
+            RedisServer(
+                master_port if i == 0 else None,
+                executable=executable,
+                workdir=root / f"node{i}",
+                # A replica syncs at once (7.0 waits 5 s for more replicas to share a sync).
+                extra_args=("--repl-diskless-sync-delay", "0",
+                            *(() if i == 0 else ("--replicaof", HOST, str(master_port)))),
+            )
+            for i in range(replicas + 1)
+        ]
+        self.sentinels = [
+            _Sentinel(
+                port=0,
+                conf=root / f"sentinel{i}.conf",
+                log=root / f"sentinel{i}.log",
+                myid=secrets.token_hex(20),
+            )
+            for i in range(sentinels)
+        ]
+        # Sentinels started so far: the finalizer reaps them (and deletes the files) if this
+        # object is dropped without stop().
+        self._popens: list[subprocess.Popen[bytes]] = []
+        self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
+            self, _reap, self._popens, self._root
+        )
+
+    # -- addresses -------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://127.0.0.1:s1,127.0.0.1:s2,.../<service>``"""
+        hosts = ",".join(f"{HOST}:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}"
+
+    def master_address(self) -> tuple[str, int] | None:
+        """The master the first answering sentinel names, or None if none answers."""
+        for sentinel in self.sentinels:
+            if sentinel.proc is None or procs.exited(sentinel.proc):
+                continue
+            client = sentinel.client()
+            try:
+                addr: Any = client.sentinel_get_master_addr_by_name(self.service)
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            if addr:
+                return str(addr[0]), int(addr[1])
+        return None
+
+    def node_at(self, port: int) -> RedisServer:
+        for node in self.nodes:
+            if node.port == port:
+                return node
+        raise SentinelError(f"no node of this topology listens on port {port}")
+
+    def master(self) -> RedisServer:
+        """The node the sentinels name as master now."""
+        addr = self.master_address()
+        if addr is None:
+            raise SentinelError("no sentinel answers")
+        return self.node_at(addr[1])
+
+    def replicas(self) -> list[RedisServer]:
+        master = self.master()
+        return [n for n in self.nodes if n is not master]
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self, timeout: float = 20.0) -> Self:
+        try:
+            for node in self.nodes:
+                node.start()
+            self._start_sentinels(self.nodes[0].port)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_sentinels(self, master_port: int) -> None:
+        for sentinel in self.sentinels:
+            sentinel.port = free_port()
+        for sentinel in self.sentinels:
+            self._write_conf(sentinel, master_port)
+            sentinel.stdio = open(sentinel.log.with_suffix(".stdio"), "ab")  # noqa: SIM115
+            sentinel.proc = procs.spawn(
+                [self.executable, str(sentinel.conf), "--sentinel"], stdout=sentinel.stdio
+            )
+            self._popens.append(sentinel.proc)
+
+    def _write_conf(self, sentinel: _Sentinel, master_port: int) -> None:
+        name = self.service
+        lines = [
+            f"port {sentinel.port}",
+            f"bind {HOST}",
+            "daemonize no",
+            f"dir {self._root}",
+            f"logfile {sentinel.log}",
+            f"sentinel myid {sentinel.myid}",
+            f"sentinel monitor {name} {HOST} {master_port} {self.quorum}",
+            f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
+            f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
+            f"sentinel parallel-syncs {name} 1",
+            *(f"sentinel known-replica {name} {HOST} {n.port}" for n in self.nodes[1:]),
+            *(f"sentinel known-sentinel {name} {HOST} {o.port} {o.myid}"
+              for o in self.sentinels if o is not sentinel),
+        ]  # fmt: skip
+        sentinel.conf.write_text("\n".join(lines) + "\n")
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Until every sentinel answers, names a master that answers as one, and counts
+        every other node as its connected replica and every other sentinel."""
+        want_replicas = len(self.nodes) - 1
+        want_peers = len(self.sentinels) - 1
+
+        def ready() -> bool:
+            addr = None
+            for sentinel in self.sentinels:
+                if sentinel.proc is None or procs.exited(sentinel.proc):
+                    raise SentinelError(f"sentinel on port {sentinel.port} exited\n"
+                                        f"{procs.tail(sentinel.log)}")  # fmt: skip
+                client = sentinel.client()
+                try:
+                    state: Any = client.sentinel_master(self.service)
+                except redis.RedisError:
+                    return False
+                finally:
+                    client.close()
+                if state.get("num-other-sentinels") != want_peers:
+                    return False
+                if not state.get("is_master") or state.get("is_sdown") or state.get("is_odown"):
+                    return False
+                here = (state["ip"], int(state["port"]))
+                if addr is not None and here != addr:
+                    return False
+                addr = here
+            assert addr is not None
+            master = self.node_at(addr[1]).client(socket_timeout=1.0, decode_responses=True)
+            try:
+                info = master.info("replication")
+            except redis.RedisError:
+                return False
+            links = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+            online = [v for v in links if v.get("state") == "online"]
+            return info.get("role") == "master" and len(online) == want_replicas
+
+        self._poll(ready, timeout, "the Sentinel topology did not settle")
+
+    def _poll(self, check: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() >= deadline:
+                raise SentinelError(f"{what} within {timeout:g}s\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop every sentinel and node this object started (by pid) and delete its files."""
+        running = [s.proc for s in self.sentinels if s.proc is not None]
+        if running:
+            procs.stop(running, timeout=5)
+        self._popens.clear()
+        for sentinel in self.sentinels:
+            sentinel.proc = None
+            if sentinel.stdio is not None:
+                sentinel.stdio.close()
+                sentinel.stdio = None
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.stop()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def log_tail(self, lines: int = 15) -> str:
+        parts = [f"--- sentinel {s.port} ---\n{procs.tail(s.log, lines)}" for s in self.sentinels]
+        for node in self.nodes:
+            with contextlib.suppress(RuntimeError):  # never started
+                parts.append(f"--- node {node.port} ---\n{procs.tail(node.log_path, lines)}")
+        return "\n".join(parts)
+
+    # -- faults ----------------------------------------------------------------------
+
+    def freeze_replicas(self) -> list[RedisServer]:
+        """SIGSTOP every replica of the current master; returns them (for `thaw_replicas`)."""
+        frozen = self.replicas()
+        for node in frozen:
+            node.pause()
+        # SIGSTOP lands asynchronously: wait until the kernel shows each one stopped.
+        self._poll(lambda: all(procs.proc_state(n.pid) in ("T", "t") for n in frozen), 5.0,
+                   "a replica did not stop")  # fmt: skip
+        return frozen
+
+    def thaw_replicas(self) -> None:
+        """SIGCONT every paused node."""
+        for node in self.nodes:
+            if node.paused:
+                node.resume()
+
+    def cut_replication(self) -> None:
+        """Close the master's links to its replicas (CLIENT KILL TYPE replica): with them
+        frozen, nothing written on the master from now on reaches them, not even what the
+        kernel would have buffered for a stopped process."""
+        client = self.master().client(socket_timeout=2.0)
+        try:
+            client.client_kill_filter(_type="slave")
+        finally:
+            client.close()
+
+    def kill_master(self) -> RedisServer:
+        """SIGKILL the current master (a crash); returns it."""
+        master = self.master()
+        master.kill()
+        return master
+
+    def wait_for_failover(self, old: RedisServer, timeout: float = 30.0) -> RedisServer:
+        """Until the sentinels name another node as master and it answers as a master."""
+        def promoted() -> bool:
+            addr = self.master_address()
+            if addr is None or addr[1] == old.port:
+                return False
+            client = self.node_at(addr[1]).client(socket_timeout=1.0, decode_responses=True)
+            try:
+                return bool(client.info("replication").get("role") == "master")
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+
+        self._poll(promoted, timeout, "no replica was promoted")
+        return self.master()
+
+    def failover_losing(self, write: Callable[[], T], timeout: float = 30.0) -> T:
+        """Run `write` on a master whose replicas never get it, then crash the master and
+        wait until a replica is promoted without it; returns what `write` returned.
+
+        The recipe of the research notes §6: replicas frozen (SIGSTOP) and cut off, the
+        write, the master killed (SIGKILL), the replicas resumed (SIGCONT) within the
+        sentinels' down-after time, so they stay eligible and the failover takes ~3 s.
+        """
+        self.freeze_replicas()
+        try:
+            self.cut_replication()
+            result = write()
+        finally:
+            old = self.kill_master()
+            self.thaw_replicas()
+        self.wait_for_failover(old, timeout)
+        return result
+
+    def rejoin(self, node: RedisServer, timeout: float = 30.0) -> None:
+        """Make `node` a replica of the current master again: started anew (empty) if it
+        was killed; if it lives on as a deposed master, told at once what the sentinels
+        would tell it at their next 10 s INFO round. Returns once the topology is whole."""
+        master = self.master()
+        try:
+            node.start()  # a no-op while it runs
+        except RedisServerError as exc:
+            raise SentinelError(f"node {node.port} did not come back: {exc}") from exc
+        client = node.client(socket_timeout=2.0)
+        try:
+            client.replicaof(HOST, master.port)
+        finally:
+            client.close()
+        self.wait_ready(timeout)
+
+    # -- context manager ---------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<LocalSentinel {self.url}>"

@@ -1,0 +1,110 @@
+"""N private redis-servers as the masters of a redlock:// URL, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import redis
+
+from jobfence.worker.redis_server import RedisServer
+
+__all__ = ["RedisMasters"]
+
+#: Durable masters keep their append-only file here when the host has a tmpfs: fsync is then
+#: free, and the masters still run with the settings a durable fence needs.
+TMPFS = Path("/dev/shm")
+
+
+class RedisMasters:
+    """`n` independent private redis-servers on free ports of 127.0.0.1.
+
+    ``durable=True`` runs each with ``appendonly yes`` and ``appendfsync always`` (what
+    Redlock's durable fence needs), so a kill and restart keeps its data unless
+    ``restart(i, keep_data=False)`` wipes it first.
+    """
+
+    def __init__(self, n: int, *, durable: bool = False, executable: str = "redis-server") -> None:
+        self.durable = durable
+        base = str(TMPFS) if durable and TMPFS.is_dir() else None
+        self._root = Path(tempfile.mkdtemp(prefix="jobfence-redlock-", dir=base))
+        extra = ["--appendonly", "yes", "--appendfsync", "always"] if durable else []
+        self.servers = [
+            RedisServer(executable=executable, extra_args=extra, workdir=self._root / f"m{i}")
+            for i in range(n)
+        ]
+
+    @property
+    def url(self) -> str:
+        """``redlock://127.0.0.1:p1,127.0.0.1:p2,...``"""
+        return "redlock://" + ",".join(f"{s.host}:{s.port}" for s in self.servers)
+
+    def start(self) -> Self:
+        try:
+            for server in self.servers:
+                server.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                server.stop()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def restart(self, index: int, *, keep_data: bool = False) -> None:
+        """Crash master `index` (SIGKILL) and start it again on its port, empty unless
+        `keep_data` (which keeps only what its append-only file had synced)."""
+        server = self.servers[index]
+        server.kill()
+        if not keep_data:
+            for path in server.workdir.iterdir():
+                if path.name.startswith(("appendonly", "dump")):
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink()
+        server.start()
+
+    def lose_all_data(self) -> None:
+        """Every master crashes and comes back empty."""
+        for i in range(len(self.servers)):
+            self.restart(i)
+
+    def client(self, index: int) -> redis.Redis:
+        return self.servers[index].client(decode_responses=True)
+
+    def keys(self, pattern: str) -> list[list[str]]:
+        """The key names matching `pattern` on each master (SCAN), skipping masters that are
+        down or paused (an empty list for them)."""
+        out: list[list[str]] = []
+        for server in self.servers:
+            if not server.running or server.paused:
+                out.append([])
+                continue
+            client = server.client(decode_responses=True, socket_timeout=2.0)
+            try:
+                out.append(sorted(str(k) for k in client.scan_iter(match=pattern, count=1000)))
+            finally:
+                client.close()
+        return out
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<RedisMasters {self.url}{' durable' if self.durable else ''}>"
