@@ -72,7 +72,8 @@ class Settings(BaseSettings):
         description=(
             "Lock backend URL (redis://, rediss://, unix://, postgresql://, mysql://, "
             "mariadb://, redlock://host:port,..., etcd://host:port[,host:port...], "
-            "redis+sentinel://host:port[,host:port...]/<master-name>[/db])."
+            "redis+sentinel://host:port[,host:port...]/<master-name>[/db], "
+            "redis+cluster://host:port,..., zookeeper://host:port[,host:port...][/chroot])."
         ),
     )
     broker_url: str | None = Field(default=None, description="Celery broker URL.")

@@ -125,6 +125,7 @@ LOCK_SCHEMES += ("redlock",)
 LOCK_SCHEMES += ("etcd",)
 LOCK_SCHEMES += ("redis+cluster",)
 LOCK_SCHEMES += ("redis+sentinel",)
+LOCK_SCHEMES += ("zookeeper",)
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
@@ -332,6 +333,9 @@ def check_lock_url(url: str, variable: str) -> None:
     if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "etcd":
         _check_etcd_url(url, variable)  # a list of members: the one-host checks do not apply
         return
+    if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "zookeeper":
+        _check_zookeeper_url(url, variable)  # a host list: its own message and example
+        return
     check_url(url, variable=variable, schemes=LOCK_SCHEMES, example=LOCK_EXAMPLE,
               what="lock backend")
     fix = f"set {variable} to a URL such as {LOCK_EXAMPLE}"
@@ -384,3 +388,27 @@ def _check_etcd_url(url: str, variable: str) -> None:
                 variable, f"{redact(url)!r}: member {member.strip()!r} has port {port!r}, not a "
                 "number in 1-65535", fix,
             )
+
+
+def _check_zookeeper_url(url: str, variable: str) -> None:
+    """zookeeper://host:port[,host:port...][/chroot]: every host named, every port a number."""
+    fix = f"set {variable} to a URL such as zookeeper://zk1:2181,zk2:2181,zk3:2181/jobfence"
+    shown = redact(url)
+    userinfo, rest = _split_userinfo(url)
+    if userinfo:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has a user or password, which zookeeper:// does not take", fix
+        )
+    if "?" in rest or "#" in rest:
+        raise UnsafeSettings(variable, f"{shown!r} has a query or fragment", fix)
+    hosts, _, chroot = rest.partition("/")
+    for item in hosts.split(","):
+        host, colon, port = item.rpartition(":")
+        if not colon:
+            host, port = item, "2181"
+        if not host:
+            raise UnsafeSettings(variable, f"{shown!r} names no host in {item!r}", fix)
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise UnsafeSettings(variable, f"{shown!r} has port {port!r} in {item!r}", fix)
+    if chroot and any(p in ("", ".", "..") for p in chroot.rstrip("/").split("/")):
+        raise UnsafeSettings(variable, f"{shown!r} has chroot /{chroot}, not a node path", fix)

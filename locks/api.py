@@ -162,8 +162,15 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         from jobfence.locks.backends.etcd import EtcdBackend
 
         return EtcdBackend.from_url(url, **options)
+    if scheme.lower() == "zookeeper":
+        try:
+            from jobfence.locks.backends.zookeeper import ZooKeeperBackend
+        except ImportError as exc:
+            hint = "zookeeper:// locks need kazoo: pip install 'jobfence[zookeeper]'"
+            raise ImportError(hint) from exc
+        return ZooKeeperBackend.from_url(url, **options)
     raise ValueError(
         f"no lock backend for scheme {scheme!r}; use redis://, rediss://, unix://, "
         "postgresql://, mysql://, mariadb://, redlock://, redis+sentinel://, redis+cluster:// "
-        "or etcd://"
+        "etcd:// or zookeeper://"
     )

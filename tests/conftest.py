@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 import pytest
 import redis
 
+from jobfence.worker import local_zookeeper
+from jobfence.worker.local_zookeeper import ZooKeeperServer
 from tests.servers import (
     ETCD_TIMING,
     MARIADB_ADMIN_URL,
@@ -109,6 +112,24 @@ def pg_url() -> Iterator[str]:
 def mariadb_url() -> Iterator[str]:
     """SQLAlchemy URL of a scratch MariaDB database, dropped at the end of the session."""
     yield from scratch_database_url(MariaDBDatabase, MARIADB_ADMIN_URL)
+
+
+@pytest.fixture(scope="session")
+def zookeeper_server() -> Iterator[ZooKeeperServer]:
+    """One private standalone ZooKeeper for the session; tests keep apart by chroot or prefix."""
+    reason = local_zookeeper.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with ZooKeeperServer() as server:
+        yield server
+
+
+@pytest.fixture
+def zookeeper_url(zookeeper_server: ZooKeeperServer) -> str:
+    """A zookeeper:// URL on the session's server with a chroot of this test's own."""
+    if not zookeeper_server.running:  # a test that killed the shared server
+        zookeeper_server.start()
+    return f"{zookeeper_server.url}/t{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture

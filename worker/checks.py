@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -122,7 +122,9 @@ def check_eviction(client: redis.Redis, what: str, setting: str, url: str) -> It
         )
 
 
-def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
+def check_lock_backend(
+    conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()
+) -> Iterator[Finding]:
     settings = runtime.settings
     setting = f"{ENV_PREFIX}LOCK_URL"
     if urlsplit(settings.lock_url).scheme == "memory" and not conf.task_always_eager:
@@ -154,6 +156,10 @@ def check_lock_backend(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         return
     if isinstance(backend, RedisSentinelBackend):
         yield from check_sentinel_lock(backend, setting, settings.lock_url)
+        return
+    if backend.name == "zookeeper":
+        ttls = [settings.default_ttl, *(ttl for _, ttl in _singleton_ttls(tasks))]
+        yield from _check_lock_server(backend, setting, settings.lock_url, ttls)
         return
     if not isinstance(backend, RedisBackend):
         return
@@ -258,11 +264,14 @@ def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Findin
         )
 
 
-def _check_lock_server(backend: Any, setting: str, url: str) -> Iterator[Finding]:
+def _check_lock_server(
+    backend: Any, setting: str, url: str, ttls: Sequence[float] | None = None
+) -> Iterator[Finding]:
     """A lock server whose version or state makes every grant fail (its backend's
-    `server_problems`: locks.backends.mysql, locks.backends.etcd)."""
+    `server_problems`: locks.backends.mysql, locks.backends.etcd), or a ZooKeeper that would
+    stretch the lease TTLs `ttls` to its session bounds."""
     try:
-        problems = backend.server_problems()
+        problems = backend.server_problems() if ttls is None else backend.server_problems(ttls)
     except BackendUnavailable as exc:
         yield Finding(
             False,
@@ -457,7 +466,7 @@ def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
         *check_serializers(conf),
         *check_delivery(conf),
         *check_timeouts(conf, runtime, app.tasks.values()),
-        *check_lock_backend(conf, runtime),
+        *check_lock_backend(conf, runtime, app.tasks.values()),
         *check_broker(conf, runtime),
         *check_environment(),
     ]

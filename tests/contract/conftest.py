@@ -18,6 +18,7 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 # the server allows it, how to count round trips and how to lose all its data.
 BACKENDS = [
     "redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5", "cluster", "sentinel",
+    "zookeeper",
 ]
 
 
@@ -98,6 +99,8 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         return _cluster_harness(request)
     if name == "sentinel":
         return _sentinel_harness(request)
+    if name == "zookeeper":
+        return _zookeeper_harness(request)
     raise AssertionError(f"no contract harness for backend {name!r}")
 
 
@@ -269,6 +272,29 @@ def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
         connect=connect,
         requests=lambda: backend.statements,
         lose_data=lose_data,
+    )
+
+
+def _zookeeper_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """The session's private ZooKeeper, a chroot per test; data loss restarts the server with
+    an empty data directory (the other tests' chroots are made again on their first use).
+
+    No request count: a multi is all or nothing, so extend_many over leases of which one was
+    lost costs a second multi (tests/test_zookeeper_backend.py counts the cases)."""
+    from jobfence.locks.backends.zookeeper import ZooKeeperBackend
+    from jobfence.worker.local_zookeeper import ZooKeeperServer
+
+    server: ZooKeeperServer = request.getfixturevalue("zookeeper_server")
+    url: str = request.getfixturevalue("zookeeper_url")
+
+    def connect() -> LockBackend:
+        return ZooKeeperBackend.from_url(url, prefix="contract")
+
+    return BackendHarness(
+        name="zookeeper",
+        backend=connect(),
+        connect=connect,
+        lose_data=lambda: server.restart(fresh=True) and None,
     )
 
 

@@ -133,15 +133,17 @@ class _Module:
     broker: redis.Redis
 
 
-@pytest.fixture(scope="module", params=["redis", "mariadb", "postgres", "etcd", "redlock"])
+@pytest.fixture(
+    scope="module", params=["redis", "mariadb", "postgres", "etcd", "redlock", "zookeeper"]
+)
 def singleton_module(
     request: pytest.FixtureRequest,
     module_redis: RedisServer,
     fleet_factory: FleetFactory,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[_Module]:
-    """The fleet, with its locks on Redis, MariaDB, PostgreSQL, etcd or Redlock over three
-    masters (JOBFENCE_LOCK_URL alone differs)."""
+    """The fleet, with its locks on Redis, MariaDB, PostgreSQL, etcd, Redlock over three
+    masters or ZooKeeper (JOBFENCE_LOCK_URL alone differs)."""
     server = f"redis://{module_redis.host}:{module_redis.port}"
     lock_url = f"{server}/{LOCK_DB}"
     if request.param == "mariadb":
@@ -152,6 +154,8 @@ def singleton_module(
         lock_url = request.getfixturevalue("etcd_server").url
     elif request.param == "redlock":  # three private masters of its own
         lock_url = request.getfixturevalue("redlock_urls")
+    elif request.param == "zookeeper":
+        lock_url = f"{request.getfixturevalue('zookeeper_server').url}/delivery-paths"
     database_url = f"sqlite:///{tmp_path_factory.mktemp('sql-ledger') / 'ledger.sqlite'}"
     env = app_env(
         module_redis.url,  # broker: db 0

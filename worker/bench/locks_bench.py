@@ -2,7 +2,8 @@
 
 Redis locks first (private redis-server), then PostgreSQL and MariaDB in the same run
 (`worker/bench/sql_rows.py`: a scratch database on each server, dropped at the end), then
-etcd (`worker/bench/etcd_rows.py`: a private etcd unless one is given).
+etcd (`worker/bench/etcd_rows.py`: a private etcd unless one is given), then
+ZooKeeper (`worker/bench/zookeeper_rows.py`: a private server unless one is given).
 """
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
-from jobfence.worker.bench import cluster_rows, etcd_rows, redlock_rows, sentinel_rows, sql_rows
+from jobfence.worker import local_zookeeper
+from jobfence.worker.bench import (
+    cluster_rows,
+    etcd_rows,
+    redlock_rows,
+    sentinel_rows,
+    sql_rows,
+    zookeeper_rows,
+)
 from jobfence.worker.local_sentinel import SentinelError
 from jobfence.worker.redis_server import RedisServer
 
@@ -603,6 +612,8 @@ def format_report(report: dict[str, Any]) -> str:
         out += cluster_rows.format_rows(report["cluster"])
     if "sentinel" in report:
         out += sentinel_rows.format_rows(report["sentinel"])
+    if "zookeeper" in report:
+        out += zookeeper_rows.format_rows(report["zookeeper"])
     out += [
         "",
         "targets",
@@ -613,7 +624,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'MET' if t['wakeup_median_under_5ms'] else 'MISSED'}",
     ]
     for name, met in t.items():
-        if name.startswith(("postgres_", "mariadb_", "etcd_", "redlock")):
+        if name.startswith(("postgres_", "mariadb_", "etcd_", "redlock", "zookeeper_")):
             out.append(f"  {name.replace('_', ' ')}: {'MET' if met else 'MISSED'}")
     return "\n".join(out)
 
@@ -704,6 +715,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="pairs per round on the Sentinel row, over a private master, 2 replicas and 3 "
         "sentinels (default 500; 0 skips)",
     )
+    p.add_argument(
+        "--zookeeper",
+        default=zookeeper_rows.AUTO,
+        metavar="URL",
+        help="ZooKeeper server (zookeeper://host:port, a chroot of the run's own is used); "
+        "'auto' (default) starts a private one; '' skips",
+    )
     args = p.parse_args(argv)
     for name in ("pairs", "rounds", "waiters", "sql_pairs"):
         if getattr(args, name) < 1:
@@ -781,10 +799,16 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=args.warmup // 5,
                 executable=args.redis_server,
             )
+        report["zookeeper"] = zookeeper_rows.run(
+            args.zookeeper, pairs=args.sql_pairs, rounds=args.rounds, warmup=args.warmup // 5,
+            trials=args.waiters, seed=args.seed, quiet=args.json,
+        )  # fmt: skip
+        report["targets"].update(report["zookeeper"]["targets"])
     except (
         BenchError,
         sql_rows.SqlBenchError,
         SQLAlchemyError,
+        local_zookeeper.ZooKeeperError,
         redis.RedisError,
         locks.LockError,
         redlock_rows.RedlockBenchError,

@@ -1,0 +1,468 @@
+"""Private ZooKeeper servers (one standalone, or a 3-node ensemble) as child Java processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+from jobfence.worker import procs
+from jobfence.worker.redis_server import HOST, free_port
+
+__all__ = [
+    "ZOOKEEPER_JAR",
+    "ZooKeeperEnsemble",
+    "ZooKeeperError",
+    "ZooKeeperServer",
+    "four_letter_word",
+    "unavailable",
+]
+
+# Debian's libzookeeper-java: the jar's manifest pulls its other jars (netty, jetty, slf4j-api)
+# from /usr/share/java; a logging binding and log4j 1.2 are added here.
+ZOOKEEPER_JAR = "/usr/share/java/zookeeper.jar"
+LOG_JARS = ("/usr/share/java/slf4j-log4j12.jar", "/usr/share/java/log4j-1.2.jar")
+JVM_OPTIONS = ("-Xmx256m", "-XX:+UseSerialGC", "-Xss512k")
+LOG4J = """\
+log4j.rootLogger=WARN, CONSOLE
+log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender
+log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout
+log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t] %c{1}: %m%n
+"""
+
+
+class ZooKeeperError(RuntimeError):
+    """A private ZooKeeper server could not be started or asked."""
+
+
+def unavailable(java: str = "java") -> str | None:
+    """None if a private server can be started here, else why not (for pytest.skip)."""
+    if shutil.which(java) is None:
+        return f"`{java}` not found: install a JRE (./.ci/setup installs default-jre-headless)"
+    for jar in (ZOOKEEPER_JAR, *LOG_JARS):
+        if not Path(jar).exists():
+            return f"{jar} not found: install libzookeeper-java (./.ci/setup does)"
+    return None
+
+
+def four_letter_word(host: str, port: int, word: str = "srvr", timeout: float = 1.0) -> str:
+    """Send a four-letter admin command (srvr, ruok, mntr) and return the whole answer."""
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.sendall(word.encode())
+        chunks = []
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                break
+            chunks.append(data)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _mode(answer: str) -> str | None:
+    """`standalone`, `leader` or `follower` from a srvr answer, None if not serving yet."""
+    for line in answer.splitlines():
+        if line.startswith("Mode: "):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _kill_and_reap(proc: subprocess.Popen[bytes], workdir: str | None) -> None:
+    """The finalizer's last resort: never leave a JVM or a temp dir behind."""
+    with contextlib.suppress(Exception):
+        procs.finish(proc, timeout=5)
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class ZooKeeperServer:
+    """One ZooKeeper server, a child process of this one; standalone unless given `peers`.
+
+        with ZooKeeperServer() as zk:
+            backend = open_backend(zk.url)
+
+    Its files (config, log, data) live in `workdir` if given (kept), else in a temporary
+    directory removed by `stop()`. `restart()` keeps the data directory, `restart(fresh=True)`
+    empties it first (a lost disk); the ports stay. Settings fit tests: tickTime 500 ms, so
+    sessions of 1-60 s are granted as asked; the transaction log is still fsynced.
+
+    For fault tests: `listen` is the address the client port binds (a veth address, say);
+    `prefix_command` runs the JVM under a wrapper (``ip netns exec NAME``).
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        listen: str = HOST,
+        workdir: str | os.PathLike[str] | None = None,
+        tick_ms: int = 500,
+        min_session_ms: int = 1000,
+        max_session_ms: int = 60000,
+        startup_timeout: float = 30.0,
+        java: str = "java",
+        jvm_options: Sequence[str] = JVM_OPTIONS,
+        prefix_command: Sequence[str] = (),
+        peers: Sequence[tuple[int, int, int]] = (),
+        myid: int = 0,
+    ) -> None:
+        self._port = port
+        self.listen = listen
+        self._given_workdir = Path(workdir) if workdir is not None else None
+        self.tick_ms = tick_ms
+        self.min_session_ms = min_session_ms
+        self.max_session_ms = max_session_ms
+        self.startup_timeout = startup_timeout
+        self.java = java
+        self.jvm_options = tuple(jvm_options)
+        self.prefix_command = tuple(prefix_command)
+        self.peers = tuple(peers)  # (myid, peer port, election port) of every member
+        self.myid = myid
+        self._workdir: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stdio: IO[bytes] | None = None
+        self._paused = False
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("ZooKeeperServer has not been started yet")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """host:port of the client port."""
+        return f"{self.listen}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"zookeeper://{self.address}"
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("ZooKeeperServer is not running")
+        return self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        """True while the JVM lives (checked without reaping it), even when paused."""
+        return self._proc is not None and not procs.exited(self._proc)
+
+    @property
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            raise RuntimeError("ZooKeeperServer has not been started yet")
+        return Path(self._workdir)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.workdir / "data"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "zookeeper.out"
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self._workdir is None:
+            return "<not started>"
+        return f"--- {self.log_path} ---\n{procs.tail(self.log_path, lines)}"
+
+    def srvr(self, timeout: float = 1.0) -> str:
+        """The server's answer to `srvr` (version, zxid, mode, ...)."""
+        return four_letter_word(self.listen, self.port, "srvr", timeout)
+
+    def mode(self) -> str | None:
+        """`standalone`, `leader` or `follower`; None while not serving (or unreachable)."""
+        try:
+            return _mode(self.srvr())
+        except OSError:
+            return None
+
+    # -- configuration ------------------------------------------------------------------
+    def _config(self) -> str:
+        lines = [
+            f"tickTime={self.tick_ms}",
+            f"dataDir={self.data_dir}",
+            f"clientPort={self.port}",
+            f"clientPortAddress={self.listen}",
+            f"minSessionTimeout={self.min_session_ms}",
+            f"maxSessionTimeout={self.max_session_ms}",
+            "admin.enableServer=false",  # else Jetty takes port 8080
+            "4lw.commands.whitelist=srvr,ruok,mntr,stat,conf",
+            "preAllocSize=1024",  # KB per transaction log file (64 MB by default)
+            "autopurge.purgeInterval=0",
+            "maxClientCnxns=0",  # tests race dozens of processes from one address
+        ]
+        if self.peers:
+            lines += ["initLimit=10", "syncLimit=5", "cnxTimeout=500"]
+            lines += [f"server.{i}={HOST}:{p}:{e}" for i, p, e in self.peers]
+        return "\n".join(lines) + "\n"
+
+    def _command(self) -> list[str]:
+        cfg = self.workdir / "zoo.cfg"
+        return [
+            *self.prefix_command,
+            self.java,
+            *self.jvm_options,
+            f"-Dzookeeper.log.dir={self.workdir}",
+            f"-Dlog4j.configuration=file:{self.workdir / 'log4j.properties'}",
+            "-Dzookeeper.jmx.log4j.disable=true",
+            "-cp",
+            ":".join((ZOOKEEPER_JAR, *LOG_JARS)),
+            "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+            str(cfg),
+        ]
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self, *, wait: bool = True) -> Self:
+        """Start the JVM and (with `wait`) return once `srvr` reports a mode; idempotent."""
+        if self.running:
+            return self
+        if self._proc is not None:  # it died: reap it before replacing it
+            _kill_and_reap(self._proc, None)
+            self._forget_process()
+        reason = unavailable(self.java)
+        if reason is not None:
+            raise ZooKeeperError(reason)
+        if self._workdir is None:
+            if self._given_workdir is not None:
+                self._given_workdir.mkdir(parents=True, exist_ok=True)
+                self._workdir = str(self._given_workdir)
+            else:
+                self._workdir = tempfile.mkdtemp(prefix="jobfence-zk-")
+        if self._port is None:
+            self._port = free_port(self.listen)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.peers:
+            (self.data_dir / "myid").write_text(f"{self.myid}\n")
+        (self.workdir / "zoo.cfg").write_text(self._config())
+        (self.workdir / "log4j.properties").write_text(LOG4J)
+        self._spawn()
+        if wait:
+            self.wait_serving()
+        return self
+
+    def _spawn(self) -> None:
+        self._stdio = open(self.log_path, "ab")  # noqa: SIM115 - closed by _forget_process
+        try:
+            proc = procs.spawn(self._command(), stdout=self._stdio, cwd=self.workdir)
+        except OSError as exc:
+            self._close_stdio()
+            raise ZooKeeperError(f"cannot run {self.java!r}: {exc}") from exc
+        self._proc = proc
+        self._paused = False
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        owned = self._workdir if self._given_workdir is None else None
+        self._finalizer = weakref.finalize(self, _kill_and_reap, proc, owned)
+
+    def wait_serving(self, timeout: float | None = None) -> str:
+        """Wait until `srvr` shows a mode (`ruok` answers earlier, before it serves)."""
+        deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
+        while True:
+            if self._proc is None or procs.exited(self._proc):
+                code = procs.finish(self._proc) if self._proc is not None else None
+                self._forget_process()
+                raise ZooKeeperError(
+                    f"ZooKeeper on {self.address} exited with code {code} during start-up\n"
+                    f"{self.log_tail()}"
+                )
+            mode = self.mode()
+            if mode is not None:
+                return mode
+            if time.monotonic() >= deadline:
+                raise ZooKeeperError(
+                    f"ZooKeeper on {self.address} did not serve within "
+                    f"{self.startup_timeout:.0f}s\n{self.log_tail()}"
+                )
+            time.sleep(0.02)
+
+    def _forget_process(self) -> None:
+        self._proc = None
+        self._paused = False
+        self._close_stdio()
+
+    def _close_stdio(self) -> None:
+        if self._stdio is not None:
+            self._stdio.close()
+            self._stdio = None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (SIGKILL after `timeout`), reap, and remove the temp dir if it is ours."""
+        if self._proc is not None:
+            procs.stop([self._proc], timeout=timeout)
+            self._forget_process()
+        if self._workdir is not None and self._given_workdir is None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
+    def kill(self) -> None:
+        """SIGKILL the JVM (a crash) and reap it; data and port are kept."""
+        if self._proc is not None:
+            _kill_and_reap(self._proc, None)
+            self._forget_process()
+
+    def restart(self, *, fresh: bool = False) -> Self:
+        """Kill and start again on the same port; `fresh` empties the data directory first."""
+        self.kill()
+        if fresh and self._workdir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        return self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP the JVM and return once every thread of it has stopped: connections stay
+        open, nothing is answered, no session expires."""
+        if self._proc is None:
+            raise RuntimeError("ZooKeeperServer is not running")
+        procs.signal_leader(self._proc, signal.SIGSTOP)
+        self._paused = True
+        tasks = Path(f"/proc/{self._proc.pid}/task")
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                states = [procs.proc_state(int(t.name)) for t in tasks.iterdir()]
+            except OSError:  # it died
+                return
+            if all(state in ("T", "t", None) for state in states):
+                return
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        if self._proc is None:
+            raise RuntimeError("ZooKeeperServer is not running")
+        procs.signal_leader(self._proc, signal.SIGCONT)
+        self._paused = False
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "paused" if self._paused else ("running" if self.running else "stopped")
+        return f"<ZooKeeperServer {self.listen}:{self._port} {state}>"
+
+
+class ZooKeeperEnsemble:
+    """`size` servers on 127.0.0.1 forming one ensemble (quorum size // 2 + 1).
+
+        with ZooKeeperEnsemble() as ens:
+            backend = open_backend(ens.url)
+            ens.leader().kill()
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        workdir: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 60.0,
+        **options: Any,
+    ) -> None:
+        if size < 3 or size % 2 == 0:
+            raise ValueError(f"an ensemble needs an odd size of at least 3, got {size}")
+        self._tmp: str | None = None
+        if workdir is None:
+            self._tmp = tempfile.mkdtemp(prefix="jobfence-zk-ensemble-")
+            workdir = self._tmp
+        root = Path(workdir)
+        ports = _free_ports(3 * size)
+        peers = [(i + 1, ports[3 * i + 1], ports[3 * i + 2]) for i in range(size)]
+        self.startup_timeout = startup_timeout
+        self.servers = [
+            ZooKeeperServer(
+                ports[3 * i],
+                workdir=root / f"zk{i + 1}",
+                peers=peers,
+                myid=i + 1,
+                startup_timeout=startup_timeout,
+                **options,
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return "zookeeper://" + ",".join(s.address for s in self.servers)
+
+    def start(self) -> Self:
+        """Start every member, then wait until each serves (one leader, the rest followers)."""
+        for server in self.servers:
+            server.start(wait=False)
+        for server in self.servers:
+            server.wait_serving(self.startup_timeout)
+        return self
+
+    def modes(self) -> dict[int, str | None]:
+        return {s.myid: s.mode() for s in self.servers if s.running}
+
+    def leader(self, timeout: float = 30.0) -> ZooKeeperServer:
+        """The member that reports Mode: leader (waits through an election)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for server in self.servers:
+                if server.running and server.mode() == "leader":
+                    return server
+            if time.monotonic() >= deadline:
+                raise ZooKeeperError(f"no leader within {timeout:.0f}s: {self.modes()}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __iter__(self) -> Iterator[ZooKeeperServer]:
+        return iter(self.servers)
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports that were free a moment ago (held open together while picked)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
