@@ -147,6 +147,8 @@ def test_a_demoted_master_is_unavailable_never_not_the_owner(
     lease = backend.try_acquire("demoted", 30.0)
     assert lease is not None
     old, other = topology.master(), topology.replicas()[0]
+    # Replicated first: the demoted master's full resync from `other` must not lose it.
+    assert old.client().execute_command("WAIT", 2, 5000) == 2
     admin = old.client()
     admin.replicaof(other.host, other.port)  # behind the sentinels' back: they still name it
     try:

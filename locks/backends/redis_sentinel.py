@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
@@ -22,7 +22,11 @@ from jobfence.locks.backends.redis import RedisBackend, client_options
 # to whichever master the sentinels name by then). One to a master demoted to a replica
 # gets READONLY for the first write, which redis-py's SentinelManagedConnection turns into
 # a ConnectionError ("The previous master is now a slave") and a disconnect: a lock server
-# that cannot be reached, never a refusal such as "not the owner".
+# that cannot be reached, never a refusal such as "not the owner". Except for EVALSHA: a
+# demoted master lost its script cache with the full resync from its new master, and
+# answers NOSCRIPT before it would answer READONLY; so a NOSCRIPT drops every connection
+# (the lane's and the pool's) before the script is loaded and sent again, and both go to
+# the master the sentinels name now.
 #
 # The fence is the single node's, max(last + 1, server time in µs, this client's floor): a
 # promoted replica that never received the newest grant still hands out a higher fence, as
@@ -81,6 +85,20 @@ class RedisSentinelBackend(RedisBackend):
             **options,
         )
         return client
+
+    def _evalsha(self, sha: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return super()._evalsha(sha, keys, args)
+        except NoScriptError:
+            self._reconnect_all()
+            raise  # the caller loads the script and sends it once more, on new connections
+
+    def _reconnect_all(self) -> None:
+        """Disconnect every connection, so each reconnects to the master named now."""
+        if self._lane is not None:
+            for conn in list(self._lane.idle):
+                conn.disconnect()  # type: ignore[no-untyped-call]
+        self.client.connection_pool.disconnect()
 
     def master_address(self) -> tuple[str, int]:
         """The master's address as the sentinels name it now (MasterNotFoundError if none
