@@ -85,6 +85,14 @@ def canonical_json(value: Any, *, what: str = "arguments") -> str:
         raise ArgumentsNotSerializable(f"{what}{at}: {problem}; {fix}", cause=exc) from exc
 
 
+def result_json(value: Any, task_name: str) -> str:
+    """`canonical_json` of a job's result; the error message is built only on failure."""
+    try:
+        return _CANONICAL.encode(value)
+    except (TypeError, ValueError):
+        return canonical_json(value, what=f"the result of {task_name}")
+
+
 def arguments_json(arguments: Mapping[str, Any], task_name: str) -> str:
     """`canonical_json` of bound arguments; a failure names the argument, never its value."""
     try:
@@ -165,8 +173,16 @@ def _mismatch(sig: inspect.Signature, kwargs: Mapping[str, Any], exc: TypeError)
     return str(exc)
 
 
+@functools.lru_cache(maxsize=8)
+def _keyed(secret: bytes) -> hmac.HMAC:
+    """HMAC-SHA256 with the secret's pads absorbed once; each digest copies it."""
+    return hmac.new(secret, digestmod=hashlib.sha256)
+
+
 def _hmac(secret: bytes, text: str) -> str:
-    return hmac.digest(secret, text.encode(), hashlib.sha256).hex()  # one-shot, in C
+    mac = _keyed(secret).copy()  # a copy costs less than keying a new HMAC per call
+    mac.update(text.encode())
+    return mac.hexdigest()
 
 
 def select_arguments(arguments: dict[str, Any], selector: KeySelector) -> Any:
