@@ -127,8 +127,9 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     # -- executing ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.request.called_directly:
-            return self._gated(args, kwargs)
+        req = self.request  # a property that walks a thread-local stack: read it once
+        if not req.called_directly:
+            return self._gated(args, kwargs, req)
         # Called as a plain function: push a request as Celery would, then gate.
         _task_stack.push(self)
         self.push_request(args=args, kwargs=kwargs)
@@ -138,8 +139,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.pop_request()
             _task_stack.pop()
 
-    def _gated(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        req = self.request
+    def _gated(self, args: tuple[Any, ...], kwargs: dict[str, Any], req: Any = None) -> Any:
+        req = req if req is not None else self.request
         # Bound before the runtime is asked for: a wrong argument is the caller's TypeError.
         arguments = bind_arguments(self.run, args, kwargs, name=self.name)
         rt = self._runtime()
