@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import redis.utils
 from celery import Celery
 from celery.app.trace import task_has_custom
 
@@ -271,11 +272,13 @@ def build_report(
 
 
 def _hiredis_version() -> str | None:
-    """redis-py parses replies with hiredis when it is installed."""
+    """The hiredis redis-py parses replies with, or None if it uses its Python parser."""
+    if not redis.utils.HIREDIS_AVAILABLE:
+        return None
     try:
         return importlib.metadata.version("hiredis")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        return "?"
 
 
 def format_report(report: dict[str, Any]) -> str:
