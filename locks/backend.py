@@ -8,7 +8,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -94,7 +94,14 @@ def default_meta(task_id: str = "", task_name: str = "") -> OwnerMeta:
         )
     if not task_id and not task_name:
         return meta
-    return replace(meta, task_id=task_id, task_name=task_name)
+    # Built directly: dataclasses.replace costs twice as much, once per job.
+    return OwnerMeta(
+        host=meta.host,
+        pid=meta.pid,
+        task_id=task_id,
+        task_name=task_name,
+        process_start=meta.process_start,
+    )
 
 
 _BAD_KEY_CHARS = re.compile(r"[{}*?\[\]\n]")

@@ -81,8 +81,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         """(job key, argument fingerprint) for these arguments."""
         # Bound first: a wrong argument is the caller's TypeError, whatever the runtime's state.
         arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}), name=self.name)
-        secret = self._runtime().settings.secret_bytes()
-        return identity(secret, self.name, arguments, selector=self.jobfence_key, explicit=explicit)
+        return self._identity(self._runtime(), arguments, explicit)
+
+    def _identity(
+        self, rt: Runtime, arguments: dict[str, Any], explicit: str | None
+    ) -> tuple[str, str]:
+        return identity(
+            rt.secret, self.name, arguments, selector=self.jobfence_key, explicit=explicit
+        )
 
     # -- publishing --------------------------------------------------------------
     def apply_async(
@@ -121,8 +127,9 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     # -- executing ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.request.called_directly:
-            return self._gated(args, kwargs)
+        req = self.request  # a property that walks a thread-local stack: read it once
+        if not req.called_directly:
+            return self._gated(args, kwargs, req)
         # Called as a plain function: push a request as Celery would, then gate.
         _task_stack.push(self)
         self.push_request(args=args, kwargs=kwargs)
@@ -132,13 +139,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.pop_request()
             _task_stack.pop()
 
-    def _gated(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _gated(self, args: tuple[Any, ...], kwargs: dict[str, Any], req: Any = None) -> Any:
+        req = req if req is not None else self.request
+        # Bound before the runtime is asked for: a wrong argument is the caller's TypeError.
+        arguments = bind_arguments(self.run, args, kwargs, name=self.name)
         rt = self._runtime()
-        req = self.request
         headers = req.headers or {}
-        explicit = headers.get(HEADER) or getattr(req, HEADER, None)
-        redeliveries = int(headers.get(REDELIVERIES) or getattr(req, REDELIVERIES, 0) or 0)
-        key, fp = self.identity(args, kwargs, explicit)
+        fields = _fields(req)
+        explicit = headers.get(HEADER) or fields.get(HEADER)
+        redeliveries = int(headers.get(REDELIVERIES) or fields.get(REDELIVERIES) or 0)
+        key, fp = self._identity(rt, arguments, explicit)
         s = rt.settings
         spec = JobSpec(
             name=self.name,
@@ -306,6 +316,13 @@ def _copy_headers(
     return headers
 
 
+def _fields(req: Any) -> dict[str, Any]:
+    """The request's own attributes. Celery may put a message's custom headers there; read
+    as a dict, a missing one costs no AttributeError (getattr with a default raises one)."""
+    fields: dict[str, Any] = getattr(req, "__dict__", {})
+    return fields
+
+
 def _after_a_crash(req: Any) -> bool:
     """True if this delivery may follow one that died mid-body: the broker redelivered it
     (acks_late, reject_on_worker_lost, visibility timeout), or it is our deferred copy."""
@@ -315,7 +332,7 @@ def _after_a_crash(req: Any) -> bool:
         info.get("redelivered")
         or headers.get("redelivered")
         or headers.get(DEFERRED_HEADER)
-        or getattr(req, DEFERRED_HEADER, None)
+        or _fields(req).get(DEFERRED_HEADER)
     )
 
 

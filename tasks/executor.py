@@ -17,7 +17,7 @@ from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
 from jobfence.tasks.context import JobContext, reset_current, set_current
 from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage, TaskError
-from jobfence.tasks.keys import canonical_json
+from jobfence.tasks.keys import canonical_json, result_json
 from jobfence.tasks.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class Executor:
         try:
             value = body(ctx)
             # Inside the try: an unstorable result is a failure that must release the lease.
-            result = canonical_json(value, what=f"the result of {spec.name}")
+            result = result_json(value, spec.name)
         except StaleFence as exc:  # proof: a newer holder wrote
             self._superseded(spec, lease, exc)
             return Outcome("superseded", SUPERSEDED, lease.fence)
@@ -179,7 +179,7 @@ class Executor:
             # The body ran; whether its DONE record exists is unknown. Deliver again: the
             # next delivery replays the record, or runs the body again (fenced, idempotent).
             return self._redeliver(spec, "commit outcome unknown", lease.fence)
-        self.metrics.executions.labels(spec.name, "done").inc()
+        self.metrics.task(spec.name).done.inc()
         self._note("done", spec, lease.fence)
         return Outcome("ran", value, lease.fence)
 
@@ -204,7 +204,7 @@ class Executor:
                 spec.key, spec.ttl, meta=meta, record=True, fingerprint=spec.fingerprint
             )
             if isinstance(got, Lease):
-                self.metrics.acquire_wait.labels(spec.name).observe(clock.monotonic() - started)
+                self.metrics.task(spec.name).acquire_wait.observe(clock.monotonic() - started)
                 return got
             if isinstance(got, JobRecord):
                 return self._replay(spec, got)

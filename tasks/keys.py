@@ -24,6 +24,25 @@ _CANONICAL = json.JSONEncoder(
 )
 
 
+def _default(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _c_encode(value: Any) -> str:
+    """What `_CANONICAL.encode` returns, with the C encoder called directly: encode() spends
+    more in its Python layers than the C scanner spends on a job's few arguments. A fresh
+    markers dict per call keeps the circular-reference check (and thread safety)."""
+    return "".join(
+        _C_MAKE_ENCODER(  # markers, default, str encoder, indent, ':', ',', sort, skip, nan
+            {}, _default, json.encoder.encode_basestring, None, ":", ",", True, False, False
+        )(value, 0)
+    )
+
+
+_C_MAKE_ENCODER: Any = getattr(json.encoder, "c_make_encoder", None)
+_encode: Callable[[Any], str] = _c_encode if _C_MAKE_ENCODER is not None else _CANONICAL.encode
+
+
 _FIXES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("datetime", "date", "time"), "pass an ISO string (value.isoformat())"),
     (("Decimal",), "pass a string (str(value)) or integer cents"),
@@ -78,17 +97,25 @@ def _culprit(value: Any, path: str) -> tuple[str, str, str] | None:
 def canonical_json(value: Any, *, what: str = "arguments") -> str:
     """Sorted keys, no whitespace, no NaN: equal values give equal text."""
     try:
-        return _CANONICAL.encode(value)
+        return _encode(value)
     except (TypeError, ValueError) as exc:
         where, problem, fix = _culprit(value, "") or ("", "it is not JSON-serialisable", _PLAIN)
         at = f" (at {where.lstrip('.')})" if where else ""
         raise ArgumentsNotSerializable(f"{what}{at}: {problem}; {fix}", cause=exc) from exc
 
 
+def result_json(value: Any, task_name: str) -> str:
+    """`canonical_json` of a job's result; the error message is built only on failure."""
+    try:
+        return _encode(value)
+    except (TypeError, ValueError):
+        return canonical_json(value, what=f"the result of {task_name}")
+
+
 def arguments_json(arguments: Mapping[str, Any], task_name: str) -> str:
     """`canonical_json` of bound arguments; a failure names the argument, never its value."""
     try:
-        return _CANONICAL.encode(arguments)
+        return _encode(arguments)
     except (TypeError, ValueError) as exc:
         for name, value in arguments.items():
             found = _culprit(value, name)
@@ -165,8 +192,16 @@ def _mismatch(sig: inspect.Signature, kwargs: Mapping[str, Any], exc: TypeError)
     return str(exc)
 
 
+@functools.lru_cache(maxsize=8)
+def _keyed(secret: bytes) -> hmac.HMAC:
+    """HMAC-SHA256 with the secret's pads absorbed once; each digest copies it."""
+    return hmac.new(secret, digestmod=hashlib.sha256)
+
+
 def _hmac(secret: bytes, text: str) -> str:
-    return hmac.digest(secret, text.encode(), hashlib.sha256).hex()  # one-shot, in C
+    mac = _keyed(secret).copy()  # a copy costs less than keying a new HMAC per call
+    mac.update(text.encode())
+    return mac.hexdigest()
 
 
 def select_arguments(arguments: dict[str, Any], selector: KeySelector) -> Any:

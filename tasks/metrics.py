@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+@dataclass(frozen=True)
+class TaskSeries:
+    """One task's series of the two metrics every job that runs touches, labelled once.
+
+    `labels()` takes a lock and builds a tuple key on each call; a job that runs would
+    pay that twice on its hot path for children that never change.
+    """
+
+    acquire_wait: Histogram  # the child for one task: observe(seconds)
+    done: Counter  # the child for (task, "done"): inc()
 
 
 class Metrics:
@@ -48,6 +62,17 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self._series: dict[str, TaskSeries] = {}
+
+    def task(self, name: str) -> TaskSeries:
+        """`name`'s hot-path series, labelled on first use (a race labels twice, harmlessly)."""
+        series = self._series.get(name)
+        if series is None:
+            series = self._series[name] = TaskSeries(
+                acquire_wait=self.acquire_wait.labels(name),
+                done=self.executions.labels(name, "done"),
+            )
+        return series
 
     def observe_heartbeat(self, backend: str, seconds: float, _leases: int) -> None:
         self.heartbeat.labels(backend).observe(seconds)

@@ -38,6 +38,7 @@ class Runtime:
         metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
+        self.secret = settings.secret_bytes()  # the key HMAC's secret, read once
         self.metrics = metrics or Metrics()
         self.backend = backend or open_backend(
             settings.lock_url,
