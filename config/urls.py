@@ -132,6 +132,50 @@ LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 REDLOCK_EXAMPLE = "redlock://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
 
 
+def _multi_host(
+    url: str, scheme: str, variable: str, fix: str
+) -> tuple[str, str, str]:
+    """(shown, userinfo, rest) of a `scheme://[user:password@]host:port[,...]...` URL,
+    refused with one line naming `variable` if the scheme, credentials or options are wrong."""
+    shown = redact(url)
+    if not url.lower().startswith(f"{scheme}://"):
+        raise UnsafeSettings(variable, f"{shown!r} is not a {scheme}:// URL", fix)
+    userinfo, rest = _split_userinfo(url)
+    if any(c in userinfo for c in "/#"):
+        raise UnsafeSettings(
+            variable,
+            f"{shown!r} has '/' or '#' in its user name or password",
+            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+        )
+    if "?" in rest or "#" in rest:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has query options, which {scheme}:// does not take", fix
+        )
+    return shown, userinfo, rest
+
+
+def _host_list(
+    hosts: str, what: str, default_port: int, shown: str, variable: str, fix: str
+) -> list[tuple[str, int]]:
+    """Each `host[:port]` of a comma list, as (host as written, port)."""
+    found: list[tuple[str, int]] = []
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise UnsafeSettings(
+                variable, f"{shown!r} has an empty {what} in its list (it names no host)", fix
+            )
+        probe = f"redis://{entry}"
+        host, port = _host_port(probe)
+        problem = _port_problem(probe)
+        if problem or not host.strip("[]"):
+            raise UnsafeSettings(
+                variable, f"{shown!r}: {what} {entry!r} {problem or 'names no host'}", fix
+            )
+        found.append((host, int(port or default_port)))
+    return found
+
+
 def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
     """The redis:// URL of each master a redlock:// URL names, in its order.
 
@@ -141,37 +185,12 @@ def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
     The user, password and db apply to every master.
     """
     fix = f"set {variable} to a URL such as {REDLOCK_EXAMPLE}"
-    shown = redact(url)
-    if not url.lower().startswith("redlock://"):
-        raise UnsafeSettings(variable, f"{shown!r} is not a redlock:// URL", fix)
-    userinfo, rest = _split_userinfo(url)
-    if any(c in userinfo for c in "/#"):
-        raise UnsafeSettings(
-            variable,
-            f"{shown!r} has '/' or '#' in its user name or password",
-            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
-        )
+    shown, userinfo, rest = _multi_host(url, "redlock", variable, fix)
     hosts, _, tail = rest.partition("/")
-    if "?" in rest:
-        raise UnsafeSettings(
-            variable, f"{shown!r} has query options, which redlock:// does not take", fix
-        )
     db = tail.strip("/")
     if db and not db.isdigit():
         raise UnsafeSettings(variable, f"{shown!r} has database {db!r}, which is not a number", fix)
-    masters: list[str] = []
-    for entry in hosts.split(","):
-        entry = entry.strip()
-        if not entry:
-            raise UnsafeSettings(variable, f"{shown!r} has an empty master in its list", fix)
-        probe = f"redis://{entry}"
-        host, port = _host_port(probe)
-        problem = _port_problem(probe)
-        if problem or not host.strip("[]"):
-            raise UnsafeSettings(
-                variable, f"{shown!r}: master {entry!r} {problem or 'names no host'}", fix
-            )
-        masters.append(f"{host}:{port or 6379}")
+    masters = [f"{h}:{p}" for h, p in _host_list(hosts, "master", 6379, shown, variable, fix)]
     duplicates = sorted({m for m in masters if masters.count(m) > 1})
     if duplicates:
         raise UnsafeSettings(
@@ -204,20 +223,7 @@ def cluster_nodes(
     will do, so list several. A cluster has database 0 only: no path but '/' or '/0'.
     """
     fix = f"set {variable} to a URL such as {CLUSTER_EXAMPLE}"
-    shown = redact(url)
-    if not url.lower().startswith("redis+cluster://"):
-        raise UnsafeSettings(variable, f"{shown!r} is not a redis+cluster:// URL", fix)
-    userinfo, rest = _split_userinfo(url)
-    if any(c in userinfo for c in "/#"):
-        raise UnsafeSettings(
-            variable,
-            f"{shown!r} has '/' or '#' in its user name or password",
-            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
-        )
-    if "?" in rest or "#" in rest:
-        raise UnsafeSettings(
-            variable, f"{shown!r} has query options, which redis+cluster:// does not take", fix
-        )
+    shown, userinfo, rest = _multi_host(url, "redis+cluster", variable, fix)
     hosts, _, tail = rest.partition("/")
     if tail.strip("/") not in ("", "0"):
         raise UnsafeSettings(
@@ -225,16 +231,7 @@ def cluster_nodes(
             f"{shown!r} names database {tail.strip('/')!r}: a Redis Cluster has database 0 only",
             fix,
         )
-    nodes: list[tuple[str, int]] = []
-    for entry in hosts.split(","):
-        entry = entry.strip()
-        probe = f"redis://{entry}"
-        host, port = _host_port(probe)
-        problem = _port_problem(probe)
-        if not entry or problem or not host.strip("[]"):
-            what = problem or "names no host"
-            raise UnsafeSettings(variable, f"{shown!r}: node {entry!r} {what}", fix)
-        nodes.append((host.strip("[]"), int(port or 6379)))
+    nodes = [(h.strip("[]"), p) for h, p in _host_list(hosts, "node", 6379, shown, variable, fix)]
     user, colon, password = userinfo.partition(":")
     return (
         list(dict.fromkeys(nodes)),
@@ -265,34 +262,11 @@ def sentinel_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> SentinelTa
     sentinels monitor (`sentinel monitor <master-name> ...`) and optionally its database.
     """
     fix = f"set {variable} to a URL such as {SENTINEL_EXAMPLE}"
-    shown = redact(url)
-    if not url.lower().startswith("redis+sentinel://"):
-        raise UnsafeSettings(variable, f"{shown!r} is not a redis+sentinel:// URL", fix)
-    userinfo, rest = _split_userinfo(url)
-    if any(c in userinfo for c in "/#"):
-        raise UnsafeSettings(
-            variable,
-            f"{shown!r} has '/' or '#' in its user name or password",
-            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
-        )
-    if "?" in rest or "#" in rest:
-        raise UnsafeSettings(
-            variable, f"{shown!r} has query options, which redis+sentinel:// does not take", fix
-        )
+    shown, userinfo, rest = _multi_host(url, "redis+sentinel", variable, fix)
     hosts, _, path = rest.partition("/")
-    sentinels: list[tuple[str, int]] = []
-    for entry in hosts.split(","):
-        entry = entry.strip()
-        if not entry:
-            raise UnsafeSettings(variable, f"{shown!r} has an empty sentinel in its list", fix)
-        probe = f"redis://{entry}"
-        host, port = _host_port(probe)
-        problem = _port_problem(probe)
-        if problem or not host.strip("[]"):
-            raise UnsafeSettings(
-                variable, f"{shown!r}: sentinel {entry!r} {problem or 'names no host'}", fix
-            )
-        sentinels.append((host.strip("[]"), int(port or 26379)))
+    sentinels = [
+        (h.strip("[]"), p) for h, p in _host_list(hosts, "sentinel", 26379, shown, variable, fix)
+    ]
     if len(set(sentinels)) != len(sentinels):
         raise UnsafeSettings(variable, f"{shown!r} names a sentinel more than once",
                              "list each sentinel once")  # fmt: skip
