@@ -214,3 +214,16 @@ def test_an_exited_pool_process_keeps_its_counts_and_drops_its_live_gauges(
     assert (tmp_path / "counter_archive.db").exists()
     assert not (tmp_path / f"gauge_livesum_{dead}.db").exists()
     assert _collected(collector)[total] == 7.0  # folding counts nothing twice
+
+
+def test_a_zombie_counts_as_exited() -> None:
+    from tests.servers import wait_for
+
+    proc = subprocess.Popen(["true"])  # exits at once; unreaped until wait()
+    try:
+        wait_for(lambda: not metrics_server._alive(proc.pid), timeout=10,
+                 message="an exited, unreaped child still looks alive")  # fmt: skip
+        assert os.path.exists(f"/proc/{proc.pid}")  # a zombie, not gone
+    finally:
+        proc.wait()
+    assert metrics_server._alive(os.getpid())

@@ -52,13 +52,18 @@ class MetricsPortUnavailable(UnsafeSettings):
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` may still write its files (a zombie, dead but not yet reaped, may not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, someone else's
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc here, or gone meanwhile
+        return True
 
 
 def _pid_of(path: str) -> int | None:
@@ -164,7 +169,15 @@ class Exporter:
                 "give each worker on a host its own port, or free this one",
             ) from None
         if multiprocess:
-            exporter._go_multiprocess()
+            try:
+                exporter._go_multiprocess()
+            except OSError as exc:
+                exporter.stop()
+                raise UnsafeSettings(
+                    MULTIPROC_ENV,
+                    f"cannot make this worker's metrics directory ({exc.strerror or exc})",
+                    f"point {MULTIPROC_ENV} (or TMPDIR) at a writable directory",
+                ) from None
         else:
             exporter.registry.register(_Both(runtime.metrics.registry, REGISTRY))
         log.info(
@@ -242,7 +255,7 @@ def connect(app: Any, runtime: Runtime) -> None:
             return
         try:
             exporter = Exporter.start(runtime, multiprocess=forks(sender.pool_cls))
-        except MetricsPortUnavailable as exc:
+        except UnsafeSettings as exc:  # the port is taken, or no directory for the files
             print(f"jobfence: refusing to start the worker\n  - {exc}", file=sys.stderr,
                   flush=True)  # fmt: skip
             raise SystemExit(EX_CONFIG) from None

@@ -61,6 +61,11 @@ def runs(text: str) -> float:
     return value(text, "jobfence_executions_total", task=WORK_TASK, outcome="done")
 
 
+def _pid(path: str) -> int | None:
+    tail = Path(path).stem.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
 def own_runs(path: str) -> float:
     """One process's `done` count, read from its own file (not through the endpoint)."""
     total = 0.0
@@ -73,7 +78,7 @@ def own_runs(path: str) -> float:
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_a_worker_serves_metrics_of_all_its_pool_processes_while_it_runs(
-    pool: str, module_redis: RedisServer, fleet_factory: FleetFactory, tmp_path: Path
+    pool: str, module_redis: RedisServer, fleet_factory: FleetFactory
 ) -> None:
     port = free_port()
     prefix = f"mx{uuid.uuid4().hex[:8]}"
@@ -140,14 +145,26 @@ def test_a_worker_serves_metrics_of_all_its_pool_processes_while_it_runs(
         # Control: every pool process counted only its own runs; the endpoint sums them.
         assert len(node_dirs) == 1
         per_child = {
-            int(Path(f).stem.split("_")[1]): own_runs(f)
+            pid: own_runs(f)
             for f in glob.glob(os.path.join(node_dirs[0], "counter_*.db"))
-            if Path(f).stem.split("_")[1].isdigit() and int(Path(f).stem.split("_")[1]) != main
+            if (pid := _pid(f)) is not None and pid != main
         }
         ran = {pid: n for pid, n in per_child.items() if n}
         assert len(ran) == 2, f"both children should have run jobs: {per_child}"
         assert all(n < JOBS + 1 for n in ran.values())
         assert sum(ran.values()) == JOBS + 1
+
+        # A child killed outright (no shutdown signal runs in it): its runs still count,
+        # and the next scrapes fold its files into one archive file.
+        victim = min(ran)
+        fleet.kill_child(victim)
+        child_file = os.path.join(node_dirs[0], f"counter_{victim}.db")
+
+        def folded() -> bool:
+            return runs(scrape(port)) == JOBS + 1 and not os.path.exists(child_file)
+
+        wait_for(folded, timeout=15, message="the killed child's counts were not settled")
+        assert os.path.exists(os.path.join(node_dirs[0], "counter_archive.db"))
     else:
         assert node_dirs == []  # one process: its own registry, no files
     fleet.stop()
