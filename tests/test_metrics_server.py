@@ -227,3 +227,16 @@ def test_a_zombie_counts_as_exited() -> None:
     finally:
         proc.wait()
     assert metrics_server._alive(os.getpid())
+
+
+def test_the_local_fleet_gives_each_worker_its_own_metrics_port() -> None:
+    from jobfence.worker.fleet import metrics_env
+
+    env = {"JOBFENCE_METRICS_PORT": "9816", "OTHER": "x"}
+    assert [metrics_env(env, i)["JOBFENCE_METRICS_PORT"] for i in (1, 2, 3)] == [
+        "9816", "9817", "9818",
+    ]
+    assert metrics_env(env, 2)["OTHER"] == "x"
+    assert env["JOBFENCE_METRICS_PORT"] == "9816"  # the shared mapping is left alone
+    unset: dict[str, str] = {}
+    assert metrics_env(unset, 2) is unset
