@@ -2,7 +2,8 @@
 
 Variables (besides those of :mod:`tests.integration.apps.common`): ``LOCK_URL`` (Redis),
 ``KEY_PREFIX``, ``METRICS_PORT`` and ``LEASE_TTL`` (default ``1.5``). ``metrics.work(job,
-seconds)`` sleeps `seconds` and returns `job`; `job` is its key.
+seconds)`` sleeps `seconds` and returns `job`; `job` is its key. A job whose name ends in
+``-busy`` holds a slot of the ``reports`` semaphore (metrics only) while it sleeps.
 """
 
 from __future__ import annotations
@@ -10,20 +11,27 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from celery import Celery
+from celery import Celery, Task
 
 from jobfence.config import Settings
-from jobfence.tasks import singleton_task
+from jobfence.tasks import runtime_for, singleton_task
 from jobfence.worker.setup import setup
 from tests.integration.apps.common import app_on_first_access, make_app
 
-__all__ = ["WORK_TASK", "create_app"]
+__all__ = ["BUSY_SUFFIX", "SEMAPHORE", "SLOTS", "WORK_TASK", "create_app"]
 
 WORK_TASK = "metrics.work"
+BUSY_SUFFIX = "-busy"
+SEMAPHORE = "reports"
+SLOTS = 2
 
 
-def work(job: str, seconds: float) -> str:
-    time.sleep(seconds)
+def work(self: Task, job: str, seconds: float) -> str:
+    if job.endswith(BUSY_SUFFIX):  # holds a slot of a semaphore while it works
+        with runtime_for(self.app).metrics.holding_slot(SEMAPHORE, limit=SLOTS):
+            time.sleep(seconds)
+    else:
+        time.sleep(seconds)
     return job
 
 
@@ -39,7 +47,7 @@ def create_app(env: Mapping[str, str], name: str = "metrics_app") -> Celery:
         metrics_addr="127.0.0.1",
     )
     setup(app, settings)
-    singleton_task(app=app, name=WORK_TASK, key="job", shared=False)(work)
+    singleton_task(app=app, name=WORK_TASK, key="job", bind=True, shared=False)(work)
     return app
 
 
