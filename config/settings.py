@@ -127,6 +127,15 @@ class Settings(BaseSettings):
         description="Times a job may be granted again after a delivery that lost its worker "
         "mid-body (no record) before it is recorded FAILED as a poison message (0: no cap).",
     )
+    metrics_port: int | None = Field(
+        default=None,
+        description="Port on which each worker serves Prometheus /metrics, summed over its "
+        "pool processes (unset: no endpoint).",
+    )
+    metrics_addr: str = Field(
+        default="0.0.0.0",
+        description="Address the /metrics endpoint listens on (127.0.0.1: this host only).",
+    )
     # NoDecode: the environment gives `json` or `json,application/json` (a JSON list works too).
     accept_content: Annotated[tuple[str, ...], NoDecode] = Field(
         default=("json",), description="Serialisers Celery workers accept (comma-separated)."
@@ -289,6 +298,7 @@ def refuse_unsafe(s: Settings) -> None:
             f"must be > 0 and at most 60 seconds, got {s.redelivery_delay}",
             "use a first redelivery countdown such as 1",
         )
+    refuse_metrics_clash(s)
     bad = [c for c in s.accept_content if c not in ("json", "application/json")]
     if bad:
         raise UnsafeSettings(
@@ -303,6 +313,49 @@ def refuse_unsafe(s: Settings) -> None:
             f"({s.max_countdown:g}s): the broker redelivers every such job while it waits",
             "raise JOBFENCE_VISIBILITY_TIMEOUT above JOBFENCE_MAX_COUNTDOWN",
         )
+
+
+def _local_ports(s: Settings) -> Iterable[tuple[str, int]]:
+    """(variable, port) of every server URL in `s` on this host (the ports it must not take)."""
+    for field in URL_FIELDS:
+        url = getattr(s, field)
+        if not url:
+            continue
+        for part in urlsplit(url).netloc.rpartition("@")[2].split(","):
+            host, _, port = part.rpartition(":")
+            host = host.strip("[]")
+            if port.isdigit() and (_is_loopback(host) or host in ("0.0.0.0", "::")):
+                yield _variable(field), int(port)
+
+
+def refuse_metrics_clash(s: Settings) -> None:
+    """JOBFENCE_METRICS_PORT: a real port, and not one a server jobfence talks to uses here."""
+    port = s.metrics_port
+    if port is None:
+        return
+    variable = _variable("metrics_port")
+    if not 1 <= port <= 65535:
+        raise UnsafeSettings(
+            variable,
+            f"must be a TCP port from 1 to 65535, got {port}",
+            "pick a free port for each worker on a host, e.g. 9816, or unset it",
+        )
+    for other, taken in _local_ports(s):
+        if taken == port:
+            raise UnsafeSettings(
+                variable,
+                f"{port} is the port of {other}, a server on this host",
+                "pick a free port for the metrics endpoint, e.g. 9816",
+            )
+    try:
+        ipaddress.ip_address(s.metrics_addr)
+    except ValueError:
+        if s.metrics_addr != "localhost":
+            raise UnsafeSettings(
+                _variable("metrics_addr"),
+                "must be an IP address to listen on",
+                "use 0.0.0.0 (every interface), :: or 127.0.0.1",
+            ) from None
 
 
 def warn_insecure(s: Settings) -> None:

@@ -1,10 +1,34 @@
-"""Prometheus metrics for jobfence, on a registry of its own (no global state)."""
+"""Prometheus metrics for jobfence, on a registry of its own (no global state).
+
+Every label is low-cardinality: a task name, a backend name, an outcome or policy, or a
+semaphore's or rate limit's declared name. Keys, task arguments and owner tokens never
+become labels (they would leak data and grow a series per job).
+
+Gauges name their multiprocess mode: under Celery's prefork pool (`worker/metrics_server.py`
+switches prometheus_client to multiprocess mode before the pool forks) each pool process
+writes its own values and the worker's /metrics endpoint sums them.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
+
+#: Acquire and rate-limit waits: from "granted at once" to the longest sensible wait.
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+#: One batched lease extension: a round trip to the lock server.
+HEARTBEAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+#: Distinct semaphore or rate-limit names one metric takes before the rest count as OTHER.
+MAX_NAMES = 200
+OTHER = "_other"
+NAME_LIMIT = 120  # characters of a declared name kept in a label
 
 
 @dataclass(frozen=True)
@@ -19,17 +43,59 @@ class TaskSeries:
     done: Counter  # the child for (task, "done"): inc()
 
 
+class _Names:
+    """The declared names one metric has seen; past MAX_NAMES a new one is reported as OTHER.
+
+    A semaphore or limit named after its key (an account id, say) would otherwise grow a
+    series per value: the cap bounds the damage and the warning names the metric to fix.
+    """
+
+    def __init__(self, metric: str) -> None:
+        self.metric = metric
+        self.seen: set[str] = set()
+        self.lock = threading.Lock()
+        self.warned = False
+
+    def __call__(self, name: str) -> str:
+        name = str(name)[:NAME_LIMIT]
+        if name in self.seen:
+            return name
+        with self.lock:
+            if len(self.seen) < MAX_NAMES:
+                self.seen.add(name)
+                return name
+            if not self.warned:
+                self.warned = True
+                log.warning(
+                    "%s has %d distinct names; further ones are counted as %r. Name "
+                    "semaphores and rate limits by what they guard (a task or a declared "
+                    "name), never by a key or an argument",
+                    self.metric, MAX_NAMES, OTHER,
+                )  # fmt: skip
+            return OTHER
+
+
 class Metrics:
-    """Acquire waits, conflicts, timeouts, lost leases, stale fences, replays, heartbeats."""
+    """Acquire waits, conflicts, timeouts, lost leases, stale fences, replays, heartbeats,
+    runs by outcome, semaphore slots held, rate-limit waits and denials.
+
+    Record through the attributes (`metrics.conflicts.labels(task, policy).inc()`) or the
+    named methods below; read with `metrics.registry` (this process's values only: a
+    prefork worker's /metrics endpoint aggregates every pool process).
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._build()
+
+    def _build(self) -> None:
         r = self.registry
         self.acquire_wait = Histogram(
             "jobfence_acquire_wait_seconds",
             "Time from first attempt to grant",
             ["task"],
             registry=r,
+            buckets=WAIT_BUCKETS,
         )
         self.conflicts = Counter(
             "jobfence_conflicts_total",
@@ -61,8 +127,54 @@ class Metrics:
             "Latency of one batched lease extension",
             ["backend"],
             registry=r,
+            buckets=HEARTBEAT_BUCKETS,
+        )
+        # livesum: a pool process that exits takes its slots with it (their leases end too).
+        self.semaphore_held = Gauge(
+            "jobfence_semaphore_slots_held",
+            "Semaphore slots held by this worker's processes",
+            ["semaphore"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.semaphore_limit = Gauge(
+            "jobfence_semaphore_limit",
+            "Slots a semaphore allows fleet-wide",
+            ["semaphore"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.rate_limit_wait = Histogram(
+            "jobfence_rate_limit_wait_seconds",
+            "Time a call waited for a global rate limit to admit it",
+            ["limit"],
+            registry=r,
+            buckets=WAIT_BUCKETS,
+        )
+        self.rate_limit_denials = Counter(
+            "jobfence_rate_limit_denials_total",
+            "Calls a global rate limit refused, by what the caller did then",
+            ["limit", "action"],
+            registry=r,
         )
         self._series: dict[str, TaskSeries] = {}
+        self._semaphores = _Names("jobfence_semaphore_slots_held")
+        self._limits = _Names("jobfence_rate_limit_*")
+
+    def rebuild(self) -> None:
+        """Re-create every metric (zeroed) on the same registry.
+
+        prometheus_client picks each value's storage when the metric is built: after the
+        exporter switches to multiprocess mode, the metrics built before must be built
+        again. Holders of `Metrics` keep working; holders of a metric object do not.
+        """
+        for name in (
+            "acquire_wait", "conflicts", "timeouts", "lost_leases", "stale_fences", "replays",
+            "executions", "heartbeat", "semaphore_held", "semaphore_limit", "rate_limit_wait",
+            "rate_limit_denials",
+        ):  # fmt: skip
+            self.registry.unregister(getattr(self, name))
+        self._build()
 
     def task(self, name: str) -> TaskSeries:
         """`name`'s hot-path series, labelled on first use (a race labels twice, harmlessly)."""
@@ -76,3 +188,37 @@ class Metrics:
 
     def observe_heartbeat(self, backend: str, seconds: float, _leases: int) -> None:
         self.heartbeat.labels(backend).observe(seconds)
+
+    # -- semaphores ------------------------------------------------------------------
+    # `semaphore` is the semaphore's declared name (or its task's name), never its key.
+
+    def semaphore_acquired(self, semaphore: str, limit: int | None = None) -> None:
+        """One slot of `semaphore` taken by this process (and its fleet-wide limit, if known)."""
+        name = self._semaphores(semaphore)
+        self.semaphore_held.labels(name).inc()
+        if limit is not None:
+            self.semaphore_limit.labels(name).set(limit)
+
+    def semaphore_released(self, semaphore: str) -> None:
+        """One slot of `semaphore` given back (released, or its lease lost)."""
+        self.semaphore_held.labels(self._semaphores(semaphore)).dec()
+
+    @contextmanager
+    def holding_slot(self, semaphore: str, limit: int | None = None) -> Iterator[None]:
+        """`semaphore_acquired` on entry, `semaphore_released` on exit, whatever happens."""
+        self.semaphore_acquired(semaphore, limit)
+        try:
+            yield
+        finally:
+            self.semaphore_released(semaphore)
+
+    # -- global rate limits ----------------------------------------------------------
+    # `limit` is the rate limit's declared name (or its task's name), never its key.
+
+    def rate_limit_waited(self, limit: str, seconds: float) -> None:
+        """A call admitted by `limit` after waiting `seconds` (0 when admitted at once)."""
+        self.rate_limit_wait.labels(self._limits(limit)).observe(max(0.0, seconds))
+
+    def rate_limit_denied(self, limit: str, action: str = "retry") -> None:
+        """A call `limit` refused; `action`: what the caller did (retry, skip, raise)."""
+        self.rate_limit_denials.labels(self._limits(limit), action).inc()

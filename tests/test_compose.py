@@ -258,3 +258,34 @@ def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url
     finally:
         for proc in reversed(procs):
             stop_process(proc)
+
+
+PROMETHEUS_CONFIG = REPO_ROOT / "deploy" / "prometheus.yml"
+
+
+def test_prometheus_scrapes_every_worker_on_its_metrics_port(services):
+    worker = services["worker"]
+    port = int(worker["environment"]["JOBFENCE_METRICS_PORT"])
+    assert Settings(lock_url="memory://", metrics_port=port).metrics_port == port  # valid
+    assert str(port) in [str(p) for p in worker.get("expose") or []]
+    assert "ports" not in worker  # reachable on the compose network only, any replica count
+    for name in ("beat-a", "beat-b", "flower"):  # one endpoint per worker, nothing else
+        assert "JOBFENCE_METRICS_PORT" not in (services[name].get("environment") or {}), name
+
+    prometheus = services["prometheus"]
+    assert str(prometheus["image"]).startswith("prom/prometheus")
+    config_file = option(words(prometheus["command"]), "--config.file")
+    assert config_file is not None
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in prometheus["volumes"] if ":" in v}
+    assert config_file in mounts, "the config Prometheus reads is not mounted"
+    assert (REPO_ROOT / mounts[config_file]).resolve() == PROMETHEUS_CONFIG.resolve()
+
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    targets = [
+        (sd["names"], sd.get("type", "SRV"), sd.get("port"))
+        for job in config["scrape_configs"]
+        if job.get("metrics_path", "/metrics") == "/metrics"
+        for sd in job.get("dns_sd_configs") or []
+    ]
+    # An A lookup of the service name lists every replica: --scale needs no change.
+    assert (["worker"], "A", port) in targets, targets

@@ -28,6 +28,21 @@ class FleetError(RuntimeError):
     """A fleet process exited during start-up or did not get ready in time."""
 
 
+
+METRICS_PORT = f"{ENV_PREFIX}METRICS_PORT"
+
+
+def metrics_env(env: Mapping[str, str], index: int) -> Mapping[str, str]:
+    """Worker `index`'s (1-based) variables: one host, so each its own /metrics port.
+
+    JOBFENCE_METRICS_PORT=P gives worker 1 port P, worker 2 P+1, ...; `env` itself when the
+    variable is unset (or no number: the worker's settings then refuse it, naming it).
+    """
+    raw = env.get(METRICS_PORT, "").strip()
+    if not raw.isdigit():
+        return env
+    return {**env, METRICS_PORT: str(int(raw) + index - 1)}
+
 @dataclass(frozen=True)
 class FleetOptions:
     workers: int = 2
@@ -136,11 +151,14 @@ class Fleet:
         env = {**os.environ, **self.environment(), "PYTHONUNBUFFERED": "1"}
         celery = [sys.executable, "-m", "celery", "-A", o.app]
         for i in range(1, o.workers + 1):
+            worker_env = metrics_env(env, i)
+            if worker_env is not env:
+                self.say(f"worker-{i} /metrics on port {worker_env[METRICS_PORT]}")
             self._start(
                 f"worker-{i}",
                 [*celery, "worker", "--loglevel", o.loglevel, "--concurrency",
                  str(o.concurrency), "--pool", o.pool, "--hostname", f"fleet-{i}@%h"],
-                env,
+                worker_env,
             )  # fmt: skip
         for i in range(1, o.beats + 1):  # LeaderScheduler keeps no schedule file
             self._start(f"beat-{i}", [*celery, "beat", "--loglevel", o.loglevel], env)
