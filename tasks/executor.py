@@ -254,6 +254,11 @@ class Executor:
                 self.metrics.task(spec.name).acquire_wait.observe(clock.monotonic() - started)
                 return got
             if isinstance(got, JobRecord):
+                if spec.supersede and spec.claims and got.fingerprint != fingerprint:
+                    # Replaced, and the replacement (other arguments) already finished.
+                    kept = self._swap_claim(spec)
+                    if kept is not None and kept != STARTED + spec.task_id:
+                        return self._superseded_copy(spec, None, kept)
                 return self._replay(spec, got)
             if (
                 not spec.per_run  # per run, another copy's arguments are another run's
@@ -311,32 +316,38 @@ class Executor:
         """Mark the publish claim started (or drop it, lock_until="start"), holding the
         lease; None to run. A claim another copy holds proves this copy was replaced
         (supersede), or, marked started, that the key ran within `unique_for` (throttled)."""
-        mine = STARTED + spec.task_id
         try:
-            if spec.lock_until == "start":
-                kept = self.backend.swap_publish(spec.key, spec.task_id, None, spec.claim_ttl)
-            else:
-                kept = self.backend.swap_publish(spec.key, spec.task_id, mine, spec.claim_ttl)
+            kept = self._swap_claim(spec)
         except BackendUnavailable as exc:
             log.warning("lock server unavailable at job %s's start: %s", spec.key,
                         type(exc).__name__)  # fmt: skip
             self._release_quietly(lease)
             return self._redeliver(spec, "lock server unavailable before the body ran", None)
-        if kept is None or kept == mine:
+        if kept is None or kept == STARTED + spec.task_id:
             return None
         if spec.supersede:
-            log.info("job %s task %s superseded by task %s, published to replace it",
-                     spec.key, spec.task_id, kept.removeprefix(STARTED))  # fmt: skip
-            self.metrics.executions.labels(spec.name, "superseded").inc()
-            self._note("superseded", spec, lease.fence)
-            self._release_quietly(lease)
-            return Outcome("superseded", SUPERSEDED, lease.fence)
+            return self._superseded_copy(spec, lease, kept)
         if spec.unique_for and kept.startswith(STARTED):
             self.metrics.conflicts.labels(spec.name, "unique_for").inc()
             self._note("throttled", spec, lease.fence)
             self._release_quietly(lease)
             return Outcome("duplicate", DUPLICATE, lease.fence)
         return None
+
+    def _swap_claim(self, spec: JobSpec) -> str | None:
+        """Our claim marked started (dropped under lock_until="start"); else who holds it."""
+        new = None if spec.lock_until == "start" else STARTED + spec.task_id
+        return self.backend.swap_publish(spec.key, spec.task_id, new, spec.claim_ttl)
+
+    def _superseded_copy(self, spec: JobSpec, lease: Lease | None, holder: str) -> Outcome:
+        """A newer publish replaced this copy before it started: skip, acked, never run."""
+        log.info("job %s task %s superseded by task %s, published to replace it",
+                 spec.key, spec.task_id, holder.removeprefix(STARTED))  # fmt: skip
+        self.metrics.executions.labels(spec.name, "superseded").inc()
+        self._note("superseded", spec, None if lease is None else lease.fence)
+        if lease is not None:
+            self._release_quietly(lease)
+        return Outcome("superseded", SUPERSEDED, None if lease is None else lease.fence)
 
     def _throttle(self, spec: JobSpec) -> None:
         """unique_for: the claim, marked started, lasts that long after the run finished."""

@@ -105,6 +105,19 @@ def test_a_replaced_copy_skips_as_superseded_without_running(
         == "ran"  # fmt: skip
 
 
+def test_a_replaced_copy_skips_even_after_its_replacement_finished_with_other_arguments(
+    run_on: Executor, memory: MemoryBackend
+) -> None:
+    key, body = unique(), Body()
+    assert memory.claim_publish(key, "A", 60) is None
+    assert memory.swap_publish(key, "A", "B", 60) is None
+    replacement = spec_for(key, task_id="B", fingerprint="v2", supersede=True, publish_claim=True)
+    assert run_on.run(replacement, body).status == "ran"
+    old = spec_for(key, task_id="A", fingerprint="v1", supersede=True, publish_claim=True)
+    out = run_on.run(old, body)  # not an IdempotencyConflict with B's record
+    assert (out.status, body.calls) == ("superseded", 1)
+
+
 def test_a_started_copy_cannot_be_replaced(run_on: Executor, memory: MemoryBackend) -> None:
     key = unique()
     assert memory.claim_publish(key, "A", 60) is None
