@@ -144,6 +144,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             if held is None:
                 return self._publish_claimed(key, task_id, ttl, publish, previous=None)
             holder, started = held.removeprefix(STARTED), held.startswith(STARTED)
+            if holder == task_id:  # our own job, started: its retry or deferred copy
+                return self._publish_claimed(key, task_id, ttl, publish, previous=None)
             if self.on_duplicate_publish == "raise":
                 raise DuplicatePublish(
                     f"{self.name}: a copy of this job is already "

@@ -152,6 +152,15 @@ def test_unique_for_throttles_publishes_and_runs_within_the_window_and_allows_af
     assert lt.ledger.start_count(j) == 2
 
 
+def test_a_throttled_task_still_runs_its_own_retry(lt: Lifetimes) -> None:
+    j = job()
+    first = lt.task("retried").delay(j)
+    wait_for(lambda: any(o["state"] == "SUCCESS" for o in lt.ledger.outcomes(j, first.id)),
+             DEADLINE, 0.02, lt.explain(j))  # fmt: skip
+    assert [s["retries"] for s in lt.ledger.starts(j)] == [0, 1]
+    assert lt.ledger.effect_count(j) == 1
+
+
 # -- on_duplicate_publish ----------------------------------------------------------------
 
 

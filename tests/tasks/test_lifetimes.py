@@ -230,3 +230,20 @@ def test_replace_returns_the_started_copy_instead_of_publishing_a_second(
     assert backend.swap_publish(key, first.id, STARTED + first.id, 60) is None  # it started
     assert task.delay(7).id == first.id
     assert redis_client.llen("celery") == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"unique_for": 60}, {"on_duplicate_publish": "replace"}, {"on_duplicate_publish": "raise"}],
+)
+def test_a_started_job_may_publish_its_own_retry(
+    make_app: AppFactory, redis_client: redis.Redis, options: dict[str, Any]
+) -> None:
+    """A retry (or deferred copy) goes out under the same task id as the started job."""
+    app = make_app(eager=False)
+    task = define(app, _f, dedupe_on_publish=True, **options)
+    first = task.delay(5)
+    key, _ = task.identity((5,), {})
+    assert runtime_for(app).backend.swap_publish(key, first.id, STARTED + first.id, 60) is None
+    assert task.apply_async((5,), task_id=first.id).id == first.id
+    assert redis_client.llen("celery") == 2, "the retry was taken for a duplicate"

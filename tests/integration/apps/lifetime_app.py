@@ -50,6 +50,16 @@ def record(self: Task, job_id: str) -> int:
     return count
 
 
+def retried(self: Task, job_id: str) -> int:
+    """Retry once at once, then record (a retry publishes under the started job's task id)."""
+    book = ledger()
+    book.start(job_id, task_id=self.request.id, retries=self.request.retries)
+    book.end(job_id, task_id=self.request.id)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return book.effect(job_id, task_id=self.request.id)
+
+
 def _register(app: Celery) -> None:
     def singleton(name: str, body: Any, **options: Any) -> None:
         singleton_task(
@@ -66,6 +76,8 @@ def _register(app: Celery) -> None:
     )
     singleton("lifetime.finish", gated, dedupe_on_publish=True)
     singleton("lifetime.throttle", record, dedupe_on_publish=True, unique_for=UNIQUE_FOR)
+    singleton("lifetime.retried", retried, dedupe_on_publish=True, unique_for=UNIQUE_FOR,
+              max_retries=1)  # fmt: skip
     singleton("lifetime.raise", gated, dedupe_on_publish=True, on_duplicate_publish="raise")
     singleton("lifetime.replace", gated, dedupe_on_publish=True, on_duplicate_publish="replace")
     # The control: plain Celery, the same body, no jobfence.
