@@ -52,16 +52,18 @@ class Lifetimes:
         return lambda: f"{self.ledger.summary(job_id)}\n{self.fleet.logs(lines=15)}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["redis", "postgres"])
 def lifetimes_module(
-    module_redis: RedisServer, fleet_factory: FleetFactory
+    request: pytest.FixtureRequest, module_redis: RedisServer, fleet_factory: FleetFactory
 ) -> Iterator[Lifetimes]:
+    """A worker whose locks and publish claims live on Redis, or on PostgreSQL."""
     server = f"redis://{module_redis.host}:{module_redis.port}"
+    lock_url = f"{server}/2" if request.param == "redis" else request.getfixturevalue("pg_url")
     env = app_env(
         module_redis.url,  # broker: db 0
         ledger_url=f"{server}/1",
         visibility_timeout=VISIBILITY_TIMEOUT,
-        LOCK_URL=f"{server}/2",
+        LOCK_URL=lock_url,
     )
     fleet = fleet_factory(APP, env=env, workers=1, concurrency=2)
     app = lifetime_app.create_app(env, name="lifetime-client")
@@ -72,6 +74,7 @@ def lifetimes_module(
         ledger.close()
         runtime_for(app).close()
         app.close()
+        fleet.stop()  # the next parameter's worker shares the broker: this one may not stay
 
 
 @pytest.fixture
