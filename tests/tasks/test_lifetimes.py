@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from jobfence.locks import Backoff, LeaseKeeper, MemoryBackend
+from jobfence.locks import BackendUnavailable, Backoff, LeaseKeeper, MemoryBackend
 from jobfence.tasks import (
     DUPLICATE,
     SUPERSEDED,
@@ -153,6 +153,25 @@ def test_each_run_may_bring_other_arguments_when_each_publish_is_its_own_run(
     assert run_on.run(second, body).status == "ran"  # not an IdempotencyConflict
 
 
+class ClaimsDown(MemoryBackend):
+    """Locks work; the publish claims' compare-and-set finds the server unavailable."""
+
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        raise BackendUnavailable("claims down", key=key)
+
+
+def test_a_claim_that_cannot_be_checked_at_start_delivers_the_job_again() -> None:
+    backend, keeper, body = ClaimsDown(), LeaseKeeper(), Body()
+    try:
+        run_on = Executor(backend, keeper, backoff=Backoff(0.005, 0.05))
+        key = unique()
+        out = run_on.run(spec_for(key, task_id="A", supersede=True, publish_claim=True), body)
+        assert (out.status, body.calls) == ("redeliver", 0)  # never run on a guess
+        assert backend.inspect(key) is None, "the lease was kept"
+    finally:
+        keeper.stop()
+
+
 # -- the decorator -----------------------------------------------------------------------
 
 
@@ -247,3 +266,18 @@ def test_a_started_job_may_publish_its_own_retry(
     assert runtime_for(app).backend.swap_publish(key, first.id, STARTED + first.id, 60) is None
     assert task.apply_async((5,), task_id=first.id).id == first.id
     assert redis_client.llen("celery") == 2, "the retry was taken for a duplicate"
+
+
+def test_a_throttled_job_that_failed_frees_its_key_for_a_fresh_submission(
+    make_app: AppFactory, redis_client: redis.Redis
+) -> None:
+    app = make_app(eager=False)
+
+    def boom(x: int) -> int:
+        raise RuntimeError("failed for good")
+
+    task = define(app, boom, dedupe_on_publish=True, unique_for=60)
+    first = task.delay(3)
+    with pytest.raises(RuntimeError):
+        task.apply((3,), task_id=first.id, throw=True)
+    assert task.delay(3).id != first.id, "a failed job kept its key throttled"
