@@ -269,6 +269,27 @@ class LockBackend(ABC):
     def clear_publish(self, key: str) -> None:
         """Forget the queued task id for `key`, so the next publish goes through."""
 
+    def swap_publish(self, key: str, expect: str, new: str | None, ttl: float) -> str | None:
+        """Compare-and-set the publish claim of `key`: None if it now holds `new`, else the
+        value that kept it.
+
+        Atomically: if the claim is free (absent or expired) or holds `expect` or `new`, it
+        becomes `new` for `ttl` seconds (`new=None` removes it) and None is returned; any
+        other value is left alone and returned. `swap_publish(k, t, t, ttl)` is
+        `claim_publish` that refreshes the TTL; `swap_publish(k, t, None, ttl)` an
+        owner-checked `clear_publish`; `swap_publish(k, old, new, ttl)` hands a queued
+        job's claim to its replacement.
+        """
+        validate_key(key)
+        if not expect or new == "":
+            raise LockError("swap_publish needs a non-empty expect, and new non-empty or None",
+                            key=key)  # fmt: skip
+        return self._swap_publish(key, expect, new, validate_ttl(ttl))
+
+    @abstractmethod
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        """One round trip: the compare-and-set of `swap_publish`."""
+
     def wait_for_release(self, key: str, timeout: float) -> None:
         """Block up to `timeout` seconds or until `key` is released, whichever is first."""
         self.clock.sleep(timeout)

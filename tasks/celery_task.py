@@ -6,7 +6,7 @@ import difflib
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 from celery import Task, shared_task
 from celery._state import _task_stack
@@ -16,13 +16,21 @@ from celery.utils import uuid
 from jobfence.locks.errors import LockError
 from jobfence.locks.lease import Lease
 from jobfence.tasks.context import JobContext, current_job, current_lease
-from jobfence.tasks.errors import ArgumentsNotSerializable, TaskDefinitionError, TaskError
+from jobfence.tasks.errors import (
+    ArgumentsNotSerializable,
+    DuplicatePublish,
+    TaskDefinitionError,
+    TaskError,
+)
 from jobfence.tasks.executor import (
     CONFLICT_POLICIES,
     LEASE_LOST_POLICIES,
+    LOCK_UNTIL,
+    STARTED,
     ConflictPolicy,
     JobSpec,
     LeaseLostPolicy,
+    LockUntil,
     Outcome,
 )
 from jobfence.tasks.keys import KeySelector, bind_arguments, identity
@@ -35,6 +43,10 @@ REDELIVERIES = "jobfence_redeliveries"
 #: (it crashed, or still runs): a grant of that copy counts towards the poison cap.
 DEFERRED_HEADER = "jobfence_deferred"
 PASSTHROUGH = (Retry, Ignore, Reject)
+DuplicatePublishPolicy = Literal["result", "raise", "replace"]
+DUPLICATE_PUBLISH_POLICIES: tuple[str, ...] = ("result", "raise", "replace")
+#: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
+REPLACE_ATTEMPTS = 3
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +61,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     Options (class attributes, or keywords of @singleton_task): `jobfence_key`,
     `jobfence_ttl`, `on_conflict`, `wait_timeout`, `result_ttl`, `dedupe_on_publish`,
-    `on_lease_lost`.
+    `on_lease_lost`, `lock_until`, `unique_for`, `on_duplicate_publish`.
     """
 
     acks_late = True
@@ -63,6 +75,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     result_ttl: float | None = None
     dedupe_on_publish: bool = False
     dedupe_ttl: float | None = None
+    lock_until: LockUntil = "finish"
+    unique_for: float | None = None
+    on_duplicate_publish: DuplicatePublishPolicy = "result"
 
     # -- what the body sees ------------------------------------------------------
     @property
@@ -110,16 +125,68 @@ class SingletonTask(Task):  # type: ignore[misc]
         redelivery = REDELIVERIES in headers  # the same task id again: no claim to make
         if self.dedupe_on_publish and not self.app.conf.task_always_eager and not redelivery:
             task_id = task_id or uuid()
-            rt = self._runtime()
-            held = rt.backend.claim_publish(key, task_id, self._dedupe_ttl(rt, options))
-            if held is not None:
-                return self.AsyncResult(held)
-            try:
-                return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
-            except BaseException:
-                rt.backend.clear_publish(key)  # nothing was queued: the next publish must go out
-                raise
+
+            def publish() -> Any:
+                return super(SingletonTask, self).apply_async(
+                    args, kwargs, task_id, *rest, headers=headers, **options
+                )
+
+            return self._publish_once(key, task_id, self._dedupe_ttl(self._runtime(), options),
+                                      publish)  # fmt: skip
         return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
+
+    def _publish_once(self, key: str, task_id: str, ttl: float, publish: Callable[[], Any]) -> Any:
+        """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`."""
+        backend = self._runtime().backend
+        holder = ""
+        for _ in range(REPLACE_ATTEMPTS):
+            held = backend.claim_publish(key, task_id, ttl)
+            if held is None:
+                return self._publish_claimed(key, task_id, ttl, publish, previous=None)
+            holder, started = held.removeprefix(STARTED), held.startswith(STARTED)
+            if holder == task_id:  # our own job, started: its retry or deferred copy
+                return self._publish_claimed(key, task_id, ttl, publish, previous=None)
+            if self.on_duplicate_publish == "raise":
+                raise DuplicatePublish(
+                    f"{self.name}: a copy of this job is already "
+                    f"{'running or finished' if started else 'queued'} as task {holder} "
+                    "(on_duplicate_publish='raise')",
+                    task_id=holder,
+                    key=key,
+                )
+            if self.on_duplicate_publish != "replace" or started:
+                # A started copy is never replaced (two would run): its result answers.
+                return self.AsyncResult(holder)
+            # Take the claim from the queued copy first: it skips when it finds it gone.
+            if backend.swap_publish(key, holder, task_id, ttl) is None:
+                return self._publish_claimed(key, task_id, ttl, publish, previous=holder)
+            # The claim moved meanwhile (the holder started, or was replaced): look again.
+        return self.AsyncResult(holder)
+
+    def _publish_claimed(
+        self,
+        key: str,
+        task_id: str,
+        ttl: float,
+        publish: Callable[[], Any],
+        *,
+        previous: str | None,
+    ) -> Any:
+        """Publish under a claim we hold; if that fails, the claim goes back to the copy it
+        was taken from (still queued), or away, so the next publish goes out."""
+        try:
+            out = publish()
+        except BaseException:
+            backend = self._runtime().backend
+            if previous is None:
+                backend.clear_publish(key)  # nothing was queued: the next publish must go out
+            elif backend.swap_publish(key, task_id, previous, ttl) is not None:
+                log.error("%s: replacing task %s failed and its claim could not be given "
+                          "back", self.name, previous)  # fmt: skip
+            raise
+        if previous is not None:
+            log.info("%s: task %s replaced queued task %s", self.name, task_id, previous)
+        return out
 
     def _dedupe_ttl(self, rt: Runtime, options: dict[str, Any]) -> float:
         base = self.dedupe_ttl or rt.settings.visibility_timeout
@@ -163,6 +230,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             redeliveries=redeliveries,
             suspect=_after_a_crash(req),
             max_crashed=s.max_crashed_deliveries,
+            lock_until=self.lock_until,
+            unique_for=self.unique_for or 0.0,
+            claim_ttl=self.dedupe_ttl or s.visibility_timeout,
+            supersede=self.dedupe_on_publish and self.on_duplicate_publish == "replace",
+            publish_claim=self.dedupe_on_publish,
         )
         try:
             out = rt.executor.run(
@@ -171,7 +243,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         except PASSTHROUGH:
             raise
         except BaseException:
-            if self.dedupe_on_publish:
+            if spec.claims:  # owner-checked: the claim may be a newer copy's by now
+                rt.backend.swap_publish(key, STARTED + spec.task_id, None, spec.claim_ttl)
+            elif self.dedupe_on_publish:
                 rt.backend.clear_publish(key)  # a failed job may be submitted afresh
             raise
         # A countdown the broker would outwait redelivers the message while it waits;
@@ -240,6 +314,50 @@ class SingletonTask(Task):  # type: ignore[misc]
             if job is not None:
                 self._runtime().executor.release(job.lease)
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+
+def _check_lifetime(
+    lock_until: Any,
+    unique_for: Any,
+    on_duplicate_publish: Any,
+    on_conflict: str,
+    dedupe_on_publish: bool,
+) -> None:
+    """Refuse, at decoration, a lock lifetime or duplicate-publish policy that cannot work."""
+    if lock_until not in LOCK_UNTIL:
+        raise TaskDefinitionError(
+            f"lock_until must be one of {LOCK_UNTIL}, got {lock_until!r}; for a key held a "
+            "fixed time after the run, use unique_for=<seconds>"
+        )
+    if unique_for is not None and (
+        isinstance(unique_for, bool)
+        or not isinstance(unique_for, int | float)
+        or not unique_for > 0
+    ):
+        raise TaskDefinitionError(
+            f"unique_for must be positive seconds (or None), got {unique_for!r}"
+        )
+    if unique_for is not None and lock_until == "start":
+        raise TaskDefinitionError(
+            "unique_for keeps the key until a time after the run finishes; it cannot be "
+            "combined with lock_until='start' (which frees it when the run starts): pick one"
+        )
+    if lock_until == "start" and on_conflict == "skip":
+        raise TaskDefinitionError(
+            "lock_until='start' lets a newer copy queue behind the running one, and "
+            "on_conflict='skip' would drop that copy when it arrives during the run; "
+            "use on_conflict='wait' or 'retry'"
+        )
+    if on_duplicate_publish not in DUPLICATE_PUBLISH_POLICIES:
+        raise TaskDefinitionError(
+            f"on_duplicate_publish must be one of {DUPLICATE_PUBLISH_POLICIES}, "
+            f"got {on_duplicate_publish!r}"
+        )
+    if on_duplicate_publish != "result" and not dedupe_on_publish:
+        raise TaskDefinitionError(
+            f"on_duplicate_publish={on_duplicate_publish!r} acts on the publish claim, "
+            "which only dedupe_on_publish=True makes; set dedupe_on_publish=True"
+        )
 
 
 def _normalise_key(key: Any) -> KeySelector:
@@ -351,6 +469,9 @@ def singleton_task(
     wait_timeout: float | None = None,
     result_ttl: float | None = None,
     dedupe_on_publish: bool = False,
+    lock_until: LockUntil = "finish",
+    unique_for: float | None = None,
+    on_duplicate_publish: DuplicatePublishPolicy = "result",
     base: type[SingletonTask] = SingletonTask,
     **celery_options: Any,
 ) -> Callable[[Callable[..., Any]], SingletonTask]: ...
@@ -366,6 +487,9 @@ def singleton_task(
     wait_timeout: float | None = None,
     result_ttl: float | None = None,
     dedupe_on_publish: bool = False,
+    lock_until: LockUntil = "finish",
+    unique_for: float | None = None,
+    on_duplicate_publish: DuplicatePublishPolicy = "result",
     base: type[SingletonTask] = SingletonTask,
     **celery_options: Any,
 ) -> Any:
@@ -375,8 +499,11 @@ def singleton_task(
     arguments that make a job unique; a name that is no parameter is refused here;
     `on_conflict`: skip | wait | retry | raise. `on_lease_lost`: redeliver (default: a lease
     lost with no proof of a newer holder delivers the job again) | drop (at most once, for
-    effects that cannot be fenced). Celery options pass through unchanged.
+    effects that cannot be fenced). `lock_until` (finish | start), `unique_for` (seconds)
+    and `on_duplicate_publish` (result | raise | replace): see README "Lock lifetimes and
+    duplicate publishes". Celery options pass through unchanged.
     """
+    _check_lifetime(lock_until, unique_for, on_duplicate_publish, on_conflict, dedupe_on_publish)
     if on_conflict not in CONFLICT_POLICIES:
         raise TaskDefinitionError(
             f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
@@ -404,6 +531,9 @@ def singleton_task(
         "wait_timeout": wait_timeout,
         "result_ttl": result_ttl,
         "dedupe_on_publish": dedupe_on_publish,
+        "lock_until": lock_until,
+        "unique_for": unique_for,
+        "on_duplicate_publish": on_duplicate_publish,
         **celery_options,
     }
 

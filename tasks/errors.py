@@ -19,6 +19,15 @@ class DuplicateJob(TaskError):
     """The job is running elsewhere and the conflict policy is `raise`."""
 
 
+class DuplicatePublish(DuplicateJob):
+    """A publish found a copy of the job already queued or running, and the task says
+    `on_duplicate_publish="raise"`. `task_id` is that copy's (the holder's) task id."""
+
+    def __init__(self, message: str, *, task_id: str, key: str | None = None) -> None:
+        self.task_id = task_id
+        super().__init__(message, key=key)
+
+
 class BadArguments(TaskError, TypeError):
     """The arguments do not fit the task: an unknown keyword, a missing argument, or one that
     cannot be a key. Raised at publish or call, as a plain call would raise its TypeError."""

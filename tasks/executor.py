@@ -26,6 +26,10 @@ ConflictPolicy = Literal["skip", "wait", "retry", "raise"]
 CONFLICT_POLICIES: tuple[str, ...] = ("skip", "wait", "retry", "raise")
 LeaseLostPolicy = Literal["redeliver", "drop"]
 LEASE_LOST_POLICIES: tuple[str, ...] = ("redeliver", "drop")
+LockUntil = Literal["finish", "start"]
+LOCK_UNTIL: tuple[str, ...] = ("finish", "start")
+#: Prefix of a publish claim whose job has started (or finished): it can no longer be replaced.
+STARTED = "!"
 Status = Literal[
     "ran", "replayed", "duplicate", "superseded", "defer", "retry", "redeliver", "dropped"
 ]
@@ -88,6 +92,36 @@ class JobSpec:
     # recorded FAILED instead of run again (0: no cap).
     suspect: bool = False
     max_crashed: int = 0
+    # Lock lifetimes (README "Lock lifetimes and duplicate publishes"). `lock_until="start"`
+    # drops the publish claim when the run starts; `unique_for` keeps it that many seconds
+    # after the run finished. With either, each publish is a run of its own: its DONE record
+    # answers its own redeliveries, not a later publish of the key.
+    lock_until: LockUntil = "finish"
+    unique_for: float = 0.0
+    claim_ttl: float = 60.0  # the publish claim's TTL while the job runs
+    # on_duplicate_publish="replace": a publish claim held by another copy proves this one
+    # was replaced before it started, so it is skipped as superseded.
+    supersede: bool = False
+    publish_claim: bool = False  # dedupe_on_publish: the key has a publish claim to update
+
+    @property
+    def per_run(self) -> bool:
+        """Each publish runs (not only the first): its record answers its own deliveries."""
+        return self.lock_until == "start" or self.unique_for > 0
+
+    @property
+    def record_fingerprint(self) -> str:
+        """The fingerprint stored with the record: per run, it names the run (task id)."""
+        return f"{self.fingerprint}#{self.task_id}" if self.per_run else self.fingerprint
+
+    @property
+    def claims(self) -> bool:
+        """Whether this delivery reads and updates the key's publish claim at start."""
+        return bool(self.task_id) and (
+            self.supersede
+            or self.unique_for > 0
+            or (self.lock_until == "start" and self.publish_claim)
+        )
 
 
 @dataclass(frozen=True)
@@ -141,6 +175,10 @@ class Executor:
         if isinstance(got, Outcome):
             return got
         lease = got
+        if spec.claims:
+            skipped = self._claim_at_start(spec, lease)
+            if skipped is not None:
+                return skipped
         if spec.suspect and spec.max_crashed:
             self._cap_crashes(spec, lease)
         ctx = JobContext(
@@ -181,6 +219,8 @@ class Executor:
             return self._redeliver(spec, "commit outcome unknown", lease.fence)
         self.metrics.task(spec.name).done.inc()
         self._note("done", spec, lease.fence)
+        if spec.unique_for and spec.task_id:
+            self._throttle(spec)
         return Outcome("ran", value, lease.fence)
 
     def begin(self, spec: JobSpec) -> Lease | Outcome:
@@ -198,17 +238,34 @@ class Executor:
         started = clock.monotonic()
         deadline = started + spec.wait_timeout
         meta = default_meta(task_id=spec.task_id, task_name=spec.name)
+        fingerprint = spec.record_fingerprint
         attempt = 0
         while True:
             got = self.backend.begin(
-                spec.key, spec.ttl, meta=meta, record=True, fingerprint=spec.fingerprint
+                spec.key, spec.ttl, meta=meta, record=True, fingerprint=fingerprint
             )
+            if isinstance(got, JobRecord) and spec.per_run and got.fingerprint != fingerprint:
+                # An earlier run's record: this publish is a run of its own (the lock still
+                # keeps it from running beside another).
+                got = self.backend.begin(
+                    spec.key, spec.ttl, meta=meta, record=False, fingerprint=fingerprint
+                )
             if isinstance(got, Lease):
                 self.metrics.task(spec.name).acquire_wait.observe(clock.monotonic() - started)
                 return got
             if isinstance(got, JobRecord):
+                if spec.supersede and spec.claims and got.fingerprint != fingerprint:
+                    # Replaced, and the replacement (other arguments) already finished.
+                    kept = self._swap_claim(spec)
+                    if kept is not None and kept != STARTED + spec.task_id:
+                        return self._superseded_copy(spec, None, kept)
                 return self._replay(spec, got)
-            if got.fingerprint and spec.fingerprint and got.fingerprint != spec.fingerprint:
+            if (
+                not spec.per_run  # per run, another copy's arguments are another run's
+                and got.fingerprint
+                and spec.fingerprint
+                and got.fingerprint != spec.fingerprint
+            ):
                 raise IdempotencyConflict(
                     "idempotency key in use by a running job with different arguments; use "
                     "a new key or the original arguments",
@@ -255,8 +312,53 @@ class Executor:
     def _after(self, busy: Busy, attempt: int) -> float:
         return min(busy.ttl_left, 3600.0) + self.backoff.delay(attempt)
 
+    def _claim_at_start(self, spec: JobSpec, lease: Lease) -> Outcome | None:
+        """Mark the publish claim started (or drop it, lock_until="start"), holding the
+        lease; None to run. A claim another copy holds proves this copy was replaced
+        (supersede), or, marked started, that the key ran within `unique_for` (throttled)."""
+        try:
+            kept = self._swap_claim(spec)
+        except BackendUnavailable as exc:
+            log.warning("lock server unavailable at job %s's start: %s", spec.key,
+                        type(exc).__name__)  # fmt: skip
+            self._release_quietly(lease)
+            return self._redeliver(spec, "lock server unavailable before the body ran", None)
+        if kept is None or kept == STARTED + spec.task_id:
+            return None
+        if spec.supersede:
+            return self._superseded_copy(spec, lease, kept)
+        if spec.unique_for and kept.startswith(STARTED):
+            self.metrics.conflicts.labels(spec.name, "unique_for").inc()
+            self._note("throttled", spec, lease.fence)
+            self._release_quietly(lease)
+            return Outcome("duplicate", DUPLICATE, lease.fence)
+        return None
+
+    def _swap_claim(self, spec: JobSpec) -> str | None:
+        """Our claim marked started (dropped under lock_until="start"); else who holds it."""
+        new = None if spec.lock_until == "start" else STARTED + spec.task_id
+        return self.backend.swap_publish(spec.key, spec.task_id, new, spec.claim_ttl)
+
+    def _superseded_copy(self, spec: JobSpec, lease: Lease | None, holder: str) -> Outcome:
+        """A newer publish replaced this copy before it started: skip, acked, never run."""
+        log.info("job %s task %s superseded by task %s, published to replace it",
+                 spec.key, spec.task_id, holder.removeprefix(STARTED))  # fmt: skip
+        self.metrics.executions.labels(spec.name, "superseded").inc()
+        self._note("superseded", spec, None if lease is None else lease.fence)
+        if lease is not None:
+            self._release_quietly(lease)
+        return Outcome("superseded", SUPERSEDED, None if lease is None else lease.fence)
+
+    def _throttle(self, spec: JobSpec) -> None:
+        """unique_for: the claim, marked started, lasts that long after the run finished."""
+        mine = STARTED + spec.task_id
+        try:
+            self.backend.swap_publish(spec.key, mine, mine, spec.unique_for)
+        except BackendUnavailable as exc:  # the job is done; only the throttle is lost
+            log.warning("job %s: unique_for window not set: %s", spec.key, type(exc).__name__)
+
     def _replay(self, spec: JobSpec, record: JobRecord) -> Outcome:
-        if record.fingerprint != spec.fingerprint:
+        if record.fingerprint != spec.record_fingerprint:
             raise IdempotencyConflict(
                 "idempotency key reused with different arguments; use a new key or the "
                 "original arguments",
@@ -286,7 +388,7 @@ class Executor:
                     lease,
                     state=state,
                     result=result,
-                    fingerprint=spec.fingerprint,
+                    fingerprint=spec.record_fingerprint,
                     result_ttl=spec.result_ttl,
                 )
                 if not stored and attempt:
@@ -384,16 +486,20 @@ class Executor:
             got = self.backend.begin(
                 spec.key, spec.ttl, meta=default_meta(spec.task_id, spec.name), record=True
             )
-            if isinstance(got, JobRecord):
+            if isinstance(got, JobRecord) and (
+                not spec.per_run or got.fingerprint == spec.record_fingerprint
+            ):
                 return self._replay(spec, got)
             if isinstance(got, Busy):
                 return Outcome("duplicate", DUPLICATE)
+            if isinstance(got, JobRecord):  # another run's record: ours cannot be written
+                raise BackendUnavailable("no record for this run", key=spec.key)
             failed = {"error": "RedeliveryLimitReached", "message": message}
             self.backend.commit(
                 got,
                 state="FAILED",
                 result=canonical_json(failed),
-                fingerprint=spec.fingerprint,
+                fingerprint=spec.record_fingerprint,
                 result_ttl=spec.result_ttl,
             )
         except BackendUnavailable:

@@ -768,6 +768,26 @@ class EtcdBackend(LockBackend):
     def clear_publish(self, key: str) -> None:
         self._txn("clear_publish", key, [], [_delete(self._key("queued", key))])
 
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        queued = self._key("queued", key)
+
+        def send(lease: str | None) -> dict[str, Any]:
+            change = [_delete(queued) if new is None else _put(queued, new, lease)]
+            # absent, or expect, or new: nested txns, each falling through to the next test
+            last: list[dict[str, Any]] = [_range(queued)]
+            for value in [expect] + ([new] if new is not None and new != expect else []):
+                last = [{"request_txn": {
+                    "compare": [_equals(queued, value)], "success": change, "failure": last}}]
+            return self._txn("swap_publish", key, [_absent(queued)], change, last)
+
+        reply = send(None) if new is None else self._on_timed_lease(ttl_ms / 1000, key, send)
+        while not reply.get("succeeded"):
+            inner = reply["responses"][0]
+            if "response_txn" not in inner:
+                return _value(_kv(inner)) or None
+            reply = inner["response_txn"]
+        return None
+
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         name = self._key("deliveries", key)
         for _ in range(8):  # racing increments: re-read and try again

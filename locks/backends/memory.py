@@ -163,6 +163,19 @@ class MemoryBackend(LockBackend):
         with self._cond:
             self._queued.pop(key, None)
 
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        with self._cond:
+            now = self.clock.monotonic()
+            held = self._queued.get(key)
+            found = held[0] if held and held[1] > now else None
+            if found is not None and found not in (expect, new):
+                return found
+            if new is None:
+                self._queued.pop(key, None)
+            else:
+                self._queued[key] = (new, now + ttl_ms / 1000)
+            return None
+
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         with self._cond:
             now = self.clock.monotonic()

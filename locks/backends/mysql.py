@@ -475,6 +475,22 @@ class MySQLBackend(LockBackend):
                 ]
             ),
             "clear_publish": f"DELETE FROM {mk} WHERE key_hash = %s AND kind = 'q'",
+            # n (unused by claims) first records whether a live other value keeps the claim:
+            # the later assignments read it. A removed claim is '' expiring now.
+            "swap_publish": ";".join(
+                [
+                    "START TRANSACTION",
+                    f"INSERT INTO {mk} (key_hash, kind, value, n, expires_at) VALUES (%(h)s,"
+                    " 'q', %(v)s, 0, NOW(6) + INTERVAL %(ttl)s MICROSECOND)"
+                    " ON DUPLICATE KEY UPDATE"
+                    " n = IF(expires_at > NOW(6) AND value <> %(e)s AND value <> %(v)s, 1, 0),"
+                    " value = IF(n = 1, value, %(v)s),"
+                    " expires_at = IF(n = 1, expires_at, NOW(6) + INTERVAL %(ttl)s MICROSECOND)",
+                    f"SELECT IF(n = 1, value, NULL) FROM {mk}"
+                    " WHERE key_hash = %(h)s AND kind = 'q'",
+                    "COMMIT",
+                ]
+            ),
             "count_delivery": ";".join(
                 [
                     "START TRANSACTION",
@@ -647,6 +663,14 @@ class MySQLBackend(LockBackend):
 
     def clear_publish(self, key: str) -> None:
         self._run(self._sql["clear_publish"], (key_hash(key),), key)
+
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        ttl_us = ttl_ms * 1000 if new is not None else 0
+        params = {"h": key_hash(key), "e": expect, "v": new or "", "ttl": ttl_us}
+        sets = self._run(self._sql["swap_publish"], params, key)
+        rows = next(s for s in sets if isinstance(s, list))
+        kept = rows[0][0] if rows else None
+        return str(kept) if kept else None
 
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         params = {"h": key_hash(key), "ttl": window_ms * 1000}

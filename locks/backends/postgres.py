@@ -188,6 +188,25 @@ RETURNING queued_task
 _CLEAR_PUBLISH = f"""UPDATE {TABLE} SET queued_task = NULL, queued_until = NULL
 WHERE prefix = %s AND key = %s AND queued_task IS NOT NULL"""
 
+# The claim changes unless a live value other than expect or new holds it; touched_at moves
+# only with a change, so RETURNING can tell a change (new, until = touched + ttl) apart.
+_KEPT = """l.queued_task IS NOT NULL AND l.queued_until > excluded.touched_at
+    AND l.queued_task <> %(expect)s AND l.queued_task IS DISTINCT FROM %(new)s::text"""
+_SWAP_PUBLISH = f"""
+INSERT INTO {TABLE} AS l (prefix, key, queued_task, queued_until, touched_at)
+SELECT %(prefix)s, %(key)s, %(new)s::text, CASE WHEN %(new)s::text IS NULL THEN NULL
+  ELSE c.now + %(ttl)s * interval '1 millisecond' END, c.now
+FROM (SELECT clock_timestamp() AS now) c
+ON CONFLICT (prefix, key) DO UPDATE SET
+  queued_task = CASE WHEN {_KEPT} THEN l.queued_task ELSE excluded.queued_task END,
+  queued_until = CASE WHEN {_KEPT} THEN l.queued_until ELSE excluded.queued_until END,
+  touched_at = CASE WHEN {_KEPT} THEN l.touched_at ELSE excluded.touched_at END
+RETURNING CASE WHEN queued_task IS NOT DISTINCT FROM %(new)s::text
+  AND queued_until IS NOT DISTINCT FROM CASE WHEN %(new)s::text IS NULL THEN NULL
+    ELSE touched_at + %(ttl)s * interval '1 millisecond' END
+  THEN NULL ELSE queued_task END
+"""
+
 _COUNT_DELIVERY = f"""
 INSERT INTO {TABLE} AS l (prefix, key, deliveries, deliveries_until, touched_at)
 SELECT %(prefix)s, %(key)s, 1, c.now + %(window)s * interval '1 millisecond', c.now
@@ -581,6 +600,12 @@ class PostgresBackend(LockBackend):
 
     def clear_publish(self, key: str) -> None:
         self._run("clear_publish", key, _CLEAR_PUBLISH, (self.prefix, key))
+
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        params = {"prefix": self.prefix, "key": key, "expect": expect, "new": new,
+                  "ttl": ttl_ms}  # fmt: skip
+        kept: str | None = self._run("swap_publish", key, _SWAP_PUBLISH, params)[0][0]
+        return kept
 
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         params = {"prefix": self.prefix, "key": key, "window": window_ms}

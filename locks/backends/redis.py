@@ -392,6 +392,11 @@ class RedisBackend(LockBackend):
         except RedisError as exc:
             raise BackendUnavailable("redis clear_publish failed", key=key, cause=exc) from exc
 
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        found = self._call("swap_publish", [self.keys.queued(key)], [expect, new or "", ttl_ms],
+                           key)  # fmt: skip
+        return _s(found) if found else None
+
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         name = self.keys.deliveries(key)
         try:

@@ -7,7 +7,7 @@ from importlib import resources
 from typing import Any
 
 SCRIPT_NAMES = ("begin", "extend", "extend_many", "release", "commit", "fenced_write",
-                "claim_publish")
+                "claim_publish", "swap_publish")
 
 
 @cache

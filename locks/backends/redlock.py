@@ -62,6 +62,7 @@ SCRIPTS = (
     "extend",
     "extend_many",
     "claim_publish",
+    "swap_publish",
 )
 
 
@@ -888,6 +889,21 @@ class RedlockBackend(LockBackend):
             if count >= self.quorum:
                 return other
         return None
+
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        """The swap on every master; done where a majority did it (a minority's swap
+        expires with its TTL), else the value most of the refusing masters hold answers."""
+        payload = self._evalsha(
+            "swap_publish", [self.keys.queued(key)], [expect, new or "", ttl_ms]
+        )
+        replies = self._everywhere(payload)
+        answers = [v for v in replies.values() if v is not NO_REPLY and type(v) is not _ErrorReply]
+        if len(answers) < self.quorum:
+            raise self._unavailable("swap_publish", replies, key)
+        kept = Counter(str(v) for v in answers if v)
+        if len(answers) - sum(kept.values()) >= self.quorum:
+            return None
+        return kept.most_common(1)[0][0]
 
     def clear_publish(self, key: str) -> None:
         payload = self._evalsha("redlock_admin", [self.keys.queued(key)], ["delete"])

@@ -1104,6 +1104,19 @@ class ZooKeeperBackend(LockBackend):
                                           "claim_publish", change)  # fmt: skip
         return answer
 
+    def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        def change(cur: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:
+            held = None if cur is None else str(cur.get("task_id"))
+            if held is not None and held not in (expect, new):
+                return None, held
+            if new is None:  # removed: a version-checked write of a claim already expired
+                return ({"task_id": "", "ttl_ms": 0} if cur is not None else None), None
+            return {"task_id": new, "ttl_ms": ttl_ms}, None
+
+        answer: str | None = self._update(key, self._paths(node_name(key)).queued,
+                                          "swap_publish", change)  # fmt: skip
+        return answer
+
     def clear_publish(self, key: str) -> None:
         session = self._any_session()
         path = self._paths(node_name(key)).queued

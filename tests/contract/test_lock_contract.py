@@ -27,6 +27,7 @@ from jobfence.locks import (
     Lease,
     LeaseLost,
     LockBackend,
+    LockError,
     LockInfo,
     NotOwner,
     OwnerMeta,
@@ -464,6 +465,47 @@ def test_failed_record_does_not_short_circuit_begin(backend: LockBackend) -> Non
     assert backend.commit(retry, state="DONE", result="1", fingerprint="fp", result_ttl=60)
     done = backend.job_record(key)
     assert done is not None and (done.state, done.fence) == ("DONE", retry.fence)
+
+
+# --------------------------------------------------------------------------- publish claims
+
+
+def test_claim_publish_keeps_the_first_task_id_until_cleared(backend: LockBackend) -> None:
+    key = _key("claim")
+    assert backend.claim_publish(key, "t1", 30.0) is None
+    assert backend.claim_publish(key, "t1", 30.0) is None  # the same task again
+    assert backend.claim_publish(key, "t2", 30.0) == "t1"
+    backend.clear_publish(key)
+    assert backend.claim_publish(key, "t2", 30.0) is None
+
+
+def test_swap_publish_hands_a_claim_over_only_from_the_expected_holder(
+    harness: BackendHarness,
+) -> None:
+    backend, other = harness.backend, harness.another_client()
+    key = _key("swap")
+    assert backend.swap_publish(key, "t1", "t1", 30.0) is None  # free: claimed
+    assert other.claim_publish(key, "t9", 30.0) == "t1"
+    assert other.swap_publish(key, "t1", "t2", 30.0) is None  # replaced
+    assert backend.claim_publish(key, "t9", 30.0) == "t2"
+    assert backend.swap_publish(key, "t1", "t3", 30.0) == "t2"  # t1 no longer holds it
+    assert other.claim_publish(key, "t9", 30.0) == "t2", "a refused swap changed the claim"
+    assert backend.swap_publish(key, "t2", "!t2", 30.0) is None  # marked started
+    assert other.swap_publish(key, "t2", "!t2", 30.0) is None  # already so: the same answer
+    assert other.swap_publish(key, "t2", "t4", 30.0) == "!t2", "replaced a started job"
+
+
+def test_swap_publish_to_none_is_an_owner_checked_clear(harness: BackendHarness) -> None:
+    backend, other = harness.backend, harness.another_client()
+    key = _key("swapclear")
+    assert backend.swap_publish(key, "t1", None, 30.0) is None  # nothing to clear
+    assert backend.claim_publish(key, "t1", 30.0) is None
+    assert other.swap_publish(key, "t2", None, 30.0) == "t1", "cleared another's claim"
+    assert backend.claim_publish(key, "t3", 30.0) == "t1"
+    assert other.swap_publish(key, "t1", None, 30.0) is None
+    assert backend.claim_publish(key, "t3", 30.0) is None, "the claim was not cleared"
+    with pytest.raises(LockError, match="swap_publish"):
+        backend.swap_publish(key, "", "t1", 30.0)
 
 
 def test_commit_by_non_owner_writes_nothing(harness: BackendHarness) -> None:

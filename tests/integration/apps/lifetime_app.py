@@ -1,0 +1,115 @@
+"""Tasks for the lock-lifetime and duplicate-publish tests, plus a plain Celery control task.
+
+Built from the variables of :mod:`tests.integration.apps.singleton_app` (same broker, lock
+server and ledger). Each body records its start (with its task id and `version` argument)
+and end in the Ledger, waiting at the job's gate in between where the test needs a job that
+is running; every delivery's state and return value go to the job's ``outcomes``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Celery, Task, signals
+
+from jobfence.tasks import SingletonTask, install, singleton_task
+from tests.integration.apps.common import app_on_first_access, make_app
+from tests.integration.apps.singleton_app import ledger, settings_from
+
+__all__ = ["UNIQUE_FOR", "create_app"]
+
+#: The throttle window of ``lifetime.throttle``, in seconds.
+UNIQUE_FOR = 2.0
+#: How long a gated body waits for the test to open its gate.
+GATE_TIMEOUT = 30.0
+
+
+def gated(self: Task, job_id: str, version: str = "") -> str:
+    """Start, wait until the test opens the job's gate, end; returns its `version`."""
+    book = ledger()
+    meta = {"task_id": self.request.id, "version": version, "pid": os.getpid()}
+    book.start(job_id, **meta)
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while not book.released(job_id) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    book.effect(job_id, **meta)
+    book.end(job_id, **meta)
+    return version
+
+
+def record(self: Task, job_id: str) -> int:
+    """Start, have the effect, end."""
+    book = ledger()
+    meta = {"task_id": self.request.id}
+    book.start(job_id, **meta)
+    count = book.effect(job_id, **meta)
+    book.end(job_id, **meta)
+    return count
+
+
+def retried(self: Task, job_id: str) -> int:
+    """Retry once at once, then record (a retry publishes under the started job's task id)."""
+    book = ledger()
+    book.start(job_id, task_id=self.request.id, retries=self.request.retries)
+    book.end(job_id, task_id=self.request.id)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return book.effect(job_id, task_id=self.request.id)
+
+
+def _register(app: Celery) -> None:
+    def singleton(name: str, body: Any, **options: Any) -> None:
+        singleton_task(
+            app=app, name=name, bind=True, shared=False, key=["job_id"], **options
+        )(body)
+
+    singleton(
+        "lifetime.start",
+        gated,
+        dedupe_on_publish=True,
+        lock_until="start",
+        on_conflict="wait",
+        wait_timeout=GATE_TIMEOUT,
+    )
+    singleton("lifetime.finish", gated, dedupe_on_publish=True)
+    singleton("lifetime.throttle", record, dedupe_on_publish=True, unique_for=UNIQUE_FOR)
+    singleton("lifetime.retried", retried, dedupe_on_publish=True, unique_for=UNIQUE_FOR,
+              max_retries=1)  # fmt: skip
+    singleton("lifetime.raise", gated, dedupe_on_publish=True, on_duplicate_publish="raise")
+    singleton("lifetime.replace", gated, dedupe_on_publish=True, on_duplicate_publish="replace")
+    # The control: plain Celery, the same body, no jobfence.
+    app.task(name="lifetime.plain", bind=True, acks_late=True, shared=False)(gated)
+
+
+def create_app(env: Mapping[str, str], name: str = "lifetime_app") -> Celery:
+    """The Celery app with its jobfence runtime and every ``lifetime.*`` task registered."""
+    app = make_app(name, env)
+    install(app, settings_from(env))
+    _register(app)
+    return app
+
+
+@signals.task_postrun.connect(weak=False)
+def _record_outcome(
+    task_id: str | None = None,
+    task: Any = None,
+    args: Any = None,
+    retval: Any = None,
+    state: str | None = None,
+    **_: Any,
+) -> None:
+    name = getattr(task, "name", "") or ""
+    if not name.startswith("lifetime.") or not args:
+        return
+    info: dict[str, Any] = {"task_id": task_id, "task": name, "state": state}
+    info["value" if state == "SUCCESS" else "error"] = (
+        retval if state == "SUCCESS" else type(retval).__name__
+    )
+    info["singleton"] = isinstance(task, SingletonTask)
+    ledger().outcome(str(args[0]), **info)
+
+
+__getattr__ = app_on_first_access(__name__, create_app)

@@ -1,0 +1,202 @@
+"""Lock lifetimes and duplicate publishes on real workers: lock_until, unique_for, replace."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from jobfence.tasks import DUPLICATE, SUPERSEDED, DuplicatePublish, runtime_for
+from tests.integration.apps import lifetime_app
+from tests.integration.apps.common import app_env
+from tests.integration.celery_fleet import Fleet, FleetFactory
+from tests.integration.ledger import Ledger
+from tests.servers import RedisServer, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+APP = "tests.integration.apps.lifetime_app"
+# Long enough that a message held for its countdown is not handed out twice meanwhile.
+VISIBILITY_TIMEOUT = 10.0
+DEADLINE = 20.0  # for anything a worker must do; far above the normal second or less
+
+
+@dataclass
+class Lifetimes:
+    fleet: Fleet
+    app: Celery
+    ledger: Ledger
+    broker: redis.Redis
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[f"lifetime.{name}"]
+
+    def outcome(self, job_id: str, task_id: str) -> dict[str, Any]:
+        """The (first) outcome of `task_id`'s delivery, once it has one."""
+        found: list[dict[str, Any]] = wait_for(
+            lambda: self.ledger.outcomes(job_id, task_id), DEADLINE, 0.02, self.explain(job_id)
+        )
+        return found[0]
+
+    def started(self, job_id: str, count: int = 1) -> None:
+        wait_for(lambda: self.ledger.start_count(job_id) >= count, DEADLINE, 0.02,
+                 self.explain(job_id))  # fmt: skip
+
+    def explain(self, job_id: str) -> Any:
+        return lambda: f"{self.ledger.summary(job_id)}\n{self.fleet.logs(lines=15)}"
+
+
+@pytest.fixture(scope="module", params=["redis", "postgres"])
+def lifetimes_module(
+    request: pytest.FixtureRequest, module_redis: RedisServer, fleet_factory: FleetFactory
+) -> Iterator[Lifetimes]:
+    """A worker whose locks and publish claims live on Redis, or on PostgreSQL."""
+    server = f"redis://{module_redis.host}:{module_redis.port}"
+    lock_url = f"{server}/2" if request.param == "redis" else request.getfixturevalue("pg_url")
+    env = app_env(
+        module_redis.url,  # broker: db 0
+        ledger_url=f"{server}/1",
+        visibility_timeout=VISIBILITY_TIMEOUT,
+        LOCK_URL=lock_url,
+    )
+    fleet = fleet_factory(APP, env=env, workers=1, concurrency=2)
+    app = lifetime_app.create_app(env, name="lifetime-client")
+    ledger = Ledger.from_url(f"{server}/1")
+    try:
+        yield Lifetimes(fleet, app, ledger, module_redis.client())
+    finally:
+        ledger.close()
+        runtime_for(app).close()
+        app.close()
+        fleet.stop()  # the next parameter's worker shares the broker: this one may not stay
+
+
+@pytest.fixture
+def lt(lifetimes_module: Lifetimes) -> Iterator[Lifetimes]:
+    m = lifetimes_module
+    m.fleet.ensure_running()
+    yield m
+    # Open every gate, so no body holds a pool process into the next test.
+    for key in m.ledger.client.scan_iter(match="ledger:*:starts"):
+        m.ledger.release(key.decode().split(":")[1])
+    m.fleet.wait_idle(m.broker)
+
+
+def job() -> str:
+    return f"job-{uuid.uuid4().hex[:12]}"
+
+
+# -- lock_until ----------------------------------------------------------------------------
+
+
+def test_lock_until_start_queues_a_newer_copy_behind_the_running_one(lt: Lifetimes) -> None:
+    j, task = job(), lt.task("start")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    second = task.delay(j, "v2")
+    assert second.id != first.id, "the key stayed claimed after the run started"
+    assert task.delay(j, "v3").id == second.id, "the queued copy's claim did not hold"
+    lt.ledger.release(j)
+    assert lt.outcome(j, second.id)["value"] == "v2"
+    starts, ends = lt.ledger.starts(j), lt.ledger.ends(j)
+    assert [s["version"] for s in starts] == ["v1", "v2"], lt.explain(j)()
+    assert lt.ledger.max_concurrent(j) == 1
+    assert starts[1]["t"] >= ends[0]["t"], "the newer copy ran beside the running one"
+
+
+def test_control_lock_until_finish_answers_a_publish_during_the_run_with_the_first(
+    lt: Lifetimes,
+) -> None:
+    j, task = job(), lt.task("finish")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    assert task.delay(j, "v2").id == first.id
+    lt.ledger.release(j)
+    assert lt.outcome(j, first.id)["value"] == "v1"
+    assert lt.ledger.start_count(j) == 1
+
+
+def test_control_plain_celery_runs_both_publishes_at_once(lt: Lifetimes) -> None:
+    j, task = job(), lt.task("plain")
+    first, second = task.delay(j, "v1"), task.delay(j, "v2")
+    assert first.id != second.id
+    lt.started(j, 2)  # both bodies in, neither gate open
+    assert lt.ledger.max_concurrent(j) == 2
+    lt.ledger.release(j)
+
+
+# -- unique_for ----------------------------------------------------------------------------
+
+
+def test_unique_for_throttles_publishes_and_runs_within_the_window_and_allows_after(
+    lt: Lifetimes,
+) -> None:
+    j, task = job(), lt.task("throttle")
+    first = task.delay(j)
+    assert lt.outcome(j, first.id)["value"] == 1
+    finished = lt.ledger.ends(j)[0]["t"]
+    assert task.delay(j).id == first.id, "a publish inside the window went out"
+    # A copy published around the claim (send_task) is throttled when it runs.
+    stray = lt.app.send_task("lifetime.throttle", args=[j])
+    assert lt.outcome(j, stray.id)["value"] == DUPLICATE
+    # After the window a publish goes out and runs.
+    deadline = time.monotonic() + lifetime_app.UNIQUE_FOR + DEADLINE
+    while (later := task.delay(j)).id == first.id:
+        assert time.monotonic() < deadline, "the key stayed throttled past its window"
+        time.sleep(0.05)
+    assert time.time() - finished >= lifetime_app.UNIQUE_FOR * 0.9
+    assert lt.outcome(j, later.id)["value"] == 2
+    assert lt.ledger.start_count(j) == 2
+
+
+def test_a_throttled_task_still_runs_its_own_retry(lt: Lifetimes) -> None:
+    j = job()
+    first = lt.task("retried").delay(j)
+    wait_for(lambda: any(o["state"] == "SUCCESS" for o in lt.ledger.outcomes(j, first.id)),
+             DEADLINE, 0.02, lt.explain(j))  # fmt: skip
+    assert [s["retries"] for s in lt.ledger.starts(j)] == [0, 1]
+    assert lt.ledger.effect_count(j) == 1
+
+
+# -- on_duplicate_publish ----------------------------------------------------------------
+
+
+def test_raise_names_the_task_id_of_the_copy_already_queued_or_running(lt: Lifetimes) -> None:
+    j, task = job(), lt.task("raise")
+    first = task.delay(j, "v1")
+    with pytest.raises(DuplicatePublish, match=first.id) as caught:
+        task.delay(j, "v2")
+    assert caught.value.task_id == first.id and j not in str(caught.value)
+    lt.ledger.release(j)
+    assert lt.outcome(j, first.id)["value"] == "v1"
+    assert lt.ledger.start_count(j) == 1
+
+
+def test_replace_supersedes_a_copy_that_has_not_started(lt: Lifetimes) -> None:
+    j, task = job(), lt.task("replace")
+    lt.ledger.release(j)
+    old = task.apply_async((j, "v1"), countdown=1.5)  # held by the worker until then
+    new = task.delay(j, "v2")
+    assert new.id != old.id
+    assert lt.outcome(j, new.id)["value"] == "v2"
+    # The old copy is still delivered (nothing revoked it): it finds its claim gone and skips.
+    assert lt.outcome(j, old.id)["value"] == SUPERSEDED
+    assert [s["version"] for s in lt.ledger.starts(j)] == ["v2"], lt.explain(j)()
+
+
+def test_replace_never_runs_a_second_copy_beside_a_started_one(lt: Lifetimes) -> None:
+    j, task = job(), lt.task("replace")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    assert task.delay(j, "v2").id == first.id  # the started copy answers
+    lt.ledger.release(j)
+    assert lt.outcome(j, first.id)["value"] == "v1"
+    lt.fleet.wait_idle(lt.broker)  # a second copy would be queued or running now
+    assert [s["version"] for s in lt.ledger.starts(j)] == ["v1"]
+    assert len(lt.ledger.outcomes(j)) == 1
