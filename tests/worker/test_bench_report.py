@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobfence.worker.bench import locks_bench, report
+import pytest
+
+from jobfence.worker.bench import locks_bench, matrix, report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {
@@ -51,29 +53,44 @@ def test_bench_locks_quick_writes_a_json_report_and_a_png_chart(tmp_path: Path) 
     assert rows["jobfence memory (in-process)"]["wake"]["n"] == 0  # no wake across processes
     assert "jobfence Redis" in done.stdout and "PNG written" in done.stderr
     assert out_png.stat().st_size > 0 and report.is_png(out_png)
-    # The README's table is rendered from this file, not typed.
-    table = subprocess.run(
-        [sys.executable, "-m", "jobfence", "bench", "locks", "--markdown-from", str(out_json)],
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
-    assert table.startswith("| backend |") and "| jobfence Redis |" in table
 
 
-def test_a_missing_server_binary_skips_its_backends_with_the_reason(tmp_path: Path) -> None:
-    done = bench_locks("--only", "memory,redis,redis-py", "--redis-server", "no-such-redis-server",
-                       "--out-dir", str(tmp_path), "--json")  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    results = json.loads(done.stdout)
-    skipped = results["backends"]["skipped"]
-    assert set(skipped) == {"redis", "redis-py"}
-    assert "no-such-redis-server" in skipped["redis"]
-    assert [r["name"] for r in results["backends"]["rows"]] == ["jobfence memory (in-process)"]
-    (written,) = tmp_path.glob("locks-*.json")  # the default name under --out-dir
-    assert report.load(written)["results"]["backends"]["skipped"] == skipped
+def test_the_readme_table_is_rendered_from_a_report_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    row = {
+        "name": "jobfence Redis", "group": "redis", "kind": "jobfence", "fence": True, "note": "",
+        "pair_us": {"median": 120.0, "p10": 100.0, "p90": 150.0, "p99": 300.0},
+        "pairs_per_s_1": {"median": 8000.0, "min": 7000.0, "max": 9000.0},
+        "pairs_per_s_n": {"median": 15000.0, "min": 14000.0, "max": 16000.0},
+        "pairs_per_s_contended": None, "refused_free_key": 0, "errors": [],
+        "wake": {"n": 3, "median_ms": 0.9, "p10_ms": 0.8, "p90_ms": 1.2, "max_ms": 1.3},
+    }  # fmt: skip
+    section = {"settings": {"clients": 8}, "rows": [row], "skipped": {"etcd": "no binary"}}
+    written = report.write_report(
+        "locks", {"backends": section}, json_path=tmp_path / "r.json", quiet=True
+    )
+    assert written.json_path is not None and written.png_path is None
+    assert locks_bench.main(["--markdown-from", str(written.json_path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| backend | pair µs") and "8 clients" in table[0]
+    assert table[2] == "| jobfence Redis | 120 (100-150) | 0.9 (0.8-1.2) | 8000 | 15000 | - | yes |"
+    assert table[3].startswith("| etcd: skipped, no binary |")
 
 
-def test_bench_locks_rejects_an_unknown_backend_by_name() -> None:
-    done = bench_locks("--only", "redis,mongo")
-    assert done.returncode == 2 and "--only: unknown backend(s) mongo" in done.stderr
-    assert locks_bench.parse_args(["--quick"]).groups == list(locks_bench.matrix.GROUPS)
+def test_a_missing_server_binary_skips_its_backends_with_the_reason() -> None:
+    skipped: dict[str, str] = {}
+    wanted = ["memory", "redis", "redis-py", "redlock", "pottery"]
+    with matrix.servers(wanted, skipped, redis_server="no-such-redis-server", quiet=True) as got:
+        assert [c.name for c in got] == ["jobfence memory (in-process)"]
+    assert set(skipped) == {"redis", "redis-py", "redlock", "pottery"}
+    assert all("'no-such-redis-server' is not on PATH" in why for why in skipped.values())
+
+
+def test_bench_locks_rejects_an_unknown_backend_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        locks_bench.parse_args(["--only", "redis,mongo"])
+    assert "--only: unknown backend(s) mongo" in capsys.readouterr().err
+    assert locks_bench.parse_args(["--quick"]).groups == list(matrix.GROUPS)

@@ -58,20 +58,21 @@ CLIENT_OPTIONS: dict[str, Any] = {
     "decode_responses": True,
     "health_check_interval": 0,
 }
-PRELOAD = [
-    "jobfence.worker.bench.matrix",
-    "jobfence.locks.backends.redis",
-    "jobfence.locks.backends.redlock",
-    "jobfence.locks.backends.redis_cluster",
-    "jobfence.locks.backends.redis_sentinel",
-    "jobfence.locks.backends.etcd",
-    "jobfence.locks.backends.postgres",
-    "jobfence.locks.backends.mysql",
-    "jobfence.locks.backends.zookeeper",
-    "jobfence.locks.advisory",
-    "redis_lock",
-    "pottery",
-]
+# What each group's client processes import, loaded once into the forkserver.
+PRELOAD = {
+    "memory": ["jobfence.locks.backends.memory"],
+    "redis": ["jobfence.locks.backends.redis"],
+    "redis-py": ["redis"],
+    "python-redis-lock": ["redis_lock"],
+    "redlock": ["jobfence.locks.backends.redlock"],
+    "pottery": ["pottery"],
+    "sentinel": ["jobfence.locks.backends.redis_sentinel"],
+    "cluster": ["jobfence.locks.backends.redis_cluster"],
+    "postgres": ["jobfence.locks.backends.postgres", "jobfence.locks.advisory"],
+    "mariadb": ["jobfence.locks.backends.mysql", "jobfence.locks.advisory"],
+    "etcd": ["jobfence.locks.backends.etcd"],
+    "zookeeper": ["jobfence.locks.backends.zookeeper"],
+}
 
 
 class MatrixError(RuntimeError):
@@ -807,7 +808,6 @@ def run(
 ) -> dict[str, Any]:
     """Start the servers, measure every contender, return the `backends` report section."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
     skipped: dict[str, str] = {}
     started = time.monotonic()
 
@@ -820,6 +820,13 @@ def run(
         only, skipped, redis_server=redis_server, postgres=postgres, mariadb=mariadb, quiet=quiet
     ) as contenders:
         rows = [Row(c) for c in contenders]
+        groups = {c.group for c in contenders}
+        ctx.set_forkserver_preload(
+            [
+                "jobfence.worker.bench.matrix",
+                *(m for g in GROUPS if g in groups for m in PRELOAD[g]),
+            ]
+        )
         for r in range(s.rounds):
             for row in rows[r % max(1, len(rows)) :] + rows[: r % max(1, len(rows))]:
                 if row.errors:
