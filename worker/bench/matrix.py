@@ -347,12 +347,23 @@ def _summary_us(ns: Sequence[int]) -> dict[str, float]:
 
 
 def _run(
-    lock: Lock, *, mode: str, tag: str, go_at: int, seconds: float, warmup: int, timed: bool
+    lock: Lock,
+    warmed: Callable[[], int],
+    *,
+    mode: str,
+    tag: str,
+    seconds: float,
+    warmup: int,
+    timed: bool,
 ) -> dict[str, Any]:
-    """One client's timed run: distinct keys of its own, or everybody on one key."""
+    """One client's timed run: distinct keys of its own, or everybody on one key.
+
+    `warmed()` says the warm-up is over and returns when to start (every client the same).
+    """
     keys = [f"{tag}:{i}" for i in range(KEYS_PER_CLIENT)]
     for i in range(warmup):
         lock.pair(keys[i % len(keys)])
+    go_at = warmed()
     deadline = go_at + int(seconds * 1e9)
     pause = (go_at - now_ns()) / 1e9
     if pause > 0:
@@ -396,7 +407,13 @@ def _client_main(contender: Contender, conn: Connection) -> None:
             op, arg = msg
             try:
                 if op == "run":
-                    conn.send(("done", _run(lock, **arg)))
+
+                    def warmed() -> int:
+                        conn.send(("warm", None))
+                        go_at: int = conn.recv()
+                        return go_at
+
+                    conn.send(("done", _run(lock, warmed, **arg)))
                 elif op == "hold":
                     release = lock.hold(arg)
                     conn.send(("held", None))
@@ -471,7 +488,6 @@ class Clients:
 def throughput(ctx: Any, contender: Contender, n: int, mode: str, s: Settings) -> dict[str, Any]:
     """Pairs/s of `n` client processes together for `s.seconds` (and, for one, latencies)."""
     with Clients(ctx, contender, n) as clients:
-        go_at = now_ns() + int(0.3e9 + s.warmup * 2e6)  # after everybody's warm-up
         for i, p in enumerate(clients.pipes):
             p.send(
                 (
@@ -479,14 +495,18 @@ def throughput(ctx: Any, contender: Contender, n: int, mode: str, s: Settings) -
                     {
                         "mode": mode,
                         "tag": f"c{i}-{os.getpid()}",
-                        "go_at": go_at,
                         "seconds": s.seconds,
                         "warmup": s.warmup,
                         "timed": n == 1,
                     },
                 )
             )
-        timeout = (go_at - now_ns()) / 1e9 + s.seconds + WAIT_TIMEOUT + 30
+        for p in clients.pipes:
+            clients.expect(p, "warm", 120.0)
+        go_at = now_ns() + int(0.05e9)  # every client is waiting for it: start together
+        for p in clients.pipes:
+            p.send(go_at)
+        timeout = s.seconds + WAIT_TIMEOUT + 30
         results = [clients.expect(p, "done", timeout) for p in clients.pipes]
     late = max(r["end"] for r in results)
     span = max(late - go_at, 1) / 1e9
@@ -842,8 +862,8 @@ def run(
             say(f"wake-up: {row.contender.name} ...")
             try:
                 row.wake = wake_up(ctx, row.contender, s)
-            except MatrixError as exc:
-                row.wake = {"n": 0, "errors": [str(exc)]}
+            except Exception as exc:  # as above: reported in the row
+                row.wake = {"n": 0, "errors": [f"{type(exc).__name__}: {exc}"]}
     return {
         "settings": {
             "clients": s.clients,
@@ -865,6 +885,8 @@ def _measure_round(ctx: Any, row: Row, s: Settings) -> None:
     try:
         one = throughput(ctx, c, 1, "distinct", s)
         row.one.append(one["pairs_per_s"])
+        if one["latency_us"] is None:
+            raise MatrixError(f"{c.name}: no pair finished within {s.seconds} s")
         row.latency_us.append(one["latency_us"])
         row.refused += one["refused"]
         many = throughput(ctx, c, s.clients, "distinct", s)
@@ -872,8 +894,8 @@ def _measure_round(ctx: Any, row: Row, s: Settings) -> None:
         row.refused += many["refused"]
         if s.contended and c.cross_process:
             row.contended.append(throughput(ctx, c, s.clients, "contended", s)["pairs_per_s"])
-    except MatrixError as exc:
-        row.errors.append(str(exc))
+    except Exception as exc:  # one contender's failure is its row's error, not the run's end
+        row.errors.append(f"{type(exc).__name__}: {exc}")
 
 
 def _row_report(row: Row) -> dict[str, Any]:
