@@ -76,6 +76,13 @@ def test_the_readme_table_is_rendered_from_a_report_file(
     assert table[0].startswith("| backend | pair µs") and "8 clients" in table[0]
     assert table[2] == "| jobfence Redis | 120 (100-150) | 0.9 (0.8-1.2) | 8000 | 15000 | - | yes |"
     assert table[3].startswith("| etcd: skipped, no binary |")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{matrix.README_BEGIN}\nold table\n{matrix.README_END}\nrest\n")
+    args = ["--markdown-from", str(written.json_path), "--readme", str(readme)]
+    assert locks_bench.main(args) == 0
+    text = readme.read_text()
+    assert "old table" not in text and table[2] in text
+    assert text.startswith("intro\n") and text.endswith(f"{matrix.README_END}\nrest\n")
 
 
 def test_a_missing_server_binary_skips_its_backends_with_the_reason() -> None:

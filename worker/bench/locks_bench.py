@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Protocol
 
 import redis
@@ -693,6 +694,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown-from", default=None, metavar="JSON",
                    help="print the README's Markdown table from a report written earlier; "
                    "runs nothing")  # fmt: skip
+    p.add_argument("--readme", default=None, metavar="PATH",
+                   help="with --markdown-from: replace the table between the bench-locks "
+                   "markers of PATH (the README) instead of printing it")  # fmt: skip
     p.add_argument("--pairs", type=int, default=1000, help="pairs per round (default 1000)")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds per lock (default 15)")
     p.add_argument("--warmup", type=int, default=500, help="warm-up pairs per lock (default 500)")
@@ -884,7 +888,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown_from:
         try:
             document = report_io.load(args.markdown_from)
-            print(matrix.markdown(document["results"]["backends"]))
+            table = matrix.markdown(document["results"]["backends"], document["machine"])
+            if args.readme:
+                readme = Path(args.readme)
+                readme.write_text(matrix.into_readme(readme.read_text("utf-8"), table), "utf-8")
+            else:
+                print(table)
         except (OSError, ValueError, KeyError) as exc:
             print(f"bench: cannot read {args.markdown_from}: {exc}", file=sys.stderr)
             return 2

@@ -972,9 +972,10 @@ def format_rows(section: dict[str, Any]) -> list[str]:
     return out
 
 
-def markdown(section: dict[str, Any]) -> str:
+def markdown(section: dict[str, Any], machine: dict[str, Any] | None = None) -> str:
     """The every-backend table as a Markdown table (the README's is made by this)."""
-    n = section["settings"]["clients"]
+    st = section["settings"]
+    n = st["clients"]
     lines = [
         f"| backend | pair µs (p10-p90) | wake-up ms (p10-p90) | pairs/s, 1 client | "
         f"pairs/s, {n} clients | pairs/s, {n} on one key | fence |",
@@ -990,4 +991,31 @@ def markdown(section: dict[str, Any]) -> str:
         )
     for group, why in section["skipped"].items():
         lines.append(f"| {group}: skipped, {why} | | | | | | |")
+    if machine is not None:
+        load = machine.get("load_average")
+        lines += [
+            "",
+            f"Measured {machine['date']} on {machine['cores']} cores ({machine['cpu']}), Python "
+            f"{machine['python']}"
+            + (f", load average {load[0]} at the end" if load else "")
+            + f"; each throughput run {st.get('seconds_per_run', '?')} s, median of "
+            f"{st.get('rounds', '?')} interleaved rounds; {st.get('wake_trials', '?')} wake-ups.",
+        ]
     return "\n".join(lines)
+
+
+README_BEGIN = (
+    "<!-- bench locks: begin (python -m jobfence bench locks --markdown-from JSON --readme "
+    "README.md) -->"
+)
+README_END = "<!-- bench locks: end -->"
+
+
+def into_readme(text: str, table: str) -> str:
+    """`text` with the table between the README's two bench-locks markers replaced."""
+    try:
+        head, rest = text.split(README_BEGIN, 1)
+        _, tail = rest.split(README_END, 1)
+    except ValueError:
+        raise ValueError(f"the README has no {README_BEGIN!r} ... {README_END!r} markers") from None
+    return f"{head}{README_BEGIN}\n{table}\n{README_END}{tail}"
