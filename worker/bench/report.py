@@ -126,7 +126,6 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
         "platform": platform.platform(),
-        "argv": sys.argv[1:],
         "versions": versions,
     }
 
