@@ -903,7 +903,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results["backends"] = matrix.run(
             args.groups, settings(args), redis_server=args.redis_server,
-            postgres=args.postgres, mariadb=args.mariadb, quiet=args.quiet,
+            postgres=args.postgres, mariadb=args.mariadb, etcd=args.etcd,
+            zookeeper=args.zookeeper, quiet=args.quiet,
         )  # fmt: skip
         if args.detail:
             results["detail"] = run_detail(args)

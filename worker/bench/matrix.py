@@ -567,6 +567,8 @@ def servers(
     redis_server: str = "redis-server",
     postgres: str = "",
     mariadb: str = "",
+    etcd: str | None = None,
+    zookeeper: str = "auto",
     quiet: bool = False,
 ) -> Iterator[list[Contender]]:
     """Start what `only` needs; yield the contenders that could start, skip the rest."""
@@ -684,11 +686,13 @@ def servers(
                 out.append(Contender(f"jobfence {label} lease", group, "jobfence", db, True))
                 out.append(Contender(f"{label} advisory xact lock", group, "advisory", db, True))
         if "etcd" in wanted:
-            url = _start(stack, "etcd", {"etcd"}, skip, _etcd)
+            url = _start(stack, "etcd", {"etcd"}, skip, functools.partial(_etcd, etcd))
             if url:
                 out.append(Contender("jobfence etcd lease", "etcd", "jobfence", url, True))
         if "zookeeper" in wanted:
-            url = _start(stack, "zookeeper", {"zookeeper"}, skip, _zookeeper)
+            url = _start(
+                stack, "zookeeper", {"zookeeper"}, skip, functools.partial(_zookeeper, zookeeper)
+            )
             if url:
                 out.append(
                     Contender("jobfence ZooKeeper lease", "zookeeper", "jobfence", url, True)
@@ -711,7 +715,8 @@ def _start(
         return stack.enter_context(start())
     except Exception as exc:
         for group in sorted(groups):
-            skip(group, f"cannot start {what}: {type(exc).__name__}: {exc}")
+            why = f"{type(exc).__name__}: {exc}"
+            skip(group, str(exc) if isinstance(exc, MatrixError) else f"cannot start {what}: {why}")
         return None
 
 
@@ -768,9 +773,15 @@ def _scratch(label: str, server_url: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _etcd() -> Iterator[str]:
+def _etcd(given: str | None) -> Iterator[str]:
+    """`given` (an etcd:// URL), or a private etcd when None; '' skips."""
     from jobfence.worker.local_etcd import EtcdCluster, etcd_unavailable
 
+    if given is not None:
+        if not given:
+            raise MatrixError("not asked for (--etcd '')")
+        yield given
+        return
     reason = etcd_unavailable()
     if reason:
         raise MatrixError(reason)
@@ -782,11 +793,13 @@ def _etcd() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _zookeeper() -> Iterator[str]:
+def _zookeeper(given: str) -> Iterator[str]:
+    """`given` (a zookeeper:// URL, a chroot of the run's own added), 'auto' starts a private
+    server, '' skips."""
     from jobfence.worker.bench import zookeeper_rows
 
     skipped: dict[str, str] = {}
-    with zookeeper_rows.server_url(zookeeper_rows.AUTO, skipped) as got:
+    with zookeeper_rows.server_url(given, skipped) as got:
         if got is None:
             raise MatrixError(skipped.get(zookeeper_rows.NAME, "no server"))
         yield got[0]
@@ -824,6 +837,8 @@ def run(
     redis_server: str = "redis-server",
     postgres: str = "",
     mariadb: str = "",
+    etcd: str | None = None,
+    zookeeper: str = "auto",
     quiet: bool = False,
 ) -> dict[str, Any]:
     """Start the servers, measure every contender, return the `backends` report section."""
@@ -837,7 +852,14 @@ def run(
 
     say("starting servers ...")
     with servers(
-        only, skipped, redis_server=redis_server, postgres=postgres, mariadb=mariadb, quiet=quiet
+        only,
+        skipped,
+        redis_server=redis_server,
+        postgres=postgres,
+        mariadb=mariadb,
+        etcd=etcd,
+        zookeeper=zookeeper,
+        quiet=quiet,
     ) as contenders:
         rows = [Row(c) for c in contenders]
         groups = {c.group for c in contenders}
