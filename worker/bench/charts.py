@@ -35,7 +35,8 @@ def locks_chart(results: Mapping[str, Any], path: Path) -> None:
                 ax.text(1, y, " n/a", va="center", fontsize=8, color="#777777")
             else:
                 ax.text(v[0], y + 0.3, f" {_fmt(v[0])}", va="center", fontsize=7, color="#222222")
-        ax.set_xscale("log")
+        if any(m > 0 for m in mids):  # log of nothing but zeros warns
+            ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.grid(axis="x", which="both", alpha=0.3)
 
