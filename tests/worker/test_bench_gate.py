@@ -35,4 +35,4 @@ def test_the_cli_knows_the_gate_bench() -> None:
 
     assert BENCHES["gate"] == "jobfence.worker.bench.gate_bench"
     args = gate_bench.parse_args(["--calls", "5", "--json", "--profile", "10"])
-    assert (args.calls, args.json, args.profile) == (5, True, 10)
+    assert (args.calls, args.json, args.profile) == (5, "-", 10)

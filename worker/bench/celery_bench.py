@@ -27,6 +27,8 @@ import redis
 from celery.result import EagerResult
 from celery.utils import uuid
 
+from jobfence.worker.bench import charts
+from jobfence.worker.bench import report as report_io
 from jobfence.worker.bench.locks_bench import BenchError, Server, start_private_redis
 
 APP_MODULE = "jobfence.worker.bench.celery_bench_app"
@@ -215,7 +217,7 @@ def run(args: argparse.Namespace, server: Server, logdir: Path) -> dict[str, Any
                 pub, total = run_jobs(c, mod, counters, fleet, tag, args.jobs, args.timeout)
                 c.publish_seconds.append(pub)
                 c.seconds.append(total)
-                if not args.json:
+                if not report_io.json_to_stdout(args):
                     print(
                         f"  round {r + 1}: {c.name:<28} {args.jobs / total:8.0f} jobs/s", flush=True
                     )
@@ -332,7 +334,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=2, help="pool size per worker (2)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per contender (3)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    report_io.add_output_args(p)
     p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
     args = p.parse_args(argv)
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: cannot start a private redis-server: {exc}", file=sys.stderr)
         return 2
     try:
-        if not args.json:
+        if not report_io.json_to_stdout(args):
             print(f"running on private redis-server at {server.url} ...", flush=True)
         report = run(args, server, logdir)
     except (BenchError, redis.RedisError) as exc:
@@ -361,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
         shutil.rmtree(logdir, ignore_errors=True)
-    print(json.dumps(report) if args.json else format_report(report))
+    print(json.dumps(report) if report_io.json_to_stdout(args) else format_report(report))
+    report_io.write_report("celery", report, png=charts.celery_chart, args=args)
     if args.check and not all(report["targets"].values()):
         return 1
     return 0

@@ -41,6 +41,8 @@ from jobfence.locks import Lease, RedisBackend
 from jobfence.locks.errors import LockError
 from jobfence.tasks import Runtime, install, singleton_task
 from jobfence.tasks.executor import JobSpec
+from jobfence.worker.bench import charts
+from jobfence.worker.bench import report as report_io
 from jobfence.worker.redis_server import RedisServer
 
 TARGET_RATIO = 1.3  # a gated call costs at most this many bare acquire+release pairs
@@ -340,7 +342,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="profile N gated calls after the rounds (pyinstrument if installed; default 0)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    report_io.add_output_args(p)
     p.add_argument("--check", action="store_true", help="exit 1 if the target is missed")
     p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
     args = p.parse_args(argv)
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             version = str(admin.info("server")["redis_version"])
         finally:
             admin.close()
-        if not args.json:
+        if not report_io.json_to_stdout(args):
             print(f"running on private redis-server {version} at {server.url} ...", flush=True)
         with Bench(server.url) as bench:
             cases = run(
@@ -386,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         server.stop()
-    print(json.dumps(report) if args.json else format_report(report))
+    print(json.dumps(report) if report_io.json_to_stdout(args) else format_report(report))
+    report_io.write_report("gate", report, png=charts.gate_chart, args=args)
     if args.check and not all(report["targets"].values()):
         return 1
     return 0

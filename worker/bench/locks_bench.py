@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Protocol
 
 import redis
@@ -35,13 +36,16 @@ from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
 from jobfence.worker import local_zookeeper
 from jobfence.worker.bench import (
+    charts,
     cluster_rows,
     etcd_rows,
+    matrix,
     redlock_rows,
     sentinel_rows,
     sql_rows,
     zookeeper_rows,
 )
+from jobfence.worker.bench import report as report_io
 from jobfence.worker.local_sentinel import SentinelError
 from jobfence.worker.redis_server import RedisServer
 
@@ -638,7 +642,7 @@ def run_sql(args: argparse.Namespace) -> dict[str, Any]:
     servers = {"PostgreSQL": args.postgres, "MariaDB": args.mariadb}
     with sql_rows.scratch_databases(servers, skipped) as dbs:
         rows = sql_rows.plan(dbs, skipped)
-        if not args.json:
+        if not args.quiet:
             names = ", ".join(r.name for r in rows) or "none"
             print(f"running SQL rows: {names} ...", flush=True)
         if rows:
@@ -663,14 +667,44 @@ def run_sql(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jobfence bench locks",
-        description="Acquire+release pairs/s and wake-up delay: jobfence vs Redis lock peers.",
+        description="Every lock backend in one run (pair latency, wake-up delay, pairs/s with "
+        "1 and N client processes), written as JSON and a PNG chart; --detail adds the "
+        "single-process tables beside the peers (round trips, server CPU, targets).",
     )
+    p.add_argument(
+        "--only",
+        default=",".join(matrix.GROUPS),
+        metavar="LIST",
+        help=f"comma-separated backends to measure (default all: {','.join(matrix.GROUPS)})",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="a small run (1 round of 0.3 s, 2 clients, 3 wake-ups)")  # fmt: skip
+    p.add_argument("--clients", type=int, default=None,
+                   help="client processes of the many-client runs (default 8)")  # fmt: skip
+    p.add_argument("--seconds", type=float, default=None,
+                   help="seconds of each throughput run (default 2)")  # fmt: skip
+    p.add_argument("--matrix-rounds", type=int, default=None,
+                   help="interleaved throughput rounds per backend (default 3)")  # fmt: skip
+    p.add_argument("--wake-trials", type=int, default=None,
+                   help="wake-up trials per backend (default 30)")  # fmt: skip
+    p.add_argument("--no-contended", action="store_true",
+                   help="skip the N-clients-on-one-key runs")  # fmt: skip
+    p.add_argument("--detail", action="store_true",
+                   help="also run the single-process detail tables (the old report)")  # fmt: skip
+    p.add_argument("--markdown-from", default=None, metavar="JSON",
+                   help="print the README's Markdown table from a report written earlier; "
+                   "runs nothing")  # fmt: skip
+    p.add_argument("--readme", default=None, metavar="PATH",
+                   help="with --markdown-from: replace the table between the bench-locks "
+                   "markers of PATH (the README) instead of printing it")  # fmt: skip
     p.add_argument("--pairs", type=int, default=1000, help="pairs per round (default 1000)")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds per lock (default 15)")
     p.add_argument("--warmup", type=int, default=500, help="warm-up pairs per lock (default 500)")
     p.add_argument("--waiters", type=int, default=100, help="wake-up trials per lock (default 100)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    report_io.add_output_args(p)
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 if a target is missed (implies --detail)"
+    )
     p.add_argument("--seed", type=int, default=None, help="seed for the settle delays")
     p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
     p.add_argument(
@@ -734,24 +768,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--cluster-pairs must be >= 0")
     if args.sentinel_pairs < 0:
         p.error("--sentinel-pairs must be >= 0")
+    args.groups = [g.strip() for g in args.only.split(",") if g.strip()]
+    bad = [g for g in args.groups if g not in matrix.GROUPS]
+    if bad:
+        known = ",".join(matrix.GROUPS)
+        p.error(f"--only: unknown backend(s) {', '.join(bad)}; choose from {known}")
+    for name in ("clients", "matrix_rounds", "wake_trials"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.seconds is not None and args.seconds <= 0:
+        p.error("--seconds must be > 0")
+    args.quiet = report_io.json_to_stdout(args)
+    args.detail = args.detail or args.check
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; 0 on success, 1 if --check and a target is missed, 2 on failure."""
-    args = parse_args(argv)
-    try:
-        server = start_private_redis(args.redis_server)
-    except BenchError as exc:
-        print(f"bench: cannot start a private redis-server: {exc}", file=sys.stderr)
-        return 2
+def settings(args: argparse.Namespace) -> matrix.Settings:
+    """The every-backend run's settings: --quick's small defaults, then what was given."""
+    base = (
+        matrix.Settings(clients=2, seconds=0.3, rounds=1, warmup=10, wake_trials=3)
+        if args.quick
+        else matrix.Settings()
+    )
+    return matrix.Settings(
+        clients=args.clients or base.clients,
+        seconds=args.seconds or base.seconds,
+        rounds=args.matrix_rounds or base.rounds,
+        warmup=base.warmup,
+        wake_trials=args.wake_trials or base.wake_trials,
+        contended=not args.no_contended,
+        seed=args.seed,
+    )
+
+
+def run_detail(args: argparse.Namespace) -> dict[str, Any]:
+    """The single-process detail tables beside the peers (the report before the matrix)."""
+    server = start_private_redis(args.redis_server)
     try:
         admin = make_client(server.url)
         try:
             version = str(admin.info("server")["redis_version"])
         finally:
             admin.close()
-        if not args.json:
+        if not args.quiet:
             print(f"running on private redis-server {version} at {server.url} ...", flush=True)
         cases = run_pairs(server.url, pairs=args.pairs, rounds=args.rounds, warmup=args.warmup)
         wakes = run_wakeup(server.url, trials=args.waiters, seed=args.seed)
@@ -767,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         report["sql"] = run_sql(args)
         report["targets"].update(report["sql"]["targets"])
-        if not args.json:
+        if not args.quiet:
             print("running the etcd row ...", flush=True)
         report["etcd"] = etcd_rows.run(
             args.etcd, pairs=args.sql_pairs, rounds=args.rounds, warmup=args.warmup // 5,
@@ -775,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         report["targets"].update(report["etcd"].get("targets", {}))
         if args.redlock_pairs:
-            if not args.json:
+            if not args.quiet:
                 print("running Redlock rows on 5 private masters ...", flush=True)
             report["redlock"] = redlock_rows.run(
                 pairs=args.redlock_pairs,
@@ -785,13 +845,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             report["targets"].update(report["redlock"]["targets"])
         if args.cluster_pairs:
-            if not args.json:
+            if not args.quiet:
                 print("running Cluster rows on a private 3-master cluster ...", flush=True)
             report["cluster"] = cluster_rows.run(
                 pairs=args.cluster_pairs, rounds=3, executable=args.redis_server
             )
         if args.sentinel_pairs:
-            if not args.json:
+            if not args.quiet:
                 print("running the Sentinel row ...", flush=True)
             report["sentinel"] = sentinel_rows.run(
                 pairs=args.sentinel_pairs,
@@ -801,26 +861,67 @@ def main(argv: list[str] | None = None) -> int:
             )
         report["zookeeper"] = zookeeper_rows.run(
             args.zookeeper, pairs=args.sql_pairs, rounds=args.rounds, warmup=args.warmup // 5,
-            trials=args.waiters, seed=args.seed, quiet=args.json,
+            trials=args.waiters, seed=args.seed, quiet=args.quiet,
         )  # fmt: skip
         report["targets"].update(report["zookeeper"]["targets"])
-    except (
-        BenchError,
-        sql_rows.SqlBenchError,
-        SQLAlchemyError,
-        local_zookeeper.ZooKeeperError,
-        redis.RedisError,
-        locks.LockError,
-        redlock_rows.RedlockBenchError,
-        cluster_rows.ClusterBenchError,
-        SentinelError,
-    ) as exc:
-        print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
     finally:
         server.stop()
-    print(json.dumps(report) if args.json else format_report(report))
-    if args.check and not all(report["targets"].values()):
+    return report
+
+
+DETAIL_ERRORS = (
+    BenchError,
+    sql_rows.SqlBenchError,
+    SQLAlchemyError,
+    local_zookeeper.ZooKeeperError,
+    redis.RedisError,
+    locks.LockError,
+    redlock_rows.RedlockBenchError,
+    cluster_rows.ClusterBenchError,
+    SentinelError,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 on success, 1 if --check and a target is missed, 2 on failure."""
+    args = parse_args(argv)
+    if args.markdown_from:
+        try:
+            document = report_io.load(args.markdown_from)
+            table = matrix.markdown(document["results"]["backends"], document["machine"])
+            if args.readme:
+                readme = Path(args.readme)
+                readme.write_text(matrix.into_readme(readme.read_text("utf-8"), table), "utf-8")
+            else:
+                print(table)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"bench: cannot read {args.markdown_from}: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    try:
+        results["backends"] = matrix.run(
+            args.groups, settings(args), redis_server=args.redis_server,
+            postgres=args.postgres, mariadb=args.mariadb, etcd=args.etcd,
+            zookeeper=args.zookeeper, quiet=args.quiet,
+        )  # fmt: skip
+        if args.detail:
+            results["detail"] = run_detail(args)
+    except (matrix.MatrixError, *DETAIL_ERRORS) as exc:
+        print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    results["seconds"] = round(time.monotonic() - started, 1)
+    if args.quiet:
+        print(json.dumps(results))
+    else:
+        text = matrix.format_rows(results["backends"])
+        if "detail" in results:
+            text += ["", format_report(results["detail"])]
+        print("\n".join(["", "jobfence lock benchmark", *text]))
+    report_io.write_report("locks", results, png=charts.locks_chart, args=args)
+    detail = results.get("detail")
+    if args.check and detail is not None and not all(detail["targets"].values()):
         return 1
     return 0
 
