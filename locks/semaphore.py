@@ -8,7 +8,7 @@ from jobfence.locks.acquire import Backoff
 from jobfence.locks.backend import LockBackend
 from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LockError
 from jobfence.locks.lease import OwnerMeta, new_owner_token
-from jobfence.locks.slots import MAX_POLL, WAITER_TTL, SlotLease
+from jobfence.locks.slots import HEAD_POLL, MAX_POLL, WAITER_TTL, SlotLease
 
 
 def acquire_slot(
@@ -49,11 +49,13 @@ def acquire_slot(
                     f"{max(got.position, 0)} waiting ahead)",
                     key=key,
                 )
-            # The head of the queue polls fast; those further back need not.
-            cap = min(MAX_POLL, backoff.cap) * (1 if got.position <= 0 else 2)
+            # Those next in line poll fast (a freed slot waits for them alone); each further
+            # `limit` waiters ahead doubles the pause, up to MAX_POLL.
+            rank = max(got.position, 0) // limit
+            cap = min(MAX_POLL, HEAD_POLL * (2 ** min(rank, 8)))
             step = min(cap, backoff.base * (2 ** min(attempt, 16)))
             wait = min(left, got.ttl_left + 0.001, max(backoff.rng.uniform(step / 2, step), 0.001))
-            clock.sleep(min(wait, WAITER_TTL / 4))
+            clock.sleep(wait)
             attempt += 1
     except BaseException:
         if queue:

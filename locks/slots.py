@@ -14,6 +14,8 @@ SEMAPHORE_BACKENDS = "redis, redis+sentinel, redis+cluster, postgresql, mysql/ma
 WAITER_TTL = 5.0
 #: The longest pause between a waiter's polls (its place must not lapse meanwhile).
 MAX_POLL = 0.25
+#: The longest pause of a waiter that a freed slot would go to (it is next in line).
+HEAD_POLL = 0.02
 MAX_LIMIT = 1_000_000
 
 

@@ -8,7 +8,9 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 import psycopg
+from psycopg import errors as pgerrors
 
+from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import OwnerMeta
 from jobfence.locks.slots import SlotInfo, SlotWait, holder_text, parse_holder
 
@@ -121,6 +123,19 @@ class PostgresSemaphores:
             yield conn
 
     def _sem_acquire(
+        self, key: str, owner: str, limit: int, ttl_ms: int, queue_ms: int, meta: OwnerMeta
+    ) -> int | SlotWait:
+        try:
+            return self._sem_acquire_once(key, owner, limit, ttl_ms, queue_ms, meta)
+        except BackendUnavailable as exc:
+            # A table or the fence sequence vanished (a restore without them): make them
+            # again and try once more; the transaction rolled back whole.
+            if not isinstance(exc.cause, pgerrors.UndefinedTable):
+                raise
+            self._ready = self._sem_ready = False
+            return self._sem_acquire_once(key, owner, limit, ttl_ms, queue_ms, meta)
+
+    def _sem_acquire_once(
         self, key: str, owner: str, limit: int, ttl_ms: int, queue_ms: int, meta: OwnerMeta
     ) -> int | SlotWait:
         with self._sem_transaction("semaphore acquire", key) as conn:

@@ -236,7 +236,8 @@ class RedisClusterBackend(RedisBackend):
 
     def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
         # Each semaphore's keys share a slot, but two semaphores may not: one call each.
-        return [ok for item in items for ok in super()._sem_extend_many([item])]
+        extend_one = super()._sem_extend_many
+        return [extend_one([item])[0] for item in items]
 
     def _extend_per_node(
         self, items: Sequence[tuple[str, str, int]]
