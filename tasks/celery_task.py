@@ -25,7 +25,7 @@ from jobfence.tasks.executor import (
     LeaseLostPolicy,
     Outcome,
 )
-from jobfence.tasks.keys import KeySelector, bind_arguments, identity
+from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
@@ -49,7 +49,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     Options (class attributes, or keywords of @singleton_task): `jobfence_key`,
     `jobfence_ttl`, `on_conflict`, `wait_timeout`, `result_ttl`, `dedupe_on_publish`,
-    `on_lease_lost`.
+    `on_lease_lost`, `concurrency`, `concurrency_key`.
     """
 
     acks_late = True
@@ -63,6 +63,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     result_ttl: float | None = None
     dedupe_on_publish: bool = False
     dedupe_ttl: float | None = None
+    concurrency: int = 0  # at most this many jobs of one concurrency group at once (0: any)
+    concurrency_key: KeySelector = None  # the arguments naming the group (None: the task)
 
     # -- what the body sees ------------------------------------------------------
     @property
@@ -163,6 +165,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             redeliveries=redeliveries,
             suspect=_after_a_crash(req),
             max_crashed=s.max_crashed_deliveries,
+            concurrency=self.concurrency,
+            concurrency_key=(
+                concurrency_key(rt.secret, self.name, arguments, self.concurrency_key)
+                if self.concurrency
+                else ""
+            ),
         )
         try:
             out = rt.executor.run(
@@ -185,6 +193,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise Ignore()
         if out.status == "retry":
             raise self.retry(countdown=countdown)
+        if out.status == "requeue":
+            self._requeue(out, countdown, explicit, redeliveries)
         if out.status == "redeliver":
             self._redeliver(out, key, explicit, redeliveries, countdown)
         return out.value
@@ -217,6 +227,23 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise Reject(exc, requeue=True) from exc
         raise Ignore()
 
+    def _requeue(
+        self, out: Outcome, countdown: float, explicit: str | None, redeliveries: int
+    ) -> None:
+        """No concurrency slot came free in time: publish this message again (same id,
+        key and counts; neither a retry nor a redelivery), then ack this one. If the
+        publish fails, the message goes back to the broker instead: never dropped."""
+        req = self.request
+        if req.called_directly or req.is_eager:
+            raise JobNotSettled(f"{out.reason}; call it again", fence=out.fence)
+        headers = _copy_headers(req, explicit, redeliveries, deferred=False)
+        try:
+            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
+        except Exception as exc:
+            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore()
+
     def retry(
         self,
         args: Any = None,
@@ -240,6 +267,23 @@ class SingletonTask(Task):  # type: ignore[misc]
             if job is not None:
                 self._runtime().executor.release(job.lease)
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+
+def _check_concurrency(concurrency: Any, concurrency_key: Any) -> KeySelector:
+    """Refuse a limit that is no positive integer, or a group key without a limit."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 0:
+        raise TaskDefinitionError(
+            f"concurrency must be a positive integer (at most that many jobs of a group at "
+            f"once), or 0 for no limit; got {concurrency!r}"
+        )
+    if concurrency_key is not None and not concurrency:
+        raise TaskDefinitionError(
+            "concurrency_key names a group but concurrency= sets no limit; add concurrency=N"
+        )
+    try:
+        return _normalise_key(concurrency_key)
+    except TaskDefinitionError as exc:
+        raise TaskDefinitionError(f"concurrency_{exc}") from None
 
 
 def _normalise_key(key: Any) -> KeySelector:
@@ -351,6 +395,8 @@ def singleton_task(
     wait_timeout: float | None = None,
     result_ttl: float | None = None,
     dedupe_on_publish: bool = False,
+    concurrency: int = 0,
+    concurrency_key: KeySelector = None,
     base: type[SingletonTask] = SingletonTask,
     **celery_options: Any,
 ) -> Callable[[Callable[..., Any]], SingletonTask]: ...
@@ -366,6 +412,8 @@ def singleton_task(
     wait_timeout: float | None = None,
     result_ttl: float | None = None,
     dedupe_on_publish: bool = False,
+    concurrency: int = 0,
+    concurrency_key: KeySelector = None,
     base: type[SingletonTask] = SingletonTask,
     **celery_options: Any,
 ) -> Any:
@@ -375,7 +423,9 @@ def singleton_task(
     arguments that make a job unique; a name that is no parameter is refused here;
     `on_conflict`: skip | wait | retry | raise. `on_lease_lost`: redeliver (default: a lease
     lost with no proof of a newer holder delivers the job again) | drop (at most once, for
-    effects that cannot be fenced). Celery options pass through unchanged.
+    effects that cannot be fenced). `concurrency=N`: at most N jobs of one group run at
+    once across the fleet, the group named by the arguments in `concurrency_key` (None: the
+    whole task); each job still keeps its own key. Celery options pass through unchanged.
     """
     if on_conflict not in CONFLICT_POLICIES:
         raise TaskDefinitionError(
@@ -393,6 +443,7 @@ def singleton_task(
         raise TaskDefinitionError(
             "singleton tasks use the json serializer; pickle runs broker data"
         )
+    group = _check_concurrency(concurrency, concurrency_key)
     key = _normalise_key(key)
     options = {
         "base": base,
@@ -404,11 +455,17 @@ def singleton_task(
         "wait_timeout": wait_timeout,
         "result_ttl": result_ttl,
         "dedupe_on_publish": dedupe_on_publish,
+        "concurrency": concurrency,
+        "concurrency_key": staticmethod(group) if callable(group) else group,
         **celery_options,
     }
 
     def decorate(func: Callable[..., Any]) -> Any:
         _check_key_names(func, key, bound=bool(celery_options.get("bind")))
+        try:
+            _check_key_names(func, group, bound=bool(celery_options.get("bind")))
+        except TaskDefinitionError as exc:
+            raise TaskDefinitionError(f"concurrency_{exc}") from None
         return (app.task(**options) if app is not None else shared_task(**options))(func)
 
     if fn:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,24 @@ class Metrics:
             "jobfence_heartbeat_seconds",
             "Latency of one batched lease extension",
             ["backend"],
+            registry=r,
+        )
+        self.semaphore_wait = Histogram(
+            "jobfence_semaphore_wait_seconds",
+            "Time a job waited for a concurrency slot",
+            ["task"],
+            registry=r,
+        )
+        self.semaphore_held = Gauge(
+            "jobfence_semaphore_slots_held",
+            "Concurrency slots held by running jobs in this process",
+            ["task"],
+            registry=r,
+        )
+        self.semaphore_requeues = Counter(
+            "jobfence_semaphore_requeues_total",
+            "Jobs published again because no concurrency slot came free in time",
+            ["task"],
             registry=r,
         )
         self._series: dict[str, TaskSeries] = {}
