@@ -160,7 +160,7 @@ class Executor:
         if isinstance(slot, Outcome):
             return slot
         try:
-            return self._run_held(spec, lease, body, passthrough)
+            return self._run_held(spec, lease, body, passthrough, slot)
         finally:
             self._release_slot(spec, slot)
 
@@ -170,11 +170,13 @@ class Executor:
         lease: Lease,
         body: Callable[[JobContext], Any],
         passthrough: tuple[type[BaseException], ...],
+        slot: SlotLease | None = None,
     ) -> Outcome:
         """The body under the job's (kept) lease; its record committed, or why not."""
         ctx = JobContext(
-            key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id
-        )
+            key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id,
+            slot=slot,
+        )  # fmt: skip
         self._note("started", spec, lease.fence)
         token = set_current(ctx)
         try:

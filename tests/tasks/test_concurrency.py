@@ -129,3 +129,15 @@ def test_start_up_refuses_concurrency_on_a_backend_without_semaphores() -> None:
     assert "etcd" in str(finding) and "t.limited" in str(finding) and "redis" in str(finding)
     memory = SimpleNamespace(backend=MemoryBackend())
     assert list(check_semaphores(memory, [task])) == []  # type: ignore[arg-type]
+
+
+def test_the_body_sees_its_slot_and_its_fence(executor: Executor) -> None:
+    group, seen = unique("group"), []
+    out = executor.run(
+        spec_for(unique(), concurrency=3, concurrency_key=group),
+        lambda ctx: seen.append((ctx.slot, ctx.fence)),
+    )
+    assert out.status == "ran"
+    ((slot, job_fence),) = seen
+    assert slot is not None and slot.key == group and slot.fence > 0 and job_fence > 0
+    assert slot.released
