@@ -286,7 +286,7 @@ class Executor:
             )
         except AcquireTimeout:
             self._release_quietly(lease)
-            self.metrics.semaphore_requeues.labels(spec.name).inc()
+            self.metrics.semaphore_requeued(spec.name)
             self._note("requeue", spec, lease.fence)
             delay = SLOT_REQUEUE_DELAY * (1 + self.redelivery.rng.random())
             return Outcome("requeue", countdown=delay, reason="no concurrency slot free")
@@ -301,8 +301,8 @@ class Executor:
         except BaseException:
             self._release_quietly(lease)  # SemaphoreUnsupported, a bad limit: no job lock left
             raise
-        self.metrics.semaphore_wait.labels(spec.name).observe(clock.monotonic() - started)
-        self.metrics.semaphore_held.labels(spec.name).inc()
+        self.metrics.semaphore_waited(spec.name, clock.monotonic() - started)
+        self.metrics.semaphore_acquired(spec.name, spec.concurrency)
         self.keeper.keep(slot)
 
         def slot_lost(_slot: Lease, cause: BaseException) -> None:
@@ -315,7 +315,7 @@ class Executor:
         return slot
 
     def _release_slot(self, spec: JobSpec, slot: SlotLease) -> None:
-        self.metrics.semaphore_held.labels(spec.name).dec()
+        self.metrics.semaphore_released(spec.name)
         self.keeper.drop(slot)
         with contextlib.suppress(BackendUnavailable):  # else it lapses at its TTL
             slot.release()

@@ -62,22 +62,27 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        # Named as main's metrics module names them (semaphore = the task's name, never a key).
+        self.semaphore_held = Gauge(
+            "jobfence_semaphore_slots_held",
+            "Semaphore slots held by this worker's processes",
+            ["semaphore"],
+            registry=r,
+        )
+        self.semaphore_limit = Gauge(
+            "jobfence_semaphore_limit", "Slots a semaphore allows fleet-wide", ["semaphore"],
+            registry=r,
+        )  # fmt: skip
         self.semaphore_wait = Histogram(
             "jobfence_semaphore_wait_seconds",
             "Time a job waited for a concurrency slot",
-            ["task"],
-            registry=r,
-        )
-        self.semaphore_held = Gauge(
-            "jobfence_semaphore_slots_held",
-            "Concurrency slots held by running jobs in this process",
-            ["task"],
+            ["semaphore"],
             registry=r,
         )
         self.semaphore_requeues = Counter(
             "jobfence_semaphore_requeues_total",
             "Jobs published again because no concurrency slot came free in time",
-            ["task"],
+            ["semaphore"],
             registry=r,
         )
         self._series: dict[str, TaskSeries] = {}
@@ -94,3 +99,22 @@ class Metrics:
 
     def observe_heartbeat(self, backend: str, seconds: float, _leases: int) -> None:
         self.heartbeat.labels(backend).observe(seconds)
+
+    # -- semaphores: `semaphore` is the task's name (or a declared name), never a key --------
+    def semaphore_acquired(self, semaphore: str, limit: int | None = None) -> None:
+        """One slot of `semaphore` taken by this process (and its fleet-wide limit, if known)."""
+        self.semaphore_held.labels(semaphore).inc()
+        if limit is not None:
+            self.semaphore_limit.labels(semaphore).set(limit)
+
+    def semaphore_released(self, semaphore: str) -> None:
+        """One slot of `semaphore` given back (released, or its lease lost)."""
+        self.semaphore_held.labels(semaphore).dec()
+
+    def semaphore_waited(self, semaphore: str, seconds: float) -> None:
+        """A slot of `semaphore` granted after waiting `seconds` (0 when free at once)."""
+        self.semaphore_wait.labels(semaphore).observe(max(0.0, seconds))
+
+    def semaphore_requeued(self, semaphore: str) -> None:
+        """A job found no slot of `semaphore` in time and was published again."""
+        self.semaphore_requeues.labels(semaphore).inc()

@@ -44,6 +44,11 @@ def test_a_job_without_a_free_slot_is_requeued_and_its_job_lock_freed(executor: 
     runner.join(10)
     assert executor.run(second, lambda _ctx: "second").value == "second"
     assert executor.backend.semaphore_holders(group) == []  # every slot given back
+    samples = executor.metrics.registry.get_sample_value
+    assert samples("jobfence_semaphore_requeues_total", {"semaphore": "tests.job"}) == 1
+    assert samples("jobfence_semaphore_slots_held", {"semaphore": "tests.job"}) == 0
+    assert samples("jobfence_semaphore_limit", {"semaphore": "tests.job"}) == 1
+    assert samples("jobfence_semaphore_wait_seconds_count", {"semaphore": "tests.job"}) == 2
 
 
 def test_a_duplicate_delivery_never_takes_a_slot(executor: Executor) -> None:
