@@ -14,12 +14,15 @@ from jobfence.locks.errors import (
     LockError,
     NotOwner,
     PartialFencedWrite,
+    SemaphoreUnsupported,
     StaleFence,
     StaleFenceOutcomeUnknown,
 )
 from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease, OwnerMeta
+from jobfence.locks.semaphore import acquire_slot
+from jobfence.locks.slots import SlotInfo, SlotLease, SlotWait
 
 __all__ = [
     "SYSTEM_CLOCK",
@@ -45,10 +48,15 @@ __all__ = [
     "PartialFencedWrite",
     "RedisBackend",
     "RedisFenceGuard",
+    "SemaphoreUnsupported",
+    "SlotInfo",
+    "SlotLease",
+    "SlotWait",
     "SqlFenceGuard",
     "StaleFence",
     "StaleFenceOutcomeUnknown",
     "SystemClock",
     "acquire",
+    "acquire_slot",
     "open_backend",
 ]

@@ -14,6 +14,8 @@ from jobfence.locks.backend import LockBackend, default_meta
 from jobfence.locks.errors import AcquireTimeout, LeaseLost
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
+from jobfence.locks.semaphore import acquire_slot
+from jobfence.locks.slots import SlotLease
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -94,6 +96,61 @@ class Locker:
             self.release(lease)
         if ok and lost:
             raise LeaseLost("lease lost while the block ran", key=key, fence=lease.fence)
+
+    def acquire_slot(
+        self,
+        key: str,
+        *,
+        limit: int,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        blocking: bool = True,
+    ) -> SlotLease:
+        """Take and start keeping a slot of semaphore `key` (at most `limit` held at once).
+
+        Waiters are admitted in arrival order. Release with `release(slot)`. Raises
+        AcquireTimeout, or SemaphoreUnsupported on a backend without semaphores.
+        """
+        ttl = self.ttl if ttl is None else ttl
+        timeout = (self.timeout if timeout is None else timeout) if blocking else 0.0
+        slot = acquire_slot(
+            self.backend,
+            key,
+            limit=limit,
+            ttl=ttl,
+            timeout=timeout,
+            backoff=self.backoff,
+            meta=default_meta(),
+        )
+        self.keeper.keep(slot)
+        return slot
+
+    @contextmanager
+    def semaphore(
+        self,
+        key: str,
+        *,
+        limit: int,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        blocking: bool = True,
+    ) -> Iterator[SlotLease]:
+        """Hold one of `limit` slots of `key` for the block; the slot's `fence` strictly
+        increases per key. Raises LeaseLost at exit if the slot was lost meanwhile.
+
+        with locker.semaphore("account:42", limit=2, ttl=30) as slot:
+            call_partner_api(..., fence=slot.fence)
+        """
+        slot = self.acquire_slot(key, limit=limit, ttl=ttl, timeout=timeout, blocking=blocking)
+        ok = False
+        try:
+            yield slot
+            ok = True
+        finally:
+            lost = slot.lost
+            self.release(slot)
+        if ok and lost:
+            raise LeaseLost("semaphore slot lost while the block ran", key=key, fence=slot.fence)
 
     def locked(
         self, key: str, *, ttl: float | None = None, timeout: float | None = None

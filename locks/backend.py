@@ -12,9 +12,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
-from jobfence.locks.errors import LockError, NotOwner
+from jobfence.locks.errors import LockError, NotOwner, SemaphoreUnsupported
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 from jobfence.locks.procinfo import process_start
+from jobfence.locks.slots import (
+    SEMAPHORE_BACKENDS,
+    SlotInfo,
+    SlotLease,
+    SlotWait,
+    validate_limit,
+)
 
 MAX_KEY_LENGTH = 512
 
@@ -27,6 +34,7 @@ class Capabilities:
     durable_fence: bool  # tokens keep increasing if the server loses its data
     ha: bool  # survives the loss of one server
     release_notify: bool  # waiters are woken on release instead of polling
+    semaphore: bool = False  # keeps counting semaphores (Locker.semaphore, concurrency=)
 
 
 @dataclass(frozen=True)
@@ -186,7 +194,11 @@ class LockBackend(ABC):
         """Push the lease's expiry to now + ttl. Raises NotOwner (and marks it lost) if not ours."""
         ttl_ms = validate_ttl(ttl if ttl is not None else lease.ttl)
         started = self.clock.monotonic()
-        if not self._extend(lease.key, lease.owner, ttl_ms):
+        if type(lease) is SlotLease:
+            ok = self._sem_extend_many([(lease.key, lease.owner, ttl_ms)])[0]
+        else:
+            ok = self._extend(lease.key, lease.owner, ttl_ms)
+        if not ok:
             err = NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
             lease.mark_lost(err)
             raise err
@@ -198,7 +210,7 @@ class LockBackend(ABC):
             return []
         started = self.clock.monotonic()
         items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
-        results = self._extend_many(items)
+        results = self._extend_leases_and_slots(leases, items)
         for lease, ok in zip(leases, results, strict=True):
             if ok:
                 lease.renewed(started)
@@ -208,9 +220,105 @@ class LockBackend(ABC):
                 )
         return results
 
+    def _extend_leases_and_slots(
+        self, leases: Sequence[Lease], items: list[tuple[str, str, int]]
+    ) -> list[bool]:
+        """`_extend_many` for lock leases, `_sem_extend_many` for slots (a round trip each)."""
+        slots = [i for i, le in enumerate(leases) if type(le) is SlotLease]
+        if not slots:
+            return self._extend_many(items)
+        locks = [i for i in range(len(items)) if type(leases[i]) is not SlotLease]
+        results = [False] * len(items)
+        if locks:
+            for i, ok in zip(locks, self._extend_many([items[i] for i in locks]), strict=True):
+                results[i] = ok
+        for i, ok in zip(slots, self._sem_extend_many([items[i] for i in slots]), strict=True):
+            results[i] = ok
+        return results
+
     def release(self, lease: Lease) -> bool:
         """Owner-checked release; False if the lease had expired or belongs to another."""
+        if type(lease) is SlotLease:
+            return self._sem_release(lease.key, lease.owner)
         return self._release(lease.key, lease.owner)
+
+    # -- semaphores: validate, then one call ----------------------------------------
+    def semaphore_attempt(
+        self,
+        key: str,
+        limit: int,
+        ttl: float,
+        *,
+        owner: str | None = None,
+        meta: OwnerMeta | None = None,
+        queue_ttl: float = 0.0,
+    ) -> SlotLease | SlotWait:
+        """Take a slot of semaphore `key` if fewer than `limit` are held and no earlier
+        waiter is owed it; else say how many wait ahead.
+
+        With `queue_ttl` > 0 a refused `owner` takes (or keeps) its place in the arrival
+        queue for `queue_ttl` seconds; poll again with the same owner to keep it. With 0
+        the attempt is a plain try that never jumps the queue: it takes a slot only if one
+        is free beyond those owed to waiters.
+        """
+        self.require_semaphore()
+        validate_key(key)
+        validate_limit(limit, key)
+        ttl_ms = validate_ttl(ttl)
+        queue_ms = validate_ttl(queue_ttl) if queue_ttl > 0 else 0
+        owner = owner or new_owner_token()
+        meta = meta or default_meta()
+        started = self.clock.monotonic()
+        got = self._sem_acquire(key, owner, limit, ttl_ms, queue_ms, meta)
+        if isinstance(got, SlotWait):
+            return got
+        return SlotLease(
+            key=key,
+            owner=owner,
+            fence=got,
+            ttl=ttl_ms / 1000,
+            deadline=started + ttl_ms / 1000,
+            backend=self,
+            clock=self.clock,
+            meta=meta,
+            limit=limit,
+        )
+
+    def semaphore_leave(self, key: str, owner: str) -> bool:
+        """Give up `owner`'s place in the queue of `key`, or its slot if it got one."""
+        self.require_semaphore()
+        validate_key(key)
+        return self._sem_release(key, owner)
+
+    def semaphore_holders(self, key: str) -> list[SlotInfo]:
+        """The live slots of semaphore `key`, oldest fence first."""
+        self.require_semaphore()
+        validate_key(key)
+        return sorted(self._sem_holders(key), key=lambda s: s.fence)
+
+    def require_semaphore(self) -> None:
+        """Raise SemaphoreUnsupported unless this backend keeps semaphores."""
+        if not self.capabilities.semaphore:
+            raise SemaphoreUnsupported(
+                f"the {self.name} lock backend keeps no semaphores (concurrency limits); "
+                f"use one that does: {SEMAPHORE_BACKENDS}"
+            )
+
+    def _sem_acquire(
+        self, key: str, owner: str, limit: int, ttl_ms: int, queue_ms: int, meta: OwnerMeta
+    ) -> int | SlotWait:
+        """The new slot's fence, or SlotWait. One atomic step on the server."""
+        raise SemaphoreUnsupported(f"{self.name} keeps no semaphores")
+
+    def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        raise SemaphoreUnsupported(f"{self.name} keeps no semaphores")
+
+    def _sem_release(self, key: str, owner: str) -> bool:
+        """Free `owner`'s slot and drop it from the queue; True if a live slot was freed."""
+        raise SemaphoreUnsupported(f"{self.name} keeps no semaphores")
+
+    def _sem_holders(self, key: str) -> list[SlotInfo]:
+        raise SemaphoreUnsupported(f"{self.name} keeps no semaphores")
 
     def commit(
         self, lease: Lease, *, state: str, result: str, fingerprint: str, result_ttl: float

@@ -112,3 +112,7 @@ class PartialFencedWrite(LockError):
             key=resource,
             fence=fence,
         )
+
+
+class SemaphoreUnsupported(LockError):
+    """The lock backend keeps no semaphores; the message names the backends that do."""

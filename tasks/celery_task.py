@@ -33,7 +33,7 @@ from jobfence.tasks.executor import (
     LockUntil,
     Outcome,
 )
-from jobfence.tasks.keys import KeySelector, bind_arguments, identity
+from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
@@ -61,7 +61,8 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     Options (class attributes, or keywords of @singleton_task): `jobfence_key`,
     `jobfence_ttl`, `on_conflict`, `wait_timeout`, `result_ttl`, `dedupe_on_publish`,
-    `on_lease_lost`, `lock_until`, `unique_for`, `on_duplicate_publish`.
+    `on_lease_lost`, `lock_until`, `unique_for`, `on_duplicate_publish`, `concurrency`,
+    `concurrency_key`.
     """
 
     acks_late = True
@@ -78,6 +79,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     lock_until: LockUntil = "finish"
     unique_for: float | None = None
     on_duplicate_publish: DuplicatePublishPolicy = "result"
+    concurrency: int = 0  # at most this many jobs of one concurrency group at once (0: any)
+    concurrency_key: KeySelector = None  # the arguments naming the group (None: the task)
 
     # -- what the body sees ------------------------------------------------------
     @property
@@ -235,6 +238,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             claim_ttl=self.dedupe_ttl or s.visibility_timeout,
             supersede=self.dedupe_on_publish and self.on_duplicate_publish == "replace",
             publish_claim=self.dedupe_on_publish,
+            concurrency=self.concurrency,
+            concurrency_key=(
+                concurrency_key(rt.secret, self.name, arguments, self.concurrency_key)
+                if self.concurrency
+                else ""
+            ),
         )
         try:
             out = rt.executor.run(
@@ -259,6 +268,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise Ignore()
         if out.status == "retry":
             raise self.retry(countdown=countdown)
+        if out.status == "requeue":
+            self._requeue(out, countdown, explicit, redeliveries)
         if out.status == "redeliver":
             self._redeliver(out, key, explicit, redeliveries, countdown)
         return out.value
@@ -284,6 +295,23 @@ class SingletonTask(Task):  # type: ignore[misc]
             redeliveries + 1,
             out.reason,
         )
+        try:
+            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
+        except Exception as exc:
+            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore()
+
+    def _requeue(
+        self, out: Outcome, countdown: float, explicit: str | None, redeliveries: int
+    ) -> None:
+        """No concurrency slot came free in time: publish this message again (same id,
+        key and counts; neither a retry nor a redelivery), then ack this one. If the
+        publish fails, the message goes back to the broker instead: never dropped."""
+        req = self.request
+        if req.called_directly or req.is_eager:
+            raise JobNotSettled(f"{out.reason}; call it again", fence=out.fence)
+        headers = _copy_headers(req, explicit, redeliveries, deferred=False)
         try:
             self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
         except Exception as exc:
@@ -358,6 +386,23 @@ def _check_lifetime(
             f"on_duplicate_publish={on_duplicate_publish!r} acts on the publish claim, "
             "which only dedupe_on_publish=True makes; set dedupe_on_publish=True"
         )
+
+
+def _check_concurrency(concurrency: Any, concurrency_key: Any) -> KeySelector:
+    """Refuse a limit that is no positive integer, or a group key without a limit."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 0:
+        raise TaskDefinitionError(
+            f"concurrency must be a positive integer (at most that many jobs of a group at "
+            f"once), or 0 for no limit; got {concurrency!r}"
+        )
+    if concurrency_key is not None and not concurrency:
+        raise TaskDefinitionError(
+            "concurrency_key names a group but concurrency= sets no limit; add concurrency=N"
+        )
+    try:
+        return _normalise_key(concurrency_key)
+    except TaskDefinitionError as exc:
+        raise TaskDefinitionError(f"concurrency_{exc}") from None
 
 
 def _normalise_key(key: Any) -> KeySelector:
@@ -472,6 +517,8 @@ def singleton_task(
     lock_until: LockUntil = "finish",
     unique_for: float | None = None,
     on_duplicate_publish: DuplicatePublishPolicy = "result",
+    concurrency: int = 0,
+    concurrency_key: KeySelector = None,
     base: type[SingletonTask] = SingletonTask,
     **celery_options: Any,
 ) -> Callable[[Callable[..., Any]], SingletonTask]: ...
@@ -490,6 +537,8 @@ def singleton_task(
     lock_until: LockUntil = "finish",
     unique_for: float | None = None,
     on_duplicate_publish: DuplicatePublishPolicy = "result",
+    concurrency: int = 0,
+    concurrency_key: KeySelector = None,
     base: type[SingletonTask] = SingletonTask,
     **celery_options: Any,
 ) -> Any:
@@ -501,7 +550,9 @@ def singleton_task(
     lost with no proof of a newer holder delivers the job again) | drop (at most once, for
     effects that cannot be fenced). `lock_until` (finish | start), `unique_for` (seconds)
     and `on_duplicate_publish` (result | raise | replace): see README "Lock lifetimes and
-    duplicate publishes". Celery options pass through unchanged.
+    duplicate publishes". `concurrency=N`: at most N jobs of one group run at once across
+    the fleet, the group named by the arguments in `concurrency_key` (None: the whole task);
+    each job still keeps its own key. Celery options pass through unchanged.
     """
     _check_lifetime(lock_until, unique_for, on_duplicate_publish, on_conflict, dedupe_on_publish)
     if on_conflict not in CONFLICT_POLICIES:
@@ -520,6 +571,7 @@ def singleton_task(
         raise TaskDefinitionError(
             "singleton tasks use the json serializer; pickle runs broker data"
         )
+    group = _check_concurrency(concurrency, concurrency_key)
     key = _normalise_key(key)
     options = {
         "base": base,
@@ -534,11 +586,17 @@ def singleton_task(
         "lock_until": lock_until,
         "unique_for": unique_for,
         "on_duplicate_publish": on_duplicate_publish,
+        "concurrency": concurrency,
+        "concurrency_key": staticmethod(group) if callable(group) else group,
         **celery_options,
     }
 
     def decorate(func: Callable[..., Any]) -> Any:
         _check_key_names(func, key, bound=bool(celery_options.get("bind")))
+        try:
+            _check_key_names(func, group, bound=bool(celery_options.get("bind")))
+        except TaskDefinitionError as exc:
+            raise TaskDefinitionError(f"concurrency_{exc}") from None
         return (app.task(**options) if app is not None else shared_task(**options))(func)
 
     if fn:

@@ -17,6 +17,7 @@ class JobContext:
     fingerprint: str
     lease: Lease
     task_id: str = ""
+    slot: Lease | None = None  # the concurrency slot (concurrency=N), with a fence of its own
 
     @property
     def fence(self) -> int:

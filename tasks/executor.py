@@ -15,6 +15,8 @@ from jobfence.locks.backend import Busy, JobRecord, LockBackend, default_meta
 from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LeaseLost, StaleFence
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
+from jobfence.locks.semaphore import acquire_slot
+from jobfence.locks.slots import SlotLease
 from jobfence.tasks.context import JobContext, reset_current, set_current
 from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage, TaskError
 from jobfence.tasks.keys import canonical_json, result_json
@@ -31,7 +33,8 @@ LOCK_UNTIL: tuple[str, ...] = ("finish", "start")
 #: Prefix of a publish claim whose job has started (or finished): it can no longer be replaced.
 STARTED = "!"
 Status = Literal[
-    "ran", "replayed", "duplicate", "superseded", "defer", "retry", "redeliver", "dropped"
+    "ran", "replayed", "duplicate", "superseded", "defer", "retry", "redeliver", "dropped",
+    "requeue",
 ]
 
 Observer = Callable[[str, "JobSpec", int | None], None]  # event, job, fence
@@ -42,6 +45,8 @@ DROPPED = {"jobfence": "dropped"}
 
 #: Commit attempts (at least) when the reply to a commit is lost; more while the lease lasts.
 COMMIT_ATTEMPTS = 3
+#: A job that found no concurrency slot in time comes back after 1-2 times this (seconds).
+SLOT_REQUEUE_DELAY = 1.0
 
 
 class RedeliveryLimitReached(TaskError):
@@ -104,6 +109,10 @@ class JobSpec:
     supersede: bool = False
     publish_claim: bool = False  # dedupe_on_publish: the key has a publish claim to update
 
+    # At most `concurrency` jobs of the group `concurrency_key` run at once (0: no limit);
+    # a job waits up to `wait_timeout` for a slot, then comes back later ("requeue").
+    concurrency: int = 0
+    concurrency_key: str = ""
     @property
     def per_run(self) -> bool:
         """Each publish runs (not only the first): its record answers its own deliveries."""
@@ -126,7 +135,8 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What happened to one delivery. `countdown` is set for `defer`, `retry`, `redeliver`.
+    """What happened to one delivery. `countdown` is set for `defer`, `retry`, `redeliver`
+    and `requeue` (no concurrency slot came free in time: publish again, nothing counted).
 
     `redeliver`: the job's fate is unknown (lock server unavailable, lease lost without
     proof of a newer holder, commit outcome unknown); deliver it again with the same key,
@@ -181,10 +191,30 @@ class Executor:
                 return skipped
         if spec.suspect and spec.max_crashed:
             self._cap_crashes(spec, lease)
-        ctx = JobContext(
-            key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id
-        )
         self.keeper.keep(lease)
+        if not spec.concurrency:
+            return self._run_held(spec, lease, body, passthrough)
+        slot = self._take_slot(spec, lease)
+        if isinstance(slot, Outcome):
+            return slot
+        try:
+            return self._run_held(spec, lease, body, passthrough, slot)
+        finally:
+            self._release_slot(spec, slot)
+
+    def _run_held(
+        self,
+        spec: JobSpec,
+        lease: Lease,
+        body: Callable[[JobContext], Any],
+        passthrough: tuple[type[BaseException], ...],
+        slot: SlotLease | None = None,
+    ) -> Outcome:
+        """The body under the job's (kept) lease; its record committed, or why not."""
+        ctx = JobContext(
+            key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id,
+            slot=slot,
+        )  # fmt: skip
         self._note("started", spec, lease.fence)
         token = set_current(ctx)
         try:
@@ -294,6 +324,58 @@ class Executor:
                 spec.key, min(left, got.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
             )
             attempt += 1
+
+    def _take_slot(self, spec: JobSpec, lease: Lease) -> SlotLease | Outcome:
+        """A slot of the job's concurrency group, taken while the job's lease is held (so a
+        duplicate delivery never queues for a slot); without one in time the job's lease is
+        released and the job comes back later, never lost, never run twice."""
+        clock = self.backend.clock
+        started = clock.monotonic()
+        try:
+            slot = acquire_slot(
+                self.backend,
+                spec.concurrency_key,
+                limit=spec.concurrency,
+                ttl=spec.ttl,
+                timeout=spec.wait_timeout,
+                backoff=self.backoff,
+                meta=lease.meta,
+            )
+        except AcquireTimeout:
+            self._release_quietly(lease)
+            self.metrics.semaphore_requeued(spec.name)
+            self._note("requeue", spec, lease.fence)
+            delay = SLOT_REQUEUE_DELAY * (1 + self.redelivery.rng.random())
+            return Outcome("requeue", countdown=delay, reason="no concurrency slot free")
+        except BackendUnavailable as exc:
+            log.warning(
+                "lock server unavailable before job %s took its slot: %s",
+                spec.key,
+                type(exc).__name__,
+            )
+            self._release_quietly(lease)
+            return self._redeliver(spec, "lock server unavailable before the body ran", None)
+        except BaseException:
+            self._release_quietly(lease)  # SemaphoreUnsupported, a bad limit: no job lock left
+            raise
+        self.metrics.semaphore_waited(spec.name, clock.monotonic() - started)
+        self.metrics.semaphore_acquired(spec.name, spec.concurrency)
+        self.keeper.keep(slot)
+
+        def slot_lost(_slot: Lease, cause: BaseException) -> None:
+            # Past its slot the job may be one too many: it stops as if its own lease were lost.
+            lease.mark_lost(
+                LeaseLost("concurrency slot lost", key=spec.key, fence=lease.fence, cause=cause)
+            )
+
+        slot.on_lost(slot_lost)
+        return slot
+
+    def _release_slot(self, spec: JobSpec, slot: SlotLease) -> None:
+        self.metrics.semaphore_released(spec.name)
+        self.keeper.drop(slot)
+        with contextlib.suppress(BackendUnavailable):  # else it lapses at its TTL
+            slot.release()
 
     def release(self, lease: Lease) -> None:
         """Release without a record (a retry is on its way, or the body was interrupted)."""

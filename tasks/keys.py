@@ -266,3 +266,17 @@ def _key_of(secret: bytes, task_name: str, unique_json: str) -> str:
 
 def _fingerprint_of(secret: bytes, arguments_json: str) -> str:
     return _hmac(secret, arguments_json)[:32]
+
+
+def concurrency_key(
+    secret: bytes, task_name: str, arguments: dict[str, Any], selector: KeySelector
+) -> str:
+    """The semaphore key of a job's concurrency group, `<task name>:<hmac>` of the selected
+    arguments (selector None: the whole task is one group). Arguments never appear in it."""
+    if selector is None:
+        text = "null"
+    elif callable(selector):
+        text = canonical_json(selector(**arguments), what=f"the concurrency_key of {task_name}")
+    else:
+        text = arguments_json(select_arguments(arguments, selector), task_name)
+    return _key_of(secret, task_name, "concurrency\n" + text)

@@ -157,6 +157,19 @@ class Metrics:
             ["limit", "action"],
             registry=r,
         )
+        self.semaphore_wait = Histogram(
+            "jobfence_semaphore_wait_seconds",
+            "Time a job waited for a concurrency slot",
+            ["semaphore"],
+            registry=r,
+            buckets=WAIT_BUCKETS,
+        )
+        self.semaphore_requeues = Counter(
+            "jobfence_semaphore_requeues_total",
+            "Jobs published again because no concurrency slot came free in time",
+            ["semaphore"],
+            registry=r,
+        )
         self._series: dict[str, TaskSeries] = {}
         self._semaphores = _Names("jobfence_semaphore_slots_held")
         self._limits = _Names("jobfence_rate_limit_*")
@@ -170,8 +183,8 @@ class Metrics:
         """
         for name in (
             "acquire_wait", "conflicts", "timeouts", "lost_leases", "stale_fences", "replays",
-            "executions", "heartbeat", "semaphore_held", "semaphore_limit", "rate_limit_wait",
-            "rate_limit_denials",
+            "executions", "heartbeat", "semaphore_held", "semaphore_limit", "semaphore_wait",
+            "semaphore_requeues", "rate_limit_wait", "rate_limit_denials",
         ):  # fmt: skip
             self.registry.unregister(getattr(self, name))
         self._build()
@@ -211,6 +224,14 @@ class Metrics:
             yield
         finally:
             self.semaphore_released(semaphore)
+
+    def semaphore_waited(self, semaphore: str, seconds: float) -> None:
+        """A slot of `semaphore` granted after waiting `seconds` (0 when free at once)."""
+        self.semaphore_wait.labels(self._semaphores(semaphore)).observe(max(0.0, seconds))
+
+    def semaphore_requeued(self, semaphore: str) -> None:
+        """A job found no slot of `semaphore` in time and was published again."""
+        self.semaphore_requeues.labels(self._semaphores(semaphore)).inc()
 
     # -- global rate limits ----------------------------------------------------------
     # `limit` is the rate limit's declared name (or its task's name), never its key.

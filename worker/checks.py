@@ -25,6 +25,7 @@ from jobfence.locks.backends.redis import tls_hint
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.locks.backends.redlock import RedlockBackend
+from jobfence.locks.slots import SEMAPHORE_BACKENDS
 from jobfence.tasks import Runtime, SingletonTask
 
 log = logging.getLogger(__name__)
@@ -434,6 +435,22 @@ def check_timeouts(conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()) -> It
         )
 
 
+def check_semaphores(runtime: Runtime, tasks: Iterable[Any] = ()) -> Iterator[Finding]:
+    """Refuse tasks with `concurrency=` on a lock backend that keeps no semaphores."""
+    backend = runtime.backend
+    if backend.capabilities.semaphore:
+        return
+    for task in tasks:
+        if isinstance(task, SingletonTask) and task.concurrency:
+            yield _refuse(
+                f"task {task.name} concurrency",
+                f"the {backend.name} lock backend keeps no semaphores, so "
+                f"concurrency={task.concurrency} cannot be enforced",
+                f"use a lock backend that keeps them ({SEMAPHORE_BACKENDS}) or drop "
+                "concurrency= from the task",
+            )
+
+
 def check_delivery(conf: Any) -> Iterator[Finding]:
     if not conf.task_acks_late:
         yield _warn(
@@ -467,6 +484,7 @@ def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
         *check_delivery(conf),
         *check_timeouts(conf, runtime, app.tasks.values()),
         *check_lock_backend(conf, runtime, app.tasks.values()),
+        *check_semaphores(runtime, app.tasks.values()),
         *check_broker(conf, runtime),
         *check_environment(),
     ]

@@ -12,6 +12,7 @@ from typing import ClassVar
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.lease import OwnerMeta
+from jobfence.locks.slots import SlotInfo, SlotWait
 
 
 @dataclass
@@ -30,7 +31,7 @@ class MemoryBackend(LockBackend):
 
     name: ClassVar[str] = "memory"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=False, ha=False, release_notify=True
+        native_fencing=True, durable_fence=False, ha=False, release_notify=True, semaphore=True
     )
 
     def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -41,6 +42,11 @@ class MemoryBackend(LockBackend):
         self._queued: dict[str, tuple[str, float]] = {}
         self._deliveries: dict[str, tuple[int, float]] = {}  # key -> (count, expires)
         self._cond = threading.Condition()
+        # Semaphores: key -> owner -> (fence, expires, meta); key -> owner -> waiter expiry
+        # (dicts keep insertion order: the arrival queue); key -> last slot fence.
+        self._slots: dict[str, dict[str, tuple[int, float, OwnerMeta]]] = {}
+        self._waiters: dict[str, dict[str, float]] = {}
+        self._slot_fences: dict[str, int] = {}
 
     def _live(self, key: str) -> _Held | None:
         h = self._held.get(key)
@@ -202,3 +208,63 @@ class MemoryBackend(LockBackend):
             if self._live(key) is None:  # released before we got here: don't miss its wake-up
                 return
             self._cond.wait(timeout)
+
+    # -- semaphores -------------------------------------------------------------------
+    def _live_slots(self, key: str, now: float) -> dict[str, tuple[int, float, OwnerMeta]]:
+        slots = self._slots.setdefault(key, {})
+        for owner in [o for o, (_, exp, _) in slots.items() if exp <= now]:
+            del slots[owner]
+        waiters = self._waiters.setdefault(key, {})
+        for owner in [o for o, exp in waiters.items() if exp <= now]:
+            del waiters[owner]
+        return slots
+
+    def _sem_acquire(
+        self, key: str, owner: str, limit: int, ttl_ms: int, queue_ms: int, meta: OwnerMeta
+    ) -> int | SlotWait:
+        with self._cond:
+            now = self.clock.monotonic()
+            slots = self._live_slots(key, now)
+            if owner in slots:  # a repeat of a call whose answer was lost
+                return slots[owner][0]
+            waiters = self._waiters[key]
+            free = limit - len(slots)
+            ahead = list(waiters).index(owner) if owner in waiters else len(waiters)
+            if ahead < free:
+                waiters.pop(owner, None)
+                fence = self._slot_fences.get(key, 0) + 1
+                self._slot_fences[key] = fence
+                slots[owner] = (fence, now + ttl_ms / 1000, meta)
+                return fence
+            if queue_ms:
+                waiters[owner] = now + queue_ms / 1000
+            else:
+                ahead = -1
+            first = min((exp for _, exp, _ in slots.values()), default=now)
+            return SlotWait(position=ahead, ttl_left=max(0.0, first - now))
+
+    def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        out = []
+        with self._cond:
+            now = self.clock.monotonic()
+            for key, owner, ttl_ms in items:
+                slots = self._live_slots(key, now)
+                held = slots.get(owner)
+                if held is not None:
+                    slots[owner] = (held[0], now + ttl_ms / 1000, held[2])
+                out.append(held is not None)
+        return out
+
+    def _sem_release(self, key: str, owner: str) -> bool:
+        with self._cond:
+            slots = self._live_slots(key, self.clock.monotonic())
+            self._waiters[key].pop(owner, None)
+            return slots.pop(owner, None) is not None
+
+    def _sem_holders(self, key: str) -> list[SlotInfo]:
+        with self._cond:
+            now = self.clock.monotonic()
+            return [
+                SlotInfo(fence, exp - now, m.host, m.pid, m.task_id, m.task_name)
+                for fence, exp, m in self._live_slots(key, now).values()
+            ]

@@ -25,6 +25,7 @@ from pymysql.err import Error as PyMySQLError  # type: ignore[import-untyped]
 from pymysql.err import MySQLError  # type: ignore[import-untyped]
 
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import OwnerMeta
@@ -150,7 +151,7 @@ class _Pool:
                     conn.close()
 
 
-class MySQLBackend(LockBackend):
+class MySQLBackend(MySQLSemaphores, LockBackend):
     """Locks in a MySQL 8 / MariaDB 10.5+ table. Build with `from_url` or `from_settings`.
 
     Expiry runs on the server clock (`NOW(6)`, sessions at UTC and READ COMMITTED); each
@@ -167,7 +168,7 @@ class MySQLBackend(LockBackend):
 
     name: ClassVar[str] = "mysql"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=False
+        native_fencing=True, durable_fence=True, ha=False, release_notify=False, semaphore=True
     )
 
     def __init__(

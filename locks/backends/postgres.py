@@ -16,6 +16,7 @@ from psycopg import errors as pgerrors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backends.postgres_semaphore import PostgresSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import OwnerMeta
@@ -257,12 +258,13 @@ def _like_prefix(match: str) -> str:
     return head.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
-class PostgresBackend(LockBackend):
+class PostgresBackend(PostgresSemaphores, LockBackend):
     """Leases in one PostgreSQL table. Build with `from_url`; tables are made on first use."""
 
     name: ClassVar[str] = "postgres"
+    fence_sequence: ClassVar[str] = FENCE_SEQUENCE
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=True
+        native_fencing=True, durable_fence=True, ha=False, release_notify=True, semaphore=True
     )
 
     def __init__(

@@ -18,6 +18,7 @@ from redis.retry import Retry
 from jobfence.config.settings import Settings
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.backends.redis_scripts import load_scripts
+from jobfence.locks.backends.redis_semaphore import RedisSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.keys import KeySpace
@@ -145,12 +146,12 @@ class _Lane:
                 self.pool.release(conn)
 
 
-class RedisBackend(LockBackend):
+class RedisBackend(RedisSemaphores, LockBackend):
     """Locks on one Redis server. Build with `from_url` or `from_settings`."""
 
     name: ClassVar[str] = "redis"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=True
+        native_fencing=True, durable_fence=True, ha=False, release_notify=True, semaphore=True
     )
 
     def __init__(

@@ -31,6 +31,7 @@ from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, NotOwner
 from jobfence.locks.lease import Lease
+from jobfence.locks.slots import SlotLease
 
 EXTEND_SCRIPT = "cluster_extend_many"
 _Node: Any = ClusterNode  # redis-py leaves it untyped
@@ -51,7 +52,7 @@ class RedisClusterBackend(RedisBackend):
 
     name: ClassVar[str] = "redis-cluster"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=True
+        native_fencing=True, durable_fence=True, ha=False, release_notify=True, semaphore=True
     )
 
     def __init__(
@@ -211,6 +212,8 @@ class RedisClusterBackend(RedisBackend):
         keeper retries the batch soon)."""
         if not leases:
             return []
+        if any(type(le) is SlotLease for le in leases):  # slots: the base's split
+            return super().extend_many(leases)
         started = self.clock.monotonic()
         items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
         results, failure = self._extend_per_node(items)
@@ -230,6 +233,11 @@ class RedisClusterBackend(RedisBackend):
         if failure is not None:
             raise failure
         return [bool(ok) for ok in results]
+
+    def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        # Each semaphore's keys share a slot, but two semaphores may not: one call each.
+        extend_one = super()._sem_extend_many
+        return [extend_one([item])[0] for item in items]
 
     def _extend_per_node(
         self, items: Sequence[tuple[str, str, int]]

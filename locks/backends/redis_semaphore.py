@@ -1,0 +1,82 @@
+"""Semaphores on Redis: a key's slots and arrival queue in one hash slot, one Lua call each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from jobfence.locks.backends.redis_scripts import script_source
+from jobfence.locks.lease import OwnerMeta
+from jobfence.locks.slots import SlotInfo, SlotWait, holder_text, parse_holder
+
+if TYPE_CHECKING:
+    from jobfence.locks.keys import KeySpace
+
+SEMAPHORE_SCRIPTS = ("sem_acquire", "sem_extend_many", "sem_release", "sem_holders")
+
+
+def semaphore_keys(prefix: str, key: str) -> list[str]:
+    """slots, queue, queue expiry, state, holders: braces keep them in one cluster slot."""
+    base = f"{prefix}:sem:{{{key}}}"
+    return [f"{base}:slots", f"{base}:queue", f"{base}:qexp", f"{base}:state", f"{base}:holders"]
+
+
+class RedisSemaphores:
+    """The semaphore half of RedisBackend (mixed in): kept apart from the lock scripts."""
+
+    keys: KeySpace
+    scripts: dict[str, Any]
+    client: Any
+    fence_floor: int
+    fence_retention_ms: int
+
+    def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
+        raise NotImplementedError  # RedisBackend's
+
+    def _sem_script(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
+        if name not in self.scripts:  # registered on first use: the lock path never pays
+            for script in SEMAPHORE_SCRIPTS:
+                self.scripts[script] = self.client.register_script(script_source(script))
+        return self._call(name, keys, args, key)
+
+    def _sem_keys(self, key: str) -> list[str]:
+        return semaphore_keys(self.keys.prefix, key)
+
+    def _sem_acquire(
+        self, key: str, owner: str, limit: int, ttl_ms: int, queue_ms: int, meta: OwnerMeta
+    ) -> int | SlotWait:
+        reply = self._sem_script(
+            "sem_acquire",
+            self._sem_keys(key),
+            [owner, limit, ttl_ms, queue_ms, holder_text(meta), self.fence_floor,
+             self.fence_retention_ms],
+            key,
+        )  # fmt: skip
+        if int(reply[0]) == 1:
+            fence = int(reply[1])
+            if fence > self.fence_floor:
+                self.fence_floor = fence
+            return fence
+        return SlotWait(position=int(reply[1]), ttl_left=int(reply[2]) / 1000)
+
+    def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        args: list[Any] = []
+        for _, owner, ttl_ms in items:
+            args += [owner, ttl_ms]
+        names = [self._sem_keys(k)[0] for k, _, _ in items]
+        reply = self._sem_script("sem_extend_many", names, args, None)
+        return [bool(int(x)) for x in reply]
+
+    def _sem_release(self, key: str, owner: str) -> bool:
+        slots, queue, qexp, _, holders = self._sem_keys(key)
+        return bool(int(self._sem_script("sem_release", [slots, queue, qexp, holders], [owner],
+                                         key)))  # fmt: skip
+
+    def _sem_holders(self, key: str) -> list[SlotInfo]:
+        names = self._sem_keys(key)
+        reply = self._sem_script("sem_holders", [names[0], names[4]], [], key)
+        out = []
+        for i in range(0, len(reply), 2):
+            fence, _, text = str(reply[i]).partition("\n")
+            out.append(parse_holder(int(fence), int(reply[i + 1]) / 1000, text))
+        return out
