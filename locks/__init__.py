@@ -19,6 +19,7 @@ from jobfence.locks.errors import (
 )
 from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
 from jobfence.locks.keeper import LeaseKeeper
+from jobfence.locks.leader import LeaderElector, Term
 from jobfence.locks.lease import Lease, OwnerMeta
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "Clock",
     "FencedWriteRefused",
     "JobRecord",
+    "LeaderElector",
     "Lease",
     "LeaseKeeper",
     "LeaseLost",
@@ -49,6 +51,7 @@ __all__ = [
     "StaleFence",
     "StaleFenceOutcomeUnknown",
     "SystemClock",
+    "Term",
     "acquire",
     "open_backend",
 ]

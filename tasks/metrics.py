@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,21 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.leader = Gauge(
+            "jobfence_leader", "1 while this process leads the election", ["election"], registry=r
+        )
+        self.leader_fence = Gauge(
+            "jobfence_leader_fence", "Fence of this process's latest term", ["election"], registry=r
+        )
+        self.leader_terms = Counter(
+            "jobfence_leader_terms_total", "Terms this process won", ["election"], registry=r
+        )
+        self.leadership_lost = Counter(
+            "jobfence_leadership_lost_total",
+            "Terms that ended by a lost lease (not a resignation)",
+            ["election"],
+            registry=r,
+        )
         self._series: dict[str, TaskSeries] = {}
 
     def task(self, name: str) -> TaskSeries:
@@ -76,3 +91,14 @@ class Metrics:
 
     def observe_heartbeat(self, backend: str, seconds: float, _leases: int) -> None:
         self.heartbeat.labels(backend).observe(seconds)
+
+    def observe_leadership(self, election: str, event: str, fence: int) -> None:
+        """A `LeadershipObserver` (jobfence.locks.leader): "elected", "lost" or "resigned"."""
+        if event == "elected":
+            self.leader_terms.labels(election).inc()
+            self.leader_fence.labels(election).set(fence)
+            self.leader.labels(election).set(1)
+            return
+        if event == "lost":
+            self.leadership_lost.labels(election).inc()
+        self.leader.labels(election).set(0)
