@@ -95,6 +95,7 @@ class Metrics:
     def observe_leadership(self, election: str, event: str, fence: int) -> None:
         """A `LeadershipObserver` (jobfence.locks.leader): "elected", "lost" or "resigned"."""
         if event == "elected":
+            self.leadership_lost.labels(election)  # the series exists (at 0) from the first term
             self.leader_terms.labels(election).inc()
             self.leader_fence.labels(election).set(fence)
             self.leader.labels(election).set(1)
