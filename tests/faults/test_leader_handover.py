@@ -1,0 +1,185 @@
+"""Leader hand-over between real processes on Redis, PostgreSQL and MariaDB: a SIGKILLed
+leader's standby takes over within one TTL, a leader that exits cleanly hands over at once,
+and a SIGSTOPped leader is fenced out (told on waking, its write refused) while a naive
+SET NX leader writes beside its successor."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from tests.faults.leader_proc import LOST_EXIT, log_table, read_log
+from tests.servers import ProcessGroup, wait_for
+
+pytestmark = pytest.mark.fault
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TTL = 1.0
+#: A standby notices an expiry within one backoff step (cap 0.5 s, jittered), on a shared box.
+MARGIN = 0.6
+#: A clean exit does not wait for the TTL: a long one shows the hand-over does not either.
+CLEAN_TTL = 3.0
+START = 30.0  # seconds a process may take to start on a loaded box
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[bytes]
+    out: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def records(self, event: str | None = None) -> list[dict[str, Any]]:
+        if not self.out.exists():
+            return []
+        lines = [json.loads(line) for line in self.out.read_text().splitlines() if line]
+        return [r for r in lines if event is None or r["event"] == event]
+
+    def first(self, event: str) -> dict[str, Any] | None:
+        found = self.records(event)
+        return found[0] if found else None
+
+
+@dataclass
+class Rig:
+    """Where the processes elect (lock_url) and write (store_url), under a prefix of their own."""
+
+    backend: str
+    lock_url: str
+    store_url: str
+    prefix: str
+    group: ProcessGroup
+    tmp: Path
+
+    def spawn(self, label: str, *, ttl: float = TTL, mode: str = "fenced") -> Proc:
+        out = self.tmp / f"{label}.jsonl"
+        args = [sys.executable, "-m", "tests.faults.leader_proc", mode, self.lock_url,
+                self.store_url, self.prefix, "reports", str(ttl), str(out)]  # fmt: skip
+        return Proc(self.group.spawn(args, cwd=REPO_ROOT, name=label), out)
+
+    def wait(self, proc: Proc, event: str, timeout: float = START) -> dict[str, Any]:
+        return wait_for(
+            lambda: proc.first(event), timeout=timeout,
+            message=lambda: f"no {event!r} from {proc.out.name}:\n{self.group.log_of(proc.popen)}",
+        )  # fmt: skip
+
+    def leader_and_standby(self, *, ttl: float = TTL, mode: str = "fenced") -> tuple[Proc, Proc]:
+        """Two processes started together; whichever is elected first leads."""
+        pair = [self.spawn(label, ttl=ttl, mode=mode) for label in ("one", "two")]
+
+        def settled() -> tuple[Proc, Proc] | None:
+            elected = [p for p in pair if p.first("elected")]
+            waiting = [p for p in pair if p.first("campaign") and not p.first("elected")]
+            return (elected[0], waiting[0]) if elected and waiting else None
+
+        def logs() -> str:
+            return "\n".join(self.group.log_of(p.popen) for p in pair)
+
+        leader, standby = wait_for(settled, timeout=START, message=logs)
+        return leader, standby
+
+    def log(self) -> list[tuple[int, int, int]]:
+        return read_log(self.store_url, self.prefix)
+
+
+@pytest.fixture(params=["redis", "postgres", "mariadb"])
+def rig(request: pytest.FixtureRequest, process_group: ProcessGroup, tmp_path: Path) -> Rig:
+    prefix = f"ld{uuid.uuid4().hex[:8]}"
+    if request.param == "redis":
+        url: str = request.getfixturevalue("redis_url")
+        return Rig("redis", url, url, prefix, process_group, tmp_path)
+    url = request.getfixturevalue("pg_url" if request.param == "postgres" else "mariadb_url")
+    engine = sa.create_engine(url)
+    try:
+        log_table(prefix).create(engine)
+    finally:
+        engine.dispose()
+    lock_url = url.replace("mysql+pymysql://", "mariadb://", 1)
+    return Rig(request.param, lock_url, url, prefix, process_group, tmp_path)
+
+
+def report(rig: Rig, what: str, seconds: float, ttl: float) -> None:
+    print(f"\nHANDOVER {rig.backend} {what}: {seconds:.3f}s (ttl {ttl:g}s)")
+
+
+def test_a_standby_takes_over_within_one_ttl_after_the_leader_is_killed(rig):
+    leader, standby = rig.leader_and_standby()
+    os.killpg(leader.pid, signal.SIGKILL)  # our own child's group; the harness reaps it
+    killed = time.monotonic()
+    elected = rig.wait(standby, "elected", timeout=3 * TTL)
+    took = elected["mono"] - killed
+    report(rig, "SIGKILL", took, TTL)
+    assert took <= TTL + MARGIN, took
+    assert elected["fence"] > leader.records("elected")[0]["fence"]
+
+
+def test_a_leader_that_exits_cleanly_hands_over_at_once(rig):
+    leader, standby = rig.leader_and_standby(ttl=CLEAN_TTL)
+    os.kill(leader.pid, signal.SIGTERM)
+    stopped = time.monotonic()
+    elected = rig.wait(standby, "elected", timeout=3 * CLEAN_TTL)
+    took = elected["mono"] - stopped
+    report(rig, "clean exit", took, CLEAN_TTL)
+    assert took < CLEAN_TTL / 2, took  # it released: nobody waited out the TTL
+    assert leader.popen.wait(10) == 0 and leader.first("resigned") is not None
+
+
+def test_a_frozen_leader_is_told_on_waking_and_its_fenced_write_is_refused(rig):
+    leader, standby = rig.leader_and_standby()
+    os.kill(leader.pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        elected = rig.wait(standby, "elected", timeout=3 * TTL)
+        took = elected["mono"] - frozen
+        report(rig, "SIGSTOP", took, TTL)
+        assert took <= TTL + MARGIN, took
+        old_fence = leader.records("elected")[0]["fence"]
+        assert elected["fence"] > old_fence
+        wait_for(lambda: any(w == standby.pid for w, _, _ in rig.log()), timeout=5,
+                 message="the new leader never wrote")  # fmt: skip
+    finally:
+        os.kill(leader.pid, signal.SIGCONT)
+    assert leader.popen.wait(10) == LOST_EXIT, rig.group.log_of(leader.popen)
+    # On waking, it read its term as lost before its next write, and that write (made on
+    # purpose) was refused by the guard: the new leader had written with a higher fence.
+    last = leader.records("write")[-1]
+    assert last["lost"] is True and last["outcome"] == "stale", last
+    assert leader.first("on_lost") is not None
+    log = rig.log()
+    first_new = next(i for i, (w, _, _) in enumerate(log) if w == standby.pid)
+    assert all(w == standby.pid for w, _, _ in log[first_new:]), log
+
+
+def test_control_a_naive_leader_writes_beside_its_successor_after_waking(
+    redis_url, process_group, tmp_path
+):
+    rig = Rig("redis", redis_url, redis_url, f"nv{uuid.uuid4().hex[:8]}", process_group, tmp_path)
+    leader, standby = rig.leader_and_standby(mode="naive")
+    os.kill(leader.pid, signal.SIGSTOP)
+    try:
+        rig.wait(standby, "elected", timeout=3 * TTL)
+        wait_for(lambda: any(w == standby.pid for w, _, _ in rig.log()), timeout=5,
+                 message="the new leader never wrote")  # fmt: skip
+    finally:
+        os.kill(leader.pid, signal.SIGCONT)
+
+    def two_leaders_wrote() -> bool:
+        log = rig.log()
+        first_new = next(i for i, (w, _, _) in enumerate(log) if w == standby.pid)
+        return any(w == leader.pid for w, _, _ in log[first_new:])
+
+    # Without a fence, the woken leader's writes land after its successor's.
+    wait_for(two_leaders_wrote, timeout=5, message="the naive ex-leader never wrote again")
