@@ -312,10 +312,13 @@ class LeaderElector:
     # -- the elector's thread ----------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            term = self._campaign()
-            if term is None:
-                continue
-            self._serve(term)
+            try:
+                term = self._campaign()
+                if term is not None:
+                    self._serve(term)
+            except Exception:  # never die silently: a campaign that stopped would never lead
+                log.exception("leader %s: elector failed; campaigning again", self.key)
+                self._stop.wait(self.retry_delay)
         with self._cond:
             self._cond.notify_all()
 
@@ -343,20 +346,23 @@ class LeaderElector:
         with self._cond:
             self._term = term
             self._cond.notify_all()
-        start = self.on_elected
-        if start is not None and not wake.is_set() and not _call(start, term, "on_elected"):
-            term.resign()  # a leader that cannot start its work should not lead,
-            self._stop.wait(self.retry_delay)  # and lets a standby try first
-        while not wake.is_set():
-            # Bounded by the deadline: the term is read again there even if the keeper is late.
-            wake.wait(max(0.001, min(term.remaining(), 1.0)))
-            term._poll()
-        if term.cause is not None and self.on_lost is not None:
-            _call(self.on_lost, term, "on_lost")
-        term.resign()  # owner-checked: frees the key at once if it is in fact still ours
-        with self._cond:
-            self._term = None
-            self._cond.notify_all()
+        try:
+            start = self.on_elected
+            if start is not None and not wake.is_set() and not _call(start, term, "on_elected"):
+                term.resign()  # a leader that cannot start its work should not lead,
+                self._stop.wait(self.retry_delay)  # and lets a standby try first
+            while not wake.is_set():
+                # Bounded by the deadline: the term is read again there even if the keeper
+                # is late.
+                wake.wait(max(0.001, min(term.remaining(), 1.0)))
+                term._poll()
+            if term.cause is not None and self.on_lost is not None:
+                _call(self.on_lost, term, "on_lost")
+        finally:
+            term.resign()  # owner-checked: frees the key at once if it is in fact still ours
+            with self._cond:
+                self._term = None
+                self._cond.notify_all()
 
 
 def _call(callback: TermCallback, term: Term, what: str) -> bool:

@@ -200,3 +200,23 @@ def test_leadership_changes_reach_the_metrics():
         assert sample("jobfence_leadership_lost_total") == 0
     finally:
         locker.close()
+
+
+def test_an_elector_whose_on_elected_fails_resigns_and_campaigns_again():
+    locker = Locker(MemoryBackend(), ttl=0.3)
+    started: list[Term] = []
+
+    def start(term: Term) -> None:
+        started.append(term)
+        if len(started) == 1:
+            raise RuntimeError("cannot start the work")
+
+    elector = locker.campaign(_name(), on_elected=start)
+    try:
+        wait_for(lambda: len(started) == 2 and elector.term is started[1], timeout=5)
+        first, second = started
+        assert first.lost.is_set() and first.cause is None  # resigned, not kept
+        assert first.lease.released and second.fence > first.fence
+    finally:
+        elector.stop()
+        locker.close()

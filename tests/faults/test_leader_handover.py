@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from jobfence.locks import LeaseLost, Locker, RedisBackend, Term
 from tests.faults.leader_proc import LOST_EXIT, log_table, read_log
 from tests.servers import ProcessGroup, wait_for
 
@@ -183,3 +184,31 @@ def test_control_a_naive_leader_writes_beside_its_successor_after_waking(
 
     # Without a fence, the woken leader's writes land after its successor's.
     wait_for(two_leaders_wrote, timeout=5, message="the naive ex-leader never wrote again")
+
+
+def test_a_leader_cut_off_from_its_lock_server_is_told_at_its_deadline_and_campaigns_again(
+    fresh_redis,
+):
+    locker = Locker(
+        RedisBackend.from_url(fresh_redis.url, prefix="cut", socket_timeout=0.2), ttl=TTL
+    )
+    lost: list[Term] = []
+    elector = locker.campaign("reports", on_lost=lost.append)
+    try:
+        first = elector.wait_elected(timeout=START)
+        assert first is not None
+        fresh_redis.pause()  # SIGSTOP: the heartbeats hang, then time out
+        paused = time.monotonic()
+        try:
+            assert first.lost.wait(2 * TTL), "the leader never learnt it was cut off"
+            told = time.monotonic() - paused
+            assert told <= TTL + MARGIN, told  # at its deadline, not at the server's return
+            wait_for(lambda: lost == [first], timeout=TTL, message="on_lost was never called")
+            assert isinstance(first.cause, LeaseLost) and elector.term is None
+        finally:
+            fresh_redis.resume()
+        second = elector.wait_elected(timeout=5 * TTL)  # campaigning again all along
+        assert second is not None and second.fence > first.fence
+    finally:
+        elector.stop()
+        locker.close()
