@@ -16,11 +16,13 @@ from jobfence.locks import (
     AcquireTimeout,
     LeaseKeeper,
     LeaseLost,
+    LockBackend,
     Locker,
     ManualClock,
     MemoryBackend,
     NotOwner,
     Term,
+    open_backend,
 )
 from jobfence.locks.leader import leader_key
 from jobfence.tasks.metrics import Metrics
@@ -38,9 +40,24 @@ MARGIN = 0.6
 
 @pytest.fixture(params=LEADER_BACKENDS)
 def harness(request: pytest.FixtureRequest) -> Iterator[BackendHarness]:
-    h = _harness(request.param, request)
+    h = _sql_harness(request) if request.param in SQL else _harness(request.param, request)
     yield h
     h.close()
+
+
+SQL = {"postgres": "pg_url", "mariadb": "mariadb_url"}
+
+
+def _sql_harness(request: pytest.FixtureRequest) -> BackendHarness:
+    """The session's scratch database (a database per test, as the lock contract makes, costs
+    a second or two here; every election has a name of its own)."""
+    url: str = request.getfixturevalue(SQL[request.param])
+    url = url.replace("mysql+pymysql://", "mariadb://", 1)
+
+    def connect() -> LockBackend:
+        return open_backend(url, prefix="leader")
+
+    return BackendHarness(name=request.param, backend=connect(), connect=connect)
 
 
 @pytest.fixture
