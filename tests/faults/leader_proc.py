@@ -8,6 +8,10 @@ every process of the host): campaign, elected (fence), write (seq, lost, outcome
 resigned. SIGTERM makes a fenced leader leave its block (it resigns) and exit 0; a fenced
 leader that learns its term is lost makes one more write, to show the guard refuse it, and
 exits 3. The store is Redis (a list, RedisFenceGuard) or SQL (a table, SqlFenceGuard).
+
+SIGUSR1 makes a fenced leader SIGSTOP itself after its current write ("freezing"): a leader
+frozen inside its SQL transaction would hold the fence row's lock, and its successor's
+guarded write would wait for it (safe, but the refusal could not be shown).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from jobfence.locks import Locker, RedisFenceGuard, SqlFenceGuard, StaleFence, open_backend
+from jobfence.locks import Locker, RedisFenceGuard, SqlFenceGuard, StaleFence, Term, open_backend
 
 WRITE_INTERVAL = 0.05
 LOST_EXIT = 3
@@ -107,11 +111,17 @@ class FencedStore:
 def run_fenced(lock_url: str, store_url: str, prefix: str, name: str, ttl: float, out: Out) -> int:
     store = FencedStore(store_url, prefix)
     locker = Locker(open_backend(lock_url, prefix=prefix, socket_timeout=0.5), ttl=ttl)
-    stopping = threading.Event()
+    stopping, freeze = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGUSR1, lambda *_: freeze.set())
     out.emit("campaign")
-    lost = False
-    with locker.leader(name, on_lost=lambda t: out.emit("on_lost", fence=t.fence)) as term:
+    lost, told = False, threading.Event()
+
+    def on_lost(term: Term) -> None:
+        out.emit("on_lost", fence=term.fence)
+        told.set()
+
+    with locker.leader(name, on_lost=on_lost) as term:
         out.emit("elected", fence=term.fence)
         seq = 0
         while not stopping.is_set():
@@ -120,8 +130,13 @@ def run_fenced(lock_url: str, store_url: str, prefix: str, name: str, ttl: float
             out.emit("write", seq=seq, lost=lost, outcome=outcome, fence=term.fence)
             if lost:
                 break
+            if freeze.is_set():  # between writes: see the module's docstring
+                out.emit("freezing")
+                os.kill(os.getpid(), signal.SIGSTOP)
             seq += 1
             term.lost.wait(WRITE_INTERVAL)
+    if lost:
+        told.wait(5)  # on_lost runs on a thread of its own: let it finish before exiting
     out.emit("resigned")
     locker.close()
     return LOST_EXIT if lost else 0
@@ -154,4 +169,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-

@@ -140,9 +140,9 @@ def test_a_leader_that_exits_cleanly_hands_over_at_once(rig):
 
 def test_a_frozen_leader_is_told_on_waking_and_its_fenced_write_is_refused(rig):
     leader, standby = rig.leader_and_standby()
-    os.kill(leader.pid, signal.SIGSTOP)
-    frozen = time.monotonic()
+    os.kill(leader.pid, signal.SIGUSR1)  # it SIGSTOPs itself between two writes
     try:
+        frozen = rig.wait(leader, "freezing", timeout=5)["mono"]
         elected = rig.wait(standby, "elected", timeout=3 * TTL)
         took = elected["mono"] - frozen
         report(rig, "SIGSTOP", took, TTL)
@@ -156,8 +156,10 @@ def test_a_frozen_leader_is_told_on_waking_and_its_fenced_write_is_refused(rig):
     assert leader.popen.wait(10) == LOST_EXIT, rig.group.log_of(leader.popen)
     # On waking, it read its term as lost before its next write, and that write (made on
     # purpose) was refused by the guard: the new leader had written with a higher fence.
-    last = leader.records("write")[-1]
-    assert last["lost"] is True and last["outcome"] == "stale", last
+    records = leader.records()
+    woke = [r for r in records[records.index(leader.records("freezing")[0]) :]
+            if r["event"] == "write"]  # fmt: skip
+    assert [(r["lost"], r["outcome"]) for r in woke] == [(True, "stale")], woke
     assert leader.first("on_lost") is not None
     log = rig.log()
     first_new = next(i for i, (w, _, _) in enumerate(log) if w == standby.pid)
