@@ -3,6 +3,8 @@ log entry every WRITE_INTERVAL through a fence guard (`fenced`) or blindly (`nai
 
     python -m tests.faults.leader_proc fenced|naive LOCK_URL STORE_URL PREFIX NAME TTL OUT
 
+(the tests fork it with these arguments: `main(argv)`, no interpreter start per process).
+
 Every step is a JSON line in OUT with the process's CLOCK_MONOTONIC time (`mono`, shared by
 every process of the host): campaign, elected (fence), write (seq, lost, outcome), on_lost,
 resigned. SIGTERM makes a fenced leader leave its block (it resigns) and exit 0; a fenced

@@ -6,13 +6,15 @@ SET NX leader writes beside its successor."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +22,12 @@ import pytest
 import sqlalchemy as sa
 
 from jobfence.locks import LeaseLost, Locker, RedisBackend, Term
+from tests.faults import leader_proc
 from tests.faults.leader_proc import LOST_EXIT, log_table, read_log
-from tests.servers import ProcessGroup, wait_for
+from tests.servers import wait_for
 
 pytestmark = pytest.mark.fault
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TTL = 1.0
 #: A standby notices an expiry within one backoff step (cap 0.5 s, jittered), on a shared box.
 MARGIN = 0.6
@@ -34,14 +36,34 @@ CLEAN_TTL = 3.0
 START = 30.0  # seconds a process may take to start on a loaded box
 
 
+def _child(argv: list[str], log: str) -> None:
+    """A forked process's body: its output to a log file, then the leader program."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.exit(leader_proc.main(argv))
+
+
 @dataclass
 class Proc:
-    popen: subprocess.Popen[bytes]
+    """A forked OS process (no interpreter start: the test's imports are inherited) running
+    tests/faults/leader_proc.py with connections and a keeper of its own."""
+
+    process: BaseProcess
     out: Path
+    log: Path
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def exit_code(self, timeout: float) -> int | None:
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def tail(self) -> str:
+        return self.log.read_text()[-4000:] if self.log.exists() else "(no output)"
 
     def records(self, event: str | None = None) -> list[dict[str, Any]]:
         if not self.out.exists():
@@ -62,20 +84,36 @@ class Rig:
     lock_url: str
     store_url: str
     prefix: str
-    group: ProcessGroup
     tmp: Path
+    procs: list[Proc] = field(default_factory=list)
 
     def spawn(self, label: str, *, ttl: float = TTL, mode: str = "fenced") -> Proc:
-        out = self.tmp / f"{label}.jsonl"
-        args = [sys.executable, "-m", "tests.faults.leader_proc", mode, self.lock_url,
-                self.store_url, self.prefix, "reports", str(ttl), str(out)]  # fmt: skip
-        return Proc(self.group.spawn(args, cwd=REPO_ROOT, name=label), out)
+        out, log = self.tmp / f"{label}.jsonl", self.tmp / f"{label}.log"
+        argv = [mode, self.lock_url, self.store_url, self.prefix, "reports", str(ttl), str(out)]
+        process = multiprocessing.get_context("fork").Process(
+            target=_child, args=(argv, str(log)), name=label, daemon=True
+        )
+        process.start()
+        proc = Proc(process, out, log)
+        self.procs.append(proc)
+        return proc
 
     def wait(self, proc: Proc, event: str, timeout: float = START) -> dict[str, Any]:
         return wait_for(
             lambda: proc.first(event), timeout=timeout,
-            message=lambda: f"no {event!r} from {proc.out.name}:\n{self.group.log_of(proc.popen)}",
+            message=lambda: f"no {event!r} from {proc.out.name}:\n{proc.tail()}",
         )  # fmt: skip
+
+    def stop_all(self) -> None:
+        """SIGKILL what is left (resumed first if stopped), by pid: only our own children."""
+        for proc in self.procs:
+            if proc.process.is_alive():
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+            proc.process.join(10)
 
     def leader_and_standby(self, *, ttl: float = TTL, mode: str = "fenced") -> tuple[Proc, Proc]:
         """Two processes started together; whichever is elected first leads."""
@@ -87,7 +125,7 @@ class Rig:
             return (elected[0], waiting[0]) if elected and waiting else None
 
         def logs() -> str:
-            return "\n".join(self.group.log_of(p.popen) for p in pair)
+            return "\n".join(p.tail() for p in pair)
 
         leader, standby = wait_for(settled, timeout=START, message=logs)
         return leader, standby
@@ -97,19 +135,22 @@ class Rig:
 
 
 @pytest.fixture(params=["redis", "postgres", "mariadb"])
-def rig(request: pytest.FixtureRequest, process_group: ProcessGroup, tmp_path: Path) -> Rig:
+def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
     prefix = f"ld{uuid.uuid4().hex[:8]}"
     if request.param == "redis":
         url: str = request.getfixturevalue("redis_url")
-        return Rig("redis", url, url, prefix, process_group, tmp_path)
-    url = request.getfixturevalue("pg_url" if request.param == "postgres" else "mariadb_url")
-    engine = sa.create_engine(url)
-    try:
-        log_table(prefix).create(engine)
-    finally:
-        engine.dispose()
-    lock_url = url.replace("mysql+pymysql://", "mariadb://", 1)
-    return Rig(request.param, lock_url, url, prefix, process_group, tmp_path)
+        made = Rig("redis", url, url, prefix, tmp_path)
+    else:
+        url = request.getfixturevalue("pg_url" if request.param == "postgres" else "mariadb_url")
+        engine = sa.create_engine(url)
+        try:
+            log_table(prefix).create(engine)
+        finally:
+            engine.dispose()
+        lock_url = url.replace("mysql+pymysql://", "mariadb://", 1)
+        made = Rig(request.param, lock_url, url, prefix, tmp_path)
+    yield made
+    made.stop_all()
 
 
 def report(rig: Rig, what: str, seconds: float, ttl: float) -> None:
@@ -118,7 +159,7 @@ def report(rig: Rig, what: str, seconds: float, ttl: float) -> None:
 
 def test_a_standby_takes_over_within_one_ttl_after_the_leader_is_killed(rig):
     leader, standby = rig.leader_and_standby()
-    os.killpg(leader.pid, signal.SIGKILL)  # our own child's group; the harness reaps it
+    os.kill(leader.pid, signal.SIGKILL)  # our own child; the rig reaps it
     killed = time.monotonic()
     elected = rig.wait(standby, "elected", timeout=3 * TTL)
     took = elected["mono"] - killed
@@ -135,7 +176,7 @@ def test_a_leader_that_exits_cleanly_hands_over_at_once(rig):
     took = elected["mono"] - stopped
     report(rig, "clean exit", took, CLEAN_TTL)
     assert took < CLEAN_TTL / 2, took  # it released: nobody waited out the TTL
-    assert leader.popen.wait(10) == 0 and leader.first("resigned") is not None
+    assert leader.exit_code(10) == 0 and leader.first("resigned") is not None
 
 
 def test_a_frozen_leader_is_told_on_waking_and_its_fenced_write_is_refused(rig):
@@ -153,7 +194,7 @@ def test_a_frozen_leader_is_told_on_waking_and_its_fenced_write_is_refused(rig):
                  message="the new leader never wrote")  # fmt: skip
     finally:
         os.kill(leader.pid, signal.SIGCONT)
-    assert leader.popen.wait(10) == LOST_EXIT, rig.group.log_of(leader.popen)
+    assert leader.exit_code(10) == LOST_EXIT, leader.tail()
     # On waking, it read its term as lost before its next write, and that write (made on
     # purpose) was refused by the guard: the new leader had written with a higher fence.
     records = leader.records()
@@ -166,10 +207,15 @@ def test_a_frozen_leader_is_told_on_waking_and_its_fenced_write_is_refused(rig):
     assert all(w == standby.pid for w, _, _ in log[first_new:]), log
 
 
-def test_control_a_naive_leader_writes_beside_its_successor_after_waking(
-    redis_url, process_group, tmp_path
-):
-    rig = Rig("redis", redis_url, redis_url, f"nv{uuid.uuid4().hex[:8]}", process_group, tmp_path)
+def test_control_a_naive_leader_writes_beside_its_successor_after_waking(redis_url, tmp_path):
+    rig = Rig("redis", redis_url, redis_url, f"nv{uuid.uuid4().hex[:8]}", tmp_path)
+    try:
+        _naive_control(rig)
+    finally:
+        rig.stop_all()
+
+
+def _naive_control(rig: Rig) -> None:
     leader, standby = rig.leader_and_standby(mode="naive")
     os.kill(leader.pid, signal.SIGSTOP)
     try:
