@@ -58,7 +58,10 @@ class _EndEvent(threading.Event):
 
     def wait(self, timeout: float | None = None) -> bool:
         self._term._poll()
-        return super().wait(timeout)
+        if super().wait(timeout):
+            return True
+        self._term._poll()  # the deadline may have passed during the wait (a freeze in it)
+        return super().is_set()
 
 
 class Term:

@@ -202,6 +202,19 @@ def test_a_frozen_leader_reads_its_term_as_lost_on_waking_before_the_keeper_runs
             term.check()
 
 
+def test_a_wait_on_the_term_that_outlives_its_deadline_answers_lost():
+    clock = ManualClock()
+    keeper = LeaseKeeper(clock=clock)
+    locker = Locker(MemoryBackend(clock=clock), keeper=keeper, ttl=TTL)
+    keeper.stop()
+    with locker.leader(_name()) as term:
+        # The process "freezes" during the wait: the deadline passes while it blocks.
+        timer = threading.Timer(0.02, clock.advance, args=(TTL,))
+        timer.start()
+        assert term.lost.wait(0.2) is True
+        timer.join()
+
+
 def test_leadership_changes_reach_the_metrics():
     metrics = Metrics(CollectorRegistry())
     locker = Locker(MemoryBackend(), ttl=TTL, on_leadership=metrics.observe_leadership)
