@@ -20,6 +20,7 @@ from jobfence.locks.errors import (
 )
 from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
 from jobfence.locks.keeper import LeaseKeeper
+from jobfence.locks.leader import LeaderElector, Term
 from jobfence.locks.lease import Lease, OwnerMeta
 from jobfence.locks.semaphore import acquire_slot
 from jobfence.locks.slots import SlotInfo, SlotLease, SlotWait
@@ -34,6 +35,7 @@ __all__ = [
     "Clock",
     "FencedWriteRefused",
     "JobRecord",
+    "LeaderElector",
     "Lease",
     "LeaseKeeper",
     "LeaseLost",
@@ -56,6 +58,7 @@ __all__ = [
     "StaleFence",
     "StaleFenceOutcomeUnknown",
     "SystemClock",
+    "Term",
     "acquire",
     "acquire_slot",
     "open_backend",

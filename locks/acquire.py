@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass, field
 
 from jobfence.locks.backend import LockBackend
@@ -34,8 +35,10 @@ def acquire(
     timeout: float,
     backoff: Backoff | None = None,
     meta: OwnerMeta | None = None,
+    cancel: threading.Event | None = None,
 ) -> Lease:
-    """Acquire `key`, waiting up to `timeout` seconds. Raises AcquireTimeout.
+    """Acquire `key`, waiting up to `timeout` seconds (math.inf: forever). Raises AcquireTimeout,
+    also once `cancel` is set (noticed between attempts, within one backoff step).
 
     Between attempts the waiter blocks on the backend's release signal, bounded by the
     jittered backoff, the holder's remaining TTL and the deadline, so a release wakes it
@@ -51,6 +54,8 @@ def acquire(
         got = backend.attempt(key, ttl, meta=meta)
         if isinstance(got, Lease):
             return got
+        if cancel is not None and cancel.is_set():
+            raise AcquireTimeout("the wait was cancelled", key=key)
         left = deadline - clock.monotonic()
         if left <= 0:
             raise AcquireTimeout(f"not acquired within {timeout:g}s", key=key)

@@ -13,6 +13,15 @@ from jobfence.locks.acquire import Backoff, acquire
 from jobfence.locks.backend import LockBackend, default_meta
 from jobfence.locks.errors import AcquireTimeout, LeaseLost
 from jobfence.locks.keeper import LeaseKeeper
+from jobfence.locks.leader import (
+    LeaderElector,
+    LeadershipObserver,
+    Term,
+    TermCallback,
+    elect,
+    leader_key,
+    try_elect,
+)
 from jobfence.locks.lease import Lease
 from jobfence.locks.semaphore import acquire_slot
 from jobfence.locks.slots import SlotLease
@@ -37,8 +46,10 @@ class Locker:
         ttl: float = 30.0,
         timeout: float = 10.0,
         backoff: Backoff | None = None,
+        on_leadership: LeadershipObserver | None = None,
     ) -> None:
         self.backend = backend
+        self.on_leadership = on_leadership
         self.keeper = keeper or LeaseKeeper(clock=backend.clock)
         self.ttl = ttl
         self.timeout = timeout
@@ -170,6 +181,65 @@ class Locker:
             return inner
 
         return wrap
+
+    @contextmanager
+    def leader(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        blocking: bool = True,
+        on_lost: TermCallback | None = None,
+    ) -> Iterator[Term]:
+        """Run the block as the leader of election `name` (lock key "leader:<name>").
+
+        Waits until elected (for ever unless `timeout`; `blocking=False` tries once), raising
+        AcquireTimeout otherwise. The block gets the Term: `term.fence` for fenced writes,
+        `term.lost` (an Event) and `term.check()` to stop when leadership is lost, and
+        `on_lost(term)` is called from a thread of its own if it is. Leaving the block
+        resigns: the lease is released at once, so a standby takes over without waiting
+        out the TTL. A lost term does not raise at exit: the block was told.
+        """
+        key = leader_key(name)
+        ttl = self.ttl if ttl is None else ttl
+        if blocking:
+            term = elect(
+                self.backend, self.keeper, key, ttl=ttl, timeout=timeout,
+                backoff=self.backoff, observer=self.on_leadership,
+            )  # fmt: skip
+        else:
+            got = try_elect(self.backend, self.keeper, key, ttl=ttl, observer=self.on_leadership)
+            if got is None:
+                raise AcquireTimeout("another process leads", key=key)
+            term = got
+        if on_lost is not None:
+            term.watch(on_lost)
+        try:
+            yield term
+        finally:
+            term.resign()
+
+    def campaign(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        on_elected: TermCallback | None = None,
+        on_lost: TermCallback | None = None,
+    ) -> LeaderElector:
+        """Campaign for election `name` on a thread of its own, again after every lost term,
+        until the returned elector's `stop()` (which resigns at once). Started already."""
+        return LeaderElector(
+            self.backend,
+            self.keeper,
+            leader_key(name),
+            ttl=self.ttl if ttl is None else ttl,
+            on_elected=on_elected,
+            on_lost=on_lost,
+            backoff=self.backoff,
+            observer=self.on_leadership,
+        ).start()
 
     def close(self) -> None:
         self.keeper.stop()

@@ -170,6 +170,29 @@ class Metrics:
             ["semaphore"],
             registry=r,
         )
+        self.leader = Gauge(
+            "jobfence_leader",
+            "1 while this process leads the election",
+            ["election"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.leader_fence = Gauge(
+            "jobfence_leader_fence",
+            "Fence of this process's latest term",
+            ["election"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.leader_terms = Counter(
+            "jobfence_leader_terms_total", "Terms this process won", ["election"], registry=r
+        )
+        self.leadership_lost = Counter(
+            "jobfence_leadership_lost_total",
+            "Terms that ended by a lost lease (not a resignation)",
+            ["election"],
+            registry=r,
+        )
         self._series: dict[str, TaskSeries] = {}
         self._semaphores = _Names("jobfence_semaphore_slots_held")
         self._limits = _Names("jobfence_rate_limit_*")
@@ -184,7 +207,8 @@ class Metrics:
         for name in (
             "acquire_wait", "conflicts", "timeouts", "lost_leases", "stale_fences", "replays",
             "executions", "heartbeat", "semaphore_held", "semaphore_limit", "semaphore_wait",
-            "semaphore_requeues", "rate_limit_wait", "rate_limit_denials",
+            "semaphore_requeues", "rate_limit_wait", "rate_limit_denials", "leader", "leader_fence",
+            "leader_terms", "leadership_lost",
         ):  # fmt: skip
             self.registry.unregister(getattr(self, name))
         self._build()
@@ -243,3 +267,16 @@ class Metrics:
     def rate_limit_denied(self, limit: str, action: str = "retry") -> None:
         """A call `limit` refused; `action`: what the caller did (retry, skip, raise)."""
         self.rate_limit_denials.labels(self._limits(limit), action).inc()
+
+    # -- leader election ---------------------------------------------------------
+    def observe_leadership(self, election: str, event: str, fence: int) -> None:
+        """A `LeadershipObserver` (jobfence.locks.leader): "elected", "lost" or "resigned"."""
+        if event == "elected":
+            self.leadership_lost.labels(election)  # the series exists (at 0) from the first term
+            self.leader_terms.labels(election).inc()
+            self.leader_fence.labels(election).set(fence)
+            self.leader.labels(election).set(1)
+            return
+        if event == "lost":
+            self.leadership_lost.labels(election).inc()
+        self.leader.labels(election).set(0)

@@ -1,8 +1,9 @@
 """Beat leader election on the lock backend, and one idempotency key per (entry, scheduled slot).
 
 Any number of `celery beat` processes may run. Each tick a beat that does not lead tries
-to take the lease "beat-leader"; the leader keeps it with the LeaseKeeper and dispatches
-only while it holds it. Election is the fast path: a frozen leader can outlive its lease
+once to be elected on the key "beat-leader" (jobfence.locks.leader, the election any
+singleton process uses); the leader's term is kept by the LeaseKeeper, and it dispatches
+only while the term lasts. Election is the fast path: a frozen leader can outlive its lease
 and dispatch beside its successor. So every dispatch carries the idempotency key
 `"<entry name>@<slot>"`, the slot being the scheduled time of that run (ISO-8601 UTC), and
 two beats that dispatch the same run produce one key, so a @singleton_task runs once per slot.
@@ -24,8 +25,9 @@ from typing import Any
 from celery.beat import ScheduleEntry, Scheduler, event_t
 from celery.schedules import BaseSchedule, crontab, schedstate, schedule
 
-from jobfence.locks import Busy, LeaseKeeper, LockBackend, LockError
+from jobfence.locks import LeaseKeeper, LockBackend, LockError
 from jobfence.locks.backend import default_meta
+from jobfence.locks.leader import Term, try_elect
 from jobfence.locks.lease import Lease
 from jobfence.tasks import HEADER, SingletonTask, runtime_for
 
@@ -129,55 +131,60 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         self.leader_key = leader_key or app.conf.get("jobfence_beat_leader_key") or LEADER_KEY
         self.ttl = float(ttl or app.conf.get("jobfence_beat_ttl") or runtime.settings.default_ttl)
         self.standby_poll = min(self.ttl / 3, MAX_STANDBY_POLL)
-        self.lease: Lease | None = None
+        self.observer = runtime.metrics.observe_leadership
+        self.term: Term | None = None
         self._standby_logged = False
         super().__init__(app, *args, **kwargs)
 
     # -- election ----------------------------------------------------------------
     @property
+    def lease(self) -> Lease | None:
+        """The lease of the current (or just ended) term."""
+        return self.term.lease if self.term is not None else None
+
+    @property
     def is_leader(self) -> bool:
-        return self.lease is not None and self.lease.held
+        return self.term is not None and self.term.leading
 
     def elect(self) -> bool:
-        """Keep or take the leader lease; True while this scheduler leads."""
-        if self.lease is not None:
-            if self.lease.held:
+        """Keep or take the lead (jobfence.locks.leader); True while this scheduler leads."""
+        if self.term is not None:
+            if self.term.leading:
                 return True
             log.warning("beat: lost the leader lease %r; dispatching stops", self.leader_key)
             # Owner-checked: frees the key at once if it is in fact still ours (a late
             # heartbeat), and does nothing if a successor holds it.
             self._let_go()
         try:
-            got = self.backend.attempt(
-                self.leader_key, self.ttl, meta=default_meta(task_name="celery.beat")
+            term = try_elect(
+                self.backend,
+                self.keeper,
+                self.leader_key,
+                ttl=self.ttl,
+                meta=default_meta(task_name="celery.beat"),
+                observer=self.observer,
             )
         except LockError as exc:
             log.warning("beat: cannot reach the lock backend for the election: %s", exc)
             return False
-        if isinstance(got, Busy):
+        if term is None:
             if not self._standby_logged:
                 log.info("beat: standing by; another beat holds %r", self.leader_key)
                 self._standby_logged = True
             return False
-        self.lease = got
-        self.keeper.keep(got)
+        self.term = term
         self._standby_logged = False
         self._heap = None  # re-evaluate every entry: some may have fallen due meanwhile
         log.info(
-            "beat: leading (lease %r, fence %d, ttl %gs)", self.leader_key, got.fence, self.ttl
+            "beat: leading (lease %r, fence %d, ttl %gs)", self.leader_key, term.fence, self.ttl
         )
         return True
 
     def _let_go(self) -> None:
-        """Stop keeping the lease and release it (owner-checked)."""
-        lease, self.lease = self.lease, None
-        if lease is None:
-            return
-        self.keeper.drop(lease)
-        try:
-            lease.release()
-        except LockError as exc:
-            log.warning("beat: could not release the leader lease: %s", exc)
+        """End the term: stop keeping the lease and release it (owner-checked)."""
+        term, self.term = self.term, None
+        if term is not None:
+            term.resign()
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if not self.elect():

@@ -261,6 +261,26 @@ def test_a_leader_that_shuts_down_hands_over_at_once(make_scheduler):
     assert b.is_leader
 
 
+def test_the_beat_leadership_shows_in_the_metrics(make_scheduler, beat_app):
+    a, b = make_scheduler(), make_scheduler()
+    a.tick()
+    b.tick()
+    registry = runtime_for(beat_app).metrics.registry
+
+    def sample(name: str) -> float | None:
+        return registry.get_sample_value(name, {"election": LEADER_KEY})
+
+    assert a.lease is not None and sample("jobfence_leader") == 1
+    assert sample("jobfence_leader_fence") == a.lease.fence
+    a.close()  # hands over: b leads at its next tick
+    assert sample("jobfence_leader") == 0
+    b.tick()
+    assert b.lease is not None and sample("jobfence_leader") == 1
+    assert sample("jobfence_leader_fence") == b.lease.fence
+    assert sample("jobfence_leader_terms_total") == 2
+    assert sample("jobfence_leadership_lost_total") == 0
+
+
 def test_a_leader_that_lost_its_lease_stops_dispatching(make_scheduler, broker, settings, clock):
     a, b = make_scheduler(), make_scheduler()
     a.tick()
