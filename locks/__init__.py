@@ -14,12 +14,15 @@ from jobfence.locks.errors import (
     LockError,
     NotOwner,
     PartialFencedWrite,
+    RateLimited,
+    RateLimitUnsupported,
     StaleFence,
     StaleFenceOutcomeUnknown,
 )
 from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease, OwnerMeta
+from jobfence.locks.ratelimit import Rate, RateLimiter, parse_rate
 
 __all__ = [
     "SYSTEM_CLOCK",
@@ -43,6 +46,10 @@ __all__ = [
     "NotOwner",
     "OwnerMeta",
     "PartialFencedWrite",
+    "Rate",
+    "RateLimitUnsupported",
+    "RateLimited",
+    "RateLimiter",
     "RedisBackend",
     "RedisFenceGuard",
     "SqlFenceGuard",
@@ -51,4 +58,5 @@ __all__ = [
     "SystemClock",
     "acquire",
     "open_backend",
+    "parse_rate",
 ]

@@ -14,6 +14,7 @@ from jobfence.locks.backend import LockBackend, default_meta
 from jobfence.locks.errors import AcquireTimeout, LeaseLost
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
+from jobfence.locks.ratelimit import Rate, RateLimiter
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -113,6 +114,13 @@ class Locker:
             return inner
 
         return wrap
+
+    def rate_limiter(
+        self, key: str, rate: str | Rate, *, burst: int = 1, timeout: float | None = None
+    ) -> RateLimiter:
+        """A fleet-wide limiter named `key` ("api:stripe"), e.g. `rate="100/m"`: every
+        process using the same lock server and key shares it (locks/ratelimit.py)."""
+        return RateLimiter(self.backend, key, rate, burst=burst, timeout=timeout)
 
     def close(self) -> None:
         self.keeper.stop()

@@ -62,6 +62,18 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.rate_limited = Counter(
+            "jobfence_rate_limited_total",
+            "Events a global rate limit held back, by what became of them",
+            ["limiter", "action"],  # action: waited | retried | skipped | denied
+            registry=r,
+        )
+        self.rate_wait = Histogram(
+            "jobfence_rate_limit_wait_seconds",
+            "Time an admitted event waited for its turn under a global rate limit",
+            ["limiter"],
+            registry=r,
+        )
         self._series: dict[str, TaskSeries] = {}
 
     def task(self, name: str) -> TaskSeries:
@@ -73,6 +85,13 @@ class Metrics:
                 done=self.executions.labels(name, "done"),
             )
         return series
+
+    def observe_rate_limit(self, limiter: str, action: str, wait: float = 0.0) -> None:
+        """An event held back by the limiter `limiter` (a task or limiter name, never a key
+        built from arguments); a wait it sat out is observed too."""
+        self.rate_limited.labels(limiter, action).inc()
+        if action == "waited":
+            self.rate_wait.labels(limiter).observe(wait)
 
     def observe_heartbeat(self, backend: str, seconds: float, _leases: int) -> None:
         self.heartbeat.labels(backend).observe(seconds)
