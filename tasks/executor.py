@@ -27,14 +27,29 @@ CONFLICT_POLICIES: tuple[str, ...] = ("skip", "wait", "retry", "raise")
 LeaseLostPolicy = Literal["redeliver", "drop"]
 LEASE_LOST_POLICIES: tuple[str, ...] = ("redeliver", "drop")
 Status = Literal[
-    "ran", "replayed", "duplicate", "superseded", "defer", "retry", "redeliver", "dropped"
+    "ran", "replayed", "duplicate", "superseded", "defer", "retry", "redeliver", "dropped",
+    "rate_limited", "rate_skipped",
 ]
+RateLimitedPolicy = Literal["retry", "skip", "wait"]
+RATE_LIMITED_POLICIES: tuple[str, ...] = ("retry", "skip", "wait")
+#: How far ahead a delivery may reserve its turn under a global rate limit; a job whose turn
+#: is further away comes back later and asks again (nothing reserved meanwhile).
+RATE_HORIZON = 3600.0
+#: "retry": a wait up to this is slept out in the worker rather than sent through the
+#: broker (a copy for a near turn would queue behind the backlog and start late) ...
+RATE_INLINE = 1.0
+#: ... and so is what is left when a copy arrives before its reserved turn.
+RATE_ARRIVAL_SLACK = 1.0
+#: A copy starting later than this after its reserved turn (or one interval, if longer)
+#: gives that turn up and takes a new one, so late copies never bunch beyond it.
+RATE_LATE_SLACK = 0.5
 
 Observer = Callable[[str, "JobSpec", int | None], None]  # event, job, fence
 
 DUPLICATE = {"jobfence": "duplicate"}
 SUPERSEDED = {"jobfence": "superseded"}
 DROPPED = {"jobfence": "dropped"}
+RATE_SKIPPED = {"jobfence": "rate_limited"}
 
 #: Commit attempts (at least) when the reply to a commit is lost; more while the lease lasts.
 COMMIT_ATTEMPTS = 3
@@ -70,6 +85,20 @@ class Redelivery:
 
 
 @dataclass(frozen=True)
+class RateSpec:
+    """A job's global rate limit (locks/ratelimit.py): checked after the job's lease is
+    granted, so a replay or a duplicate never spends a turn."""
+
+    key: str  # the limiter: task name, or task name and a digest of the rate_key arguments
+    label: str  # for metrics: the task name, never arguments
+    interval: float
+    burst: int = 1
+    on_limited: RateLimitedPolicy = "retry"
+    wait_timeout: float = 10.0  # "wait": the longest the worker sleeps for a turn
+    slot: float | None = None  # server time of a turn an earlier delivery reserved
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """One delivery of a job, as the executor needs it."""
 
@@ -88,6 +117,7 @@ class JobSpec:
     # recorded FAILED instead of run again (0: no cap).
     suspect: bool = False
     max_crashed: int = 0
+    rate: RateSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +134,7 @@ class Outcome:
     fence: int | None = None
     countdown: float = 0.0
     reason: str = ""
+    slot: float | None = None  # rate_limited: the server time of the turn reserved, if any
 
 
 class Executor:
@@ -147,6 +178,10 @@ class Executor:
             key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id
         )
         self.keeper.keep(lease)
+        if spec.rate is not None:
+            held = self._rate_gate(spec, spec.rate, lease)
+            if held is not None:
+                return held
         self._note("started", spec, lease.fence)
         token = set_current(ctx)
         try:
@@ -237,6 +272,60 @@ class Executor:
                 spec.key, min(left, got.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
             )
             attempt += 1
+
+    def _rate_gate(self, spec: JobSpec, rate: RateSpec, lease: Lease) -> Outcome | None:
+        """None: the job may start now (after a wait sat out here). Else the lease is
+        released and the outcome says: come back at the reserved turn, or skipped.
+
+        After the lease, not before: a delivery that replays a DONE record or meets a
+        duplicate spends no turn, and only the one delivery that holds the job's lease can.
+        """
+        try:
+            if rate.slot is not None:  # our turn was reserved: wait for it, spend no other
+                early = rate.slot - self.backend.take_rate(rate.key, rate.interval, 1, -1).now
+                if early >= -max(rate.interval, RATE_LATE_SLACK):
+                    return self._rate_wait(spec, rate, lease, early, rate.slot)
+                # Too late (the broker or the pool held the copy back): starting now would
+                # bunch with the turns after ours. That turn is lost; take a new one.
+                self.metrics.observe_rate_limit(rate.label, "late")
+            max_wait = 0.0 if rate.on_limited == "skip" else RATE_HORIZON
+            grant = self.backend.take_rate(rate.key, rate.interval, rate.burst, max_wait)
+        except BackendUnavailable as exc:
+            self._release_quietly(lease)
+            log.warning("lock server unavailable before job %s ran: %s", spec.key,
+                        type(exc).__name__)  # fmt: skip
+            return self._redeliver(spec, "lock server unavailable before the body ran", None)
+        if grant.admitted:
+            return self._rate_wait(spec, rate, lease, grant.wait, grant.now + grant.wait)
+        self._release_quietly(lease)
+        if rate.on_limited == "skip":
+            self.metrics.observe_rate_limit(rate.label, "skipped")
+            self._note("rate_skipped", spec, lease.fence)
+            return Outcome("rate_skipped", {**RATE_SKIPPED, "retry_after": round(grant.wait, 3)})
+        # Further away than the horizon: come back nearer to it and ask again.
+        self.metrics.observe_rate_limit(rate.label, "retried")
+        self._note("rate_limited", spec, lease.fence)
+        return Outcome("rate_limited", countdown=grant.wait, reason="rate limit")
+
+    def _rate_wait(
+        self, spec: JobSpec, rate: RateSpec, lease: Lease, wait: float, slot: float
+    ) -> Outcome | None:
+        """Sit out a wait for a turn already ours, or (too long for this policy) release the
+        lease and come back at the turn, which stays reserved for us."""
+        if wait <= 0:
+            return None
+        if rate.on_limited == "wait":
+            inline = rate.wait_timeout
+        else:  # a copy at its reserved turn slept out the ETA timer's slack or clock skew
+            inline = RATE_ARRIVAL_SLACK if rate.slot is not None else RATE_INLINE
+        if wait <= inline:
+            self.metrics.observe_rate_limit(rate.label, "waited", wait)
+            self.backend.clock.sleep(wait)
+            return None
+        self._release_quietly(lease)
+        self.metrics.observe_rate_limit(rate.label, "retried")
+        self._note("rate_limited", spec, lease.fence)
+        return Outcome("rate_limited", countdown=wait, reason="rate limit", slot=slot)
 
     def release(self, lease: Lease) -> None:
         """Release without a record (a retry is on its way, or the body was interrupted)."""
