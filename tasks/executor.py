@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jobfence.locks.acquire import Backoff
-from jobfence.locks.backend import Busy, JobRecord, LockBackend, default_meta
+from jobfence.locks.backend import Busy, JobRecord, LockBackend, RateGrant, default_meta
 from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LeaseLost, StaleFence
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
@@ -40,9 +40,10 @@ RATE_HORIZON = 3600.0
 RATE_INLINE = 1.0
 #: ... and so is what is left when a copy arrives before its reserved turn.
 RATE_ARRIVAL_SLACK = 1.0
-#: A copy starting later than this after its reserved turn (or one interval, if longer)
-#: gives that turn up and takes a new one, so late copies never bunch beyond it.
-RATE_LATE_SLACK = 0.5
+#: The starts limiter (`<key>:starts`): a start may wait this long for its place; further
+#: behind, the job takes a new turn instead.
+RATE_START_SLACK = 1.0
+START_SUFFIX = ":starts"
 
 Observer = Callable[[str, "JobSpec", int | None], None]  # event, job, fence
 
@@ -281,47 +282,67 @@ class Executor:
         duplicate spends no turn, and only the one delivery that holds the job's lease can.
         """
         try:
-            if rate.slot is not None:  # our turn was reserved: wait for it, spend no other
-                early = rate.slot - self.backend.take_rate(rate.key, rate.interval, 1, -1).now
-                if early >= -max(rate.interval, RATE_LATE_SLACK):
-                    return self._rate_wait(spec, rate, lease, early, rate.slot)
-                # Too late (the broker or the pool held the copy back): starting now would
-                # bunch with the turns after ours. That turn is lost; take a new one.
-                self.metrics.observe_rate_limit(rate.label, "late")
-            max_wait = 0.0 if rate.on_limited == "skip" else RATE_HORIZON
-            grant = self.backend.take_rate(rate.key, rate.interval, rate.burst, max_wait)
+            return self._rate_turn(spec, rate, lease)
         except BackendUnavailable as exc:
             self._release_quietly(lease)
             log.warning("lock server unavailable before job %s ran: %s", spec.key,
                         type(exc).__name__)  # fmt: skip
             return self._redeliver(spec, "lock server unavailable before the body ran", None)
-        if grant.admitted:
-            return self._rate_wait(spec, rate, lease, grant.wait, grant.now + grant.wait)
+
+    def _rate_turn(self, spec: JobSpec, rate: RateSpec, lease: Lease) -> Outcome | None:
+        """Two limiters of the same rate: `rate.key` hands out turns (a delivery whose turn is
+        far comes back for it through the broker), `<key>:starts` admits the starts
+        themselves, so a broker or pool that delivers copies late never bunches them."""
+        b, waiting = self.backend, rate.on_limited == "wait"
+        if rate.slot is not None:  # our turn was reserved: come back for it, spend no other
+            wait = rate.slot - b.take_rate(rate.key, rate.interval, 1, -1).now
+            if wait > (rate.wait_timeout if waiting else RATE_ARRIVAL_SLACK):
+                return self._come_back(spec, rate, lease, wait, rate.slot)
+        else:
+            grant = self._take_turn(rate, 0.0 if rate.on_limited == "skip" else RATE_HORIZON)
+            if not grant.admitted:
+                return self._rate_refused(spec, rate, lease, grant.wait)
+            wait = grant.wait
+            if wait > (rate.wait_timeout if waiting else RATE_INLINE):
+                return self._come_back(spec, rate, lease, wait, grant.now + wait)
+        self._sleep_for_turn(rate, wait)
+        start = b.take_rate(rate.key + START_SUFFIX, rate.interval, rate.burst, RATE_START_SLACK)
+        if start.admitted:
+            self._sleep_for_turn(rate, start.wait)
+            return None
+        if rate.on_limited == "skip":
+            return self._rate_refused(spec, rate, lease, start.wait)
+        # The fleet's starts run more than RATE_START_SLACK behind its turns (copies came
+        # late and others filled their places): a new turn, at the end of the line.
+        self.metrics.observe_rate_limit(rate.label, "late")
+        grant = self._take_turn(rate, RATE_HORIZON)
+        if not grant.admitted:
+            return self._rate_refused(spec, rate, lease, grant.wait)
+        return self._come_back(spec, rate, lease, grant.wait, grant.now + grant.wait)
+
+    def _take_turn(self, rate: RateSpec, max_wait: float) -> RateGrant:
+        return self.backend.take_rate(rate.key, rate.interval, rate.burst, max_wait)
+
+    def _sleep_for_turn(self, rate: RateSpec, wait: float) -> None:
+        if wait > 0:
+            self.metrics.observe_rate_limit(rate.label, "waited", wait)
+            self.backend.clock.sleep(wait)
+
+    def _rate_refused(self, spec: JobSpec, rate: RateSpec, lease: Lease, wait: float) -> Outcome:
+        """No turn within reach: skipped, or (further than the horizon) back later to ask."""
         self._release_quietly(lease)
         if rate.on_limited == "skip":
             self.metrics.observe_rate_limit(rate.label, "skipped")
             self._note("rate_skipped", spec, lease.fence)
-            return Outcome("rate_skipped", {**RATE_SKIPPED, "retry_after": round(grant.wait, 3)})
-        # Further away than the horizon: come back nearer to it and ask again.
+            return Outcome("rate_skipped", {**RATE_SKIPPED, "retry_after": round(wait, 3)})
         self.metrics.observe_rate_limit(rate.label, "retried")
         self._note("rate_limited", spec, lease.fence)
-        return Outcome("rate_limited", countdown=grant.wait, reason="rate limit")
+        return Outcome("rate_limited", countdown=wait, reason="rate limit")
 
-    def _rate_wait(
+    def _come_back(
         self, spec: JobSpec, rate: RateSpec, lease: Lease, wait: float, slot: float
-    ) -> Outcome | None:
-        """Sit out a wait for a turn already ours, or (too long for this policy) release the
-        lease and come back at the turn, which stays reserved for us."""
-        if wait <= 0:
-            return None
-        if rate.on_limited == "wait":
-            inline = rate.wait_timeout
-        else:  # a copy at its reserved turn slept out the ETA timer's slack or clock skew
-            inline = RATE_ARRIVAL_SLACK if rate.slot is not None else RATE_INLINE
-        if wait <= inline:
-            self.metrics.observe_rate_limit(rate.label, "waited", wait)
-            self.backend.clock.sleep(wait)
-            return None
+    ) -> Outcome:
+        """Release the lease and come back at the turn, which stays reserved for us."""
         self._release_quietly(lease)
         self.metrics.observe_rate_limit(rate.label, "retried")
         self._note("rate_limited", spec, lease.fence)

@@ -202,14 +202,23 @@ def test_a_copy_early_for_its_turn_sleeps_out_a_short_slack_and_defers_a_long_on
     assert (far.status, far.countdown, far.slot) == ("rate_limited", pytest.approx(30), far.slot)
 
 
-def test_a_copy_late_for_its_turn_takes_a_new_one(
+def test_a_copy_late_for_its_turn_starts_when_the_fleet_has_a_free_start(
+    gate: tuple[Executor, ManualClock, Metrics],
+) -> None:
+    ex, clock, _ = gate
+    assert ex.run(_spec("a"), lambda _: 1).status == "ran"
+    clock.advance(10.0)  # the broker held b's copy back well past its turn
+    assert ex.run(_spec("b", slot=clock.now - 5.0), lambda _: 1).status == "ran"
+
+
+def test_late_copies_never_bunch_the_excess_takes_new_turns(
     gate: tuple[Executor, ManualClock, Metrics],
 ) -> None:
     ex, clock, metrics = gate
-    assert ex.run(_spec("a"), lambda _: 1).status == "ran"  # the limiter's next turn: +2 s
+    assert ex.run(_spec("a"), lambda _: 1).status == "ran"  # the next start: +2 s
     late = ex.run(_spec("b", slot=clock.now - 5.0), lambda _: 1)  # starting now would bunch
-    assert late.status == "rate_limited" and late.countdown == pytest.approx(2.0)
-    assert _count(metrics, "late") == 1
+    assert (late.status, late.countdown, late.slot) == ("rate_limited", 2.0, 1002.0)
+    assert _count(metrics, "late") == 1 and ex.backend.inspect("b") is None
 
 
 def test_a_replay_spends_no_turn(gate: tuple[Executor, ManualClock, Metrics]) -> None:

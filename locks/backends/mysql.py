@@ -719,7 +719,8 @@ class MySQLBackend(LockBackend):
                 return
 
     def purge(self) -> int:
-        """Delete rows that expired a minute ago or more (locks, job records, markers).
+        """Delete rows that expired a minute ago or more (locks, job records, markers, idle
+        rate limiters).
 
         Expired rows are dead already (every read filters on expiry); this only keeps the
         tables small. Runs from `commit` at most once a minute per client; best effort.
@@ -733,7 +734,13 @@ class MySQLBackend(LockBackend):
                 None,
             )
             total += int(sets[0])
-        return total
+        # A limiter whose next turn is past is idle: its row means what no row means.
+        sets = self._run(
+            f"DELETE FROM {self.rate_table} WHERE tat < {NOW_US} - 60000000 LIMIT {PURGE_BATCH}",
+            (),
+            None,
+        )
+        return total + int(sets[0])
 
     def _maybe_purge(self) -> None:
         now = time.monotonic()

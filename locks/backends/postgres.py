@@ -251,6 +251,10 @@ _PRUNE = f"""DELETE FROM {TABLE} WHERE prefix = %s AND key <> ''
   AND coalesce(queued_until, '-infinity') < clock_timestamp()
   AND coalesce(deliveries_until, '-infinity') < clock_timestamp()"""
 
+# A limiter whose next turn passed a minute ago is idle: its row means what no row means.
+_PRUNE_RATES = f"""DELETE FROM {RATE_TABLE} WHERE prefix = %s
+  AND tat < extract(epoch FROM clock_timestamp())::float8 * 1000000 - 60000000"""
+
 PRUNE_INTERVAL = 600.0
 
 # A waiter marks the lease it waits for (so its release notifies) and learns whether it is
@@ -477,7 +481,8 @@ class PostgresBackend(LockBackend):
             if conn.execute(_PRUNE_TURN, (self.prefix, interval_ms)).fetchone() is None:
                 return None
             conn.execute("SET LOCAL statement_timeout = '60s'")
-            return conn.execute(_PRUNE, (self.prefix, self.fence_retention_ms)).rowcount
+            pruned = conn.execute(_PRUNE, (self.prefix, self.fence_retention_ms)).rowcount
+            return pruned + conn.execute(_PRUNE_RATES, (self.prefix,)).rowcount
 
     def _prune_soon(self) -> None:
         """Prune in a daemon thread, off the caller's path; errors wait for the next turn."""

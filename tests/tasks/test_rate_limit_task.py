@@ -54,7 +54,7 @@ def test_eager_calls_wait_for_their_turn_on_one_limiter_per_rate_key(
     assert task.delay("b", 9).get() == 9  # another account: its own limiter, no wait
     assert 0.45 <= time.monotonic() - began < 2.0
     keys = [k for k in runtime_for(app).backend.client.scan_iter("*:rate:*")]  # type: ignore[attr-defined]
-    assert len(keys) == 2  # one limiter per account ...
+    assert len(keys) == 4  # one limiter per account (its turns and its starts) ...
     assert all(task.name in k and "account" not in k for k in keys)  # ... named by a digest
 
 

@@ -3,7 +3,7 @@
 Built from the variables of :mod:`tests.integration.apps.common`, plus ``LOCK_URL`` (the
 jobfence lock server) and ``RATE`` (both tasks' limit, default ``5/s``); workers consume
 the queues ``celery`` and ``control``. Each body appends its start time, read from the
-ledger Redis server's clock (TIME), to ``starts:<task>``.
+ledger Redis server's clock (TIME), and its argument to ``starts:<task>``.
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ __all__ = ["STARTS", "create_app"]
 STARTS = {"global": "starts:rate.global", "celery": "starts:rate.celery"}
 _STAMP = (
     "local t = redis.call('TIME') "
-    "return redis.call('RPUSH', KEYS[1], t[1] .. '.' .. string.format('%06d', t[2]))"
+    "local now = t[1] .. '.' .. string.format('%06d', t[2]) "
+    "return redis.call('RPUSH', KEYS[1], now .. ' ' .. ARGV[1])"
 )
 _clients: dict[int, redis.Redis] = {}
 
 
-def _record(url: str, key: str) -> None:
+def _record(url: str, key: str, job: int) -> None:
     client = _clients.get(os.getpid())
     if client is None:  # one per pool process: a forked child must not share its parent's
         client = _clients[os.getpid()] = redis.Redis.from_url(url)
-    client.eval(_STAMP, 1, key)
+    client.eval(_STAMP, 1, key, job)
 
 
 def create_app(env: Mapping[str, str]) -> Celery:
@@ -49,14 +50,14 @@ def create_app(env: Mapping[str, str]) -> Celery:
 
     @singleton_task(app=app, name="rate.global", global_rate_limit=rate, shared=False)
     def global_limited(i: int) -> int:
-        _record(ledger_url, STARTS["global"])
+        _record(ledger_url, STARTS["global"], i)
         return i
 
     # On a queue of its own: a worker holding its rate-limited tasks (prefetch 1) stops
     # fetching from that queue, and the other task's copies must not wait behind them.
     @app.task(name="rate.celery", rate_limit=rate, queue="control", shared=False)  # type: ignore[untyped-decorator]
     def celery_limited(i: int) -> int:
-        _record(ledger_url, STARTS["celery"])
+        _record(ledger_url, STARTS["celery"], i)
         return i
 
     return app
