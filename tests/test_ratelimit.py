@@ -48,7 +48,7 @@ def test_burst_must_be_a_whole_number_of_at_least_one() -> None:
         Rate(10, 1, burst=0)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     gaps=st.lists(st.floats(0, 3, allow_nan=False), min_size=1, max_size=120),
     waits=st.lists(st.sampled_from([0.0, 0.0, 0.5, 5.0, -1.0]), min_size=120, max_size=120),
