@@ -107,6 +107,7 @@ def test_global_rate_limit_holds_fleet_wide_while_celerys_is_per_worker(
     # ms after its admission, which may move one start across a window's edge.
     assert _busiest(g, 10.0) <= 10.0 * RATE + 1 + 1
     # The control: Celery's rate_limit is kept by each worker apart, so the fleet runs
-    # several times the limit.
+    # up to WORKERS times the limit (2.1-2.9x measured on a loaded machine); a limit kept
+    # fleet-wide would stay within 5 % of 1x.
     assert c_jobs == list(range(CELERY_JOBS))
-    assert control > 2 * RATE
+    assert control > 1.5 * RATE
