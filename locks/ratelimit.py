@@ -140,8 +140,9 @@ class RateLimiter:
         """0.0 if admitted now; else the seconds until a try would succeed (nothing taken)."""
         grant = self.take(0.0)
         if grant.admitted:
+            self._waited(0.0)
             return 0.0
-        self._count("denied")
+        self._denied("try")
         return max(grant.wait, 1e-6)
 
     def acquire(self, timeout: float | None = None) -> float:
@@ -153,14 +154,14 @@ class RateLimiter:
         timeout = self.timeout if timeout is None else timeout
         grant = self.take(float("inf") if timeout is None else timeout)
         if not grant.admitted:
-            self._count("denied")
+            self._denied("raise")
             raise RateLimited(
                 f"rate limit {self.rate} not available within {timeout:g}s",
                 key=self.key,
                 retry_after=grant.wait,
             )
+        self._waited(grant.wait)
         if grant.wait > 0:
-            self._count("waited", grant.wait)
             self.backend.clock.sleep(grant.wait)
         return grant.wait
 
@@ -186,6 +187,10 @@ class RateLimiter:
 
         return inner
 
-    def _count(self, action: str, wait: float = 0.0) -> None:
+    def _waited(self, seconds: float) -> None:
         if self.metrics is not None:
-            self.metrics.observe_rate_limit(self.key, action, wait)
+            self.metrics.rate_limit_waited(self.key, seconds)
+
+    def _denied(self, action: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rate_limit_denied(self.key, action)

@@ -309,12 +309,13 @@ class Executor:
         start = b.take_rate(rate.key + START_SUFFIX, rate.interval, rate.burst, RATE_START_SLACK)
         if start.admitted:
             self._sleep_for_turn(rate, start.wait)
+            self.metrics.rate_limit_waited(rate.label, wait + start.wait)
             return None
         if rate.on_limited == "skip":
             return self._rate_refused(spec, rate, lease, start.wait)
         # The fleet's starts run more than RATE_START_SLACK behind its turns (copies came
         # late and others filled their places): a new turn, at the end of the line.
-        self.metrics.observe_rate_limit(rate.label, "late")
+        self.metrics.rate_limit_denied(rate.label, "late")
         grant = self._take_turn(rate, RATE_HORIZON)
         if not grant.admitted:
             return self._rate_refused(spec, rate, lease, grant.wait)
@@ -325,17 +326,16 @@ class Executor:
 
     def _sleep_for_turn(self, rate: RateSpec, wait: float) -> None:
         if wait > 0:
-            self.metrics.observe_rate_limit(rate.label, "waited", wait)
             self.backend.clock.sleep(wait)
 
     def _rate_refused(self, spec: JobSpec, rate: RateSpec, lease: Lease, wait: float) -> Outcome:
         """No turn within reach: skipped, or (further than the horizon) back later to ask."""
         self._release_quietly(lease)
         if rate.on_limited == "skip":
-            self.metrics.observe_rate_limit(rate.label, "skipped")
+            self.metrics.rate_limit_denied(rate.label, "skip")
             self._note("rate_skipped", spec, lease.fence)
             return Outcome("rate_skipped", {**RATE_SKIPPED, "retry_after": round(wait, 3)})
-        self.metrics.observe_rate_limit(rate.label, "retried")
+        self.metrics.rate_limit_denied(rate.label, "retry")
         self._note("rate_limited", spec, lease.fence)
         return Outcome("rate_limited", countdown=wait, reason="rate limit")
 
@@ -344,7 +344,7 @@ class Executor:
     ) -> Outcome:
         """Release the lease and come back at the turn, which stays reserved for us."""
         self._release_quietly(lease)
-        self.metrics.observe_rate_limit(rate.label, "retried")
+        self.metrics.rate_limit_denied(rate.label, "retry")
         self._note("rate_limited", spec, lease.fence)
         return Outcome("rate_limited", countdown=wait, reason="rate limit", slot=slot)
 

@@ -62,16 +62,17 @@ class Metrics:
             ["backend"],
             registry=r,
         )
-        self.rate_limited = Counter(
-            "jobfence_rate_limited_total",
-            "Events a global rate limit held back, by what became of them",
-            ["limiter", "action"],  # action: waited | retried | skipped | denied
+        # The names, labels and methods main's metrics module gives rate limits.
+        self.rate_limit_wait = Histogram(
+            "jobfence_rate_limit_wait_seconds",
+            "Time a call waited for a global rate limit to admit it",
+            ["limit"],
             registry=r,
         )
-        self.rate_wait = Histogram(
-            "jobfence_rate_limit_wait_seconds",
-            "Time an admitted event waited for its turn under a global rate limit",
-            ["limiter"],
+        self.rate_limit_denials = Counter(
+            "jobfence_rate_limit_denials_total",
+            "Calls a global rate limit refused, by what the caller did then",
+            ["limit", "action"],
             registry=r,
         )
         self._series: dict[str, TaskSeries] = {}
@@ -86,12 +87,14 @@ class Metrics:
             )
         return series
 
-    def observe_rate_limit(self, limiter: str, action: str, wait: float = 0.0) -> None:
-        """An event held back by the limiter `limiter` (a task or limiter name, never a key
-        built from arguments); a wait it sat out is observed too."""
-        self.rate_limited.labels(limiter, action).inc()
-        if action == "waited":
-            self.rate_wait.labels(limiter).observe(wait)
+    # `limit` is the rate limit's declared name (or its task's name), never its key.
+    def rate_limit_waited(self, limit: str, seconds: float) -> None:
+        """A call admitted by `limit` after waiting `seconds` (0 when admitted at once)."""
+        self.rate_limit_wait.labels(limit).observe(max(0.0, seconds))
+
+    def rate_limit_denied(self, limit: str, action: str = "retry") -> None:
+        """A call `limit` refused; `action`: what the caller did (retry, skip, raise, ...)."""
+        self.rate_limit_denials.labels(limit, action).inc()
 
     def observe_heartbeat(self, backend: str, seconds: float, _leases: int) -> None:
         self.heartbeat.labels(backend).observe(seconds)

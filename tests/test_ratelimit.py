@@ -101,7 +101,7 @@ def test_try_acquire_says_how_long_to_wait_and_takes_nothing(
     clock.advance(0.3)
     assert lim.try_acquire() == 0.0
     denied = metrics.registry.get_sample_value(
-        "jobfence_rate_limited_total", {"limiter": "api:stripe", "action": "denied"}
+        "jobfence_rate_limit_denials_total", {"limit": "api:stripe", "action": "try"}
     )
     assert denied == 2
 
@@ -162,8 +162,13 @@ def _spec(
 
 
 def _count(metrics: Metrics, action: str) -> float:
-    labels = {"limiter": "tests.rated", "action": action}
-    return metrics.registry.get_sample_value("jobfence_rate_limited_total", labels) or 0.0
+    if action == "admitted":  # admissions, waits of 0 included
+        labels = {"limit": "tests.rated"}
+        name = "jobfence_rate_limit_wait_seconds_count"
+    else:
+        labels = {"limit": "tests.rated", "action": action}
+        name = "jobfence_rate_limit_denials_total"
+    return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def test_retry_reserves_the_turn_and_the_copy_spends_no_other(
@@ -174,7 +179,7 @@ def test_retry_reserves_the_turn_and_the_copy_spends_no_other(
     out = ex.run(_spec("b"), lambda _: 2)
     assert (out.status, out.countdown, out.slot) == ("rate_limited", 2.0, pytest.approx(1002.0))
     assert ex.backend.inspect("b") is None  # the lease was given back for the wait
-    assert _count(metrics, "retried") == 1
+    assert _count(metrics, "retry") == 1
     clock.advance(2.0)
     again = ex.run(_spec("b", slot=out.slot), lambda _: 2)
     assert (again.status, again.value) == ("ran", 2)
@@ -189,7 +194,7 @@ def test_retry_sleeps_out_a_wait_under_a_second_in_the_worker(
     for key in "ab":
         assert ex.run(_spec(key, every=0.5), lambda _: 1).status == "ran"
     assert clock.now == pytest.approx(1000.5)
-    assert _count(metrics, "waited") == 1
+    assert _count(metrics, "admitted") == 2
 
 
 def test_a_copy_early_for_its_turn_sleeps_out_a_short_slack_and_defers_a_long_one(
@@ -235,7 +240,7 @@ def test_skip_drops_the_job_and_says_so(gate: tuple[Executor, ManualClock, Metri
     assert out.status == "rate_skipped"
     assert out.value == {"jobfence": "rate_limited", "retry_after": 2.0}
     assert ex.backend.job_record("b") is None and ex.backend.inspect("b") is None
-    assert json.dumps(out.value) and _count(metrics, "skipped") == 1
+    assert json.dumps(out.value) and _count(metrics, "skip") == 1
 
 
 def test_wait_blocks_up_to_wait_timeout_then_comes_back_for_its_turn(
