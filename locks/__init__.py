@@ -14,6 +14,8 @@ from jobfence.locks.errors import (
     LockError,
     NotOwner,
     PartialFencedWrite,
+    RateLimited,
+    RateLimitUnsupported,
     SemaphoreUnsupported,
     StaleFence,
     StaleFenceOutcomeUnknown,
@@ -22,6 +24,7 @@ from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.leader import LeaderElector, Term
 from jobfence.locks.lease import Lease, OwnerMeta
+from jobfence.locks.ratelimit import Rate, RateLimiter, parse_rate
 from jobfence.locks.semaphore import acquire_slot
 from jobfence.locks.slots import SlotInfo, SlotLease, SlotWait
 
@@ -48,6 +51,10 @@ __all__ = [
     "NotOwner",
     "OwnerMeta",
     "PartialFencedWrite",
+    "Rate",
+    "RateLimitUnsupported",
+    "RateLimited",
+    "RateLimiter",
     "RedisBackend",
     "RedisFenceGuard",
     "SemaphoreUnsupported",
@@ -62,4 +69,5 @@ __all__ = [
     "acquire",
     "acquire_slot",
     "open_backend",
+    "parse_rate",
 ]

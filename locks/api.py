@@ -23,6 +23,7 @@ from jobfence.locks.leader import (
     try_elect,
 )
 from jobfence.locks.lease import Lease
+from jobfence.locks.ratelimit import Rate, RateLimiter
 from jobfence.locks.semaphore import acquire_slot
 from jobfence.locks.slots import SlotLease
 
@@ -240,6 +241,13 @@ class Locker:
             backoff=self.backoff,
             observer=self.on_leadership,
         ).start()
+
+    def rate_limiter(
+        self, key: str, rate: str | Rate, *, burst: int = 1, timeout: float | None = None
+    ) -> RateLimiter:
+        """A fleet-wide limiter named `key` ("api:stripe"), e.g. `rate="100/m"`: every
+        process using the same lock server and key shares it (locks/ratelimit.py)."""
+        return RateLimiter(self.backend, key, rate, burst=burst, timeout=timeout)
 
     def close(self) -> None:
         self.keeper.stop()

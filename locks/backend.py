@@ -9,10 +9,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
-from jobfence.locks.errors import LockError, NotOwner, SemaphoreUnsupported
+from jobfence.locks.errors import (
+    LockError,
+    NotOwner,
+    RateLimitUnsupported,
+    SemaphoreUnsupported,
+)
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 from jobfence.locks.procinfo import process_start
 from jobfence.locks.slots import (
@@ -35,6 +40,7 @@ class Capabilities:
     ha: bool  # survives the loss of one server
     release_notify: bool  # waiters are woken on release instead of polling
     semaphore: bool = False  # keeps counting semaphores (Locker.semaphore, concurrency=)
+    rate_limit: bool = False  # keeps shared GCRA rate limits on its own clock (take_rate)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,16 @@ class JobRecord:
 
 
 BeginResult = Lease | Busy | JobRecord
+
+
+class RateGrant(NamedTuple):
+    """One answer of `take_rate`. `admitted`: the event may happen `wait` seconds from now
+    (0: at once; a slot was reserved for it). Refused: `wait` is how long until one would
+    be admitted at once; nothing was reserved. `now`: the server clock, in seconds."""
+
+    admitted: bool
+    wait: float
+    now: float
 
 
 _process_meta: OwnerMeta | None = None  # this process's host and pid, built on first use
@@ -414,6 +430,33 @@ class LockBackend(ABC):
 
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         return None
+
+    def take_rate(self, key: str, interval: float, burst: int, max_wait: float) -> RateGrant:
+        """One event on the GCRA limiter `key` (see locks/ratelimit.py), on the server's clock.
+
+        Admitted if its turn comes within `max_wait` seconds: the turn is then reserved, and
+        the caller must wait `wait` seconds before acting. A negative `max_wait` only looks.
+        """
+        validate_key(key)
+        if not self.capabilities.rate_limit:
+            raise RateLimitUnsupported(
+                f"the {self.name} lock backend keeps no shared rate limits; use redis://, "
+                "redis+sentinel://, redis+cluster://, postgresql:// or mysql:// (mariadb://)",
+                key=key,
+            )
+        if not interval > 0 or not isinstance(burst, int) or burst < 1:
+            raise LockError(
+                f"rate needs interval > 0 and burst >= 1, got {interval!r}, {burst!r}", key=key
+            )
+        admitted, wait_us, now_us = self._take_rate(key, interval * 1e6, burst, max_wait * 1e6)
+        return RateGrant(admitted, max(0.0, wait_us / 1e6), now_us / 1e6)
+
+    def _take_rate(
+        self, key: str, interval_us: float, burst: int, max_wait_us: float
+    ) -> tuple[bool, float, float]:
+        """(admitted, wait µs, server now µs) in one round trip; backends with the
+        `rate_limit` capability override it."""
+        raise RateLimitUnsupported(f"the {self.name} lock backend keeps no rate limits", key=key)
 
     def server_time(self) -> float:
         """Now, in Unix seconds, on the clock the server stamps heartbeats with; this

@@ -116,3 +116,15 @@ class PartialFencedWrite(LockError):
 
 class SemaphoreUnsupported(LockError):
     """The lock backend keeps no semaphores; the message names the backends that do."""
+
+class RateLimited(LockError):
+    """A rate limiter refused an event: admitting it would break the limit within the
+    time the caller was willing to wait. `retry_after` is the wait it would have needed."""
+
+    def __init__(self, message: str, *, key: str | None = None, retry_after: float = 0.0) -> None:
+        self.retry_after = retry_after
+        super().__init__(f"{message} (retry after {retry_after:.3f}s)", key=key)
+
+
+class RateLimitUnsupported(LockError):
+    """The lock backend keeps no shared rate limits (its `capabilities.rate_limit` is false)."""

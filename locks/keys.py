@@ -29,6 +29,10 @@ class KeySpace:
     def deliveries(self, key: str) -> str:
         return f"{self.prefix}:deliveries:{{{key}}}"
 
+    def rate(self, key: str) -> str:
+        """A rate limiter's GCRA state (locks/ratelimit.py): one number, its next turn."""
+        return f"{self.prefix}:rate:{{{key}}}"
+
     def resource_fence(self, resource: str) -> str:
         return f"{self.prefix}:rfence:{{{resource}}}"
 

@@ -13,8 +13,9 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from jobfence.locks.errors import LockError
+from jobfence.locks.errors import LockError, RateLimitUnsupported
 from jobfence.locks.lease import Lease
+from jobfence.locks.ratelimit import Rate, parse_rate
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
@@ -26,14 +27,24 @@ from jobfence.tasks.executor import (
     CONFLICT_POLICIES,
     LEASE_LOST_POLICIES,
     LOCK_UNTIL,
+    RATE_HORIZON,
+    RATE_LIMITED_POLICIES,
     STARTED,
     ConflictPolicy,
     JobSpec,
     LeaseLostPolicy,
     LockUntil,
     Outcome,
+    RateLimitedPolicy,
+    RateSpec,
 )
-from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity
+from jobfence.tasks.keys import (
+    KeySelector,
+    bind_arguments,
+    concurrency_key,
+    identity,
+    job_key,
+)
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
@@ -42,6 +53,9 @@ REDELIVERIES = "jobfence_redeliveries"
 #: Set on the copy a delivery re-publishes when its own earlier delivery holds the lease
 #: (it crashed, or still runs): a grant of that copy counts towards the poison cap.
 DEFERRED_HEADER = "jobfence_deferred"
+#: Set on the copy a rate-limited delivery re-publishes: the server time of the turn it
+#: reserved, so the copy starts then without spending another.
+RATE_SLOT_HEADER = "jobfence_rate_slot"
 PASSTHROUGH = (Retry, Ignore, Reject)
 DuplicatePublishPolicy = Literal["result", "raise", "replace"]
 DUPLICATE_PUBLISH_POLICIES: tuple[str, ...] = ("result", "raise", "replace")
@@ -81,6 +95,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     on_duplicate_publish: DuplicatePublishPolicy = "result"
     concurrency: int = 0  # at most this many jobs of one concurrency group at once (0: any)
     concurrency_key: KeySelector = None  # the arguments naming the group (None: the task)
+    global_rate_limit: Rate | None = None
+    rate_key: KeySelector = None
+    on_rate_limited: RateLimitedPolicy = "retry"
 
     # -- what the body sees ------------------------------------------------------
     @property
@@ -244,6 +261,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if self.concurrency
                 else ""
             ),
+            rate=self._rate_spec(rt, arguments, req, headers, fields),
         )
         try:
             out = rt.executor.run(
@@ -266,6 +284,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             headers = _copy_headers(req, explicit, redeliveries, deferred=True)
             self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
             raise Ignore()
+        if out.status == "rate_skipped" and self.dedupe_on_publish:
+            rt.backend.clear_publish(key)  # it never ran: a new submission may go out
+        if out.status == "rate_limited":
+            self._republish_at_turn(out, key, explicit, redeliveries, countdown)
         if out.status == "retry":
             raise self.retry(countdown=countdown)
         if out.status == "requeue":
@@ -273,6 +295,54 @@ class SingletonTask(Task):  # type: ignore[misc]
         if out.status == "redeliver":
             self._redeliver(out, key, explicit, redeliveries, countdown)
         return out.value
+
+    def _rate_spec(
+        self, rt: Runtime, arguments: dict[str, Any], req: Any, headers: Any, fields: Any
+    ) -> RateSpec | None:
+        """The job's global rate limit, if the task has one: limiter key, policy, turn."""
+        rate = self.global_rate_limit
+        if rate is None:
+            return None
+        if not rt.backend.capabilities.rate_limit:
+            raise RateLimitUnsupported(
+                f"{self.name} has global_rate_limit={str(rate)!r}, but the "
+                f"{rt.backend.name} lock backend keeps no shared rate limits; use redis://, "
+                "redis+sentinel://, redis+cluster://, postgresql:// or mysql:// (mariadb://)"
+            )
+        if self.rate_key is None:
+            limiter = self.name
+        else:  # a digest of the chosen arguments, never the arguments themselves
+            limiter = job_key(rt.secret, self.name, arguments, selector=self.rate_key)
+        policy, wait = self.on_rate_limited, self.wait_timeout
+        if policy == "retry" and (req.called_directly or req.is_eager):
+            policy, wait = "wait", RATE_HORIZON  # no broker to come back through: wait here
+        slot = headers.get(RATE_SLOT_HEADER) or fields.get(RATE_SLOT_HEADER)
+        return RateSpec(
+            key=limiter,
+            label=self.name,
+            interval=rate.interval,
+            burst=rate.burst,
+            on_limited=policy,
+            wait_timeout=rt.settings.acquire_timeout if wait is None else wait,
+            slot=float(slot) if slot else None,
+        )
+
+    def _republish_at_turn(
+        self, out: Outcome, key: str, explicit: str | None, redeliveries: int, countdown: float
+    ) -> None:
+        """Rate-limited: publish this message again for its turn (same id, counted neither
+        as a Celery retry nor as a redelivery) and ack this one. A failed publish requeues
+        the current message instead: never lost."""
+        req = self.request
+        headers = _copy_headers(req, explicit, redeliveries, deferred=False)
+        if out.slot is not None:
+            headers[RATE_SLOT_HEADER] = out.slot
+        try:
+            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
+        except Exception as exc:
+            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore()
 
     def _redeliver(
         self, out: Outcome, key: str, explicit: str | None, redeliveries: int, countdown: float
@@ -469,7 +539,10 @@ def _copy_headers(
     """Headers for a copy of this message published again: the same idempotency key (Celery
     may expose it only as a request attribute) and redelivery count; the crash marker only
     on a deferred copy, so a redelivery never counts towards the poison cap by inheritance."""
-    headers = {k: v for k, v in (req.headers or {}).items() if k != DEFERRED_HEADER}
+    # Neither marker is inherited: a reserved rate turn is spent by the copy it was made for.
+    headers = {
+        k: v for k, v in (req.headers or {}).items() if k not in (DEFERRED_HEADER, RATE_SLOT_HEADER)
+    }
     if explicit:
         headers[HEADER] = explicit
     if redeliveries:
@@ -499,6 +572,29 @@ def _after_a_crash(req: Any) -> bool:
     )
 
 
+def _rate_options(
+    limit: str | None, rate_key: KeySelector, burst: int, policy: str
+) -> tuple[Rate | None, KeySelector]:
+    """The parsed global rate limit and its key selector; bad options refused here."""
+    if policy not in RATE_LIMITED_POLICIES:
+        raise TaskDefinitionError(
+            f"on_rate_limited must be one of {RATE_LIMITED_POLICIES}, got {policy!r}"
+        )
+    if limit is None:
+        if rate_key is not None:
+            raise TaskDefinitionError("rate_key is given without global_rate_limit; set both")
+        return None, None
+    try:
+        rate = parse_rate(limit, option="global_rate_limit", burst=burst)
+    except LockError as exc:
+        raise TaskDefinitionError(str(exc).replace("burst", "rate_burst")) from None
+    try:
+        selector = _normalise_key(rate_key)
+    except TaskDefinitionError as exc:
+        raise TaskDefinitionError(f"rate_{exc}") from None
+    return rate, selector
+
+
 @overload
 def singleton_task(fn: Callable[..., Any], /) -> SingletonTask: ...
 
@@ -519,6 +615,10 @@ def singleton_task(
     on_duplicate_publish: DuplicatePublishPolicy = "result",
     concurrency: int = 0,
     concurrency_key: KeySelector = None,
+    global_rate_limit: str | None = None,
+    rate_key: KeySelector = None,
+    rate_burst: int = 1,
+    on_rate_limited: RateLimitedPolicy = "retry",
     base: type[SingletonTask] = SingletonTask,
     **celery_options: Any,
 ) -> Callable[[Callable[..., Any]], SingletonTask]: ...
@@ -539,6 +639,10 @@ def singleton_task(
     on_duplicate_publish: DuplicatePublishPolicy = "result",
     concurrency: int = 0,
     concurrency_key: KeySelector = None,
+    global_rate_limit: str | None = None,
+    rate_key: KeySelector = None,
+    rate_burst: int = 1,
+    on_rate_limited: RateLimitedPolicy = "retry",
     base: type[SingletonTask] = SingletonTask,
     **celery_options: Any,
 ) -> Any:
@@ -552,7 +656,11 @@ def singleton_task(
     and `on_duplicate_publish` (result | raise | replace): see README "Lock lifetimes and
     duplicate publishes". `concurrency=N`: at most N jobs of one group run at once across
     the fleet, the group named by the arguments in `concurrency_key` (None: the whole task);
-    each job still keeps its own key. Celery options pass through unchanged.
+    each job still keeps its own key.
+    `global_rate_limit="100/m"`: at most that many starts across the fleet (per `rate_key`
+    arguments, if given; `rate_burst` at once after an idle spell); `on_rate_limited`: retry
+    (default: re-published for its reserved turn) | wait (up to `wait_timeout` in the
+    worker) | skip. Celery options pass through unchanged.
     """
     _check_lifetime(lock_until, unique_for, on_duplicate_publish, on_conflict, dedupe_on_publish)
     if on_conflict not in CONFLICT_POLICIES:
@@ -573,6 +681,7 @@ def singleton_task(
         )
     group = _check_concurrency(concurrency, concurrency_key)
     key = _normalise_key(key)
+    rate, rate_selector = _rate_options(global_rate_limit, rate_key, rate_burst, on_rate_limited)
     options = {
         "base": base,
         # Options become class attributes: a plain function there would be bound as a method.
@@ -588,6 +697,9 @@ def singleton_task(
         "on_duplicate_publish": on_duplicate_publish,
         "concurrency": concurrency,
         "concurrency_key": staticmethod(group) if callable(group) else group,
+        "global_rate_limit": rate,
+        "rate_key": staticmethod(rate_selector) if callable(rate_selector) else rate_selector,
+        "on_rate_limited": on_rate_limited,
         **celery_options,
     }
 
@@ -597,6 +709,10 @@ def singleton_task(
             _check_key_names(func, group, bound=bool(celery_options.get("bind")))
         except TaskDefinitionError as exc:
             raise TaskDefinitionError(f"concurrency_{exc}") from None
+        try:
+            _check_key_names(func, rate_selector, bound=bool(celery_options.get("bind")))
+        except TaskDefinitionError as exc:
+            raise TaskDefinitionError(f"rate_{exc}") from None
         return (app.task(**options) if app is not None else shared_task(**options))(func)
 
     if fn:

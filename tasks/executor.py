@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jobfence.locks.acquire import Backoff
-from jobfence.locks.backend import Busy, JobRecord, LockBackend, default_meta
+from jobfence.locks.backend import Busy, JobRecord, LockBackend, RateGrant, default_meta
 from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LeaseLost, StaleFence
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
@@ -35,13 +35,30 @@ STARTED = "!"
 Status = Literal[
     "ran", "replayed", "duplicate", "superseded", "defer", "retry", "redeliver", "dropped",
     "requeue",
+    "rate_limited",
+    "rate_skipped",
 ]
+RateLimitedPolicy = Literal["retry", "skip", "wait"]
+RATE_LIMITED_POLICIES: tuple[str, ...] = ("retry", "skip", "wait")
+#: How far ahead a delivery may reserve its turn under a global rate limit; a job whose turn
+#: is further away comes back later and asks again (nothing reserved meanwhile).
+RATE_HORIZON = 3600.0
+#: "retry": a wait up to this is slept out in the worker rather than sent through the
+#: broker (a copy for a near turn would queue behind the backlog and start late) ...
+RATE_INLINE = 1.0
+#: ... and so is what is left when a copy arrives before its reserved turn.
+RATE_ARRIVAL_SLACK = 1.0
+#: The starts limiter (`<key>:starts`): a start may wait this long for its place; further
+#: behind, the job takes a new turn instead.
+RATE_START_SLACK = 1.0
+START_SUFFIX = ":starts"
 
 Observer = Callable[[str, "JobSpec", int | None], None]  # event, job, fence
 
 DUPLICATE = {"jobfence": "duplicate"}
 SUPERSEDED = {"jobfence": "superseded"}
 DROPPED = {"jobfence": "dropped"}
+RATE_SKIPPED = {"jobfence": "rate_limited"}
 
 #: Commit attempts (at least) when the reply to a commit is lost; more while the lease lasts.
 COMMIT_ATTEMPTS = 3
@@ -79,6 +96,20 @@ class Redelivery:
 
 
 @dataclass(frozen=True)
+class RateSpec:
+    """A job's global rate limit (locks/ratelimit.py): checked after the job's lease is
+    granted, so a replay or a duplicate never spends a turn."""
+
+    key: str  # the limiter: task name, or task name and a digest of the rate_key arguments
+    label: str  # for metrics: the task name, never arguments
+    interval: float
+    burst: int = 1
+    on_limited: RateLimitedPolicy = "retry"
+    wait_timeout: float = 10.0  # "wait": the longest the worker sleeps for a turn
+    slot: float | None = None  # server time of a turn an earlier delivery reserved
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """One delivery of a job, as the executor needs it."""
 
@@ -113,6 +144,8 @@ class JobSpec:
     # a job waits up to `wait_timeout` for a slot, then comes back later ("requeue").
     concurrency: int = 0
     concurrency_key: str = ""
+    rate: RateSpec | None = None
+
     @property
     def per_run(self) -> bool:
         """Each publish runs (not only the first): its record answers its own deliveries."""
@@ -148,6 +181,7 @@ class Outcome:
     fence: int | None = None
     countdown: float = 0.0
     reason: str = ""
+    slot: float | None = None  # rate_limited: the server time of the turn reserved, if any
 
 
 class Executor:
@@ -192,6 +226,10 @@ class Executor:
         if spec.suspect and spec.max_crashed:
             self._cap_crashes(spec, lease)
         self.keeper.keep(lease)
+        if spec.rate is not None:
+            held = self._rate_gate(spec, spec.rate, lease)
+            if held is not None:
+                return held
         if not spec.concurrency:
             return self._run_held(spec, lease, body, passthrough)
         slot = self._take_slot(spec, lease)
@@ -376,6 +414,80 @@ class Executor:
         self.keeper.drop(slot)
         with contextlib.suppress(BackendUnavailable):  # else it lapses at its TTL
             slot.release()
+
+    def _rate_gate(self, spec: JobSpec, rate: RateSpec, lease: Lease) -> Outcome | None:
+        """None: the job may start now (after a wait sat out here). Else the lease is
+        released and the outcome says: come back at the reserved turn, or skipped.
+
+        After the lease, not before: a delivery that replays a DONE record or meets a
+        duplicate spends no turn, and only the one delivery that holds the job's lease can.
+        """
+        try:
+            return self._rate_turn(spec, rate, lease)
+        except BackendUnavailable as exc:
+            self._release_quietly(lease)
+            log.warning("lock server unavailable before job %s ran: %s", spec.key,
+                        type(exc).__name__)  # fmt: skip
+            return self._redeliver(spec, "lock server unavailable before the body ran", None)
+
+    def _rate_turn(self, spec: JobSpec, rate: RateSpec, lease: Lease) -> Outcome | None:
+        """Two limiters of the same rate: `rate.key` hands out turns (a delivery whose turn is
+        far comes back for it through the broker), `<key>:starts` admits the starts
+        themselves, so a broker or pool that delivers copies late never bunches them."""
+        b, waiting = self.backend, rate.on_limited == "wait"
+        if rate.slot is not None:  # our turn was reserved: come back for it, spend no other
+            wait = rate.slot - b.take_rate(rate.key, rate.interval, 1, -1).now
+            if wait > (rate.wait_timeout if waiting else RATE_ARRIVAL_SLACK):
+                return self._come_back(spec, rate, lease, wait, rate.slot)
+        else:
+            grant = self._take_turn(rate, 0.0 if rate.on_limited == "skip" else RATE_HORIZON)
+            if not grant.admitted:
+                return self._rate_refused(spec, rate, lease, grant.wait)
+            wait = grant.wait
+            if wait > (rate.wait_timeout if waiting else RATE_INLINE):
+                return self._come_back(spec, rate, lease, wait, grant.now + wait)
+        self._sleep_for_turn(rate, wait)
+        start = b.take_rate(rate.key + START_SUFFIX, rate.interval, rate.burst, RATE_START_SLACK)
+        if start.admitted:
+            self._sleep_for_turn(rate, start.wait)
+            self.metrics.rate_limit_waited(rate.label, wait + start.wait)
+            return None
+        if rate.on_limited == "skip":
+            return self._rate_refused(spec, rate, lease, start.wait)
+        # The fleet's starts run more than RATE_START_SLACK behind its turns (copies came
+        # late and others filled their places): a new turn, at the end of the line.
+        self.metrics.rate_limit_denied(rate.label, "late")
+        grant = self._take_turn(rate, RATE_HORIZON)
+        if not grant.admitted:
+            return self._rate_refused(spec, rate, lease, grant.wait)
+        return self._come_back(spec, rate, lease, grant.wait, grant.now + grant.wait)
+
+    def _take_turn(self, rate: RateSpec, max_wait: float) -> RateGrant:
+        return self.backend.take_rate(rate.key, rate.interval, rate.burst, max_wait)
+
+    def _sleep_for_turn(self, rate: RateSpec, wait: float) -> None:
+        if wait > 0:
+            self.backend.clock.sleep(wait)
+
+    def _rate_refused(self, spec: JobSpec, rate: RateSpec, lease: Lease, wait: float) -> Outcome:
+        """No turn within reach: skipped, or (further than the horizon) back later to ask."""
+        self._release_quietly(lease)
+        if rate.on_limited == "skip":
+            self.metrics.rate_limit_denied(rate.label, "skip")
+            self._note("rate_skipped", spec, lease.fence)
+            return Outcome("rate_skipped", {**RATE_SKIPPED, "retry_after": round(wait, 3)})
+        self.metrics.rate_limit_denied(rate.label, "retry")
+        self._note("rate_limited", spec, lease.fence)
+        return Outcome("rate_limited", countdown=wait, reason="rate limit")
+
+    def _come_back(
+        self, spec: JobSpec, rate: RateSpec, lease: Lease, wait: float, slot: float
+    ) -> Outcome:
+        """Release the lease and come back at the turn, which stays reserved for us."""
+        self._release_quietly(lease)
+        self.metrics.rate_limit_denied(rate.label, "retry")
+        self._note("rate_limited", spec, lease.fence)
+        return Outcome("rate_limited", countdown=wait, reason="rate limit", slot=slot)
 
     def release(self, lease: Lease) -> None:
         """Release without a record (a retry is on its way, or the body was interrupted)."""

@@ -451,6 +451,21 @@ def check_semaphores(runtime: Runtime, tasks: Iterable[Any] = ()) -> Iterator[Fi
             )
 
 
+def check_rate_limits(runtime: Runtime, tasks: Iterable[Any] = ()) -> Iterator[Finding]:
+    """A task with global_rate_limit needs a lock backend that keeps shared rate limits."""
+    backend = runtime.backend
+    if backend.capabilities.rate_limit:
+        return
+    for task in tasks:
+        if isinstance(task, SingletonTask) and task.global_rate_limit is not None:
+            yield _refuse(
+                f"task {task.name} global_rate_limit",
+                f"the {backend.name} lock backend keeps no shared rate limits",
+                f"use redis://, redis+sentinel://, redis+cluster://, postgresql:// or mysql:// "
+                f"for {ENV_PREFIX}LOCK_URL, or drop global_rate_limit",
+            )
+
+
 def check_delivery(conf: Any) -> Iterator[Finding]:
     if not conf.task_acks_late:
         yield _warn(
@@ -485,6 +500,7 @@ def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
         *check_timeouts(conf, runtime, app.tasks.values()),
         *check_lock_backend(conf, runtime, app.tasks.values()),
         *check_semaphores(runtime, app.tasks.values()),
+        *check_rate_limits(runtime, app.tasks.values()),
         *check_broker(conf, runtime),
         *check_environment(),
     ]

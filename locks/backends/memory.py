@@ -12,6 +12,7 @@ from typing import ClassVar
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.lease import OwnerMeta
+from jobfence.locks.ratelimit import gcra
 from jobfence.locks.slots import SlotInfo, SlotWait
 
 
@@ -31,7 +32,8 @@ class MemoryBackend(LockBackend):
 
     name: ClassVar[str] = "memory"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=False, ha=False, release_notify=True, semaphore=True
+        native_fencing=True, durable_fence=False, ha=False, release_notify=True,
+        semaphore=True, rate_limit=True,
     )
 
     def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -41,6 +43,7 @@ class MemoryBackend(LockBackend):
         self._records: dict[str, tuple[JobRecord, float]] = {}
         self._queued: dict[str, tuple[str, float]] = {}
         self._deliveries: dict[str, tuple[int, float]] = {}  # key -> (count, expires)
+        self._rates: dict[str, float] = {}  # rate limiter key -> tat, µs on the clock
         self._cond = threading.Condition()
         # Semaphores: key -> owner -> (fence, expires, meta); key -> owner -> waiter expiry
         # (dicts keep insertion order: the arrival queue); key -> last slot fence.
@@ -75,6 +78,17 @@ class MemoryBackend(LockBackend):
                 owner, fence, now + ttl_ms / 1000, meta, time.time(), time.time(), fingerprint
             )
             return fence
+
+    def _take_rate(
+        self, key: str, interval_us: float, burst: int, max_wait_us: float
+    ) -> tuple[bool, float, float]:
+        with self._cond:
+            now = self.clock.monotonic() * 1e6  # the injected clock is this server's clock
+            admitted, wait, tat = gcra(
+                self._rates.get(key, 0.0), now, interval_us, burst, max_wait_us
+            )
+            self._rates[key] = tat
+            return admitted, wait, now
 
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
         with self._cond:

@@ -105,6 +105,20 @@ def _ddl(locks: str, jobs: str, fence: str, marks: str) -> list[str]:
     ]
 
 
+def _rate_ddl(rates: str) -> list[str]:
+    """The rate limiters' table (locks/ratelimit.py): GCRA state `tat` and the answer of the
+    last step beside it, in µs on the server clock."""
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {rates} (
+  key_hash CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
+  tat DOUBLE NOT NULL,
+  admitted TINYINT NOT NULL,
+  wait_us DOUBLE NOT NULL,
+  now_us DOUBLE NOT NULL
+) ENGINE=InnoDB"""
+    ]
+
+
 class _Pool:
     """Idle connections of one process, one thread at a time each; forgotten after a fork.
 
@@ -168,7 +182,8 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
 
     name: ClassVar[str] = "mysql"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=False, semaphore=True
+        native_fencing=True, durable_fence=True, ha=False, release_notify=False,
+        semaphore=True, rate_limit=True,
     )
 
     def __init__(
@@ -186,6 +201,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         # which may live in the same database.
         names = {"locks": "leases", "jobs": "records", "fence": "fence", "marks": "marks"}
         self.tables = {t: _quote(f"{prefix}_lock_{n}") for t, n in names.items()}
+        self.rate_table = _quote(f"{prefix}_lock_rates")
         self._connect_args = dict(connect_args)
         self._pool = _Pool(self._open)
         self._ready = False
@@ -305,7 +321,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
             conn = self._connection(key)
             try:
                 with conn.cursor() as cur:
-                    for stmt in _ddl(*self.tables.values()):
+                    for stmt in [*_ddl(*self.tables.values()), *_rate_ddl(self.rate_table)]:
                         for attempt in range(ATTEMPTS):
                             try:
                                 cur.execute(stmt)
@@ -332,7 +348,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
 
     def ddl(self) -> list[str]:
         """The statements `create_tables` runs, for a DBA (names follow the prefix)."""
-        return _ddl(*self.tables.values())
+        return [*_ddl(*self.tables.values()), *_rate_ddl(self.rate_table)]
 
     def server_time(self) -> float:
         """Now on the server's clock (`NOW(6)` at UTC: the clock expiry runs on)."""
@@ -345,6 +361,36 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
     # of client CPU). One round trip per call is the floor. Reading a grant from the
     # counter UPDATE's OK packet instead of a SELECT saved ~50 µs of client CPU, no wall
     # time we could measure, and cost refused acquires a second round trip: not taken.
+    def _rate_statement(self) -> str:
+        """One GCRA step: the upsert locks the row, assigns left to right (each column sees
+        those updated before it) and leaves its answer in the row for the SELECT."""
+        rt = self.rate_table
+        start = "GREATEST(tat, now_us)"
+        return ";".join(
+            [
+                "START TRANSACTION",
+                f"INSERT INTO {rt} (key_hash, tat, admitted, wait_us, now_us) VALUES (%(h)s,"
+                f" IF(%(mw)s >= 0, {NOW_US} + %(iv)s, 0), %(mw)s >= 0, 0, {NOW_US})"
+                f" ON DUPLICATE KEY UPDATE now_us = {NOW_US},"
+                f" wait_us = GREATEST({start} - %(tau)s - now_us, 0),"
+                " admitted = (%(mw)s >= 0 AND wait_us <= %(mw)s),"
+                f" tat = IF(admitted, {start} + %(iv)s, tat)",
+                f"SELECT admitted, wait_us, now_us FROM {rt} WHERE key_hash = %(h)s",
+                "COMMIT",
+            ]
+        )
+
+    def _take_rate(
+        self, key: str, interval_us: float, burst: int, max_wait_us: float
+    ) -> tuple[bool, float, float]:
+        params = {
+            "h": key_hash(key), "iv": interval_us, "tau": (burst - 1) * interval_us,
+            "mw": min(max_wait_us, 1e300),
+        }  # fmt: skip
+        sets = self._run(self._sql["rate_take"], params, key)
+        admitted, wait_us, now_us = sets[2][0]
+        return bool(admitted), float(wait_us), float(now_us)
+
     def _statements(self) -> dict[str, str]:
         lk, jb, fc, mk = (self.tables[t] for t in ("locks", "jobs", "fence", "marks"))
         free = "expires_at <= NOW(6)"
@@ -410,6 +456,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         )
         live = "expires_at > NOW(6)"
         return {
+            "rate_take": self._rate_statement(),
             "begin": ";".join(["START TRANSACTION", upsert, advance, stamp, answer, "COMMIT"]),
             "begin_job": ";".join(
                 [
@@ -697,7 +744,8 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
                 return
 
     def purge(self) -> int:
-        """Delete rows that expired a minute ago or more (locks, job records, markers).
+        """Delete rows that expired a minute ago or more (locks, job records, markers, idle
+        rate limiters).
 
         Expired rows are dead already (every read filters on expiry); this only keeps the
         tables small. Runs from `commit` at most once a minute per client; best effort.
@@ -711,7 +759,13 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
                 None,
             )
             total += int(sets[0])
-        return total
+        # A limiter whose next turn is past is idle: its row means what no row means.
+        sets = self._run(
+            f"DELETE FROM {self.rate_table} WHERE tat < {NOW_US} - 60000000 LIMIT {PURGE_BATCH}",
+            (),
+            None,
+        )
+        return total + int(sets[0])
 
     def _maybe_purge(self) -> None:
         now = time.monotonic()

@@ -61,6 +61,41 @@ _DDL = [
 ) WITH (fillfactor = 70)""",
 ]
 
+RATE_TABLE = "jobfence_rates"
+# One row per rate limiter (locks/ratelimit.py): its GCRA state `tat` and the answer of the
+# last step (RETURNING shows only the new row, so the step leaves its answer beside it).
+# All in µs on the server clock.
+_DDL.append(
+    f"""CREATE TABLE IF NOT EXISTS {RATE_TABLE} (
+  prefix text NOT NULL,
+  key text NOT NULL,
+  tat float8 NOT NULL,
+  admitted boolean NOT NULL,
+  wait_us float8 NOT NULL,
+  now_us float8 NOT NULL,
+  PRIMARY KEY (prefix, key)
+)"""
+)
+
+# One GCRA step in one statement; the row lock of ON CONFLICT serialises racing steps, and
+# each sees the tat the one before it committed (READ COMMITTED).
+_RATE_START = "greatest(r.tat, excluded.now_us)"
+_RATE_WAIT = f"greatest({_RATE_START} - %(tau)s - excluded.now_us, 0)"
+_RATE_OK = f"(%(max_wait)s >= 0 AND {_RATE_WAIT} <= %(max_wait)s)"
+_RATE_TAKE = f"""
+INSERT INTO {RATE_TABLE} AS r (prefix, key, tat, admitted, wait_us, now_us)
+SELECT %(prefix)s, %(key)s,
+  CASE WHEN %(max_wait)s >= 0 THEN c.now_us + %(interval)s ELSE 0 END,
+  %(max_wait)s >= 0, 0, c.now_us
+FROM (SELECT extract(epoch FROM clock_timestamp())::float8 * 1000000 AS now_us) c
+ON CONFLICT (prefix, key) DO UPDATE SET
+  tat = CASE WHEN {_RATE_OK} THEN {_RATE_START} + %(interval)s ELSE r.tat END,
+  admitted = {_RATE_OK},
+  wait_us = {_RATE_WAIT},
+  now_us = excluded.now_us
+RETURNING admitted, wait_us, now_us
+"""
+
 # The fence source starts at the server clock in µs when it is created (the common fence
 # space of DESIGN §4); CREATE SEQUENCE takes only literals, hence the DO block.
 _CREATE_SEQUENCE = f"""DO $$ BEGIN
@@ -236,6 +271,10 @@ _PRUNE = f"""DELETE FROM {TABLE} WHERE prefix = %s AND key <> ''
   AND coalesce(queued_until, '-infinity') < clock_timestamp()
   AND coalesce(deliveries_until, '-infinity') < clock_timestamp()"""
 
+# A limiter whose next turn passed a minute ago is idle: its row means what no row means.
+_PRUNE_RATES = f"""DELETE FROM {RATE_TABLE} WHERE prefix = %s
+  AND tat < extract(epoch FROM clock_timestamp())::float8 * 1000000 - 60000000"""
+
 PRUNE_INTERVAL = 600.0
 
 # A waiter marks the lease it waits for (so its release notifies) and learns whether it is
@@ -264,7 +303,8 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
     name: ClassVar[str] = "postgres"
     fence_sequence: ClassVar[str] = FENCE_SEQUENCE
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=True, semaphore=True
+        native_fencing=True, durable_fence=True, ha=False, release_notify=True,
+        semaphore=True, rate_limit=True,
     )
 
     def __init__(
@@ -462,7 +502,8 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
             if conn.execute(_PRUNE_TURN, (self.prefix, interval_ms)).fetchone() is None:
                 return None
             conn.execute("SET LOCAL statement_timeout = '60s'")
-            return conn.execute(_PRUNE, (self.prefix, self.fence_retention_ms)).rowcount
+            pruned = conn.execute(_PRUNE, (self.prefix, self.fence_retention_ms)).rowcount
+            return pruned + conn.execute(_PRUNE_RATES, (self.prefix,)).rowcount
 
     def _prune_soon(self) -> None:
         """Prune in a daemon thread, off the caller's path; errors wait for the next turn."""
@@ -506,6 +547,16 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
                 finished_at=float(finished or 0),
             )
         return Busy(ttl_left=max(0.0, float(ttl_left)), task_id=task_id, fingerprint=fp)
+
+    def _take_rate(
+        self, key: str, interval_us: float, burst: int, max_wait_us: float
+    ) -> tuple[bool, float, float]:
+        params = {
+            "prefix": self.prefix, "key": key, "interval": interval_us,
+            "tau": (burst - 1) * interval_us, "max_wait": min(max_wait_us, 1e300),
+        }  # fmt: skip
+        admitted, wait_us, now_us = self._run("rate take", key, _RATE_TAKE, params)[0]
+        return bool(admitted), float(wait_us), float(now_us)
 
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
         rows = self._run("extend", key, _EXTEND, (ttl_ms, self.prefix, key, owner))

@@ -151,7 +151,8 @@ class RedisBackend(RedisSemaphores, LockBackend):
 
     name: ClassVar[str] = "redis"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=True, semaphore=True
+        native_fencing=True, durable_fence=True, ha=False, release_notify=True,
+        semaphore=True, rate_limit=True,
     )
 
     def __init__(
@@ -232,6 +233,16 @@ class RedisBackend(RedisSemaphores, LockBackend):
             hint = tls_hint(exc) if self._tls else None
             message = f"redis {name} failed" + (f" ({hint})" if hint else "")
             raise BackendUnavailable(message, key=key, cause=exc) from exc
+
+    def _take_rate(
+        self, key: str, interval_us: float, burst: int, max_wait_us: float
+    ) -> tuple[bool, float, float]:
+        # Finite text for Lua: an unbounded wait is any wait.
+        cap = min(max_wait_us, 1e18)
+        reply = self._call(
+            "rate_take", [self.keys.rate(key)], [repr(interval_us), burst, repr(cap)], key
+        )
+        return reply[0] == 1, float(reply[1]), float(reply[2])
 
     # -- one round trip each ----------------------------------------------------
     def _begin(

@@ -52,7 +52,8 @@ class RedisClusterBackend(RedisBackend):
 
     name: ClassVar[str] = "redis-cluster"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=True, semaphore=True
+        native_fencing=True, durable_fence=True, ha=False, release_notify=True,
+        semaphore=True, rate_limit=True,
     )
 
     def __init__(

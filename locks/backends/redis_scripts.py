@@ -8,6 +8,7 @@ from typing import Any
 
 SCRIPT_NAMES = ("begin", "extend", "extend_many", "release", "commit", "fenced_write",
                 "claim_publish", "swap_publish")
+RATE_SCRIPTS = ("rate_take",)  # the rate limiter's (locks/ratelimit.py), loaded the same way
 
 
 @cache
@@ -18,4 +19,5 @@ def script_source(name: str) -> str:
 
 def load_scripts(client: Any) -> dict[str, Any]:
     """Register every script on `client`; redis-py's Script reloads it after a server restart."""
-    return {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
+    names = (*SCRIPT_NAMES, *RATE_SCRIPTS)
+    return {name: client.register_script(script_source(name)) for name in names}

@@ -50,7 +50,8 @@ class RedisSentinelBackend(RedisBackend):
 
     name: ClassVar[str] = "redis-sentinel"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=True, release_notify=True, semaphore=True
+        native_fencing=True, durable_fence=True, ha=True, release_notify=True,
+        semaphore=True, rate_limit=True,
     )
 
     def __init__(self, client: redis.Redis, **options: Any) -> None:
