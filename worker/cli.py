@@ -20,6 +20,8 @@ BENCHES = {
     "locks": "jobfence.worker.bench.locks_bench",
     "celery": "jobfence.worker.bench.celery_bench",
     "gate": "jobfence.worker.bench.gate_bench",
+    "memory": "jobfence.worker.bench.memory_bench",
+    "keeper": "jobfence.worker.bench.keeper_bench",
 }
 
 
@@ -147,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app), imported from "
         "the current directory (default: the bundled app)",
     )
-    sub.add_parser("bench", help="benchmarks: bench locks|celery|gate [ARGS...]", add_help=False)
+    sub.add_parser(
+        "bench", help="benchmarks: bench locks|celery|gate|memory|keeper [ARGS...]", add_help=False
+    )
     sub.add_parser(
         "demo", help="the main job: a real fleet through a storm of duplicates", add_help=False
     )

@@ -11,7 +11,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection, ConnectionPool, SSLConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -29,6 +29,37 @@ DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_record(raw: str) -> JobRecord:
+    """A job record as commit.lua stores it: '<D|F><fence>,<ms from grant to finish>,
+    <length of the fingerprint>:<fingerprint><result>'."""
+    first = raw.index(",", 1)
+    second = raw.index(",", first + 1)
+    colon = raw.index(":", second + 1)
+    fence = int(raw[1:first])
+    end = colon + 1 + int(raw[second + 1 : colon])
+    return JobRecord(
+        state=_STATES[raw[0]],
+        fingerprint=raw[colon + 1 : end],
+        result=raw[end:],
+        fence=fence,
+        finished_at=(fence // 1000 + int(raw[first + 1 : second])) / 1000,
+    )
+
+
+_STATES = {"D": "DONE", "F": "FAILED"}
+
+
+def _legacy_record(state: str, fp: str, result: str, fence: str, finished_ms: str) -> JobRecord:
+    """A record hash written by versions before the one-string record (read, never written)."""
+    return JobRecord(
+        state=state,
+        fingerprint=fp,
+        result=result,
+        fence=int(fence or 0),
+        finished_at=int(finished_ms or 0) / 1000,
+    )
 
 
 CA_FILE_HINT = (
@@ -164,7 +195,9 @@ class RedisBackend(LockBackend):
         super().__init__(clock=clock)
         self.client = client
         self.keys = KeySpace(prefix)
-        self.fence_retention_ms = int(fence_retention * 1000)
+        # Accepted for open_backend and the settings, unused: the fence source is one key per
+        # server (per slot on a cluster), not a counter per lock key kept for a retention.
+        del fence_retention
         # The highest fence this client has been granted, on any key: the floor of the next
         # grant, so fences keep increasing if the server loses its data and its clock steps
         # back (fences are server microseconds, so one floor serves every key).
@@ -233,25 +266,28 @@ class RedisBackend(LockBackend):
             raise BackendUnavailable(message, key=key, cause=exc) from exc
 
     # -- one round trip each ----------------------------------------------------
+    def fence_source(self, key: str) -> str:
+        """The key that keeps the highest fence granted: one per server, shared by every
+        lock key (a cluster has one per slot: its scripts touch one slot)."""
+        return self.keys.fences()
+
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
         k = self.keys
         holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
-        retention = self.fence_retention_ms if self.fence_retention_ms > ttl_ms else ttl_ms
         if record:
             reply = self._call(
                 "begin",
-                [k.lock(key), k.fence(key), k.record(key)],
-                [owner, ttl_ms, retention, "1", meta.task_id, holder, fingerprint,
-                 self.fence_floor],
+                [k.lock(key), self.fence_source(key), k.record(key)],
+                [owner, ttl_ms, "1", meta.task_id, holder, fingerprint, self.fence_floor],
                 key,
-            )  # fmt: skip
+            )
         else:
             reply = self._call(
                 "begin",
-                [k.lock(key), k.fence(key)],
-                [owner, ttl_ms, retention, "0", meta.task_id, holder, "", self.fence_floor],
+                [k.lock(key), self.fence_source(key)],
+                [owner, ttl_ms, "0", meta.task_id, holder, "", self.fence_floor],
                 key,
             )
         if not isinstance(reply, list):
@@ -266,14 +302,9 @@ class RedisBackend(LockBackend):
                 task_id=_s(reply[2]) if len(reply) > 2 else "",
                 fingerprint=_s(reply[3]) if len(reply) > 3 else "",
             )
-        _, state, fp, result, fence, finished_ms = (_s(x) for x in reply)
-        return JobRecord(
-            state=state,
-            fingerprint=fp,
-            result=result,
-            fence=int(fence),
-            finished_at=int(finished_ms) / 1000,
-        )
+        if len(reply) == 2:
+            return parse_record(_s(reply[1]))
+        return _legacy_record(*(_s(x) for x in reply[1:]))
 
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
         return bool(self._call("extend", [self.keys.lock(key)], [owner, ttl_ms], key))
@@ -302,11 +333,13 @@ class RedisBackend(LockBackend):
         result_ttl_ms: int,
     ) -> bool:
         k = self.keys
+        # The record string's head and tail (commit.lua puts the finish time between them).
+        head, tail = f"{state[0]}{fence}", f"{len(fingerprint)}:{fingerprint}{result}"
         return bool(
             self._call(
                 "commit",
                 [k.lock(key), k.record(key), k.signal(key)],
-                [owner, state, result, fingerprint, fence, result_ttl_ms, SIGNAL_LIFETIME_MS],
+                [owner, head, tail, result_ttl_ms, SIGNAL_LIFETIME_MS],
                 key,
             )
         )
@@ -366,20 +399,21 @@ class RedisBackend(LockBackend):
                 yield info
 
     def job_record(self, key: str) -> JobRecord | None:
+        name = self.keys.record(key)
         try:
-            raw = self.client.hgetall(self.keys.record(key))
+            try:
+                raw = self.client.get(name)
+            except ResponseError as exc:  # WRONGTYPE: a record hash an earlier version wrote
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                fields = self.client.hmget(name, "state", "fingerprint", "result", "fence",
+                                           "finished_ms")  # fmt: skip
+                if fields[0] is None:
+                    return None
+                return _legacy_record(*(_s(f) if f is not None else "" for f in fields))
         except RedisError as exc:
             raise BackendUnavailable("redis job_record failed", key=key, cause=exc) from exc
-        rec = {_s(a): _s(b) for a, b in raw.items()}
-        if rec.get("state") not in ("DONE", "FAILED"):
-            return None
-        return JobRecord(
-            state=rec["state"],
-            fingerprint=rec.get("fingerprint", ""),
-            result=rec.get("result", ""),
-            fence=int(rec.get("fence", 0)),
-            finished_at=int(rec.get("finished_ms", 0)) / 1000,
-        )
+        return parse_record(_s(raw)) if raw else None
 
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
         held = self._call("claim_publish", [self.keys.queued(key)], [task_id, int(ttl * 1000)],
