@@ -54,15 +54,15 @@ class _Lane:
         self.keeper = keeper
         self.busy = False
         self.skipped = False  # a tick passed this backend by while its call was in flight
-        self._job: tuple[LockBackend, list[Lease]] | None = None
+        self._job: tuple[LockBackend, list[Lease], float] | None = None
         self._event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=label, daemon=True)
         self.thread.start()
 
-    def submit(self, backend: LockBackend, leases: list[Lease]) -> None:
+    def submit(self, backend: LockBackend, leases: list[Lease], chosen: float) -> None:
         """Hand over a batch; the caller holds the keeper's mutex and saw `busy` False."""
         self.busy = True
-        self._job = (backend, leases)
+        self._job = (backend, leases, chosen)
         self._event.set()
 
     def wake(self) -> None:
@@ -209,12 +209,13 @@ class LeaseKeeper:
             busy = {bid for bid, lane in self._lanes.items() if lane.busy}
             for bid in busy:
                 self._lanes[bid].skipped = True
-            batches, wait = self._collect(self.clock.monotonic(), busy)
+            now = self.clock.monotonic()
+            batches, wait = self._collect(now, busy)
             for bid, (backend, leases) in batches.items():
                 lane = self._lanes.get(bid)
                 if lane is None or not lane.thread.is_alive():
                     lane = self._lanes[bid] = _Lane(self, f"{self.name}:{backend.name}")
-                lane.submit(backend, leases)
+                lane.submit(backend, leases, now)
         return wait
 
     def tick(self) -> float:
@@ -223,9 +224,10 @@ class LeaseKeeper:
         For callers (and tests) that drive a stopped keeper themselves.
         """
         with self._mutex:
-            batches, wait = self._collect(self.clock.monotonic(), set())
+            now = self.clock.monotonic()
+            batches, wait = self._collect(now, set())
         for backend, leases in batches.values():
-            self._extend_batch(backend, leases)
+            self._extend_batch(backend, leases, now)
         if batches:  # what was just sent has a new due time (a retry comes sooner)
             with self._mutex:
                 now = self.clock.monotonic()
@@ -293,8 +295,13 @@ class LeaseKeeper:
             batches[bid] = (backend, batch)
         return batches, max(0.001, next_wake)
 
-    def _extend_batch(self, backend: LockBackend, leases: list[Lease]) -> bool:
-        """Extend one backend's batch; False if the call failed (retried soon)."""
+    def _extend_batch(self, backend: LockBackend, leases: list[Lease], chosen: float) -> bool:
+        """Extend one backend's batch, chosen at `chosen`; False if the call failed.
+
+        The next due time counts from when the batch was chosen, so the scan and the hand-
+        over to the lane do not add to every interval; the new deadline counts from when the
+        call was sent (what the server's TTL runs from, at the latest).
+        """
         started = self.clock.monotonic()
         try:
             backend.extend_many(leases)  # marks the leases it refused lost itself
@@ -313,7 +320,7 @@ class LeaseKeeper:
                 lambda le: now + max(MIN_RETRY_DELAY, le.ttl * self.fraction * RETRY_FRACTION),
             )
             return False
-        self._set_due(leases, lambda le: started + le.ttl * self.fraction)
+        self._set_due(leases, lambda le: chosen + le.ttl * self.fraction)
         if self.on_extend is not None:
             self.on_extend(backend.name, self.clock.monotonic() - started, len(leases))
         return True
