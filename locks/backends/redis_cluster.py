@@ -30,7 +30,12 @@ from redis.retry import Retry
 from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_nodes
 from jobfence.locks.backend import Capabilities, JobRecord, LockInfo, validate_ttl
-from jobfence.locks.backends.redis import DEFAULT_FENCE_RETENTION, RedisBackend, _Lane
+from jobfence.locks.backends.redis import (
+    DEFAULT_FENCE_RETENTION,
+    EXTEND_CHUNK,
+    RedisBackend,
+    _Lane,
+)
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, NotOwner
@@ -281,12 +286,11 @@ class RedisClusterBackend(RedisBackend):
                 groups.setdefault(node.name, (node, []))[1].append(i)
         results: list[bool | None] = [None] * len(items)
         retry: list[int] = list(groups.pop("", (None, []))[1])
-        sent: list[tuple[Any, Any, list[int]]] = []
+        sent: list[tuple[Any, Any, list[list[int]]]] = []
         for node, indexes in groups.values():
-            args: list[Any] = []
-            for i in indexes:
-                key, owner, ttl_ms = items[i]
-                args += [self.keys.lock(key), owner, ttl_ms]
+            # Scripts of EXTEND_CHUNK leases, all in one write: one round trip per node, and
+            # the node serves other clients between the scripts.
+            chunks = [indexes[i : i + EXTEND_CHUNK] for i in range(0, len(indexes), EXTEND_CHUNK)]
             try:
                 pool = self.cluster.get_redis_connection(node).connection_pool
                 conn = pool.get_connection()
@@ -294,27 +298,30 @@ class RedisClusterBackend(RedisBackend):
                 retry += indexes
                 continue
             try:
-                conn.send_command("EVALSHA", self._extend_sha, 0, *args)
+                conn.send_packed_command(
+                    conn.pack_commands([self._extend_command(c, items) for c in chunks])
+                )
             except RedisError:
                 conn.disconnect()  # type: ignore[no-untyped-call]
                 pool.release(conn)
                 retry += indexes
                 continue
-            sent.append((pool, conn, indexes))
-        for pool, conn, indexes in sent:  # every node works on its batch meanwhile
+            sent.append((pool, conn, chunks))
+        for pool, conn, chunks in sent:  # every node works on its batch meanwhile
             try:
-                reply = self._read_extend(conn, indexes, items)
+                replies = self._read_extend(conn, chunks, items)
             except RedisError:
                 conn.disconnect()  # type: ignore[no-untyped-call]
-                retry += indexes
+                retry += [i for chunk in chunks for i in chunk]
                 continue
             finally:
                 pool.release(conn)
-            for i, answer in zip(indexes, reply, strict=True):
-                if int(answer) < 0:  # the slot moved away from this node
-                    retry.append(i)
-                else:
-                    results[i] = bool(int(answer))
+            for chunk, reply in zip(chunks, replies, strict=True):
+                for i, answer in zip(chunk, reply, strict=True):
+                    if int(answer) < 0:  # the slot moved away from this node
+                        retry.append(i)
+                    else:
+                        results[i] = bool(int(answer))
         failure: BackendUnavailable | None = None
         for i in sorted(retry):  # through the cluster client: it follows MOVED/ASK
             key, owner, ttl_ms = items[i]
@@ -326,25 +333,44 @@ class RedisClusterBackend(RedisBackend):
                 failure = failure or exc
         return results, failure
 
+    def _extend_command(
+        self, indexes: list[int], items: Sequence[tuple[str, str, int]]
+    ) -> tuple[Any, ...]:
+        args: list[Any] = []
+        for i in indexes:
+            key, owner, ttl_ms = items[i]
+            args += (self.keys.lock(key), owner, ttl_ms)
+        return ("EVALSHA", self._extend_sha, 0, *args)
+
     def _read_extend(
-        self, conn: Any, indexes: list[int], items: Sequence[tuple[str, str, int]]
-    ) -> list[Any]:
-        try:
-            return list(conn.read_response())
-        except NoScriptError:
+        self, conn: Any, chunks: list[list[int]], items: Sequence[tuple[str, str, int]]
+    ) -> list[list[Any]]:
+        """The reply to each chunk's script, read in order (every reply, so the connection
+        stays clean); -1 for each lock of a script the node refused to run."""
+        replies: list[list[Any] | None] = []
+        for chunk in chunks:
+            try:
+                replies.append(list(conn.read_response()))
+            except NoScriptError:
+                replies.append(None)
+            except ResponseError:
+                # READONLY (a demoted master), CLUSTERDOWN, ...: the script did not run.
+                replies.append([-1] * len(chunk))
+        again = [k for k, reply in enumerate(replies) if reply is None]
+        if again:
             # A node that never saw the script (a replica promoted since, a restart): load
-            # it there and send again; nothing ran.
+            # it there and send those again; they did not run.
             conn.send_command("SCRIPT", "LOAD", self._extend_source)
             conn.read_response()
-            args: list[Any] = []
-            for i in indexes:
-                key, owner, ttl_ms = items[i]
-                args += [self.keys.lock(key), owner, ttl_ms]
-            conn.send_command("EVALSHA", self._extend_sha, 0, *args)
-            return list(conn.read_response())
-        except ResponseError:
-            # READONLY (a demoted master), CLUSTERDOWN, ...: the script did not run.
-            return [-1] * len(indexes)
+            conn.send_packed_command(
+                conn.pack_commands([self._extend_command(chunks[k], items) for k in again])
+            )
+            for k in again:
+                try:
+                    replies[k] = list(conn.read_response())
+                except ResponseError:
+                    replies[k] = [-1] * len(chunks[k])
+        return [reply if reply is not None else [] for reply in replies]
 
     # -- servers ---------------------------------------------------------------------------
     def check_servers(self) -> list[tuple[bool, str, str]]:
