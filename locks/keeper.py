@@ -29,6 +29,22 @@ COALESCE_FRACTION = 0.1
 #: lease's deadline leaves room): a blip costs one short delay, not the lease.
 RETRY_FRACTION = 0.15
 MIN_RETRY_DELAY = 0.01
+#: The scheduler sleeps at most this long: every lease's due time and deadline wake it
+#: sooner; each tick scans every held lease, which counts with thousands of them.
+MAX_SLEEP = 5.0
+
+
+def _snapshot(due: weakref.WeakKeyDictionary[Lease, float]) -> list[tuple[Lease, float]]:
+    """The live leases and their due times. WeakKeyDictionary.items() is a generator under
+    an iteration guard, three times the cost of copying the dict of weak references it
+    wraps (what counts with 10,000 leases scanned at every tick)."""
+    refs: dict[weakref.ref[Lease], float] = due.data  # type: ignore[attr-defined]
+    out = []
+    for ref, when in list(refs.items()):
+        lease = ref()
+        if lease is not None:
+            out.append((lease, when))
+    return out
 
 
 class _Lane:
@@ -37,15 +53,16 @@ class _Lane:
     def __init__(self, keeper: LeaseKeeper, label: str) -> None:
         self.keeper = keeper
         self.busy = False
-        self._job: tuple[LockBackend, list[Lease]] | None = None
+        self.skipped = False  # a tick passed this backend by while its call was in flight
+        self._job: tuple[LockBackend, list[Lease], float] | None = None
         self._event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=label, daemon=True)
         self.thread.start()
 
-    def submit(self, backend: LockBackend, leases: list[Lease]) -> None:
+    def submit(self, backend: LockBackend, leases: list[Lease], chosen: float) -> None:
         """Hand over a batch; the caller holds the keeper's mutex and saw `busy` False."""
         self.busy = True
-        self._job = (backend, leases)
+        self._job = (backend, leases, chosen)
         self._event.set()
 
     def wake(self) -> None:
@@ -59,15 +76,21 @@ class _Lane:
             job, self._job = self._job, None
             if job is None:
                 continue
+            extended = False
             try:
-                keeper._extend_batch(*job)
+                extended = keeper._extend_batch(*job)
             except Exception:  # never die silently: the scheduler retries what is left
                 log.exception("lease keeper lane failed on %s", job[0].name)
             finally:
                 del job  # no strong reference to the leases while idle
                 with keeper._mutex:
                     self.busy = False
-                keeper._wake.set()  # the scheduler may have skipped this backend meanwhile
+                    wake, self.skipped = self.skipped or not extended, False
+                # A failed batch is retried soon, and a tick that skipped this backend while
+                # it was busy may have left leases due: either way the scheduler looks again.
+                # After a plain success every lease sent is due an interval from now.
+                if wake:
+                    keeper._wake.set()
 
 
 class LeaseKeeper:
@@ -184,12 +207,15 @@ class LeaseKeeper:
         """The scheduler's tick: hand each backend's due leases to that backend's lane."""
         with self._mutex:
             busy = {bid for bid, lane in self._lanes.items() if lane.busy}
-            batches, wait = self._collect(self.clock.monotonic(), busy)
+            for bid in busy:
+                self._lanes[bid].skipped = True
+            now = self.clock.monotonic()
+            batches, wait = self._collect(now, busy)
             for bid, (backend, leases) in batches.items():
                 lane = self._lanes.get(bid)
                 if lane is None or not lane.thread.is_alive():
                     lane = self._lanes[bid] = _Lane(self, f"{self.name}:{backend.name}")
-                lane.submit(backend, leases)
+                lane.submit(backend, leases, now)
         return wait
 
     def tick(self) -> float:
@@ -198,9 +224,10 @@ class LeaseKeeper:
         For callers (and tests) that drive a stopped keeper themselves.
         """
         with self._mutex:
-            batches, wait = self._collect(self.clock.monotonic(), set())
+            now = self.clock.monotonic()
+            batches, wait = self._collect(now, set())
         for backend, leases in batches.values():
-            self._extend_batch(backend, leases)
+            self._extend_batch(backend, leases, now)
         if batches:  # what was just sent has a new due time (a retry comes sooner)
             with self._mutex:
                 now = self.clock.monotonic()
@@ -210,12 +237,21 @@ class LeaseKeeper:
     def _collect(
         self, now: float, busy: set[int]
     ) -> tuple[dict[int, tuple[LockBackend, list[Lease]]], float]:
-        """Due leases per backend (skipping busy backends); mark leases past their deadline."""
-        batches: dict[int, tuple[LockBackend, list[Lease]]] = {}
-        next_wake = 1.0
-        for lease, due in list(self._due.items()):
-            if lease.released or lease.lost:
-                if not lease.released and lease.remaining() <= 0:
+        """Due leases per backend (skipping busy backends); mark leases past their deadline.
+
+        A backend with a lease due takes along every lease of its own that would fall due
+        before that backend's next batch (one shortest interval away): after one batch the
+        leases of a backend share one phase, so however many it holds and whenever they were
+        taken, they cost one round trip per interval. A lease taken after a batch is due after
+        the next one, and rides along with it, extended early rather than in a batch of its own.
+        """
+        held: dict[int, tuple[LockBackend, list[tuple[Lease, float]], list[float]]] = {}
+        next_wake = MAX_SLEEP
+        fraction = self.fraction
+        for lease, due in _snapshot(self._due):
+            left = lease.deadline - lease.drift - now
+            if left <= 0 or lease.settled:
+                if left <= 0 and not lease.released:
                     lease.mark_lost(
                         LeaseLost(
                             "lease deadline passed before an extension was confirmed",
@@ -227,21 +263,45 @@ class LeaseKeeper:
                 continue
             # Wake at the deadline at the latest, to declare the loss on time even while
             # this lease's backend hangs in an extension.
-            next_wake = min(next_wake, lease.remaining())
+            if left < next_wake:
+                next_wake = left
             bid = id(lease.backend)
             if bid in busy:
                 continue  # its lane wakes us when the call in flight returns
             if due == math.inf:  # sent to a lane that stopped before its call: due now
                 due = now
-            interval = lease.ttl * self.fraction
-            if due - now <= interval * COALESCE_FRACTION:
-                batches.setdefault(bid, (lease.backend, []))[1].append(lease)
+            entry = held.get(bid)
+            if entry is None:
+                # [shortest interval, earliest due minus its coalescing slack, earliest due]
+                entry = held[bid] = (lease.backend, [], [math.inf, math.inf, math.inf])
+            interval = lease.ttl * fraction
+            entry[1].append((lease, due))
+            marks = entry[2]
+            if interval < marks[0]:
+                marks[0] = interval
+            if due - interval * COALESCE_FRACTION < marks[1]:
+                marks[1] = due - interval * COALESCE_FRACTION
+            if due < marks[2]:
+                marks[2] = due
+        batches: dict[int, tuple[LockBackend, list[Lease]]] = {}
+        for bid, (backend, leases, (shortest, trigger, earliest)) in held.items():
+            if trigger > now:  # nothing of this backend due yet
+                next_wake = min(next_wake, earliest - now)
+                continue
+            horizon = now + shortest
+            batch = [lease for lease, due in leases if due <= horizon]
+            for lease in batch:
                 self._due[lease] = math.inf  # in flight: _extend_batch sets the next due
-            else:
-                next_wake = min(next_wake, due - now)
+            batches[bid] = (backend, batch)
         return batches, max(0.001, next_wake)
 
-    def _extend_batch(self, backend: LockBackend, leases: list[Lease]) -> None:
+    def _extend_batch(self, backend: LockBackend, leases: list[Lease], chosen: float) -> bool:
+        """Extend one backend's batch, chosen at `chosen`; False if the call failed.
+
+        The next due time counts from when the batch was chosen, so the scan and the hand-
+        over to the lane do not add to every interval; the new deadline counts from when the
+        call was sent (what the server's TTL runs from, at the latest).
+        """
         started = self.clock.monotonic()
         try:
             backend.extend_many(leases)  # marks the leases it refused lost itself
@@ -259,13 +319,22 @@ class LeaseKeeper:
                 leases,
                 lambda le: now + max(MIN_RETRY_DELAY, le.ttl * self.fraction * RETRY_FRACTION),
             )
-            return
-        self._set_due(leases, lambda le: started + le.ttl * self.fraction)
+            return False
+        self._set_due(leases, lambda le: chosen + le.ttl * self.fraction)
         if self.on_extend is not None:
             self.on_extend(backend.name, self.clock.monotonic() - started, len(leases))
+        return True
 
     def _set_due(self, leases: list[Lease], when: Callable[[Lease], float]) -> None:
+        earliest = math.inf
         with self._mutex:
             for lease in leases:
                 if lease in self._due:  # not dropped meanwhile
-                    self._due[lease] = when(lease)
+                    due = self._due[lease] = when(lease)
+                    if due < earliest:
+                        earliest = due
+            # The scheduler counted these leases as in flight when it chose its sleep: wake
+            # it if one now falls due before it would wake by itself.
+            wake = earliest < self._wake_at
+        if wake:
+            self._wake.set()

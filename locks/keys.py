@@ -17,6 +17,14 @@ class KeySpace:
     def fence(self, key: str) -> str:
         return f"{self.prefix}:fence:{{{key}}}"
 
+    def fences(self) -> str:
+        """The fence source of a Redis server: the highest fence it granted, on any key."""
+        return f"{self.prefix}:fences"
+
+    def slot_fences(self, tag: str) -> str:
+        """The fence source of one cluster slot; `tag` is a hash tag of that slot."""
+        return f"{self.prefix}:fences:{{{tag}}}"
+
     def record(self, key: str) -> str:
         return f"{self.prefix}:job:{{{key}}}"
 

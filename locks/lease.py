@@ -67,6 +67,12 @@ class Lease:
         return self._lost_cause is not None or self.remaining() <= 0
 
     @property
+    def settled(self) -> bool:
+        """Released, or marked lost: what `lost` says without its clock read (the keeper
+        checks many leases against one reading of the clock)."""
+        return self._released or self._lost_cause is not None
+
+    @property
     def released(self) -> bool:
         return self._released
 

@@ -12,6 +12,7 @@ from redis.crc import key_slot
 from jobfence.config import UnsafeSettings
 from jobfence.config.urls import cluster_nodes
 from jobfence.locks import FencedWriteRefused, Lease, RedisFenceGuard, StaleFence, open_backend
+from jobfence.locks.backends import redis_cluster as redis_cluster_module
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.worker.admin import release_grant
 from jobfence.worker.local_cluster import LocalCluster
@@ -71,6 +72,26 @@ def test_extend_many_sends_one_script_to_each_node(
             assert info.fence == thief.fence
         else:
             assert info.ttl_left > 2.7
+
+
+def test_a_big_batch_is_several_scripts_per_node_in_one_write_even_after_a_script_flush(
+    redis_cluster: LocalCluster, backend: RedisClusterBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_cluster_module, "EXTEND_CHUNK", 4)  # 30 leases: 3 scripts a node
+    keys = _keys_on_every_node(redis_cluster, backend, 30)
+    held = [le for le in (backend.try_acquire(k, 30.0) for k in keys) if le is not None]
+    assert len(held) == len(keys)
+    backend.extend_many(held)  # the script is on every node
+    redis_cluster.masters[1].client().script_flush()  # a node that lost it answers NOSCRIPT
+    per_node = [0, 0, 0]
+    for le in held:
+        per_node[redis_cluster.node_of(backend.keys.lock(le.key))] += 1
+    before = _script_calls(redis_cluster)
+    assert backend.extend_many(held) == [True] * len(held)
+    sent = [b - a for a, b in zip(before, _script_calls(redis_cluster), strict=True)]
+    chunks = [-(-n // 4) for n in per_node]
+    assert sent == [chunks[0], 2 * chunks[1], chunks[2]], (sent, per_node)  # node 1: twice
+    assert not any(le.lost for le in held)
 
 
 def test_scan_lists_the_locks_of_every_node(

@@ -14,6 +14,7 @@ import pytest
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.config.urls import sentinel_target
 from jobfence.locks import BackendUnavailable, JobRecord, LockBackend, open_backend
+from jobfence.locks.backends import redis as redis_module
 from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.tasks import Runtime
 from jobfence.tasks.executor import JobSpec
@@ -138,6 +139,24 @@ def test_unreachable_sentinels_are_warned_about_and_start_up_goes_on() -> None:
 
 
 # --------------------------------------------------------------------------- failover
+
+
+def test_a_chunked_extension_reloads_a_flushed_script_on_the_master(
+    topology: LocalSentinel, backend: RedisSentinelBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend_many of more leases than a script takes: several scripts in one write, and a
+    NOSCRIPT to them (the master's cache emptied) loads the script and sends them again."""
+    monkeypatch.setattr(redis_module, "EXTEND_CHUNK", 3)
+    leases = [backend.try_acquire(f"chunked:{i}", 30.0) for i in range(7)]
+    held = [le for le in leases if le is not None]
+    assert len(held) == 7 and backend.extend_many(held) == [True] * 7
+    admin = topology.master().client()
+    try:
+        admin.script_flush()
+        assert backend.extend_many(held) == [True] * 7
+    finally:
+        admin.close()
+    assert all(le.release() for le in held)
 
 
 def test_a_demoted_master_is_unavailable_never_not_the_owner(

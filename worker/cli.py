@@ -21,6 +21,8 @@ BENCHES = {
     "celery": "jobfence.worker.bench.celery_bench",
     "gate": "jobfence.worker.bench.gate_bench",
     "leader": "jobfence.worker.bench.leader_bench",
+    "memory": "jobfence.worker.bench.memory_bench",
+    "keeper": "jobfence.worker.bench.keeper_bench",
 }
 
 
@@ -149,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the current directory (default: the bundled app)",
     )
     sub.add_parser(
-        "bench", help="benchmarks: bench locks|celery|gate|leader [ARGS...]", add_help=False
+        "bench",
+        help="benchmarks: bench locks|celery|gate|leader|memory|keeper [ARGS...]",
+        add_help=False,
     )
     sub.add_parser(
         "demo", help="the main job: a real fleet through a storm of duplicates", add_help=False

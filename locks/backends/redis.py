@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection, ConnectionPool, SSLConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -25,11 +25,51 @@ from jobfence.locks.keys import KeySpace
 from jobfence.locks.lease import OwnerMeta
 
 SIGNAL_LIFETIME_MS = 2000
+#: Leases per extend_many script: a batch of more goes as several scripts in one write (one
+#: round trip), so the server serves other clients between them instead of stalling for all.
+EXTEND_CHUNK = 1000
+
+_pack_big: Callable[[tuple[Any, ...]], bytes] | None
+try:  # a core dependency; packs a command of thousands of arguments at a third of the cost
+    from hiredis import pack_command as _pack_big
+except ImportError:  # pragma: no cover
+    _pack_big = None
 DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_record(raw: str) -> JobRecord:
+    """A job record as commit.lua stores it: '<D|F><fence>,<ms from grant to finish>,
+    <length of the fingerprint>:<fingerprint><result>'."""
+    first = raw.index(",", 1)
+    second = raw.index(",", first + 1)
+    colon = raw.index(":", second + 1)
+    fence = int(raw[1:first])
+    end = colon + 1 + int(raw[second + 1 : colon])
+    return JobRecord(
+        state=_STATES[raw[0]],
+        fingerprint=raw[colon + 1 : end],
+        result=raw[end:],
+        fence=fence,
+        finished_at=(fence // 1000 + int(raw[first + 1 : second])) / 1000,
+    )
+
+
+_STATES = {"D": "DONE", "F": "FAILED"}
+
+
+def _legacy_record(state: str, fp: str, result: str, fence: str, finished_ms: str) -> JobRecord:
+    """A record hash written by versions before the one-string record (read, never written)."""
+    return JobRecord(
+        state=state,
+        fingerprint=fp,
+        result=result,
+        fence=int(fence or 0),
+        finished_at=int(finished_ms or 0) / 1000,
+    )
 
 
 CA_FILE_HINT = (
@@ -116,26 +156,51 @@ class _Lane:
             parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
         return b"".join(parts)
 
-    def call(self, *args: Any) -> Any:
+    def _take(self) -> Connection:
         if self.pid != os.getpid():
             self.pid, self.idle = os.getpid(), []
         try:
             conn = self.idle.pop()  # atomic: no two threads get the same connection
         except IndexError:
-            conn = self.pool.get_connection()
-        else:
-            # As the pool does before lending one: a connection with something to read was
-            # closed by the server (restart, idle timeout) or holds a stray reply; reconnect
-            # it now, before sending, rather than fail a command the server never saw.
-            try:
-                stale = conn.can_read(timeout=0)
-            except (RedisConnectionError, RedisTimeoutError, OSError):
-                stale = True
-            if stale:
-                conn.disconnect()  # type: ignore[no-untyped-call]
+            return self.pool.get_connection()
+        # As the pool does before lending one: a connection with something to read was
+        # closed by the server (restart, idle timeout) or holds a stray reply; reconnect it
+        # now, before sending, rather than fail a command the server never saw.
+        try:
+            stale = conn.can_read(timeout=0)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            stale = True
+        if stale:
+            conn.disconnect()  # type: ignore[no-untyped-call]
+        return conn
+
+    def call(self, *args: Any) -> Any:
+        conn = self._take()
         try:
             conn.send_packed_command([self.pack(args)])  # type: ignore[no-untyped-call]
             return conn.read_response()
+        finally:
+            self.idle.append(conn)
+
+    def call_many(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Several commands in one write and their replies in one read: one round trip.
+        Every reply is read before an error reply is raised (the first), so the connection
+        stays clean."""
+        conn = self._take()
+        try:
+            pack = _pack_big if _pack_big is not None else self.pack
+            conn.send_packed_command([pack(c) for c in commands])  # type: ignore[no-untyped-call]
+            replies: list[Any] = []
+            error: ResponseError | None = None
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:
+                    error = error or exc
+                    replies.append(exc)
+            if error is not None:
+                raise error
+            return replies
         finally:
             self.idle.append(conn)
 
@@ -166,7 +231,9 @@ class RedisBackend(RedisSemaphores, LockBackend):
         super().__init__(clock=clock)
         self.client = client
         self.keys = KeySpace(prefix)
-        self.fence_retention_ms = int(fence_retention * 1000)
+        # Accepted for open_backend and the settings, unused: the fence source is one key per
+        # server (per slot on a cluster), not a counter per lock key kept for a retention.
+        del fence_retention
         # The highest fence this client has been granted, on any key: the floor of the next
         # grant, so fences keep increasing if the server loses its data and its clock steps
         # back (fences are server microseconds, so one floor serves every key).
@@ -244,26 +311,53 @@ class RedisBackend(RedisSemaphores, LockBackend):
         )
         return reply[0] == 1, float(reply[1]), float(reply[2])
 
+    def _evalsha_many(self, sha: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls]
+        if self._lane is not None:
+            return self._lane.call_many(commands)
+        with self.client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            return list(pipe.execute())
+
+    def _call_many(self, name: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """`_call` for several calls of one script in one round trip (scripts safe to send
+        again: a NOSCRIPT reply to one of them sends them all again)."""
+        script = self.scripts[name]
+        try:
+            try:
+                return self._evalsha_many(script.sha, calls)
+            except NoScriptError:
+                script.sha = self.client.script_load(script.script)
+                return self._evalsha_many(script.sha, calls)
+        except RedisError as exc:
+            hint = tls_hint(exc) if self._tls else None
+            message = f"redis {name} failed" + (f" ({hint})" if hint else "")
+            raise BackendUnavailable(message, cause=exc) from exc
+
     # -- one round trip each ----------------------------------------------------
+    def fence_source(self, key: str) -> str:
+        """The key that keeps the highest fence granted: one per server, shared by every
+        lock key (a cluster has one per slot: its scripts touch one slot)."""
+        return self.keys.fences()
+
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
         k = self.keys
         holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
-        retention = self.fence_retention_ms if self.fence_retention_ms > ttl_ms else ttl_ms
         if record:
             reply = self._call(
                 "begin",
-                [k.lock(key), k.fence(key), k.record(key)],
-                [owner, ttl_ms, retention, "1", meta.task_id, holder, fingerprint,
-                 self.fence_floor],
+                [k.lock(key), self.fence_source(key), k.record(key)],
+                [owner, ttl_ms, "1", meta.task_id, holder, fingerprint, self.fence_floor],
                 key,
-            )  # fmt: skip
+            )
         else:
             reply = self._call(
                 "begin",
-                [k.lock(key), k.fence(key)],
-                [owner, ttl_ms, retention, "0", meta.task_id, holder, "", self.fence_floor],
+                [k.lock(key), self.fence_source(key)],
+                [owner, ttl_ms, "0", meta.task_id, holder, "", self.fence_floor],
                 key,
             )
         if not isinstance(reply, list):
@@ -278,24 +372,27 @@ class RedisBackend(RedisSemaphores, LockBackend):
                 task_id=_s(reply[2]) if len(reply) > 2 else "",
                 fingerprint=_s(reply[3]) if len(reply) > 3 else "",
             )
-        _, state, fp, result, fence, finished_ms = (_s(x) for x in reply)
-        return JobRecord(
-            state=state,
-            fingerprint=fp,
-            result=result,
-            fence=int(fence),
-            finished_at=int(finished_ms) / 1000,
-        )
+        if len(reply) == 2:
+            return parse_record(_s(reply[1]))
+        return _legacy_record(*(_s(x) for x in reply[1:]))
 
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
         return bool(self._call("extend", [self.keys.lock(key)], [owner, ttl_ms], key))
 
     def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        args: list[Any] = []
-        for _, owner, ttl_ms in items:
-            args += [owner, ttl_ms]
-        reply = self._call("extend_many", [self.keys.lock(k) for k, _, _ in items], args, None)
-        return [bool(int(x)) for x in reply]
+        lock = self.keys.lock
+        calls: list[tuple[list[str], list[Any]]] = []
+        for i in range(0, len(items), EXTEND_CHUNK):
+            chunk = items[i : i + EXTEND_CHUNK]
+            args: list[Any] = []
+            for _, owner, ttl_ms in chunk:
+                args += (owner, ttl_ms)
+            calls.append(([lock(k) for k, _, _ in chunk], args))
+        if len(calls) == 1:
+            replies = [self._call("extend_many", *calls[0], None)]
+        else:
+            replies = self._call_many("extend_many", calls)
+        return [bool(int(x)) for reply in replies for x in reply]
 
     def _release(self, key: str, owner: str) -> bool:
         k = self.keys
@@ -314,11 +411,13 @@ class RedisBackend(RedisSemaphores, LockBackend):
         result_ttl_ms: int,
     ) -> bool:
         k = self.keys
+        # The record string's head and tail (commit.lua puts the finish time between them).
+        head, tail = f"{state[0]}{fence}", f"{len(fingerprint)}:{fingerprint}{result}"
         return bool(
             self._call(
                 "commit",
                 [k.lock(key), k.record(key), k.signal(key)],
-                [owner, state, result, fingerprint, fence, result_ttl_ms, SIGNAL_LIFETIME_MS],
+                [owner, head, tail, result_ttl_ms, SIGNAL_LIFETIME_MS],
                 key,
             )
         )
@@ -378,20 +477,21 @@ class RedisBackend(RedisSemaphores, LockBackend):
                 yield info
 
     def job_record(self, key: str) -> JobRecord | None:
+        name = self.keys.record(key)
         try:
-            raw = self.client.hgetall(self.keys.record(key))
+            try:
+                raw = self.client.get(name)
+            except ResponseError as exc:  # WRONGTYPE: a record hash an earlier version wrote
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                fields = self.client.hmget(name, "state", "fingerprint", "result", "fence",
+                                           "finished_ms")  # fmt: skip
+                if fields[0] is None:
+                    return None
+                return _legacy_record(*(_s(f) if f is not None else "" for f in fields))
         except RedisError as exc:
             raise BackendUnavailable("redis job_record failed", key=key, cause=exc) from exc
-        rec = {_s(a): _s(b) for a, b in raw.items()}
-        if rec.get("state") not in ("DONE", "FAILED"):
-            return None
-        return JobRecord(
-            state=rec["state"],
-            fingerprint=rec.get("fingerprint", ""),
-            result=rec.get("result", ""),
-            fence=int(rec.get("fence", 0)),
-            finished_at=int(rec.get("finished_ms", 0)) / 1000,
-        )
+        return parse_record(_s(raw)) if raw else None
 
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
         held = self._call("claim_publish", [self.keys.queued(key)], [task_id, int(ttl * 1000)],

@@ -94,6 +94,13 @@ class RedisSentinelBackend(RedisBackend):
             self._reconnect_all()
             raise  # the caller loads the script and sends it once more, on new connections
 
+    def _evalsha_many(self, sha: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        try:
+            return super()._evalsha_many(sha, calls)
+        except NoScriptError:
+            self._reconnect_all()
+            raise  # as _evalsha
+
     def _reconnect_all(self) -> None:
         """Disconnect every connection, so each reconnects to the master named now."""
         if self._lane is not None:

@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+from jobfence.locks.backends.redis import parse_record
 from jobfence.worker.faults_report import Outcome, Scenario, Side
 from tests.faults import fenced_app, hold, naive_app
 from tests.faults.rig import HOLD_DB, LEDGER_DB, Rig, plan_payments, wait_until
@@ -153,7 +154,8 @@ def _failed_record(rig: Rig) -> bool:
     """A FAILED job record for the poison job on the lock server (found by state, not key)."""
     client = rig.client(rig.locks)
     for name in client.scan_iter(match="jobfence:job:*"):
-        if client.hget(name, "state") == b"FAILED":
+        raw = client.get(name)
+        if raw and parse_record(raw.decode()).state == "FAILED":
             return True
     return False
 

@@ -320,7 +320,7 @@ def test_the_check_command_reports_an_evicting_lock_server(fresh_redis):
 
 def test_bench_without_a_name_prints_its_usage(env):
     done = run_cli("bench", env=env)
-    assert done.returncode == 2 and "bench {locks|celery|gate|leader}" in done.stderr
+    assert done.returncode == 2 and "bench {locks|celery|gate|leader|memory|keeper}" in done.stderr
 
 
 def test_a_missing_optional_command_says_so(capsys):

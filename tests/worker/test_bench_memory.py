@@ -1,0 +1,33 @@
+"""The memory and keeper benchmarks run on a private server and report what they measure."""
+
+from __future__ import annotations
+
+from jobfence.worker.bench import keeper_bench, memory_bench
+from jobfence.worker.redis_server import RedisServer
+
+
+def test_the_memory_bench_counts_one_record_key_per_finished_job() -> None:
+    with RedisServer() as server:
+        jobs = memory_bench.run_jobs(server.url, 30, 5)
+        keeper = memory_bench.keeper_cost(server.url, leases=20, rounds=1)
+        report = memory_bench.build_report(server.url, "x", jobs, keeper)
+    assert jobs["keys_per_job"] == 1.0 and jobs["keys_by_family"] == {"job": 30}
+    assert jobs["result_length"] == len('"00000"')
+    assert jobs["script_calls_per_job"] == 2.0  # begin + commit
+    assert all(report["targets"].values()), report["targets"]
+    assert "keys per finished job" in memory_bench.format_report(report)
+
+
+def test_the_keeper_bench_sees_one_round_trip_per_interval() -> None:
+    with RedisServer() as server:
+        run = keeper_bench.run(server.url, leases=300, ttl=0.9, seconds=0.9)
+    assert run["lost"] == 0 and run["leases_per_round_trip"] == 300
+    assert run["round_trips_per_interval"] * run["intervals"] >= 1  # each carried all 300
+
+
+def test_the_cli_knows_both_benches() -> None:
+    from jobfence.worker.cli import BENCHES
+
+    assert BENCHES["memory"] == "jobfence.worker.bench.memory_bench"
+    assert BENCHES["keeper"] == "jobfence.worker.bench.keeper_bench"
+    assert keeper_bench.parse_args(["--leases", "5"]).leases == 5
