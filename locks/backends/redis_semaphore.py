@@ -28,7 +28,9 @@ class RedisSemaphores:
     scripts: dict[str, Any]
     client: Any
     fence_floor: int
-    fence_retention_ms: int
+    #: How long an idle semaphore's keys stay. Its fence never depends on them: without the
+    #: last fence the script falls back to the server clock in µs, above every earlier one.
+    semaphore_retention_ms: int = 86_400_000
 
     def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
         raise NotImplementedError  # RedisBackend's
@@ -49,7 +51,7 @@ class RedisSemaphores:
             "sem_acquire",
             self._sem_keys(key),
             [owner, limit, ttl_ms, queue_ms, holder_text(meta), self.fence_floor,
-             self.fence_retention_ms],
+             self.semaphore_retention_ms],
             key,
         )  # fmt: skip
         if int(reply[0]) == 1:
