@@ -35,6 +35,7 @@ REDELIVERIES = "jobfence_redeliveries"
 #: (it crashed, or still runs): a grant of that copy counts towards the poison cap.
 DEFERRED_HEADER = "jobfence_deferred"
 PASSTHROUGH = (Retry, Ignore, Reject)
+_COME_BACK = frozenset({"defer", "retry", "redeliver"})  # outcomes that publish the job again
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             if self.dedupe_on_publish:
                 rt.backend.clear_publish(key)  # a failed job may be submitted afresh
             raise
+        if out.status not in _COME_BACK:
+            return out.value
         # A countdown the broker would outwait redelivers the message while it waits;
         # coming back early only means deferring once more.
         countdown = min(out.countdown, max(0.1, s.visibility_timeout / 2))
