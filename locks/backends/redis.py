@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import ssl
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import redis
@@ -101,23 +101,19 @@ class _Lane:
         self.encoder = pool.get_encoder()
 
     def pack(self, args: tuple[Any, ...]) -> bytes:
-        """The command as RESP bytes: what redis-py's packer sends, at a fifth of its cost.
-
-        Two comprehensions rather than one loop: per argument, a loop's attribute lookups
-        and appends cost more than the encoding itself.
-        """
+        """The command as RESP bytes: what redis-py's packer sends, at a third of its cost."""
         enc = self.encoder
-        encoding, errors = enc.encoding, enc.encoding_errors
-        encode: Callable[[Any], bytes] = enc.encode
-        data = [
-            a.encode(encoding, errors)
-            if type(a) is str
-            else b"%d" % a
-            if type(a) is int
-            else encode(a)  # bytes, float; refuses what redis-py refuses
-            for a in args
-        ]
-        return b"*%d\r\n" % len(data) + b"".join([b"$%d\r\n%b\r\n" % (len(d), d) for d in data])
+        parts = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            kind = type(arg)
+            if kind is str:
+                data = arg.encode(enc.encoding, enc.encoding_errors)
+            elif kind is int:
+                data = b"%d" % arg
+            else:  # bytes, float; refuses what redis-py refuses
+                data = enc.encode(arg)  # type: ignore[no-untyped-call]
+            parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+        return b"".join(parts)
 
     def call(self, *args: Any) -> Any:
         if self.pid != os.getpid():
