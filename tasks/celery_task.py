@@ -61,6 +61,7 @@ DuplicatePublishPolicy = Literal["result", "raise", "replace"]
 DUPLICATE_PUBLISH_POLICIES: tuple[str, ...] = ("result", "raise", "replace")
 #: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
 REPLACE_ATTEMPTS = 3
+_COME_BACK = frozenset({"defer", "retry", "redeliver"})  # outcomes that publish the job again
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             elif self.dedupe_on_publish:
                 rt.backend.clear_publish(key)  # a failed job may be submitted afresh
             raise
+        if out.status not in _COME_BACK:
+            return out.value
         # A countdown the broker would outwait redelivers the message while it waits;
         # coming back early only means deferring once more.
         countdown = min(out.countdown, max(0.1, s.visibility_timeout / 2))

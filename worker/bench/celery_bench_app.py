@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
@@ -17,6 +18,9 @@ from jobfence.tasks import install, singleton_task
 # this module and in the environment of every worker it starts.
 URL_ENV = "JOBFENCE_BENCH_REDIS_URL"
 BASE_URL = os.environ.get(URL_ENV, "redis://127.0.0.1:6379").rstrip("/")
+# Milliseconds every body waits before it counts (time.sleep: I/O wait, no CPU); 0: trivial.
+BODY_ENV = "JOBFENCE_BENCH_BODY_MS"
+BODY_SECONDS = float(os.environ.get(BODY_ENV) or 0) / 1000
 BROKER_URL = f"{BASE_URL}/0"
 LOCK_URL = f"{BASE_URL}/1"  # jobfence, celery-once and celery-singleton locks; the counters
 RESULT_URL = f"{BASE_URL}/2"
@@ -61,7 +65,10 @@ def counters() -> redis.Redis:
 
 
 def count(tag: str) -> None:
-    """The whole body of every contender: count one execution under `tag`."""
+    """The whole body of every contender: wait BODY_SECONDS (if any), then count one
+    execution under `tag`."""
+    if BODY_SECONDS > 0:
+        time.sleep(BODY_SECONDS)
     counters().incr(EXEC_PREFIX + tag)
 
 
