@@ -544,7 +544,8 @@ def _migrate_locks(lock_url: str, *, sql: bool) -> int:
 
             objects = [("table", TABLE), ("sequence", FENCE_SEQUENCE)]
         else:
-            objects = [("table", name.strip("`")) for name in backend.tables.values()]
+            tables = [*backend.tables.values(), backend.rate_table]  # rates: made with them
+            objects = [("table", name.strip("`")) for name in tables]
         engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool)
         where = engine.url.render_as_string(hide_password=True)
         try:

@@ -110,6 +110,11 @@ def test_lock_until_start_queues_a_newer_copy_behind_the_running_one(lt: Lifetim
     assert starts[1]["t"] >= ends[0]["t"], "the newer copy ran beside the running one"
 
 
+#: The controls do not depend on the lock backend: run once, on Redis locks.
+ON_REDIS_ONLY = pytest.mark.parametrize("lifetimes_module", ["redis"], indirect=True)
+
+
+@ON_REDIS_ONLY
 def test_control_lock_until_finish_answers_a_publish_during_the_run_with_the_first(
     lt: Lifetimes,
 ) -> None:
@@ -122,6 +127,7 @@ def test_control_lock_until_finish_answers_a_publish_during_the_run_with_the_fir
     assert lt.ledger.start_count(j) == 1
 
 
+@ON_REDIS_ONLY
 def test_control_plain_celery_runs_both_publishes_at_once(lt: Lifetimes) -> None:
     j, task = job(), lt.task("plain")
     first, second = task.delay(j, "v1"), task.delay(j, "v2")

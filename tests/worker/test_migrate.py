@@ -30,7 +30,7 @@ LOCK_VARIABLE = f"{ENV_PREFIX}LOCK_URL"
 #: The lock backends' objects, by the scratch database's kind.
 LOCK_OBJECTS = {
     "postgresql": ["jobfence_locks", "jobfence_lock_fence_seq"],
-    "mariadb": [f"jobfence_lock_{n}" for n in ("leases", "records", "fence", "marks")],
+    "mariadb": [f"jobfence_lock_{n}" for n in ("leases", "records", "fence", "marks", "rates")],
 }
 
 
