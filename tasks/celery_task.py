@@ -61,7 +61,11 @@ DuplicatePublishPolicy = Literal["result", "raise", "replace"]
 DUPLICATE_PUBLISH_POLICIES: tuple[str, ...] = ("result", "raise", "replace")
 #: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
 REPLACE_ATTEMPTS = 3
-_COME_BACK = frozenset({"defer", "retry", "redeliver"})  # outcomes that publish the job again
+#: Outcomes handled after the body's gate: most publish the job again (a rate-skipped one
+#: frees its publish claim). Any other outcome's value is returned as it is.
+_COME_BACK = frozenset(
+    {"defer", "retry", "redeliver", "requeue", "rate_limited", "rate_skipped"}
+)
 
 log = logging.getLogger(__name__)
 
