@@ -208,7 +208,41 @@ class AdvisoryLock:
         self.engine.dispose()
 
 
-class RedisPyLock:
+class PeerLock:
+    """A peer library's lock object per call: pair, hold and wait written once; each peer
+    says how it builds a lock (`_lock`) and how a blocking acquire takes its timeout."""
+
+    def _lock(self, key: str, ttl: float) -> Any:
+        raise NotImplementedError
+
+    def _acquire_waiting(self, lock: Any, timeout: float) -> bool:
+        return bool(lock.acquire(blocking=True, timeout=timeout))
+
+    def pair(self, key: str) -> bool:
+        # A refusal of a free key is counted, not raised: pottery returns once a majority
+        # answered, so a late master may still hold the previous pair's key.
+        lock = self._lock(key, PAIR_TTL)
+        if not lock.acquire(blocking=False):
+            return False
+        lock.release()
+        return True
+
+    def hold(self, key: str) -> Callable[[], None]:
+        lock = self._lock(key, HOLD_TTL)
+        if not lock.acquire(blocking=False):
+            raise MatrixError(f"the holder could not take {key}")
+        release: Callable[[], None] = lock.release
+        return release
+
+    def wait(self, key: str, timeout: float) -> Callable[[], None]:
+        lock = self._lock(key, HOLD_TTL)
+        if not self._acquire_waiting(lock, timeout):
+            raise MatrixError(f"not granted within {timeout:.0f} s")
+        release: Callable[[], None] = lock.release
+        return release
+
+
+class RedisPyLock(PeerLock):
     """redis-py's Lock: SET NX PX, a Lua release; a waiter polls every 0.1 s (its default)."""
 
     def __init__(self, url: str) -> None:
@@ -216,32 +250,17 @@ class RedisPyLock:
 
         self.client = redis.Redis.from_url(url, **CLIENT_OPTIONS)
 
-    def pair(self, key: str) -> bool:
-        lock = self.client.lock(f"{PREFIX}:rp:{key}", timeout=PAIR_TTL)
-        if not lock.acquire(blocking=False):
-            return False
-        lock.release()
-        return True
+    def _lock(self, key: str, ttl: float) -> Any:
+        return self.client.lock(f"{PREFIX}:rp:{key}", timeout=ttl)
 
-    def hold(self, key: str) -> Callable[[], None]:
-        lock = self.client.lock(f"{PREFIX}:rp:{key}", timeout=HOLD_TTL)
-        if not lock.acquire(blocking=False):
-            raise MatrixError(f"the holder could not take {key}")
-        release: Callable[[], None] = lock.release
-        return release
-
-    def wait(self, key: str, timeout: float) -> Callable[[], None]:
-        lock = self.client.lock(f"{PREFIX}:rp:{key}", timeout=HOLD_TTL, blocking_timeout=timeout)
-        if not lock.acquire(blocking=True):
-            raise MatrixError(f"not granted within {timeout:.0f} s")
-        release: Callable[[], None] = lock.release
-        return release
+    def _acquire_waiting(self, lock: Any, timeout: float) -> bool:
+        return bool(lock.acquire(blocking=True, blocking_timeout=timeout))
 
     def close(self) -> None:
         self.client.close()
 
 
-class PythonRedisLock:
+class PythonRedisLock(PeerLock):
     """python-redis-lock: a waiter blocks in BLPOP on the lock's signal list."""
 
     def __init__(self, url: str) -> None:
@@ -254,32 +273,14 @@ class PythonRedisLock:
 
         return redis_lock.Lock(self.client, f"{PREFIX}:prl:{key}", expire=int(ttl))
 
-    def pair(self, key: str) -> bool:
-        lock = self._lock(key, PAIR_TTL)
-        if not lock.acquire(blocking=False):
-            return False
-        lock.release()
-        return True
-
-    def hold(self, key: str) -> Callable[[], None]:
-        lock = self._lock(key, HOLD_TTL)
-        if not lock.acquire(blocking=False):
-            raise MatrixError(f"the holder could not take {key}")
-        release: Callable[[], None] = lock.release
-        return release
-
-    def wait(self, key: str, timeout: float) -> Callable[[], None]:
-        lock = self._lock(key, HOLD_TTL)
-        if not lock.acquire(blocking=True, timeout=max(1, int(timeout))):
-            raise MatrixError(f"not granted within {timeout:.0f} s")
-        release: Callable[[], None] = lock.release
-        return release
+    def _acquire_waiting(self, lock: Any, timeout: float) -> bool:
+        return bool(lock.acquire(blocking=True, timeout=max(1, int(timeout))))
 
     def close(self) -> None:
         self.client.close()
 
 
-class PotteryLock:
+class PotteryLock(PeerLock):
     """pottery's Redlock over the masters in `url` (comma-separated redis:// URLs)."""
 
     def __init__(self, url: str) -> None:
@@ -291,29 +292,6 @@ class PotteryLock:
         from pottery import Redlock
 
         return Redlock(key=f"{PREFIX}:{key}", masters=set(self.clients), auto_release_time=ttl)
-
-    def pair(self, key: str) -> bool:
-        # pottery returns once a majority answered, so a late master may still hold the
-        # previous pair's key: a refusal of a free key is counted, not raised.
-        lock = self._lock(key, PAIR_TTL)
-        if not lock.acquire(blocking=False):
-            return False
-        lock.release()
-        return True
-
-    def hold(self, key: str) -> Callable[[], None]:
-        lock = self._lock(key, HOLD_TTL)
-        if not lock.acquire(blocking=False):
-            raise MatrixError(f"the holder could not take {key}")
-        release: Callable[[], None] = lock.release
-        return release
-
-    def wait(self, key: str, timeout: float) -> Callable[[], None]:
-        lock = self._lock(key, HOLD_TTL)
-        if not lock.acquire(blocking=True, timeout=timeout):
-            raise MatrixError(f"not granted within {timeout:.0f} s")
-        release: Callable[[], None] = lock.release
-        return release
 
     def close(self) -> None:
         for client in self.clients:
