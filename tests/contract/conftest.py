@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -363,3 +364,32 @@ def multiprocess(harness: BackendHarness) -> BackendHarness:
     if not harness.multiprocess:
         pytest.skip(f"{harness.name} backend lives in one process")
     return harness
+
+
+def run_racers(procs: list[Any], go: Any, out: Any, timeout: float = 60.0) -> list[Any]:
+    """Start forked racing processes, release them together with `go`, and collect what
+    they put on `out` until each says ("done",): ("error", pid, text) fails the test, any
+    other message's tail is one record. Every process has exited 0, or is killed."""
+    records: list[Any] = []
+    try:
+        for p in procs:
+            p.start()
+        go.set()
+        done, deadline = 0, time.monotonic() + timeout
+        while done < len(procs):
+            msg = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            if msg[0] == "error":
+                pytest.fail(f"racer {msg[1]} failed: {msg[2]}")
+            elif msg[0] == "done":
+                done += 1
+            else:
+                records.append(msg[1:])
+        for p in procs:
+            p.join(10)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return records

@@ -35,7 +35,7 @@ from jobfence.locks import (
 )
 from jobfence.locks.lease import new_owner_token
 from jobfence.locks.procinfo import process_start
-from tests.contract.conftest import BackendHarness
+from tests.contract.conftest import BackendHarness, run_racers
 from tests.servers import wait_for
 
 PROCESSES = 50
@@ -114,29 +114,7 @@ def test_mutual_exclusion_across_racing_processes(
         )
         for _ in range(PROCESSES)
     ]
-    holds: list[tuple[int, int, int, int, bool]] = []
-    try:
-        for p in procs:
-            p.start()
-        go.set()
-        done = 0
-        deadline = time.monotonic() + 60
-        while done < PROCESSES:
-            msg = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            if msg[0] == "error":
-                pytest.fail(f"racer {msg[1]} failed: {msg[2]}")
-            elif msg[0] == "done":
-                done += 1
-            else:
-                holds.append(msg[1:])
-        for p in procs:
-            p.join(10)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+    holds: list[tuple[int, int, int, int, bool]] = run_racers(procs, go, out)
 
     assert len(holds) == PROCESSES * ROUNDS_PER_PROCESS
     assert all(released for *_, released in holds), "a holder could not release its own lock"

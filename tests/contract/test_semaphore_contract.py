@@ -22,7 +22,7 @@ from jobfence.locks.errors import SemaphoreUnsupported
 from jobfence.locks.lease import new_owner_token
 from jobfence.locks.semaphore import acquire_slot
 from jobfence.locks.slots import SlotLease, SlotWait
-from tests.contract.conftest import BACKENDS, BackendHarness, _harness
+from tests.contract.conftest import BACKENDS, BackendHarness, _harness, run_racers
 from tests.servers import RedisServer, wait_for
 
 #: The backends in the contract list that keep semaphores (capability `semaphore`).
@@ -115,28 +115,7 @@ def _race(
         _occupant(enter, leave, occupancy_url, counter, ROUNDS, go, out)
 
     procs = [ctx.Process(target=run, daemon=True) for _ in range(RACERS)]
-    holds: list[tuple[int, int, int, int, int]] = []
-    try:
-        for p in procs:
-            p.start()
-        go.set()
-        done, deadline = 0, time.monotonic() + 60
-        while done < RACERS:
-            msg = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            if msg[0] == "error":
-                pytest.fail(f"racer {msg[1]} failed: {msg[2]}")
-            elif msg[0] == "done":
-                done += 1
-            else:
-                holds.append(msg[1:])
-        for p in procs:
-            p.join(10)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    holds: list[tuple[int, int, int, int, int]] = run_racers(procs, go, out)
     return holds
 
 
