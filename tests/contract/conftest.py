@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
 
 from jobfence.locks import LockBackend, MemoryBackend, RedisBackend
 from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
+
+T = TypeVar("T")
 
 # To add a backend (etcd, postgres, ...), add its name here and a branch to `_harness` that
 # builds a BackendHarness: how to open another client (usable in a forked child) and, where
@@ -31,8 +33,9 @@ class BackendHarness:
     backend: LockBackend
     # Opens another client on the same server. None: the backend lives in one process only.
     connect: Callable[[], LockBackend] | None
-    # Requests (round trips) the server has handled so far; None if it cannot tell.
-    requests: Callable[[], int] | None = None
+    # Requests each server (node, master) has handled so far; None if it cannot tell. A
+    # call's round trips are the largest growth of any one of them (see round_trips).
+    requests: Callable[[], Sequence[int]] | None = None
     # Restarts the server with all its data lost; None if that cannot be done.
     lose_data: Callable[[], None] | None = None
     _opened: list[LockBackend] = field(default_factory=list)
@@ -40,6 +43,16 @@ class BackendHarness:
     @property
     def multiprocess(self) -> bool:
         return self.connect is not None
+
+    def round_trips(self, call: Callable[[], T]) -> tuple[T, int | None]:
+        """call's answer, and the most requests any one server handled for it (the servers
+        work in parallel, so that is its round trips); None if the harness cannot tell."""
+        if self.requests is None:
+            return call(), None
+        before = list(self.requests())
+        answer = call()
+        after = list(self.requests())
+        return answer, max(b - a for a, b in zip(before, after, strict=True))
 
     def another_client(self) -> LockBackend:
         """A second, independent client on the same server (the same object for memory)."""
@@ -58,14 +71,24 @@ SCRIPT_ENTRY_POINTS = {f"cmdstat_{c}" for c in ("eval", "evalsha", "eval_ro", "e
 
 
 def _redis_requests(server: RedisServer) -> Callable[[], int]:
-    """Script calls the server ran (INFO commandstats counts commands inside scripts too)."""
+    """Script calls the server ran to the end (INFO commandstats counts commands inside
+    scripts too; a NOSCRIPT answer is a failed call, and the resend after loading is the one
+    that counts)."""
     admin = server.client(decode_responses=True)
 
     def count() -> int:
         stats = admin.info("commandstats")
-        return sum(int(v["calls"]) for k, v in stats.items() if k in SCRIPT_ENTRY_POINTS)
+        return sum(
+            int(v["calls"]) - int(v.get("failed_calls", 0))
+            for k, v in stats.items()
+            if k in SCRIPT_ENTRY_POINTS
+        )
 
     return count
+
+
+def _per_server(counters: Sequence[Callable[[], int]]) -> Callable[[], list[int]]:
+    return lambda: [count() for count in counters]
 
 
 def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
@@ -83,7 +106,7 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
             name=name,
             backend=connect(),
             connect=connect,
-            requests=_redis_requests(server),
+            requests=_per_server([_redis_requests(server)]),
             lose_data=lose_data,
         )
     if name == "memory":
@@ -129,7 +152,7 @@ def _redlock_harness(n: int, request: pytest.FixtureRequest) -> BackendHarness:
         name=f"redlock{n}",
         backend=backend,
         connect=connect,
-        requests=lambda: max(count() for count in counters),
+        requests=_per_server(counters),
         lose_data=masters.lose_all_data,
     )
 
@@ -164,7 +187,7 @@ def _sentinel_harness(request: pytest.FixtureRequest) -> BackendHarness:
         name="sentinel",
         backend=connect(),
         connect=connect,
-        requests=_redis_requests(master),
+        requests=_per_server([_redis_requests(master)]),
         lose_data=lose_data,
     )
 
@@ -218,7 +241,7 @@ def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
         name="mariadb",
         backend=first,
         connect=connect,
-        requests=lambda: sent[0],
+        requests=lambda: [sent[0]],
         lose_data=lose_data,
     )
 
@@ -271,7 +294,7 @@ def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
         name="postgres",
         backend=backend,
         connect=connect,
-        requests=lambda: backend.statements,
+        requests=lambda: [backend.statements],
         lose_data=lose_data,
     )
 
@@ -322,7 +345,7 @@ def _cluster_harness(request: pytest.FixtureRequest) -> BackendHarness:
         name="cluster",
         backend=connect(),
         connect=connect,
-        requests=lambda: max(count() for count in counters),
+        requests=_per_server(counters),
         lose_data=lose_data,
     )
 
