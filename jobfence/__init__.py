@@ -6,33 +6,69 @@ with its runtime built from JOBFENCE_* on first use.
 
 The public names live here; ``jobfence.config``, ``jobfence.locks``, ``jobfence.tasks`` and
 ``jobfence.worker`` hold the rest. Imports flow one way: config -> locks -> tasks -> worker.
+Each name is imported on first use, so ``import jobfence.locks`` loads neither Celery nor
+SQLAlchemy, and ``from jobfence import singleton_task`` loads no SQL library.
 """
 
-from jobfence.config import JobfenceError, Settings, UnsafeSettings, load_settings
-from jobfence.locks import (
-    AcquireTimeout,
-    BackendUnavailable,
-    Lease,
-    LeaseLost,
-    Locker,
-    LockError,
-    NotOwner,
-    RedisFenceGuard,
-    SqlFenceGuard,
-    StaleFence,
-)
-from jobfence.tasks import (
-    ArgumentsNotSerializable,
-    IdempotencyConflict,
-    SingletonTask,
-    current_job,
-    current_lease,
-    install,
-    singleton_task,
-)
-from jobfence.worker.setup import setup
+from typing import TYPE_CHECKING
+
+from jobfence.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from jobfence.config import JobfenceError, Settings, UnsafeSettings, load_settings
+    from jobfence.locks import (
+        AcquireTimeout,
+        BackendUnavailable,
+        Lease,
+        LeaseLost,
+        Locker,
+        LockError,
+        NotOwner,
+        RedisFenceGuard,
+        SqlFenceGuard,
+        StaleFence,
+    )
+    from jobfence.tasks import (
+        ArgumentsNotSerializable,
+        IdempotencyConflict,
+        SingletonTask,
+        current_job,
+        current_lease,
+        install,
+        singleton_task,
+    )
+    from jobfence.worker.setup import setup
 
 __version__ = "0.1.0"
+
+_FROM = {
+    "jobfence.config": ["JobfenceError", "Settings", "UnsafeSettings", "load_settings"],
+    "jobfence.locks": [
+        "AcquireTimeout",
+        "BackendUnavailable",
+        "Lease",
+        "LeaseLost",
+        "LockError",
+        "Locker",
+        "NotOwner",
+        "RedisFenceGuard",
+        "SqlFenceGuard",
+        "StaleFence",
+    ],
+    "jobfence.tasks": [
+        "ArgumentsNotSerializable",
+        "IdempotencyConflict",
+        "SingletonTask",
+        "current_job",
+        "current_lease",
+        "install",
+        "singleton_task",
+    ],
+    "jobfence.worker.setup": ["setup"],
+}
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: module for module, names in _FROM.items() for name in names}
+)
 
 __all__ = [
     "AcquireTimeout",

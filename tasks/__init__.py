@@ -1,8 +1,13 @@
-"""Idempotency keys, the lock-gated executor and @singleton_task for Celery."""
+"""Idempotency keys, the lock-gated executor and @singleton_task for Celery.
 
+The SQL effects (SqlEffects, EffectTx, make_engine) are imported on first use, so a task on
+Redis locks never loads SQLAlchemy."""
+
+from typing import TYPE_CHECKING
+
+from jobfence.lazy import lazy_exports
 from jobfence.tasks.celery_task import HEADER, JobNotSettled, SingletonTask, singleton_task
 from jobfence.tasks.context import JobContext, current_job, current_lease
-from jobfence.tasks.effects import EffectTx, SqlEffects, make_engine
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
     BadArguments,
@@ -24,6 +29,13 @@ from jobfence.tasks.executor import (
     RedeliveryLimitReached,
 )
 from jobfence.tasks.runtime import Runtime, install, installed, runtime_for
+
+if TYPE_CHECKING:
+    from jobfence.tasks.effects import EffectTx, SqlEffects, make_engine
+
+__getattr__, __dir__ = lazy_exports(
+    __name__, dict.fromkeys(["EffectTx", "SqlEffects", "make_engine"], "jobfence.tasks.effects")
+)
 
 __all__ = [
     "DROPPED",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobfence.config.settings import Settings, load_settings
 from jobfence.locks.acquire import Backoff
@@ -18,10 +18,12 @@ from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
-from jobfence.tasks.effects import SqlEffects, make_engine
 from jobfence.tasks.errors import NotInstalled
 from jobfence.tasks.executor import Executor, Redelivery
 from jobfence.tasks.metrics import Metrics
+
+if TYPE_CHECKING:
+    from jobfence.tasks.effects import SqlEffects
 
 log = logging.getLogger(__name__)
 APP_ATTRIBUTE = "jobfence_runtime"
@@ -71,6 +73,8 @@ class Runtime:
             if not url:
                 raise NotInstalled("JOBFENCE_DATABASE_URL is not set; tasks that write a ledger "
                                    "need it, e.g. sqlite:///ledger.sqlite")
+            from jobfence.tasks.effects import SqlEffects, make_engine  # SQLAlchemy: on use
+
             self._effects = SqlEffects(make_engine(url))
         return self._effects
 
