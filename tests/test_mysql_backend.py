@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from pymysql.err import MySQLError, OperationalError  # type: ignore[import-unty
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.locks import Busy, JobRecord, LockError, open_backend
 from jobfence.locks.backends.mysql import MySQLBackend, key_hash, parse_url
+from tests.servers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -299,7 +301,11 @@ def test_a_connection_the_server_closed_is_replaced_before_use(
     with engine.connect() as admin:
         admin.exec_driver_sql(f"KILL CONNECTION {int(conn.thread_id())}")
     engine.dispose()
-    time.sleep(0.2)  # the server's FIN travels to our idle socket
+    wait_for(  # the server's FIN reaches our idle socket: it reads as ready (EOF)
+        lambda: select.select([conn._sock], [], [], 0)[0],
+        timeout=10.0,
+        message="the killed connection's socket never saw the server close it",
+    )
     backend.extend(lease)  # not BackendUnavailable, and not a lost lease
     assert conn not in backend._pool.idle
     assert lease.release()
@@ -371,7 +377,6 @@ class _PrivateMariaDB:
         return f"mariadb://root@127.0.0.1:{self.port}/locks"
 
     def start(self) -> None:
-        from tests.servers import wait_for
 
         binary = "/usr/sbin/mariadbd" if Path("/usr/sbin/mariadbd").exists() else "mariadbd"
         self.proc = subprocess.Popen(
