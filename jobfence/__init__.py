@@ -12,7 +12,7 @@ SQLAlchemy, and ``from jobfence import singleton_task`` loads no SQL library.
 
 from typing import TYPE_CHECKING
 
-from jobfence.lazy import lazy_exports
+from jobfence.lazy import lazy_reexports
 
 if TYPE_CHECKING:
     from jobfence.config import JobfenceError, Settings, UnsafeSettings, load_settings
@@ -41,35 +41,6 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_FROM = {
-    "jobfence.config": ["JobfenceError", "Settings", "UnsafeSettings", "load_settings"],
-    "jobfence.locks": [
-        "AcquireTimeout",
-        "BackendUnavailable",
-        "Lease",
-        "LeaseLost",
-        "LockError",
-        "Locker",
-        "NotOwner",
-        "RedisFenceGuard",
-        "SqlFenceGuard",
-        "StaleFence",
-    ],
-    "jobfence.tasks": [
-        "ArgumentsNotSerializable",
-        "IdempotencyConflict",
-        "SingletonTask",
-        "current_job",
-        "current_lease",
-        "install",
-        "singleton_task",
-    ],
-    "jobfence.worker.setup": ["setup"],
-}
-__getattr__, __dir__ = lazy_exports(
-    __name__, {name: module for module, names in _FROM.items() for name in names}
-)
-
 __all__ = [
     "AcquireTimeout",
     "ArgumentsNotSerializable",
@@ -95,3 +66,10 @@ __all__ = [
     "setup",
     "singleton_task",
 ]
+
+# Each name comes from the first of these that has it (they import in this order anyway).
+__getattr__, __dir__ = lazy_reexports(
+    __name__,
+    set(__all__) - {"__version__"},
+    ["jobfence.config", "jobfence.locks", "jobfence.tasks", "jobfence.worker.setup"],
+)

@@ -4,6 +4,7 @@ a fresh interpreter)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -59,3 +60,12 @@ def test_a_lazy_name_is_the_object_its_module_defines_and_is_listed_by_dir() -> 
 
 def test_the_sql_effects_load_sqlalchemy_when_used() -> None:
     assert "sqlalchemy" in loaded_after("from jobfence.tasks import SqlEffects")
+
+
+@pytest.mark.parametrize(
+    "package", ["jobfence", "jobfence.config", "jobfence.locks", "jobfence.tasks"]
+)
+def test_every_public_name_resolves(package: str) -> None:
+    module = importlib.import_module(package)
+    missing = [name for name in module.__all__ if not hasattr(module, name)]
+    assert missing == []
