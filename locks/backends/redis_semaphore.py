@@ -62,10 +62,11 @@ class RedisSemaphores:
         return SlotWait(position=int(reply[1]), ttl_left=int(reply[2]) / 1000)
 
     def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        args: list[Any] = []
-        for _, owner, ttl_ms in items:
+        args: list[Any] = [self.semaphore_retention_ms]
+        names: list[str] = []
+        for key, owner, ttl_ms in items:
             args += [owner, ttl_ms]
-        names = [self._sem_keys(k)[0] for k, _, _ in items]
+            names += self._sem_keys(key)  # all five: the extension pushes their expiry out
         reply = self._sem_script("sem_extend_many", names, args, None)
         return [bool(int(x)) for x in reply]
 

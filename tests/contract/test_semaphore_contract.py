@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import redis
 
-from jobfence.locks import AcquireTimeout, LeaseKeeper, LockBackend, Locker
+from jobfence.locks import AcquireTimeout, LeaseKeeper, LockBackend, Locker, RedisBackend
 from jobfence.locks.backends.etcd import EtcdBackend
+from jobfence.locks.backends.redis_semaphore import semaphore_keys
 from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.locks.backends.zookeeper import ZooKeeperBackend
 from jobfence.locks.errors import SemaphoreUnsupported
@@ -323,6 +324,36 @@ def test_keeper_keeps_a_slot_past_its_ttl_beside_lock_leases(sem: BackendHarness
         assert released.lost and not slot.lost
     finally:
         keeper.stop()
+
+
+@pytest.fixture(params=[b for b in BACKENDS if b in ("redis", "cluster", "sentinel")])
+def redis_sem(request: pytest.FixtureRequest) -> Iterator[BackendHarness]:
+    """The backends that keep semaphores in expiring Redis keys (one set of scripts)."""
+    h = _harness(request.param, request)
+    yield h
+    h.close()
+
+
+def test_an_extension_keeps_a_held_slots_keys_past_their_retention(
+    redis_sem: BackendHarness,
+) -> None:
+    """A slot held and renewed for longer than the keys' retention (24 h) keeps them: each
+    extension pushes their expiry a retention past it, or a waiter would get in at once."""
+    b, key = redis_sem.backend, _key("retained")
+    assert isinstance(b, RedisBackend)
+    slot = b.semaphore_attempt(key, 1, 30.0)
+    assert isinstance(slot, SlotLease)
+    names = semaphore_keys(b.keys.prefix, key)
+    for name in names:  # as if the last grant was a retention ago, less 1.5 s
+        b.client.pexpire(name, 1500)
+    assert b.extend_many([slot]) == [True]
+    time.sleep(2.5)  # past the 1.5 s the keys had left before the extension
+    other = b.semaphore_attempt(key, 1, 30.0, owner=new_owner_token())
+    assert isinstance(other, SlotWait), "a second holder got into a limit-1 semaphore"
+    for name in (names[0], names[4]):  # slots, holders
+        assert b.client.pttl(name) > b.semaphore_retention_ms - 60_000, name
+    assert b.extend_many([slot]) == [True] and slot.held
+    assert slot.release() is True
 
 
 HOLDER_TTL = 0.8
