@@ -374,16 +374,14 @@ class LockBackend(ABC):
     def force_release(self, key: str) -> bool:
         """Admin: remove a lock whatever its owner (the fence counter is kept)."""
 
+    @abstractmethod
     def release_grant(self, key: str, fence: int) -> bool:
         """Admin: remove `key`'s lock only if it is still held under `fence` (the grant an
         operator judged; fences are unique per grant, so the fence stands for the owner).
 
-        This default looks, then removes: a grant made between the two would go too.
-        Backends that can check the fence in the removing statement override it.
+        The fence is checked in the removing operation itself (a script, a txn, a
+        `DELETE ... WHERE fence`): a look, then a removal, would take a grant made between.
         """
-        validate_key(key)
-        info = self._inspect(key)
-        return info is not None and info.fence == fence and self.force_release(key)
 
     @abstractmethod
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:

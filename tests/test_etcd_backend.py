@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -389,3 +390,34 @@ def test_threads_share_one_backend_without_mixing_answers(backend: EtcdBackend) 
     for t in threads:
         t.join(60)
     assert not errors, errors
+
+
+def test_an_admin_release_spares_a_grant_made_just_before_its_delete(
+    backend: EtcdBackend, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another worker takes the key right before the admin's removing txn is sent (after
+    any look): the txn compares the grant's create revision and removes nothing."""
+    key = f"admin-{uuid.uuid4().hex[:8]}"
+    judged = backend.try_acquire(key, 10.0)
+    assert judged is not None
+    other = EtcdBackend.from_url(etcd_url, prefix=backend.prefix)
+    newer: list[Lease] = []
+    send = backend._txn
+
+    def regrant_then_send(what: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if what in ("release_grant", "force_release") and not newer:
+            assert other.force_release(key)  # the judged lease ended; a worker took the key
+            got = other.try_acquire(key, 10.0)
+            assert got is not None
+            newer.append(got)
+        return send(what, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "_txn", regrant_then_send)
+    try:
+        assert backend.release_grant(key, judged.fence) is False
+        assert newer, "the removing txn was never sent"
+        held = backend.inspect(key)
+        assert held is not None and held.fence == newer[0].fence, "the newer grant was removed"
+        assert other.release(newer[0]) is True
+    finally:
+        other.close()

@@ -8,8 +8,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from redis.exceptions import WatchError
-
 from jobfence.config import Settings
 from jobfence.locks import (
     LockBackend,
@@ -21,7 +19,6 @@ from jobfence.locks import (
     procinfo,
 )
 from jobfence.locks.backend import default_meta
-from jobfence.locks.backends.redis import SIGNAL_LIFETIME_MS
 from jobfence.worker.procs import pid_alive, proc_state
 
 LATE_FRACTION = 0.5  # a heartbeat older than half the lock's TTL missed at least one beat
@@ -135,25 +132,9 @@ def find_orphans(
 def release_grant(backend: LockBackend, key: str, fence: int) -> bool:
     """Remove `key` only if it is still held under `fence` (the grant judged): owner-checked.
 
-    Fences are unique per grant, so the fence stands for the owner the admin never sees.
+    Fences are unique per grant, so the fence stands for the owner the admin never sees;
+    every backend checks it in the removing operation itself.
     """
-    if isinstance(backend, RedisBackend):
-        name = backend.keys.lock(key)
-        signal = backend.keys.signal(key)
-        with backend.client.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(name)  # type: ignore[no-untyped-call]
-                current = pipe.hget(name, "fence")
-                if current is None or int(current) != fence:
-                    return False
-                pipe.multi()
-                pipe.delete(name)
-                pipe.rpush(signal, "1")
-                pipe.pexpire(signal, SIGNAL_LIFETIME_MS)
-                deleted = pipe.execute()[0]
-            except WatchError:
-                return False  # the lock changed hands while we looked
-        return bool(deleted)
     return backend.release_grant(key, fence)
 
 

@@ -21,6 +21,7 @@ from jobfence.locks.backend import (
     JobRecord,
     LockBackend,
     LockInfo,
+    validate_key,
     validate_ttl,
 )
 from jobfence.locks.backends.etcd_gateway import (
@@ -739,6 +740,22 @@ class EtcdBackend(LockBackend):
             [_delete(self._key(k, key)) for k in ("lock", "holder", "beat")],
         )
         return bool(int(reply["responses"][0].get("response_delete_range", {}).get("deleted", 0)))
+
+    def release_grant(self, key: str, fence: int) -> bool:
+        """Remove `key`'s lock if still held under `fence`, in one txn: the fence is the
+        base plus the lock key's create revision, so etcd compares both as it deletes."""
+        validate_key(key)
+        base, base_text = self._fence_base(key)
+        if fence <= base:
+            return False  # no grant under this base: another cluster's, or none
+        lock = self._key("lock", key)
+        reply = self._txn(
+            "release_grant",
+            key,
+            [_created_at(lock, fence - base), _equals(self._base_key, base_text)],
+            [_delete(self._key(k, key)) for k in ("lock", "holder", "beat")],
+        )
+        return bool(reply.get("succeeded"))
 
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
         queued = self._key("queued", key)

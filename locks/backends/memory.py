@@ -9,7 +9,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backend import (
+    Busy,
+    Capabilities,
+    JobRecord,
+    LockBackend,
+    LockInfo,
+    validate_key,
+)
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.lease import OwnerMeta
 from jobfence.locks.ratelimit import gcra
@@ -213,6 +220,16 @@ class MemoryBackend(LockBackend):
             gone = self._held.pop(key, None) is not None
             self._cond.notify_all()
             return gone
+
+    def release_grant(self, key: str, fence: int) -> bool:
+        validate_key(key)
+        with self._cond:
+            h = self._live(key)
+            if h is None or h.fence != fence:
+                return False
+            del self._held[key]
+            self._cond.notify_all()
+            return True
 
     def wait_for_release(self, key: str, timeout: float) -> None:
         if self.clock is not SYSTEM_CLOCK:

@@ -16,7 +16,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from jobfence.config.settings import Settings
-from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backend import (
+    Busy,
+    Capabilities,
+    JobRecord,
+    LockBackend,
+    LockInfo,
+    validate_key,
+)
 from jobfence.locks.backends.redis_scripts import load_scripts
 from jobfence.locks.backends.redis_semaphore import RedisSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -530,6 +537,13 @@ class RedisBackend(RedisSemaphores, LockBackend):
             pipe.pexpire(self.keys.signal(key), SIGNAL_LIFETIME_MS)
             deleted, _, _ = pipe.execute()
         return bool(deleted)
+
+    def release_grant(self, key: str, fence: int) -> bool:
+        """Remove `key`'s lock if still held under `fence`: checked in the deleting script."""
+        validate_key(key)
+        k = self.keys
+        return bool(self._call("release_grant", [k.lock(key), k.signal(key)],
+                               [str(fence), SIGNAL_LIFETIME_MS], key))  # fmt: skip
 
     def wait_for_release(self, key: str, timeout: float) -> None:
         """BLPOP the key's signal list: returns at once when the holder releases.

@@ -201,6 +201,39 @@ def test_an_admin_release_removes_only_the_grant_it_judged(backend: LockBackend)
     assert backend.release_grant(key, newer.fence) is False  # nothing held any more
 
 
+def test_an_admin_release_never_takes_a_grant_made_while_it_looked(
+    backend: LockBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release_grant that looks (inspect) before it removes gets a new grant made in
+    between, deterministically; the fence check must sit in the removal and spare it."""
+    key = _key("interleaved")
+    judged = backend.try_acquire(key, 10.0)
+    assert judged is not None
+    newer: list[Lease] = []
+    look = backend._inspect
+
+    def look_then_regrant(k: str) -> LockInfo | None:
+        seen = look(k)
+        if k == key and not newer:  # the judged lease ends, and another worker takes the key
+            monkeypatch.setattr(backend, "_inspect", look)
+            assert backend.force_release(k)
+            got = backend.try_acquire(k, 10.0)
+            assert got is not None
+            newer.append(got)
+        return seen
+
+    monkeypatch.setattr(backend, "_inspect", look_then_regrant)
+    removed = backend.release_grant(key, judged.fence)
+    monkeypatch.setattr(backend, "_inspect", look)
+    if newer:  # it looked first: the grant made meanwhile survives
+        assert removed is False, "release_grant removed a grant made after it looked"
+        assert _info(backend, key).fence == newer[0].fence
+        assert backend.release(newer[0]) is True
+    else:  # no look at all: the removal itself judged the fence
+        assert removed is True
+        assert backend.inspect(key) is None
+
+
 def test_busy_key_is_refused_with_time_left(backend: LockBackend) -> None:
     key = _key("busy")
     holder = backend.try_acquire(key, 10.0)
