@@ -14,6 +14,7 @@ from jobfence.config.urls import cluster_nodes
 from jobfence.locks import FencedWriteRefused, Lease, RedisFenceGuard, StaleFence, open_backend
 from jobfence.locks.backends import redis_cluster as redis_cluster_module
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.slots import SlotLease
 from jobfence.worker.admin import release_grant
 from jobfence.worker.local_cluster import LocalCluster
 from tests.servers import wait_for
@@ -72,6 +73,31 @@ def test_extend_many_sends_one_script_to_each_node(
             assert info.fence == thief.fence
         else:
             assert info.ttl_left > 2.7
+
+
+def test_slots_go_in_their_nodes_script_beside_the_locks(
+    redis_cluster: LocalCluster, backend: RedisClusterBackend
+) -> None:
+    """Semaphore slots ride in the one script per node with the locks: a batch holding
+    slots is still one script per node, each slot renewed or refused by its owner."""
+    keys = _keys_on_every_node(redis_cluster, backend, 30)
+    locks = [backend.try_acquire(k, 3.0) for k in keys[:15]]
+    slots = [backend.semaphore_attempt(f"sem-{k}", 1, 3.0) for k in keys[15:]]
+    held: list[Lease] = [le for le in [*locks, *slots] if isinstance(le, Lease)]
+    assert len(held) == 30
+    nodes = {redis_cluster.node_of(backend.keys.lock(le.key)) for le in held}
+    assert nodes == {0, 1, 2}
+    gone = slots[3]
+    assert isinstance(gone, SlotLease)
+    assert backend.semaphore_leave(gone.key, gone.owner)  # released behind the batch's back
+
+    before = _script_calls(redis_cluster)
+    results = backend.extend_many(held)
+    after = _script_calls(redis_cluster)
+
+    assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 1]
+    assert results == [le is not gone for le in held]
+    assert gone.lost and not any(le.lost for le in held if le is not gone)
 
 
 def test_a_big_batch_is_several_scripts_per_node_in_one_write_even_after_a_script_flush(

@@ -80,7 +80,8 @@ class RedisClusterBackend(RedisBackend):
     it never re-sends after a timeout or a broken connection (a re-sent acquire or commit
     is not idempotent), so a node that fails mid-call, or a slot whose master is down
     before its replica takes over, raises BackendUnavailable. `extend_many` sends one
-    script to each node that serves a held lock, all at once, then reads the replies.
+    script to each node that serves a held lock or semaphore slot, all at once, then reads
+    the replies; a node that fails leaves only its own leases unknown.
     """
 
     name: ClassVar[str] = "redis-cluster"
@@ -247,14 +248,13 @@ class RedisClusterBackend(RedisBackend):
     def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
         """As the base, but a node that did not answer leaves only its own leases unknown:
         the others are renewed or marked lost first, then BackendUnavailable is raised (the
-        keeper retries the batch soon)."""
+        keeper retries the batch soon). Semaphore slots go in their node's script too, so
+        a hung master delays neither another's locks nor its slots."""
         if not leases:
             return []
-        if any(type(le) is SlotLease for le in leases):  # slots: the base's split
-            return super().extend_many(leases)
         started = self.clock.monotonic()
         items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
-        results, failure = self._extend_per_node(items)
+        results, failure = self._extend_per_node(items, [type(le) is SlotLease for le in leases])
         for lease, ok in zip(leases, results, strict=True):
             if ok is True:
                 lease.renewed(started)
@@ -267,24 +267,26 @@ class RedisClusterBackend(RedisBackend):
         return [bool(ok) for ok in results]
 
     def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        results, failure = self._extend_per_node(items)
+        results, failure = self._extend_per_node(items, [False] * len(items))
         if failure is not None:
             raise failure
         return [bool(ok) for ok in results]
 
     def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        # Each semaphore's keys share a slot, but two semaphores may not: one call each.
-        extend_one = super()._sem_extend_many
-        return [extend_one([item])[0] for item in items]
+        results, failure = self._extend_per_node(items, [True] * len(items))
+        if failure is not None:
+            raise failure
+        return [bool(ok) for ok in results]
 
     def _extend_per_node(
-        self, items: Sequence[tuple[str, str, int]]
+        self, items: Sequence[tuple[str, str, int]], slots: Sequence[bool]
     ) -> tuple[list[bool | None], BackendUnavailable | None]:
-        """Each lock's answer (None: unknown), and the error that left some unknown."""
+        """Each lease's answer (None: unknown), and the error that left some unknown.
+        `slots[i]`: item i is a semaphore slot, not a lock."""
         groups: dict[str, tuple[ClusterNode, list[int]]] = {}
         manager = self.cluster.nodes_manager
         for i, (key, _, _) in enumerate(items):
-            slot = self.cluster.keyslot(self.keys.lock(key))
+            slot = self.cluster.keyslot(self._sem_keys(key)[0] if slots[i] else self.keys.lock(key))
             try:
                 node = manager.get_node_from_slot(slot)
             except (RedisClusterException, RedisError):
@@ -295,7 +297,10 @@ class RedisClusterBackend(RedisBackend):
                 groups.setdefault(node.name, (node, []))[1].append(i)
         results: list[bool | None] = [None] * len(items)
         retry: list[int] = list(groups.pop("", (None, []))[1])
-        sent: list[tuple[Any, Any, list[list[int]]]] = []
+        sent: list[tuple[Any, Any, Any, list[list[int]]]] = []
+        # A node that failed (refused, timed out): its leases stay unknown this batch, and
+        # are not sent again one by one, which would cost a timeout each on a hung node.
+        failed: list[tuple[str, BaseException]] = []
         for node, indexes in groups.values():
             # Scripts of EXTEND_CHUNK leases, all in one write: one round trip per node, and
             # the node serves other clients between the scripts.
@@ -303,25 +308,25 @@ class RedisClusterBackend(RedisBackend):
             try:
                 pool = self.cluster.get_redis_connection(node).connection_pool
                 conn = pool.get_connection()
-            except (RedisError, RedisClusterException):
-                retry += indexes
+            except (RedisError, RedisClusterException) as exc:
+                failed.append((node.name, exc))
                 continue
             try:
                 conn.send_packed_command(
-                    conn.pack_commands([self._extend_command(c, items) for c in chunks])
+                    conn.pack_commands([self._extend_command(c, items, slots) for c in chunks])
                 )
-            except RedisError:
+            except RedisError as exc:
                 conn.disconnect()  # type: ignore[no-untyped-call]
                 pool.release(conn)
-                retry += indexes
+                failed.append((node.name, exc))
                 continue
-            sent.append((pool, conn, chunks))
-        for pool, conn, chunks in sent:  # every node works on its batch meanwhile
+            sent.append((node, pool, conn, chunks))
+        for node, pool, conn, chunks in sent:  # every node works on its batch meanwhile
             try:
-                replies = self._read_extend(conn, chunks, items)
-            except RedisError:
+                replies = self._read_extend(conn, chunks, items, slots)
+            except RedisError as exc:
                 conn.disconnect()  # type: ignore[no-untyped-call]
-                retry += [i for chunk in chunks for i in chunk]
+                failed.append((node.name, exc))
                 continue
             finally:
                 pool.release(conn)
@@ -332,27 +337,47 @@ class RedisClusterBackend(RedisBackend):
                     else:
                         results[i] = bool(int(answer))
         failure: BackendUnavailable | None = None
+        for name, cause in failed:
+            failure = failure or BackendUnavailable(
+                f"redis cluster extend_many failed on node {name}", cause=cause
+            )
+            with contextlib.suppress(RedisError, RedisClusterException):
+                # Read the map again (the failed node asked last), so that the next batch
+                # finds a replica promoted in its place.
+                self.cluster.nodes_manager.initialize(last_failed_node_name=name)
         for i in sorted(retry):  # through the cluster client: it follows MOVED/ASK
             key, owner, ttl_ms = items[i]
             try:
-                results[i] = bool(
-                    self._call("extend", [self.keys.lock(key)], [owner, ttl_ms], key)
-                )
+                if slots[i]:
+                    args = [self.semaphore_retention_ms, owner, ttl_ms]
+                    reply = self._sem_script("sem_extend_many", self._sem_keys(key), args, key)
+                    results[i] = bool(int(reply[0]))
+                else:
+                    results[i] = bool(
+                        self._call("extend", [self.keys.lock(key)], [owner, ttl_ms], key)
+                    )
             except BackendUnavailable as exc:
                 failure = failure or exc
         return results, failure
 
     def _extend_command(
-        self, indexes: list[int], items: Sequence[tuple[str, str, int]]
+        self, indexes: list[int], items: Sequence[tuple[str, str, int]], slots: Sequence[bool]
     ) -> tuple[Any, ...]:
-        args: list[Any] = []
+        args: list[Any] = [self.semaphore_retention_ms]
         for i in indexes:
             key, owner, ttl_ms = items[i]
-            args += (self.keys.lock(key), owner, ttl_ms)
+            if slots[i]:
+                args += ("S", *self._sem_keys(key), owner, ttl_ms)
+            else:
+                args += ("L", self.keys.lock(key), owner, ttl_ms)
         return ("EVALSHA", self._extend_sha, 0, *args)
 
     def _read_extend(
-        self, conn: Any, chunks: list[list[int]], items: Sequence[tuple[str, str, int]]
+        self,
+        conn: Any,
+        chunks: list[list[int]],
+        items: Sequence[tuple[str, str, int]],
+        slots: Sequence[bool],
     ) -> list[list[Any]]:
         """The reply to each chunk's script, read in order (every reply, so the connection
         stays clean); -1 for each lock of a script the node refused to run."""
@@ -372,7 +397,7 @@ class RedisClusterBackend(RedisBackend):
             conn.send_command("SCRIPT", "LOAD", self._extend_source)
             conn.read_response()
             conn.send_packed_command(
-                conn.pack_commands([self._extend_command(chunks[k], items) for k in again])
+                conn.pack_commands([self._extend_command(chunks[k], items, slots) for k in again])
             )
             for k in again:
                 try:

@@ -9,6 +9,7 @@ on the same slot, lets the old holder's late write land over the new holder's.
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from jobfence.locks import BackendUnavailable, Lease, RedisFenceGuard, StaleFence
+from jobfence.locks import BackendUnavailable, Lease, LeaseKeeper, RedisFenceGuard, StaleFence
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.slots import SlotLease
 from jobfence.worker.local_cluster import LocalCluster
 from tests.faults.rig import CHARGE, Rig, plan_payments, wait_until
 from tests.faults.scenarios_cdefh import SETTLE_TIMEOUT
@@ -162,3 +164,45 @@ def test_a_payment_storm_on_real_workers_charges_once_across_a_master_kill(
         outcome = rig.tally(planned, f"master killed at {at}/{n} charged")
     assert (outcome.double, outcome.lost) == (0, 0), outcome
     assert not outcome.broken, outcome
+
+
+PAUSE_TTL = 2.0
+
+
+def test_a_paused_master_delays_no_other_masters_locks_or_slots() -> None:
+    """A keeper batch holds locks and semaphore slots on every master; one master is
+    SIGSTOPped for three TTLs: the locks and slots on the others stay renewed."""
+    # No replicas and a long node timeout: the cluster stays "ok" (no failover, no
+    # CLUSTERDOWN on the healthy masters) while the one master is paused.
+    with LocalCluster(masters=3, node_timeout_ms=120_000) as cluster:
+        backend = RedisClusterBackend.from_url(
+            cluster.url, prefix=f"cp-{uuid.uuid4().hex[:6]}", socket_timeout=0.5
+        )
+        keeper = LeaseKeeper(clock=backend.clock)
+        try:
+            locks = [backend.try_acquire(_key_on(cluster, backend, n, "lk"), PAUSE_TTL)
+                     for n in (0, 1, 2)]  # fmt: skip
+            slots = [backend.semaphore_attempt(_key_on(cluster, backend, n, "sm"), 1, PAUSE_TTL)
+                     for n in (0, 1, 2)]  # fmt: skip
+            held: list[Lease] = []
+            for lease in [*locks, *slots]:
+                assert isinstance(lease, Lease)
+                held.append(lease)
+                keeper.keep(lease)
+            healthy = [locks[0], locks[2], slots[0], slots[2]]
+            with cluster.servers[1].suspended():
+                paused_at = time.monotonic()
+                while time.monotonic() < paused_at + 3 * PAUSE_TTL:
+                    time.sleep(0.1)
+                    lost = [le.key for le in healthy if le is not None and not le.held]
+                    assert not lost, f"leases on healthy masters lost while one paused: {lost}"
+            for lease in healthy:  # the server agrees: still theirs
+                assert isinstance(lease, Lease)
+                if isinstance(lease, SlotLease):
+                    assert [s.fence for s in backend.semaphore_holders(lease.key)] == [lease.fence]
+                else:
+                    info = backend.inspect(lease.key)
+                    assert info is not None and info.fence == lease.fence
+        finally:
+            keeper.stop()
+            backend.close()
