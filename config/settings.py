@@ -66,6 +66,8 @@ class Settings(BaseSettings):
         env_file_encoding="utf-8",
         extra="ignore",
         frozen=True,
+        # Every float field, present and future: NaN passes every `<=` check, inf overflows.
+        allow_inf_nan=False,
     )
 
     lock_url: str = Field(
@@ -401,8 +403,12 @@ def _unsafe_from(exc: ValidationError) -> UnsafeSettings:
             continue
         field = str(err["loc"][0]) if err["loc"] else ""
         msg = err["msg"].removeprefix("Value error, ")
+        fix = _fix_for(field)
+        if err["type"] == "finite_number":
+            msg = "must be a finite number; NaN and infinity are refused"
+            fix = fix.replace("to a valid value", "to a finite number", 1)
         variable = _variable(field) if field else "settings"
-        found.append(UnsafeSettings(variable, msg, _fix_for(field)))
+        found.append(UnsafeSettings(variable, msg, fix))
     first, *also = found
     return first.with_also(also) if also else first
 
