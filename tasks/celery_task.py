@@ -268,6 +268,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 else ""
             ),
             rate=self._rate_spec(rt, arguments, req, headers, fields),
+            previous=_previous_identities(self, rt, arguments, explicit),
         )
         try:
             out = rt.executor.run(
@@ -420,6 +421,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             if job is not None:
                 self._runtime().executor.release(job.lease)
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+
+def _previous_identities(
+    task: SingletonTask, rt: Runtime, arguments: dict[str, Any], explicit: str | None
+) -> tuple[tuple[str, str], ...]:
+    """(key, fingerprint) of the job under each earlier secret (JOBFENCE_KEY_SECRET_PREVIOUS)."""
+    return tuple(
+        identity(old, task.name, arguments, selector=task.jobfence_key, explicit=explicit)
+        for old in rt.previous_secrets
+    )
 
 
 def _check_seconds(name: str, value: Any, *, zero: bool = False) -> None:
