@@ -487,8 +487,11 @@ def check_key_secret(runtime: Runtime) -> Iterator[Finding]:
         known = {secret_id(old) for old in runtime.previous_secrets}
         if stored in known or settings.key_secret_reset:
             if stored not in known:
-                log.warning("jobfence: JOBFENCE_KEY_SECRET_RESET: a new key secret replaces "
-                            "id %s; jobs finished under the old one may run again", stored)
+                log.warning(
+                    "jobfence: JOBFENCE_KEY_SECRET_RESET: a new key secret replaces "
+                    "id %s; jobs finished under the old one may run again",
+                    stored,
+                )
             backend.swap_publish(SECRET_ID_KEY, stored, mine, SECRET_ID_RETENTION)
             return
     except BackendUnavailable:
