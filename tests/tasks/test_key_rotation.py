@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,10 +17,12 @@ from jobfence.locks import Lease
 from jobfence.locks.backend import default_meta
 from jobfence.tasks import Runtime, runtime_for, singleton_task
 from jobfence.tasks.keys import secret_id
-from jobfence.worker.checks import StartupRefused, check_key_secret, enforce
+from jobfence.worker.checks import EX_CONFIG, StartupRefused, check_key_secret, enforce
+from tests.servers import RedisServer
 from tests.tasks.conftest import AppFactory, unique
 
 OLD, NEW = "old-secret-Aa1", "new-secret-Bb2"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def charge_on(app: Celery, name: str, charges: list[int], **options: Any) -> Any:
@@ -126,6 +132,25 @@ def test_the_worker_start_up_refuses_the_unknown_secret(
             enforce(app, runtimes(NEW))
     finally:
         app.close()
+
+
+def test_a_real_worker_with_an_unknown_secret_exits_with_how_to_rotate(
+    fresh_redis: RedisServer,
+) -> None:
+    seeded = Runtime(Settings(lock_url=fresh_redis.url, key_secret=OLD, key_secret_reset=False))
+    try:
+        assert list(check_key_secret(seeded)) == []  # a fleet ran under OLD
+    finally:
+        seeded.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBFENCE_")}
+    env.update(JOBFENCE_LOCK_URL=fresh_redis.url, JOBFENCE_KEY_SECRET=NEW)
+    args = [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "worker",
+            "--pool", "solo"]  # fmt: skip
+    done = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == EX_CONFIG, output
+    assert "refusing to start the worker" in output and "JOBFENCE_KEY_SECRET_PREVIOUS" in output
+    assert OLD not in output and NEW not in output
 
 
 def test_previous_secrets_are_read_from_the_environment_and_never_shown(
