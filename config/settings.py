@@ -66,6 +66,8 @@ class Settings(BaseSettings):
         env_file_encoding="utf-8",
         extra="ignore",
         frozen=True,
+        # Every float field, present and future: NaN passes every `<=` check, inf overflows.
+        allow_inf_nan=False,
     )
 
     lock_url: str = Field(
@@ -98,6 +100,17 @@ class Settings(BaseSettings):
     key_secret: SecretStr = Field(
         default=SecretStr(DEV_SECRET),
         description="HMAC secret used to hash task arguments into keys.",
+    )
+    # NoDecode: the environment gives `old1,old2` (a JSON list works too); never logged.
+    key_secret_previous: Annotated[tuple[SecretStr, ...], NoDecode] = Field(
+        default=(),
+        description="Earlier key secrets (comma-separated), kept during a rotation so jobs "
+        "finished or running under them are still found.",
+    )
+    key_secret_reset: bool = Field(
+        default=False,
+        description="Start with a key secret the lock server has not seen and no previous "
+        "secret: finished jobs may run again (a deliberate reset only).",
     )
     result_ttl: float = Field(
         default=7 * 24 * 3600.0, description="Seconds a DONE record (stored result) is kept."
@@ -208,6 +221,24 @@ class Settings(BaseSettings):
                       what="database URL")
         return v
 
+    @field_validator("key_secret_previous", mode="before")
+    @classmethod
+    def _split_previous_secrets(cls, v: Any) -> Any:
+        """`old1,old2` or a JSON list, as the environment spells it; refused without the value."""
+        if not isinstance(v, str):
+            return v
+        text = v.strip()
+        if text.startswith("["):
+            try:
+                return tuple(json.loads(text))
+            except (ValueError, TypeError):
+                raise UnsafeSettings(
+                    f"{ENV_PREFIX}KEY_SECRET_PREVIOUS",
+                    "is neither a comma-separated list nor a JSON list of strings",
+                    "list the earlier secrets separated by commas",
+                ) from None
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+
     @field_validator("accept_content", mode="before")
     @classmethod
     def _split_content_types(cls, v: Any) -> Any:
@@ -238,6 +269,12 @@ class Settings(BaseSettings):
 
     def secret_bytes(self) -> bytes:
         return self.key_secret.get_secret_value().encode()
+
+    def previous_secret_bytes(self) -> tuple[bytes, ...]:
+        """The earlier key secrets still looked up (JOBFENCE_KEY_SECRET_PREVIOUS), in order."""
+        mine = self.secret_bytes()
+        found = (s.get_secret_value().encode() for s in self.key_secret_previous)
+        return tuple(dict.fromkeys(s for s in found if s != mine))
 
 
 def refuse_unsafe(s: Settings) -> None:
@@ -386,7 +423,7 @@ def _fix_for(field: str) -> str:
     if info is None:
         return "remove it or correct its name"
     what = (info.description or "").rstrip(".")
-    if field == "key_secret":  # never show a secret, not even the development default
+    if field in ("key_secret", "key_secret_previous"):  # never shown, not even the dev default
         return f"set {_variable(field)} to a long random string ({what})"
     return f"set {_variable(field)} to a valid value ({what}; default {info.default!r})"
 
@@ -401,8 +438,12 @@ def _unsafe_from(exc: ValidationError) -> UnsafeSettings:
             continue
         field = str(err["loc"][0]) if err["loc"] else ""
         msg = err["msg"].removeprefix("Value error, ")
+        fix = _fix_for(field)
+        if err["type"] == "finite_number":
+            msg = "must be a finite number; NaN and infinity are refused"
+            fix = fix.replace("to a valid value", "to a finite number", 1)
         variable = _variable(field) if field else "settings"
-        found.append(UnsafeSettings(variable, msg, _fix_for(field)))
+        found.append(UnsafeSettings(variable, msg, fix))
     first, *also = found
     return first.with_also(also) if also else first
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from dataclasses import dataclass, field
 
-from jobfence.locks.backend import LockBackend
+from jobfence.locks.backend import LockBackend, validate_seconds
 from jobfence.locks.errors import AcquireTimeout, LockError
 from jobfence.locks.lease import Lease, OwnerMeta
 
@@ -20,7 +21,7 @@ class Backoff:
     rng: random.Random = field(default_factory=random.Random, compare=False)
 
     def __post_init__(self) -> None:
-        if self.base <= 0 or self.cap < self.base:
+        if not 0 < self.base <= self.cap or not math.isfinite(self.cap):  # NaN fails 0 < x
             raise LockError(f"backoff needs 0 < base <= cap, got base={self.base} cap={self.cap}")
 
     def delay(self, attempt: int) -> float:
@@ -44,8 +45,7 @@ def acquire(
     jittered backoff, the holder's remaining TTL and the deadline, so a release wakes it
     at once and an expiry is noticed within one backoff step.
     """
-    if timeout < 0:
-        raise LockError(f"timeout must be >= 0, got {timeout}", key=key)
+    validate_seconds(timeout, "timeout", forever=True)
     backoff = backoff or Backoff()
     clock = backend.clock
     deadline = clock.monotonic() + timeout

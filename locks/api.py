@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
 from jobfence.locks.acquire import Backoff, acquire
-from jobfence.locks.backend import LockBackend, default_meta
+from jobfence.locks.backend import LockBackend, default_meta, validate_seconds
 from jobfence.locks.errors import AcquireTimeout, LeaseLost
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.leader import (
@@ -52,8 +52,8 @@ class Locker:
         self.backend = backend
         self.on_leadership = on_leadership
         self.keeper = keeper or LeaseKeeper(clock=backend.clock)
-        self.ttl = ttl
-        self.timeout = timeout
+        self.ttl = validate_seconds(ttl, "Locker ttl", positive=True)
+        self.timeout = validate_seconds(timeout, "Locker timeout")
         self.backoff = backoff or Backoff()
 
     def acquire(

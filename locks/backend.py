@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -140,10 +141,26 @@ def validate_key(key: str) -> None:
         raise LockError(f"lock key {key!r} contains one of '{{}}*?[]' or a newline; hash it first")
 
 
+def validate_seconds(
+    value: object, name: str, *, positive: bool = False, forever: bool = False
+) -> float:
+    """`value` as seconds: a number, >= 0 (> 0 if `positive`) and finite (+inf too if
+    `forever`, "wait for ever"); else LockError naming `name`. NaN passes every `<` test."""
+    sign = "positive" if positive else "non-negative"
+    if not isinstance(value, int | float):
+        raise LockError(f"{name} must be a {sign} number of seconds, got {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or (math.isinf(seconds) and not (forever and seconds > 0)):
+        fix = "pass None to wait for ever" if forever else "pass a number of seconds, e.g. 30"
+        raise LockError(f"{name} must be a finite number of seconds, got {value!r}; {fix}")
+    if seconds < 0 or (positive and seconds == 0):
+        raise LockError(f"{name} must be a {sign} number of seconds, got {value!r}")
+    return seconds
+
+
 def validate_ttl(ttl: float) -> int:
-    """Return the TTL in whole milliseconds, refusing anything below 1 ms."""
-    if not isinstance(ttl, int | float) or ttl <= 0:
-        raise LockError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    """Return the TTL in whole milliseconds, refusing anything below 1 ms (and NaN, infinity)."""
+    validate_seconds(ttl, "ttl", positive=True)
     ms = int(ttl * 1000)
     if ms < 1:
         raise LockError(f"ttl must be at least 0.001 seconds, got {ttl!r}")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jobfence.locks.acquire import Backoff, acquire
-from jobfence.locks.backend import LockBackend, default_meta
+from jobfence.locks.backend import LockBackend, default_meta, validate_seconds
 from jobfence.locks.errors import AcquireTimeout, LeaseLost, LockError
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease, OwnerMeta
@@ -255,7 +255,7 @@ class LeaderElector:
         self.backend = backend
         self.keeper = keeper
         self.key = key
-        self.ttl = ttl
+        self.ttl = validate_seconds(ttl, "ttl", positive=True)
         self.on_elected = on_elected
         self.on_lost = on_lost
         self.backoff = backoff

@@ -21,13 +21,14 @@ limiter errs below the rate, never above).
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from jobfence.locks.backend import LockBackend, RateGrant
+from jobfence.locks.backend import LockBackend, RateGrant, validate_seconds
 from jobfence.locks.errors import LockError, RateLimited, RateLimitUnsupported
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class Rate:
     burst: int = 1
 
     def __post_init__(self) -> None:
-        if not self.count > 0 or not self.period > 0:
+        if not 0 < self.count < math.inf or not 0 < self.period < math.inf:
             raise LockError(f"a rate needs count > 0 and period > 0, got {self}")
         if not isinstance(self.burst, int) or isinstance(self.burst, bool) or self.burst < 1:
             raise LockError(f"burst must be a whole number >= 1, got {self.burst!r}")
@@ -127,8 +128,8 @@ class RateLimiter:
         self.backend = backend
         self.key = key
         self.rate = parse_rate(rate, option="rate", burst=burst) if isinstance(rate, str) else rate
-        if timeout is not None and timeout < 0:
-            raise LockError(f"timeout must be >= 0 seconds or None, got {timeout!r}", key=key)
+        if timeout is not None:
+            validate_seconds(timeout, "timeout")
         self.timeout = timeout
         self.metrics = metrics
 

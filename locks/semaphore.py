@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 
 from jobfence.locks.acquire import Backoff
-from jobfence.locks.backend import LockBackend
-from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LockError
+from jobfence.locks.backend import LockBackend, validate_seconds
+from jobfence.locks.errors import AcquireTimeout, BackendUnavailable
 from jobfence.locks.lease import OwnerMeta, new_owner_token
 from jobfence.locks.slots import HEAD_POLL, MAX_POLL, WAITER_TTL, SlotLease
 
@@ -27,8 +27,7 @@ def acquire_slot(
     take a slot once fewer than the free slots wait ahead. On timeout, or any error, the
     place is given up so nobody waits behind a waiter that left.
     """
-    if timeout < 0:
-        raise LockError(f"timeout must be >= 0, got {timeout}", key=key)
+    validate_seconds(timeout, "timeout")
     backoff = backoff or Backoff()
     clock = backend.clock
     deadline = clock.monotonic() + timeout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -267,6 +268,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 else ""
             ),
             rate=self._rate_spec(rt, arguments, req, headers, fields),
+            previous=_previous_identities(self, rt, arguments, explicit),
         )
         try:
             out = rt.executor.run(
@@ -421,6 +423,34 @@ class SingletonTask(Task):  # type: ignore[misc]
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
+def _previous_identities(
+    task: SingletonTask, rt: Runtime, arguments: dict[str, Any], explicit: str | None
+) -> tuple[tuple[str, str], ...]:
+    """(key, fingerprint) of the job under each earlier secret (JOBFENCE_KEY_SECRET_PREVIOUS)."""
+    return tuple(
+        identity(old, task.name, arguments, selector=task.jobfence_key, explicit=explicit)
+        for old in rt.previous_secrets
+    )
+
+
+def _check_seconds(name: str, value: Any, *, zero: bool = False) -> None:
+    """Refuse an option of seconds that is no finite number > 0 (>= 0 with `zero`); None
+    (the setting's default) passes. NaN passes every `<=` test and inf overflows a TTL."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        problem = f"a number of seconds, got {type(value).__name__}"
+    elif not math.isfinite(value):
+        problem = f"a finite number of seconds, got {value!r}"
+    elif value < 0 or (value == 0 and not zero):
+        problem = f"{'non-negative' if zero else 'positive'} seconds, got {value!r}"
+    else:
+        return
+    raise TaskDefinitionError(
+        f"{name} must be {problem}; pass e.g. {name}=30, or leave it out for the default"
+    )
+
+
 def _check_lifetime(
     lock_until: Any,
     unique_for: Any,
@@ -434,14 +464,7 @@ def _check_lifetime(
             f"lock_until must be one of {LOCK_UNTIL}, got {lock_until!r}; for a key held a "
             "fixed time after the run, use unique_for=<seconds>"
         )
-    if unique_for is not None and (
-        isinstance(unique_for, bool)
-        or not isinstance(unique_for, int | float)
-        or not unique_for > 0
-    ):
-        raise TaskDefinitionError(
-            f"unique_for must be positive seconds (or None), got {unique_for!r}"
-        )
+    _check_seconds("unique_for", unique_for)
     if unique_for is not None and lock_until == "start":
         raise TaskDefinitionError(
             "unique_for keeps the key until a time after the run finishes; it cannot be "
@@ -679,9 +702,10 @@ def singleton_task(
             f"on_lease_lost must be one of {LEASE_LOST_POLICIES}, got {on_lease_lost!r}; "
             "'drop' runs the job at most once, 'redeliver' (the default) never loses it"
         )
-    for name, value in (("ttl", ttl), ("wait_timeout", wait_timeout), ("result_ttl", result_ttl)):
-        if value is not None and value <= 0 and not (name == "wait_timeout" and value == 0):
-            raise TaskDefinitionError(f"{name} must be positive seconds, got {value!r}")
+    _check_seconds("ttl", ttl)
+    _check_seconds("wait_timeout", wait_timeout, zero=True)
+    _check_seconds("result_ttl", result_ttl)
+    _check_seconds("dedupe_ttl", celery_options.get("dedupe_ttl"))
     if celery_options.get("serializer", "json") != "json":
         raise TaskDefinitionError(
             "singleton tasks use the json serializer; pickle runs broker data"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -145,6 +146,9 @@ class JobSpec:
     concurrency: int = 0
     concurrency_key: str = ""
     rate: RateSpec | None = None
+    # (key, fingerprint) of the job under each earlier key secret (a rotation): looked up
+    # for its DONE record or a live holder, never granted.
+    previous: tuple[tuple[str, str], ...] = ()
 
     @property
     def per_run(self) -> bool:
@@ -320,6 +324,8 @@ class Executor:
                 got = self.backend.begin(
                     spec.key, spec.ttl, meta=meta, record=False, fingerprint=fingerprint
                 )
+            if isinstance(got, Lease) and spec.previous:
+                got = self._under_previous_secret(spec, got)
             if isinstance(got, Lease):
                 self.metrics.task(spec.name).acquire_wait.observe(clock.monotonic() - started)
                 return got
@@ -552,6 +558,26 @@ class Executor:
             self.backend.swap_publish(spec.key, mine, mine, spec.unique_for)
         except BackendUnavailable as exc:  # the job is done; only the throttle is lost
             log.warning("job %s: unique_for window not set: %s", spec.key, type(exc).__name__)
+
+    def _under_previous_secret(self, spec: JobSpec, lease: Lease) -> Lease | Busy | JobRecord:
+        """Our grant, unless the job's key under an earlier secret has its DONE record or a
+        live holder (then that, our grant released). Looked at after the grant, so a worker
+        on either secret of a rotation sees the other's hold: neither can miss both."""
+        for key, fingerprint in spec.previous:
+            record = self.backend.job_record(key)
+            run = f"{fingerprint}#{spec.task_id}" if spec.per_run else fingerprint
+            if record is not None and record.state == "DONE":
+                if record.fingerprint == run:  # the same job: answer with our fingerprint
+                    lease.release()
+                    return dataclasses.replace(record, fingerprint=spec.record_fingerprint)
+                if not spec.per_run:  # other arguments under the key: a conflict
+                    lease.release()
+                    return record
+            held = self.backend.inspect(key)
+            if held is not None:
+                lease.release()
+                return Busy(held.ttl_left, held.task_id)
+        return lease
 
     def _replay(self, spec: JobSpec, record: JobRecord) -> Outcome:
         if record.fingerprint != spec.record_fingerprint:

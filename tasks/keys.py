@@ -260,6 +260,12 @@ def identity(
     return key, _fingerprint_of(secret, text)
 
 
+def secret_id(secret: bytes) -> str:
+    """A name for the key secret that the lock server may keep: an HMAC of a constant under
+    it, so equal secrets give equal ids and the id tells nothing of the secret."""
+    return _hmac(secret, "jobfence key-secret id")[:16]
+
+
 def _key_of(secret: bytes, task_name: str, unique_json: str) -> str:
     return f"{task_name}:{_hmac(secret, task_name + chr(10) + unique_json)[:40]}"
 

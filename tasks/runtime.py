@@ -41,6 +41,8 @@ class Runtime:
     ) -> None:
         self.settings = settings
         self.secret = settings.secret_bytes()  # the key HMAC's secret, read once
+        # Earlier secrets during a rotation: job keys under them are looked up, never granted.
+        self.previous_secrets = settings.previous_secret_bytes()
         self.metrics = metrics or Metrics()
         self.backend = backend or open_backend(
             settings.lock_url,

@@ -409,3 +409,38 @@ def test_redact_never_fails_and_never_shows_the_password(
 ) -> None:
     head = f"{scheme}://" * bool(scheme)
     assert redact(f"{head}{user}:{password}@{tail}") == f"{head}{user}:***@{tail}"
+
+
+# Every float field, found from the model, so a field added later is covered without a list.
+FLOAT_FIELDS = sorted(
+    name
+    for name, info in Settings.model_fields.items()
+    if info.annotation in (float, float | None)
+)
+NON_FINITE = ("nan", "inf", "-inf")
+
+
+def test_float_fields_are_found() -> None:
+    assert {"default_ttl", "result_ttl", "visibility_timeout"} <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("text", NON_FINITE)
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_non_finite_float_from_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch, field: str, text: str
+) -> None:
+    variable = f"JOBFENCE_{field.upper()}"
+    monkeypatch.setenv(variable, text)
+    with pytest.raises(UnsafeSettings) as info:
+        Settings()
+    assert info.value.field == variable
+    assert "finite number" in str(info.value) and f"set {variable}" in str(info.value)
+
+
+@pytest.mark.parametrize("text", NON_FINITE)
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_non_finite_float_argument_is_refused(field: str, text: str) -> None:
+    with pytest.raises(UnsafeSettings) as info:
+        Settings(**{field: float(text)})
+    assert info.value.field == f"JOBFENCE_{field.upper()}"
+    assert "finite number" in str(info.value)

@@ -27,6 +27,7 @@ from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.locks.slots import SEMAPHORE_BACKENDS
 from jobfence.tasks import Runtime, SingletonTask
+from jobfence.tasks.keys import secret_id
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ EX_CONFIG = 78  # sysexits.h: configuration error
 #: Longest pause between two probes of a lock server that was down at start-up.
 LOCK_PROBE_CAP = 30.0
 LOCK_SERVER_DOWN = "lock-server-down"
+#: Where the lock server keeps the key secret's id (no job key: those hold a ':').
+SECRET_ID_KEY = "key-secret-id"
+#: It must outlive every DONE record under the secret; it is refreshed at each start.
+SECRET_ID_RETENTION = 10 * 365 * 24 * 3600.0
 JSON_TYPES = ("json", "application/json")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -466,6 +471,42 @@ def check_rate_limits(runtime: Runtime, tasks: Iterable[Any] = ()) -> Iterator[F
             )
 
 
+def check_key_secret(runtime: Runtime) -> Iterator[Finding]:
+    """Refuse a key secret that would silently re-run finished jobs (README "Settings").
+
+    The lock server keeps the id of the secret in use (`secret_id`, never the secret). A
+    secret whose id is neither that one nor one of JOBFENCE_KEY_SECRET_PREVIOUS's would look
+    for every DONE record and held lock under new names; JOBFENCE_KEY_SECRET_RESET allows it.
+    """
+    backend, settings = runtime.backend, runtime.settings
+    mine = secret_id(runtime.secret)
+    try:
+        stored = backend.swap_publish(SECRET_ID_KEY, mine, mine, SECRET_ID_RETENTION)
+        if stored is None:  # first start, or the same secret: kept and refreshed
+            return
+        known = {secret_id(old) for old in runtime.previous_secrets}
+        if stored in known or settings.key_secret_reset:
+            if stored not in known:
+                log.warning(
+                    "jobfence: JOBFENCE_KEY_SECRET_RESET: a new key secret replaces "
+                    "id %s; jobs finished under the old one may run again",
+                    stored,
+                )
+            backend.swap_publish(SECRET_ID_KEY, stored, mine, SECRET_ID_RETENTION)
+            return
+    except BackendUnavailable:
+        return  # _check_lock_server reports the lock server down; nothing to compare with
+    p = ENV_PREFIX
+    yield _refuse(
+        f"{p}KEY_SECRET",
+        f"is not the key secret the lock server's job records and locks were written under "
+        f"(stored id {stored}, this one {mine}): every finished job would run again",
+        f"to rotate, keep the old secret in {p}KEY_SECRET_PREVIOUS while the new one rolls out "
+        f"(README, Settings: rotating the key secret); to start afresh on purpose, set "
+        f"{p}KEY_SECRET_RESET=true for one start",
+    )
+
+
 def check_delivery(conf: Any) -> Iterator[Finding]:
     if not conf.task_acks_late:
         yield _warn(
@@ -501,6 +542,7 @@ def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
         *check_lock_backend(conf, runtime, app.tasks.values()),
         *check_semaphores(runtime, app.tasks.values()),
         *check_rate_limits(runtime, app.tasks.values()),
+        *check_key_secret(runtime),
         *check_broker(conf, runtime),
         *check_environment(),
     ]

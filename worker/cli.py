@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--loglevel", default="INFO")
     fleet.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_positive_seconds,
         default=30.0,
         metavar="SECONDS",
         help="warm-shutdown deadline before SIGKILL (default 30)",
@@ -190,6 +191,19 @@ def _add_migrate_parser(sub: Any) -> None:
         action="store_true",
         help="print the DDL for the URL's dialect instead of running it (connects to nothing)",
     )
+
+
+def _positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0: float() reads "nan" and "inf" too."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds > 0, got {text!r}; e.g. 30"
+        )
+    return value
 
 
 def _positive_int(text: str) -> int:

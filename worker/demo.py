@@ -185,6 +185,8 @@ def demo_env(opts: DemoOptions, urls: dict[str, str], journal_url: str) -> dict[
         f"{p}MAX_COUNTDOWN": str(MAX_COUNTDOWN),
         f"{p}ACQUIRE_TIMEOUT": "5",
         f"{p}KEY_SECRET": secrets.token_hex(16),
+        # A fresh secret per run on purpose (throw-away jobs): past the start-up refusal.
+        f"{p}KEY_SECRET_RESET": "true",
         f"{p}DEMO_FAIL_RATE": str(opts.fail_rate),
         f"{p}DEMO_DELAY_MIN_MS": "50",
         f"{p}DEMO_DELAY_MAX_MS": "200",
