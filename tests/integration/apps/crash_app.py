@@ -1,9 +1,9 @@
 """A fleet app set up with `jobfence.setup` (so its workers keep custody of their deliveries),
 with one gated @singleton_task and its plain Celery twin: the crash-recovery runs.
 
-Built from the variables of :mod:`tests.integration.apps.common` and ``LEASE_TTL`` (seconds,
-default 2). Both tasks start, wait at the job's gate (``Ledger.release``), then have their
-effect.
+Built from the variables of :mod:`tests.integration.apps.common`, ``LEASE_TTL`` (seconds,
+default 2) and ``QUEUE`` (the default queue; a shared RabbitMQ gets one of its own). Both
+tasks start, wait at the job's gate (``Ledger.release``), then have their effect.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
             visibility_timeout=float(transport_options(env)["visibility_timeout"]),
         ),
     )
+    if env.get("QUEUE"):
+        app.conf.task_default_queue = env["QUEUE"]
     singleton_task(app=app, name="crash.fenced", bind=True, shared=False)(gated)
     app.task(name="crash.plain", bind=True, shared=False, acks_late=True,
              reject_on_worker_lost=True)(gated)  # fmt: skip
