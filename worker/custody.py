@@ -38,7 +38,7 @@ from jobfence.tasks.runtime import installed
 log = logging.getLogger(__name__)
 
 CUSTODY_SETTING = "jobfence_custody"  # Celery setting: False turns custody and sweep off
-SWEEP_LIMIT = 1000  # overdue tags looked at per sweep; the next sweep takes the rest
+SWEEP_LIMIT = 1000  # overdue tags looked at per sweep (one page; see Custody.sweep)
 
 
 @cache
@@ -100,6 +100,7 @@ class Custody:
         self.index_key = prefix + str(channel.unacked_index_key)
         self._keep = self.client.register_script(script_source("custody_keep"))
         self._orphans = self.client.register_script(script_source("custody_orphans"))
+        self._offset = 0  # where the next sweep starts among the overdue tags
 
     def held(self) -> set[str] | None:
         """The tags this worker holds now; None if the consumer kept changing them."""
@@ -122,12 +123,20 @@ class Custody:
     def sweep(self) -> list[str]:
         """Put back the gated messages no live worker holds; returns their task names."""
         cutoff = time.time() - self.times.grace
-        found = self._orphans(keys=[self.custody_key, self.index_key], args=[cutoff, SWEEP_LIMIT])
+        args = [cutoff, self._offset, SWEEP_LIMIT]
+        looked, found = self._orphans(keys=[self.custody_key, self.index_key], args=args)
         mine = self.held() or set()
         tags = [t.decode() if isinstance(t, bytes) else str(t) for t in found or []]
         tags = [t for t in tags if t not in mine]  # ours, whatever the record says
-        if not tags:
-            return []
+        restored = self._restore(tags) if tags else []
+        # A full page and nothing put back (long ETAs of live workers, plain tasks waiting
+        # for the visibility timeout): the next sweep looks at the next page.
+        full = looked >= SWEEP_LIMIT and not restored
+        self._offset = self._offset + SWEEP_LIMIT if full else 0
+        return restored
+
+    def _restore(self, tags: list[str]) -> list[str]:
+        """Put back the gated messages among `tags`; returns their task names."""
         restored: list[str] = []
         for tag, payload in zip(tags, self.client.hmget(self.unacked_key, tags), strict=True):
             name = task_name(payload) if payload is not None else None  # None: acked meanwhile

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 from kombu import Connection, Exchange, Queue
 
+from jobfence.worker import custody as custody_module
 from jobfence.worker.custody import Custody, CustodyTimes
 
 QUEUE = "custody-q"
@@ -95,3 +96,13 @@ def test_a_lapsed_record_no_longer_protects_its_worker(connect) -> None:
     setup.default_channel.client.hset(KEY, "gone", "1 ")  # its deadline long past
     assert sweeper.sweep() == [GATED]
     assert setup.default_channel.client.hexists(KEY, "gone") == 0  # the lapsed record dropped
+
+
+def test_a_sweep_pages_past_overdue_messages_it_must_leave(connect, monkeypatch) -> None:
+    monkeypatch.setattr(custody_module, "SWEEP_LIMIT", 2)
+    setup = connect()
+    publish(setup, PLAIN, PLAIN, PLAIN, GATED)  # plain ones wait for the visibility timeout
+    take(connect(), 4)  # a worker now gone
+    sweeper = custody(connect().channel(), "sweeper")
+    swept = [sweeper.sweep() for _ in range(3)]  # pages 0, 2, then the gated one's
+    assert swept == [[], [GATED], []]

@@ -1,8 +1,10 @@
 -- custody_orphans.lua: the unacked deliveries that no live worker holds in custody.
 -- KEYS[1] custody hash (see custody_keep.lua)  KEYS[2] kombu's unacked index (zset: tag ->
 --         delivery time in seconds, the consuming worker's clock)
--- ARGV[1] cutoff: only tags delivered at or before it (seconds)  ARGV[2] at most this many
--- Returns the tags, oldest first. Lapsed custodies (their worker is gone) are removed.
+-- ARGV[1] cutoff: only tags delivered at or before it (seconds)  ARGV[2] skip this many of
+--         them (the oldest)  ARGV[3] look at most at this many
+-- Returns {number of tags looked at, the orphans among them, oldest first}. Lapsed custodies
+-- (their worker is gone) are removed.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local held = {}
@@ -19,10 +21,11 @@ for i = 1, #entries, 2 do
   end
 end
 local orphans = {}
-local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', tonumber(ARGV[2]),
+                      tonumber(ARGV[3]))
 for _, tag in ipairs(old) do
   if not held[tag] then
     orphans[#orphans + 1] = tag
   end
 end
-return orphans
+return {#old, orphans}
