@@ -260,7 +260,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
                 continue
             for at in slots:
                 try:
-                    self.dispatch(entry, at)
+                    self.dispatch_slot(entry, at)
                 except Exception as exc:  # as Celery's tick: log, and go on with the rest
                     log.error("beat: catching up %s at %s failed: %r", entry.name, at, exc)
 
@@ -302,9 +302,9 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         at = slot_time(entry, entry.default_now())
         if advance:
             entry = self.reserve(entry)
-        return self.dispatch(entry, at, producer=producer, **kwargs)
+        return self.dispatch_slot(entry, at, producer=producer, **kwargs)
 
-    def dispatch(
+    def dispatch_slot(
         self, entry: ScheduleEntry, at: datetime, producer: Any = None, **kwargs: Any
     ) -> Any:
         """Publish the run of `entry` scheduled at `at`, keyed `"<entry name>@<slot>"`."""
