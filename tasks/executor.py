@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import random
@@ -125,7 +126,7 @@ class JobSpec:
     on_lease_lost: LeaseLostPolicy = "redeliver"
     redeliveries: int = 0  # how often this job already came back with its fate unknown
     # This delivery may follow one that died mid-body (broker redelivery, or our deferred
-    # copy of one); such grants are counted per key, and past `max_crashed` the job is
+    # copy of one); such grants are counted per run, and past `max_crashed` the job is
     # recorded FAILED instead of run again (0: no cap).
     suspect: bool = False
     max_crashed: int = 0
@@ -740,9 +741,16 @@ class Executor:
         record does not stop a new grant, so another copy of the same message (the broker's
         and the worker's requeue can both exist) must find the job given up too. A fresh
         submission still runs once; only crash-suspect deliveries are refused.
+
+        The count is per run: the key and a digest of the task id (every copy of one message
+        shares it; a new publish does not), so runs that share a key under per-run lifetimes
+        never add up, and a run's DONE ends its count (the next run starts at zero).
         """
+        # A digest: a task id may be long or hold characters a key may not, and stays opaque.
+        run = hashlib.sha256(spec.task_id.encode()).hexdigest()[:16] if spec.task_id else ""
+        counter = f"{spec.key}#run:{run}" if run else spec.key
         try:
-            count = self.backend.count_delivery(spec.key, spec.result_ttl)
+            count = self.backend.count_delivery(counter, spec.result_ttl)
         except BackendUnavailable:
             count = None  # best effort: running the body again is what no cap would do
         if count is None or count <= spec.max_crashed:

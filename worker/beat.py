@@ -11,6 +11,12 @@ two beats that dispatch the same run produce one key, so a @singleton_task runs 
 Slots: an interval entry runs on the epoch-aligned grid (every 10 s means at :00, :10, ...),
 so beats started at different times agree; a crontab entry's slot is its latest firing time
 at or before now; other schedules (solar) fall back to their due time, to the second.
+
+Hand-over: a new leader first dispatches the interval and crontab slots that fell within the
+catch-up window before now (`jobfence_beat_catchup`, default two leader TTLs) and that its
+own record of the entry does not cover, oldest first, then the current slot: the slots that
+fell while no leader was dispatching. A slot the old leader did dispatch goes out again under
+the same key, and its @singleton_task runs it once.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ log = logging.getLogger(__name__)
 LEADER_KEY = "beat-leader"
 MAX_STANDBY_POLL = 1.0  # seconds between a standby's attempts, at most
 CRON_LOOKBACK_DAYS = 366 * 4 + 1  # a crontab fires at least once in four years (Feb 29)
+MAX_CATCHUP_SLOTS = 100  # per entry and hand-over: a short interval never floods the broker
 
 
 # --------------------------------------------------------------------------- slots
@@ -96,9 +103,50 @@ def format_slot(at: datetime) -> str:
     return at.astimezone(UTC).replace(tzinfo=None).isoformat(timespec=spec) + "Z"
 
 
+def missed_slots(entry: ScheduleEntry, now: datetime, since: datetime) -> list[datetime]:
+    """The slots of `entry` after `since` and before its slot due at `now`, oldest first (UTC;
+    the latest MAX_CATCHUP_SLOTS). Interval and crontab entries only: a solar event has no
+    grid to walk back."""
+    sched = entry.schedule
+    current = slot_time(entry, now)
+    slots: list[datetime] = []
+    if isinstance(sched, crontab):
+        at = current
+        while len(slots) < MAX_CATCHUP_SLOTS:
+            try:  # a crontab fires on whole minutes: the one before is a minute back or more
+                at = last_cron_fire(sched, at - timedelta(minutes=1)).astimezone(UTC)
+            except ValueError:
+                break
+            if at <= since:
+                break
+            slots.append(at)
+    elif isinstance(sched, schedule):
+        at = current - sched.run_every
+        while at > since and len(slots) < MAX_CATCHUP_SLOTS:
+            slots.append(at)
+            at -= sched.run_every
+    return slots[::-1]
+
+
 def slot_key(entry: ScheduleEntry, now: datetime) -> str:
     """The idempotency key of the run of `entry` due at `now`: `"<entry name>@<slot>"`."""
     return f"{entry.name}@{format_slot(slot_time(entry, now))}"
+
+
+def _catchup_window(value: Any, ttl: float) -> float:
+    """`jobfence_beat_catchup` in seconds (None: two leader TTLs), checked."""
+    if value is None:
+        return 2 * ttl
+    try:
+        window = float(value)
+    except (TypeError, ValueError):
+        window = math.nan
+    if not math.isfinite(window) or window < 0:
+        raise ValueError(
+            f"jobfence_beat_catchup must be a finite number of seconds >= 0, got {value!r}; "
+            "set it to how far back a new beat leader dispatches missed slots (0: none)"
+        )
+    return window
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -108,9 +156,10 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
     """A beat Scheduler that dispatches only while it holds the leader lease.
 
     Celery settings (optional): `jobfence_beat_leader_key` (default "beat-leader"),
-    `jobfence_beat_ttl` (default JOBFENCE_DEFAULT_TTL). A standby polls every
-    min(ttl/3, 1 s), so it takes over at most about one TTL after the leader died, and
-    at once after a leader that shut down cleanly (it releases the lease).
+    `jobfence_beat_ttl` (default JOBFENCE_DEFAULT_TTL), `jobfence_beat_catchup` (seconds,
+    default two TTLs: how far back a new leader dispatches the slots it missed). A standby
+    polls every min(ttl/3, 1 s), so it takes over at most about one TTL after the leader
+    died, and at once after a leader that shut down cleanly (it releases the lease).
     """
 
     _heap: list[Any] | None
@@ -131,6 +180,8 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         self.leader_key = leader_key or app.conf.get("jobfence_beat_leader_key") or LEADER_KEY
         self.ttl = float(ttl or app.conf.get("jobfence_beat_ttl") or runtime.settings.default_ttl)
         self.standby_poll = min(self.ttl / 3, MAX_STANDBY_POLL)
+        self.catchup = _catchup_window(app.conf.get("jobfence_beat_catchup"), self.ttl)
+        self._catching_up = False  # set by a new term: dispatch the missed slots first
         self.observer = runtime.metrics.observe_leadership
         self.term: Term | None = None
         self._standby_logged = False
@@ -175,6 +226,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         self.term = term
         self._standby_logged = False
         self._heap = None  # re-evaluate every entry: some may have fallen due meanwhile
+        self._catching_up = True
         log.info(
             "beat: leading (lease %r, fence %d, ttl %gs)", self.leader_key, term.fence, self.ttl
         )
@@ -189,7 +241,28 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if not self.elect():
             return self.standby_poll
+        if self._catching_up:
+            self._catching_up = False
+            self.catch_up()
         return float(super().tick(*args, **kwargs))
+
+    def catch_up(self) -> None:
+        """Dispatch each entry's slots that fell in the catch-up window and after the entry's
+        last run here, oldest first; the current slot is left to the tick (it is due)."""
+        for entry in list(self.schedule.values()):
+            now = _aware(entry.schedule, entry.default_now())
+            try:
+                last = _aware(entry.schedule, entry.last_run_at)
+                since = max(now - timedelta(seconds=self.catchup), last)
+                slots = missed_slots(entry, now, since)
+            except Exception as exc:  # one broken schedule must not stop the others
+                log.error("beat: cannot list the missed slots of %s: %r", entry.name, exc)
+                continue
+            for at in slots:
+                try:
+                    self.dispatch_slot(entry, at)
+                except Exception as exc:  # as Celery's tick: log, and go on with the rest
+                    log.error("beat: catching up %s at %s failed: %r", entry.name, at, exc)
 
     def close(self) -> None:
         """Release the lease (a standby takes over at its next poll), then close as usual."""
@@ -226,9 +299,16 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
     ) -> Any:
         """Publish `entry` with the idempotency key of its slot in the message headers."""
-        key = slot_key(entry, entry.default_now())
+        at = slot_time(entry, entry.default_now())
         if advance:
             entry = self.reserve(entry)
+        return self.dispatch_slot(entry, at, producer=producer, **kwargs)
+
+    def dispatch_slot(
+        self, entry: ScheduleEntry, at: datetime, producer: Any = None, **kwargs: Any
+    ) -> Any:
+        """Publish the run of `entry` scheduled at `at`, keyed `"<entry name>@<slot>"`."""
+        key = f"{entry.name}@{format_slot(at)}"
         stamped = copy.copy(entry)
         headers = dict(entry.options.get("headers") or {})
         headers[HEADER] = key

@@ -3,7 +3,8 @@
 That is: the safe Celery configuration (DESIGN §5), the start-up checks that refuse unsafe
 settings when a worker or beat starts (exit 78, every problem listed), the signals that run
 the lease keeper in each pool process and close the runtime at exit, the /metrics
-endpoint (JOBFENCE_METRICS_PORT), and beat's leader
+endpoint (JOBFENCE_METRICS_PORT), the custody of each worker's Redis-broker deliveries (a
+killed worker's jobs come back within about two TTLs: worker/custody.py), and beat's leader
 election. The broker and the result backend stay the app's own.
 
 A value the app sets itself is never overridden: setup fills in only what the app leaves
@@ -24,7 +25,7 @@ from typing import Any
 
 from jobfence.config import Settings, load_settings
 from jobfence.tasks.runtime import Runtime, install, installed
-from jobfence.worker import checks, metrics_server, signals
+from jobfence.worker import checks, custody, metrics_server, signals
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ def setup(app: Any, settings: Settings | None = None) -> Runtime:
     signals.connect(app, runtime)
     checks.connect(app, runtime)
     metrics_server.connect(app, runtime)  # /metrics when JOBFENCE_METRICS_PORT is set
+    custody.connect(app)  # a killed worker's jobs back in ~2 TTLs on the Redis broker
     return runtime
 
 

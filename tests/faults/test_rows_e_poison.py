@@ -78,3 +78,35 @@ def test_grants_up_to_the_cap_and_fresh_deliveries_run_the_body() -> None:
     _died_before(backend, other, POISON_CAP + 5)
     fresh = spec_for(other, suspect=False, max_crashed=POISON_CAP)
     assert executor.run(fresh, lambda ctx: "ok").value == "ok"  # not crash-suspect: not counted
+
+
+def test_runs_that_share_a_key_under_per_run_lifetimes_each_get_their_own_crash_count() -> None:
+    """Issue 18 #13: with a cap of 2, two runs of one key that each crashed once and then
+    succeeded must not make the third run's first crash final."""
+    backend = MemoryBackend()
+    executor = Executor(backend, LeaseKeeper(), backoff=Backoff(0.005, 0.05))
+    key = "nightly-key"
+    for run in ("run-1", "run-2", "run-3"):
+        # Each run's delivery after its one crash: counted, granted, its body runs to DONE.
+        spec = spec_for(key, task_id=run, lock_until="start", suspect=True, max_crashed=2)
+        assert executor.run(spec, lambda ctx: "ok").status == "ran", run
+    record = backend.job_record(key)
+    assert record is not None and record.state == "DONE"
+
+
+def test_every_copy_of_one_run_shares_its_crash_count() -> None:
+    backend = MemoryBackend()
+    executor = Executor(backend, LeaseKeeper(), backoff=Backoff(0.005, 0.05))
+    spec = spec_for("loop-key", task_id="run-1", lock_until="start", suspect=True, max_crashed=2)
+    ran: list[str] = []
+
+    def dies(ctx: object) -> None:
+        ran.append("body")
+        raise SystemExit  # a FAILED record does not stop a new grant of the same run
+
+    for _ in range(2):  # two grants after crashes: within the cap, the body runs again
+        with pytest.raises(SystemExit):
+            executor.run(spec, dies)
+    with pytest.raises(PoisonMessage):
+        executor.run(spec, dies)  # the same run's third crash-suspect grant: past the cap
+    assert ran == ["body", "body"]

@@ -26,10 +26,12 @@ from jobfence.tasks import HEADER, runtime_for
 from jobfence.worker.app import create_app
 from jobfence.worker.beat import (
     LEADER_KEY,
+    MAX_CATCHUP_SLOTS,
     LeaderScheduler,
     format_slot,
     interval_slot,
     last_cron_fire,
+    missed_slots,
     slot_key,
 )
 from tests.servers import wait_for
@@ -105,6 +107,31 @@ def test_interval_entries_fall_due_once_per_aligned_period(utc_app):
     clock.now += timedelta(seconds=7)  # 02:00:10, the next grid point
     due, wait = sched.is_due(entry)
     assert due and wait == pytest.approx(10.0)
+
+
+def test_the_missed_slots_are_those_after_since_and_before_the_current_one(utc_app):
+    now = datetime(2030, 1, 1, 2, 30, 5, tzinfo=UTC)
+    every10 = schedule(timedelta(seconds=10), app=utc_app)
+    entry = ScheduleEntry(name="e", task="t", schedule=every10, last_run_at=now, app=utc_app)
+    since = datetime(2030, 1, 1, 2, 29, 40, tzinfo=UTC)  # the 02:29:40 slot ran by then
+    assert missed_slots(entry, now, since) == [datetime(2030, 1, 1, 2, 29, 50, tzinfo=UTC)]
+    assert missed_slots(entry, now, now) == []  # the current slot is the tick's, not missed
+    long_ago = now - timedelta(days=1)  # bounded: the latest MAX_CATCHUP_SLOTS only
+    slots = missed_slots(entry, now, long_ago)
+    assert len(slots) == MAX_CATCHUP_SLOTS
+    assert slots[-1] == datetime(2030, 1, 1, 2, 29, 50, tzinfo=UTC)
+    assert slots == sorted(slots)
+
+
+def test_the_missed_slots_of_a_crontab_walk_back_its_firings(utc_app):
+    every10 = crontab(minute="*/10", app=utc_app)
+    entry = ScheduleEntry(name="c", task="t", schedule=every10, app=utc_app)
+    now = datetime(2030, 1, 1, 2, 31, 0, tzinfo=UTC)  # current slot 02:30
+    since = datetime(2030, 1, 1, 2, 5, 0, tzinfo=UTC)
+    assert missed_slots(entry, now, since) == [
+        datetime(2030, 1, 1, 2, 10, tzinfo=UTC),
+        datetime(2030, 1, 1, 2, 20, tzinfo=UTC),
+    ]
 
 
 # --------------------------------------------------------------------------- election
@@ -250,6 +277,47 @@ def test_a_standby_takes_over_within_one_ttl_after_the_leader_dies(make_schedule
     # same slot key, so a @singleton_task runs it once.
     keys = [m["headers"][HEADER] for m in queued(broker)]
     assert keys == [f"{ENTRY}@2030-01-01T02:00:00Z"] * 2
+
+
+def test_a_new_leader_dispatches_the_slot_that_fell_during_the_hand_over(
+    make_scheduler, broker, beat_app, clock
+):
+    """Issue 18 #9: a slot that fell while no leader was dispatching runs once, from the
+    new leader, before the current slot; on main it was lost."""
+    beat_app.conf.jobfence_beat_catchup = 2 * 3600  # two of the hourly entry's periods
+    a, b = make_scheduler(), make_scheduler()
+    a.tick()
+    b.tick()
+    assert a.is_leader and not b.is_leader
+    a.keeper.stop()  # the leader dies
+    clock.now += timedelta(hours=2)  # 04:30:05: the 03:00 slot fell with no leader
+    run_beat(b, lambda: b.is_leader, timeout=3 * TTL)
+    keys = [m["headers"][HEADER] for m in queued(broker)]
+    assert keys == [
+        f"{ENTRY}@2030-01-01T01:00:00Z",  # a, catching up (the entry last ran at 00:30:05)
+        f"{ENTRY}@2030-01-01T02:00:00Z",  # a
+        f"{ENTRY}@2030-01-01T03:00:00Z",  # b, catching up the slot nobody dispatched
+        f"{ENTRY}@2030-01-01T04:00:00Z",  # b, the current slot
+    ]
+    b.tick()  # and nothing twice: the catch-up is done once per term
+    assert len(queued(broker)) == 4
+
+
+def test_the_catch_up_window_bounds_what_a_new_leader_dispatches(make_scheduler, broker, clock):
+    a, b = make_scheduler(), make_scheduler()  # default window: two TTLs (3 s here)
+    a.tick()
+    b.tick()
+    a.keeper.stop()
+    clock.now += timedelta(hours=2)  # the 03:00 slot is far older than the window
+    run_beat(b, lambda: b.is_leader, timeout=3 * TTL)
+    keys = [m["headers"][HEADER] for m in queued(broker)]
+    assert keys == [f"{ENTRY}@2030-01-01T02:00:00Z", f"{ENTRY}@2030-01-01T04:00:00Z"]
+
+
+def test_a_bad_catch_up_window_is_refused_with_its_name(beat_app):
+    beat_app.conf.jobfence_beat_catchup = "nan"
+    with pytest.raises(ValueError, match="jobfence_beat_catchup"):
+        LeaderScheduler(beat_app, lazy=True)
 
 
 def test_a_leader_that_shuts_down_hands_over_at_once(make_scheduler):
