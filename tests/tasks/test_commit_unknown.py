@@ -1,0 +1,263 @@
+"""The effect's COMMIT on a real PostgreSQL whose connection dies there: settled, or redelivered.
+
+Two faults at the one moment whose outcome the client cannot know: the server's backend is
+terminated as COMMIT is sent (the transaction did not land), and a TCP proxy forwards the
+COMMIT but drops its reply and the link (it did land). Either way the job takes effect once
+and ends DONE; the control shows a plain transaction under the same fault acked FAILED with
+no effect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import OperationalError
+
+from jobfence.locks import Backoff, LeaseKeeper, RedisBackend
+from jobfence.tasks import Executor, JobContext, Outcome, Redelivery, SqlEffects, make_engine
+from tests.servers import HOST
+from tests.tasks.conftest import spec_for, unique
+
+ledger_meta = sa.MetaData()
+ledger = sa.Table(
+    "commit_ledger",
+    ledger_meta,
+    sa.Column("job_key", sa.String(255), nullable=False),
+    sa.Column("fence", sa.BigInteger, nullable=False),
+)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def kill_backend_at_commit(engine: sa.Engine, admin: sa.Engine) -> threading.Event:
+    """Terminate the server process of the next connection that COMMITs, just before the
+    COMMIT is sent (the `commit` event runs first): the transaction never lands."""
+    fired = threading.Event()
+
+    def on_commit(conn: sa.Connection) -> None:
+        if fired.is_set():
+            return
+        fired.set()
+        pid = conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+        with admin.connect() as other:  # waits (up to 10 s) until the process is gone
+            assert other.scalar(sa.text("SELECT pg_terminate_backend(:p, 10000)"), {"p": pid})
+
+    sa.event.listen(engine, "commit", on_commit)
+    return fired
+
+
+class CommitReplyCutter:
+    """A TCP proxy to PostgreSQL that, once armed, forwards the next COMMIT, swallows the
+    server's reply and closes both sides: the commit landed, the client saw the link die."""
+
+    def __init__(self, port: int) -> None:
+        self.target = (HOST, port)
+        self.armed = threading.Event()
+        self.fired = threading.Event()
+        self._listener = socket.create_server((HOST, 0))
+        self.port = self._listener.getsockname()[1]
+        self._closing = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            cut = threading.Event()
+            threading.Thread(target=self._up, args=(client, server, cut), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, cut), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, cut: threading.Event) -> None:
+        while data := _recv(client):
+            # psycopg sends COMMIT as a simple query: 'Q', length, the text, NUL.
+            if self.armed.is_set() and b"COMMIT\x00" in data:
+                self.armed.clear()
+                cut.set()
+            if not _send(server, data):
+                break
+        _close(client, server)
+
+    def _down(self, server: socket.socket, client: socket.socket, cut: threading.Event) -> None:
+        while data := _recv(server):
+            if cut.is_set():  # the COMMIT's reply: never delivered
+                _close(client, server)
+                self.fired.set()
+                return
+            if not _send(client, data):
+                break
+        _close(client, server)
+
+    def close(self) -> None:
+        self._closing = True
+        self._listener.close()
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+def _send(sock: socket.socket, data: bytes) -> bool:
+    try:
+        sock.sendall(data)
+    except OSError:
+        return False
+    return True
+
+
+def _close(*socks: socket.socket) -> None:
+    for sock in socks:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def admin(pg_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(pg_url)
+    ledger_meta.create_all(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def effects(pg_url: str, admin: sa.Engine) -> Iterator[SqlEffects]:
+    fx = SqlEffects(make_engine(pg_url))
+    fx.create_schema()
+    yield fx
+    fx.engine.dispose()
+
+
+@pytest.fixture
+def cutter(pg_url: str, admin: sa.Engine) -> Iterator[tuple[CommitReplyCutter, SqlEffects]]:
+    url = sa.make_url(pg_url)
+    proxy = CommitReplyCutter(url.port or 5432)
+    # No TLS through the proxy: it reads the COMMIT off the wire.
+    through = url.set(host=HOST, port=proxy.port, query={"sslmode": "disable"})
+    fx = SqlEffects(make_engine(through.render_as_string(hide_password=False)))
+    fx.create_schema()
+    yield proxy, fx
+    fx.engine.dispose()
+    proxy.close()
+
+
+@pytest.fixture
+def lock_keeper() -> Iterator[LeaseKeeper]:
+    k = LeaseKeeper()
+    yield k
+    k.stop()
+
+
+@pytest.fixture
+def pg_executor(redis_backend: RedisBackend, lock_keeper: LeaseKeeper) -> Executor:
+    return Executor(
+        redis_backend,
+        lock_keeper,
+        backoff=Backoff(0.005, 0.05),
+        redelivery=Redelivery(base=0.05, cap=0.2),
+    )
+
+
+def _charge(fx: SqlEffects, runs: list[int]) -> Callable[[JobContext], Any]:
+    def body(ctx: JobContext) -> Any:
+        runs.append(ctx.fence)
+        with fx.transaction(ctx, f"job:{ctx.key}") as tx:
+            if tx.done:
+                return tx.result
+            tx.conn.execute(ledger.insert().values(job_key=ctx.key, fence=ctx.fence))
+            tx.result = {"charged": ctx.fence}
+        return tx.result
+
+    return body
+
+
+def _until_settled(
+    executor: Executor, key: str, body: Callable[[JobContext], Any]
+) -> list[Outcome]:
+    """Deliver the job as a broker would: again after each `redeliver`, at most five times."""
+    outcomes = [executor.run(spec_for(key), body)]
+    while outcomes[-1].status == "redeliver" and len(outcomes) < 5:
+        outcomes.append(executor.run(spec_for(key, redeliveries=len(outcomes)), body))
+    return outcomes
+
+
+def _rows(engine: sa.Engine, key: str) -> list[int]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(ledger.c.fence).where(ledger.c.job_key == key))
+        return [r.fence for r in rows]
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_a_connection_killed_at_the_effect_commit_is_delivered_again_and_takes_effect_once(
+    pg_executor: Executor, effects: SqlEffects, admin: sa.Engine, redis_backend: RedisBackend
+) -> None:
+    fired = kill_backend_at_commit(effects.engine, admin)
+    key, runs = unique(), []
+    outcomes = _until_settled(pg_executor, key, _charge(effects, runs))
+    assert fired.is_set()
+    assert [o.status for o in outcomes] == ["redeliver", "ran"], outcomes
+    assert "commit outcome unknown" in outcomes[0].reason
+    assert _rows(admin, key) == [runs[1]]  # the first COMMIT never landed; the second did
+    assert outcomes[1].value == {"charged": runs[1]}
+    record = redis_backend.job_record(key)
+    assert record is not None and record.state == "DONE"
+
+
+def test_control_a_plain_transaction_killed_at_commit_ends_failed_with_no_effect(
+    pg_executor: Executor, effects: SqlEffects, admin: sa.Engine, redis_backend: RedisBackend
+) -> None:
+    fired = kill_backend_at_commit(effects.engine, admin)
+    key = unique()
+
+    def plain(ctx: JobContext) -> Any:  # the write as a task without jobfence's effects does it
+        with effects.engine.begin() as conn:
+            conn.execute(ledger.insert().values(job_key=ctx.key, fence=ctx.fence))
+        return {"charged": ctx.fence}
+
+    with pytest.raises(OperationalError):
+        pg_executor.run(spec_for(key), plain)
+    assert fired.is_set()
+    assert _rows(admin, key) == []  # the job is lost: acked FAILED, nothing queued
+    record = redis_backend.job_record(key)
+    assert record is not None and record.state == "FAILED"
+
+
+def test_a_commit_that_landed_with_its_reply_lost_settles_done_with_one_effect(
+    pg_executor: Executor,
+    cutter: tuple[CommitReplyCutter, SqlEffects],
+    admin: sa.Engine,
+    redis_backend: RedisBackend,
+) -> None:
+    proxy, fx = cutter
+    key, runs = unique(), []
+    body = _charge(fx, runs)
+    with fx.engine.connect():
+        pass  # the schema and the pool's first connection, before the proxy is armed
+    proxy.armed.set()
+    outcomes = _until_settled(pg_executor, key, body)
+    assert proxy.fired.is_set()
+    assert [o.status for o in outcomes] == ["ran"], outcomes  # read back, not run again
+    assert runs == [outcomes[0].fence]
+    assert _rows(admin, key) == runs
+    record = redis_backend.job_record(key)
+    assert record is not None and record.state == "DONE"
+    # A later delivery is answered from the record.
+    assert pg_executor.run(spec_for(key), body).status == "replayed"
+    assert len(runs) == 1
