@@ -333,3 +333,140 @@ def test_migrate_keeps_tables_the_sqlalchemy_side_created(databases: list[str]) 
         cur.execute("CREATE TABLE dj_effects (job VARCHAR(64) NOT NULL, fence BIGINT)")
     assert _run("pre", job("pre-job", 1), "payment:pre") == {"fence": 1}
     assert _run("pre", job("pre-job", 2), "payment:pre") == {"fence": 1}
+
+
+# --------------------------------------------------------------------------- outer transactions
+
+
+@pytest.fixture
+def charge(databases: list[str], redis_url: str) -> Iterator[Any]:
+    """A task as the README's, on the PostgreSQL alias and a real Redis lock server; `runs`
+    counts its bodies, `runtime` is its jobfence runtime."""
+    from celery import Celery
+
+    from jobfence.tasks import install, singleton_task
+    from jobfence.tasks.django import django_effects
+
+    app = Celery(_new("outer").replace(":", "-"), set_as_current=False)
+    app.conf.update(
+        task_always_eager=False,
+        task_eager_propagates=True,
+        broker_url="memory://localhost/",
+        result_backend=None,
+    )
+    runtime = install(app, Settings(lock_url=redis_url))
+    runs: list[int] = []
+
+    @singleton_task(app=app, bind=True, key=["payment_id"])
+    def charge(self: Any, payment_id: str, amount: int) -> Any:
+        runs.append(self.job.fence)
+        with django_effects.transaction(self.job, f"payment:{payment_id}", using="pg") as tx:
+            if tx.done:
+                return tx.result
+            _effect("pg", payment_id, self.job.fence)
+            tx.result = {"charged": amount}
+        return tx.result
+
+    charge.runs = runs
+    charge.runtime = runtime
+    yield charge
+    runtime.close()
+    app.close()
+
+
+def _call(task: Any, how: str, *args: Any) -> Any:
+    """The task run in this process: called directly, `.apply()`, or `.delay()` eagerly."""
+    if how == "direct":
+        return task(*args)
+    if how == "apply":
+        return task.apply(args=args).get()
+    task.app.conf.task_always_eager = True
+    try:
+        return task.delay(*args).get()
+    finally:
+        task.app.conf.task_always_eager = False
+
+
+@pytest.mark.parametrize("how", ["direct", "apply", "eager"])
+def test_a_task_in_an_outer_atomic_that_rolls_back_leaves_no_record_and_runs_again(
+    charge: Any, how: str
+) -> None:
+    pay = _new("pay")
+    with pytest.raises(RuntimeError), transaction.atomic(using="pg"):
+        assert _call(charge, how, pay, 5) == {"charged": 5}
+        raise RuntimeError("the view fails after the charge")
+    assert _effects("pg", pay) == []  # rolled back with the caller's transaction
+    key, _ = charge.identity((pay, 5), {})
+    assert charge.runtime.backend.job_record(key) is None  # ... and so is the record
+    assert _call(charge, how, pay, 5) == {"charged": 5}  # runs again, and charges once
+    assert len(charge.runs) == 2
+    assert _effects("pg", pay) == [charge.runs[1]]
+
+
+def test_a_task_in_an_outer_atomic_that_commits_records_done_and_replays(charge: Any) -> None:
+    pay = _new("pay")
+    with transaction.atomic(using="pg"):
+        assert charge(pay, 7) == {"charged": 7}
+        key, _ = charge.identity((pay, 7), {})
+        assert charge.runtime.backend.job_record(key) is None  # not before the commit
+    record = charge.runtime.backend.job_record(key)
+    assert record is not None and record.state == "DONE"
+    assert charge(pay, 7) == {"charged": 7}  # the lock server's record answers
+    assert len(charge.runs) == 1 and len(_effects("pg", pay)) == 1
+
+
+def test_a_second_call_inside_the_same_outer_atomic_replays_its_done_row(charge: Any) -> None:
+    pay = _new("pay")
+    with transaction.atomic(using="pg"):
+        assert charge(pay, 3) == {"charged": 3}
+        assert charge(pay, 3) == {"charged": 3}  # not a duplicate of itself: the row answers
+    assert len(charge.runs) == 2 and len(_effects("pg", pay)) == 1
+
+
+def test_a_copy_meeting_the_open_outer_transaction_waits_for_it_then_replays(
+    charge: Any,
+) -> None:
+    """Another worker (thread, connection) runs the job while the caller's transaction is
+    open: the fence row's lock holds it until the commit, then it finds the DONE row."""
+    pay = _new("pay")
+    got: list[Any] = []
+    started = threading.Event()
+
+    def copy() -> None:
+        try:
+            started.set()
+            got.append(charge(pay, 4))
+        except BaseException as exc:
+            got.append(exc)
+        finally:
+            connections.close_all()
+
+    with transaction.atomic(using="pg"):
+        assert charge(pay, 4) == {"charged": 4}
+        other = threading.Thread(target=copy)
+        other.start()
+        started.wait(10)
+        # The copy's body starts, then blocks on the fence row this transaction holds.
+        _wait_for_lock_wait("pg")
+        assert got == []
+    other.join(30)
+    assert got == [{"charged": 4}]
+    assert len(_effects("pg", pay)) == 1
+
+
+def _wait_for_lock_wait(alias: str, timeout: float = 30.0) -> None:
+    """Until another session of this database waits on a row lock."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with connections[alias].cursor() as cur:
+            cur.execute("SELECT pg_stat_clear_snapshot()")  # else one snapshot per transaction
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+            )
+            if cur.fetchone()[0]:
+                return
+        time.sleep(0.05)
+    raise AssertionError("no session waited on the open transaction's row lock")
