@@ -148,8 +148,8 @@ class SqlEffects:
             tx = self._open(conn, job, resources)
             yield tx
             self._close(tx, job)
-        if not tx.done:  # a replay changed nothing the record could outlive
-            _after_commit(session, job.join_outer().commit)
+        # A replay too: the DONE row it read may be this transaction's own, uncommitted.
+        _after_commit(session, job.join_outer().commit)
 
     def _open(self, conn: Connection, job: JobContext, resources: tuple[str, ...]) -> EffectTx:
         for resource in sorted(set(resources)):  # one order everywhere: no deadlocks

@@ -394,13 +394,14 @@ def test_a_task_in_an_outer_atomic_that_rolls_back_leaves_no_record_and_runs_aga
     pay = _new("pay")
     with pytest.raises(RuntimeError), transaction.atomic(using="pg"):
         assert _call(charge, how, pay, 5) == {"charged": 5}
+        assert _call(charge, how, pay, 5) == {"charged": 5}  # replays the block's DONE row
         raise RuntimeError("the view fails after the charge")
     assert _effects("pg", pay) == []  # rolled back with the caller's transaction
     key, _ = charge.identity((pay, 5), {})
     assert charge.runtime.backend.job_record(key) is None  # ... and so is the record
     assert _call(charge, how, pay, 5) == {"charged": 5}  # runs again, and charges once
-    assert len(charge.runs) == 2
-    assert _effects("pg", pay) == [charge.runs[1]]
+    assert len(charge.runs) == 3
+    assert _effects("pg", pay) == [charge.runs[2]]
 
 
 def test_a_task_in_an_outer_atomic_that_commits_records_done_and_replays(charge: Any) -> None:

@@ -81,7 +81,7 @@ class DjangoEffects:
             if not committing:
                 raise
             self._settle(alias, job, tx, exc)
-        if outer and not tx.done:
+        if outer:  # a replay too: the DONE row it read may be the block's own, uncommitted
             db_transaction.on_commit(job.join_outer().commit, using=alias)
 
     def record(self, job_key: str, *, using: str | None = None) -> dict[str, Any] | None:
