@@ -29,8 +29,9 @@ from django.test import override_settings  # noqa: E402
 
 from jobfence.config import Settings, UnsafeSettings, load_settings  # noqa: E402
 from jobfence.config.django_source import UnknownDjangoSetting  # noqa: E402
-from jobfence.locks import LockError, StaleFence  # noqa: E402
+from jobfence.locks import CommitOutcomeUnknown, LockError, StaleFence  # noqa: E402
 from jobfence.tasks import IdempotencyConflict, JobContext  # noqa: E402
+from tests.pg_cut import CommitReplyCutter  # noqa: E402
 from tests.servers import (  # noqa: E402
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
@@ -41,6 +42,8 @@ from tests.tasks.conftest import job_with_fence as job  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALIASES = ["default", "pg", "maria"]
+#: The proxy under the "pg_cut" alias (one, made with the databases).
+CUTTERS: list[CommitReplyCutter] = []
 
 
 def _mysql_through_pymysql() -> None:
@@ -62,6 +65,8 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
             pytest.skip(reason)
     _mysql_through_pymysql()
     pg, maria = PostgresDatabase(), MariaDBDatabase()
+    cutter = CommitReplyCutter(5432)
+    CUTTERS.append(cutter)
     folder = tmp_path_factory.mktemp("django")
     sqlite = folder / "db.sqlite3"
     django_settings.configure(
@@ -78,6 +83,15 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
                 "USER": "postgres",
                 "HOST": "127.0.0.1",
                 "PORT": "5432",
+            },
+            # The pg database again, through a proxy that can lose a COMMIT's reply.
+            "pg_cut": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": pg.name,
+                "USER": "postgres",
+                "HOST": "127.0.0.1",
+                "PORT": str(cutter.port),
+                "OPTIONS": {"sslmode": "disable"},
             },
             "maria": {
                 "ENGINE": "django.db.backends.mysql",
@@ -98,6 +112,7 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         yield ALIASES
     finally:
         connections.close_all()
+        cutter.close()
         pg.drop()
         maria.drop()
 
@@ -471,3 +486,70 @@ def _wait_for_lock_wait(alias: str, timeout: float = 30.0) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError("no session waited on the open transaction's row lock")
+
+
+# --------------------------------------------------------------------------- COMMIT lost
+
+
+def _kill_at_next_commit(alias: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Terminate the alias's server process just before its next COMMIT is sent."""
+    import sqlalchemy as sa
+
+    conn = connections[alias]
+    real = conn._commit
+    killed: list[int] = []
+
+    def commit() -> Any:
+        if not killed:
+            pid = conn.connection.info.backend_pid
+            admin = sa.create_engine(POSTGRES_ADMIN_URL)
+            try:
+                with admin.connect() as other:  # waits until the process is gone
+                    other.execute(sa.text("SELECT pg_terminate_backend(:p, 10000)"), {"p": pid})
+            finally:
+                admin.dispose()
+            killed.append(pid)
+        return real()
+
+    monkeypatch.setattr(conn, "_commit", commit)
+    return killed
+
+
+def test_effects_whose_commit_never_landed_raise_outcome_unknown_and_run_again_once(
+    databases: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobfence.tasks.django import django_effects
+
+    key, r = _new("job"), _new("payment")
+    killed = _kill_at_next_commit("pg", monkeypatch)
+    with pytest.raises(CommitOutcomeUnknown, match="did not land"):
+        _run("pg", job(key, 5), r)
+    assert killed and _effects("pg", key) == []
+    assert django_effects.record(key, using="pg") is None
+    assert _run("pg", job(key, 6), r) == {"fence": 6}  # the redelivery takes effect once
+    assert _effects("pg", key) == [6]
+
+
+def test_effects_whose_commit_landed_with_its_reply_lost_return_the_result(
+    databases: list[str],
+) -> None:
+    key, r = _new("job"), _new("payment")
+    connections["pg_cut"].ensure_connection()
+    cutter = CUTTERS[-1]
+    cutter.armed.set()
+    assert _run("pg_cut", job(key, 7), r) == {"fence": 7}  # settled: the DONE row is there
+    assert cutter.fired.is_set()
+    assert _effects("pg", key) == [7]
+    assert _run("pg", job(key, 8), r) == {"fence": 7}  # and it answers later deliveries
+
+
+def test_guard_transaction_lost_at_commit_raises_outcome_unknown(
+    databases: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobfence.tasks.django import fence_guard
+
+    r = _new("stock")
+    _kill_at_next_commit("pg", monkeypatch)
+    with pytest.raises(CommitOutcomeUnknown), fence_guard.transaction(r, 3, using="pg"):
+        _effect("pg", r, 3)
+    assert _effects("pg", r) == []
