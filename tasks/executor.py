@@ -292,7 +292,8 @@ class Executor:
             raise
         finally:
             reset_current(token)
-        if ctx.outer:
+        # An outer block the body opened and committed itself is done: commit as usual.
+        if not all(outer.committed for outer in ctx.outer):
             return self._done_after_outer_commit(spec, lease, ctx, value, result)
         stored = self._finish(spec, lease, "DONE", result)
         if stored is None:

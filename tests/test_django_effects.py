@@ -8,6 +8,7 @@ nothing from here; tests that set one use ``override_settings``.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -467,6 +468,28 @@ def test_a_copy_meeting_the_open_outer_transaction_waits_for_it_then_replays(
         assert got == []
     other.join(30)
     assert got == [{"charged": 4}]
+    assert len(_effects("pg", pay)) == 1
+
+
+def test_a_body_that_commits_its_own_outer_block_records_done_at_once(
+    charge: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's case: the body's own atomic block is the outer one, committed before the
+    body returns, so the record is stored as usual, with the job's own lease."""
+    body = charge.run
+
+    @functools.wraps(body)  # the same signature: the key binds `payment_id`
+    def in_a_block(*args: Any, **kwargs: Any) -> Any:
+        with transaction.atomic(using="pg"):
+            return body(*args, **kwargs)
+
+    monkeypatch.setattr(charge, "run", in_a_block)
+    pay = _new("pay")
+    assert charge(pay, 2) == {"charged": 2}
+    key, _ = charge.identity((pay, 2), {})
+    record = charge.runtime.backend.job_record(key)
+    assert record is not None and record.state == "DONE"
+    assert record.fence == charge.runs[0]  # committed under the body's lease, no new grant
     assert len(_effects("pg", pay)) == 1
 
 
