@@ -15,13 +15,23 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from celery.exceptions import Ignore
 from sqlalchemy.exc import OperationalError
 
 from jobfence.locks import Backoff, LeaseKeeper, RedisBackend
-from jobfence.tasks import Executor, JobContext, Outcome, Redelivery, SqlEffects, make_engine
+from jobfence.tasks import (
+    Executor,
+    JobContext,
+    Outcome,
+    Redelivery,
+    SqlEffects,
+    make_engine,
+    singleton_task,
+)
+from jobfence.tasks.celery_task import REDELIVERIES
 from tests.pg_cut import CommitReplyCutter
 from tests.servers import HOST
-from tests.tasks.conftest import spec_for, unique
+from tests.tasks.conftest import AppFactory, spec_for, unique
 
 ledger_meta = sa.MetaData()
 ledger = sa.Table(
@@ -189,3 +199,41 @@ def test_a_commit_that_landed_with_its_reply_lost_settles_done_with_one_effect(
     # A later delivery is answered from the record.
     assert pg_executor.run(spec_for(key), body).status == "replayed"
     assert len(runs) == 1
+
+
+def test_the_readme_charge_task_in_a_worker_is_published_again_not_acked_failed(
+    make_app: AppFactory, effects: SqlEffects, admin: sa.Engine, redis_client: Any
+) -> None:
+    """As a worker runs it (no autoretry_for): the COMMIT is lost, the message comes back
+    with the same task id and idempotency key, and that copy takes effect once."""
+    import json
+
+    app = make_app(eager=False)
+    runs: list[int] = []
+    body = _charge(effects, runs)
+
+    @singleton_task(app=app, bind=True, key=["payment_id"], name=unique("tests.charge"))
+    def charge(self: Any, payment_id: str) -> Any:
+        return body(self.job)
+
+    kill_backend_at_commit(effects.engine, admin)
+    headers: dict[str, Any] = {}
+    for attempt in range(2):
+        charge.push_request(
+            id="task-1", args=["pay-1"], kwargs={}, retries=0, headers=headers,
+            delivery_info={"exchange": "", "routing_key": "celery"},
+            called_directly=False, is_eager=False,
+        )  # fmt: skip
+        try:
+            if attempt == 0:
+                with pytest.raises(Ignore):  # acked: a copy is on the broker
+                    charge._gated(("pay-1",), {})
+                message = json.loads(redis_client.lpop("celery"))
+                headers = message["headers"]
+                assert headers["id"] == "task-1" and headers[REDELIVERIES] == 1
+            else:
+                assert charge._gated(("pay-1",), {}) == {"charged": runs[1]}
+        finally:
+            charge.pop_request()
+    key, _ = charge.identity(("pay-1",), {})
+    assert _rows(admin, key) == [runs[1]]
