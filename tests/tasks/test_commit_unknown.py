@@ -33,6 +33,8 @@ from tests.pg_cut import CommitReplyCutter
 from tests.servers import HOST
 from tests.tasks.conftest import AppFactory, spec_for, unique
 
+pytestmark = pytest.mark.fault
+
 ledger_meta = sa.MetaData()
 ledger = sa.Table(
     "commit_ledger",
