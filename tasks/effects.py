@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     BigInteger,
@@ -24,7 +24,6 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.exc import InterfaceError, OperationalError
-from sqlalchemy.orm import Session
 
 from jobfence.locks.errors import CommitOutcomeUnknown
 from jobfence.locks.guards import SqlFenceGuard, fences
@@ -32,6 +31,9 @@ from jobfence.locks.sql import create_tables, dispose_after_fork, ensure_tables
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.errors import IdempotencyConflict
 from jobfence.tasks.keys import canonical_json
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session  # only a caller's: the ORM is not loaded for it
 
 metadata = MetaData()
 jobs = Table(
