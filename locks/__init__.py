@@ -14,6 +14,7 @@ from jobfence.locks.clock import SYSTEM_CLOCK, Clock, ManualClock, SystemClock
 from jobfence.locks.errors import (
     AcquireTimeout,
     BackendUnavailable,
+    CommitOutcomeUnknown,
     FencedWriteRefused,
     LeaseLost,
     LockError,
@@ -53,6 +54,7 @@ __all__ = [
     "Busy",
     "Capabilities",
     "Clock",
+    "CommitOutcomeUnknown",
     "FencedWriteRefused",
     "JobRecord",
     "LeaderElector",

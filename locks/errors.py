@@ -128,3 +128,15 @@ class RateLimited(LockError):
 
 class RateLimitUnsupported(LockError):
     """The lock backend keeps no shared rate limits (its `capabilities.rate_limit` is false)."""
+
+
+class CommitOutcomeUnknown(LockError):
+    """The connection was lost at a transaction's COMMIT, and no record settled whether it
+    landed. The job is delivered again: the next delivery finds the DONE row, or runs the
+    effect (fenced), so the job is never dropped and never takes effect twice. `reason`
+    names what was lost (an exception type), never the statement or its parameters."""
+
+    def __init__(self, message: str, *, key: str | None = None, fence: int | None = None,
+                 reason: str = "") -> None:  # fmt: skip
+        self.reason = reason
+        super().__init__(f"{message} ({reason})" if reason else message, key=key, fence=fence)

@@ -16,13 +16,14 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 
 # _Lane sends on a pool's connections and never re-sends a command that went out.
 from jobfence.locks.backends.redis import _Lane
 from jobfence.locks.backends.redis_scripts import load_scripts
 from jobfence.locks.errors import (
     BackendUnavailable,
+    CommitOutcomeUnknown,
     FencedWriteRefused,
     LockError,
     PartialFencedWrite,
@@ -118,11 +119,27 @@ class SqlFenceGuard:
 
     @contextmanager
     def transaction(self, engine: Engine, resource: str, fence: int) -> Iterator[Connection]:
-        """A transaction whose token is checked first: `with guard.transaction(...) as conn:`."""
+        """A transaction whose token is checked first: `with guard.transaction(...) as conn:`.
+
+        The connection lost at its COMMIT raises `CommitOutcomeUnknown` (a job delivers
+        again), never a plain database error that would read as the body failing."""
         ensure_tables(engine, [self.table])
-        with engine.begin() as conn:
-            self.check_and_advance(conn, resource, fence)
-            yield conn
+        with engine.connect() as conn:
+            trans = conn.begin()
+            try:
+                self.check_and_advance(conn, resource, fence)
+                yield conn
+            except BaseException:
+                trans.rollback()
+                raise
+            try:
+                trans.commit()
+            except (OperationalError, InterfaceError) as exc:
+                # No record here says whether the writes landed: the job comes back to see.
+                raise CommitOutcomeUnknown(
+                    "the connection was lost at the fenced transaction's COMMIT",
+                    key=resource, fence=fence, reason=type(exc).__name__,
+                ) from exc  # fmt: skip
 
     def _advance(self, conn: Connection, resource: str, fence: int) -> bool:
         stmt = (

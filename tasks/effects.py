@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     BigInteger,
@@ -23,12 +23,17 @@ from sqlalchemy import (
     event,
     select,
 )
+from sqlalchemy.exc import InterfaceError, OperationalError
 
+from jobfence.locks.errors import CommitOutcomeUnknown
 from jobfence.locks.guards import SqlFenceGuard, fences
 from jobfence.locks.sql import create_tables, dispose_after_fork, ensure_tables
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.errors import IdempotencyConflict
 from jobfence.tasks.keys import canonical_json
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session  # only a caller's: the ORM is not loaded for it
 
 metadata = MetaData()
 jobs = Table(
@@ -94,6 +99,12 @@ class SqlEffects:
     the job finds it, and two racing executions collide on its primary key. The fence and
     job tables are created on first use; `create_schema()` (or `jobfence migrate`) does it
     ahead of time.
+
+    With `session=` the transaction is a savepoint in the caller's Session: the effect
+    commits when the caller commits, and the lock server's record waits for that commit
+    (none on rollback). If the connection is lost at COMMIT, the DONE row is read on a
+    fresh connection: there, the transaction landed; else `CommitOutcomeUnknown` (the job
+    is delivered again).
     """
 
     def __init__(self, engine: Engine, *, guard: SqlFenceGuard | None = None) -> None:
@@ -105,24 +116,83 @@ class SqlEffects:
         return create_tables(self.engine, TABLES)
 
     @contextmanager
-    def transaction(self, job: JobContext, *resources: str) -> Iterator[EffectTx]:
+    def transaction(
+        self, job: JobContext, *resources: str, session: Session | None = None
+    ) -> Iterator[EffectTx]:
+        if session is not None:
+            with self._in_session(job, resources, session) as tx:
+                yield tx
+            return
         ensure_tables(self.engine, TABLES)
-        with self.engine.begin() as conn:
-            for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
-                self.guard.check_and_advance(conn, resource, job.fence)
-            tx = self._lookup(conn, job)
+        with self.engine.connect() as conn:
+            trans = conn.begin()
+            try:
+                tx = self._open(conn, job, resources)
+                yield tx
+                self._close(tx, job)
+            except BaseException:
+                trans.rollback()
+                raise
+            try:
+                trans.commit()
+            except (OperationalError, InterfaceError) as exc:  # the link died at COMMIT
+                self._settle(job, tx, exc)
+
+    @contextmanager
+    def _in_session(
+        self, job: JobContext, resources: tuple[str, ...], session: Session
+    ) -> Iterator[EffectTx]:
+        """A savepoint in the caller's Session; the lock server's record waits for the
+        caller's commit of the transaction it is in now."""
+        with session.begin_nested():
+            conn = session.connection()
+            ensure_tables(conn, TABLES)
+            tx = self._open(conn, job, resources)
             yield tx
-            if not tx.done:
-                conn.execute(
-                    jobs.insert().values(
-                        job_key=job.key,
-                        state="DONE",
-                        fingerprint=job.fingerprint,
-                        result=canonical_json(tx.result, what="the job result"),
-                        fence=job.fence,
-                        finished_at=time.time(),
-                    )
+            self._close(tx, job)
+        # A replay too: the DONE row it read may be this transaction's own, uncommitted.
+        _after_commit(session, job.join_outer().commit)
+
+    def _open(self, conn: Connection, job: JobContext, resources: tuple[str, ...]) -> EffectTx:
+        for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
+            self.guard.check_and_advance(conn, resource, job.fence)
+        return self._lookup(conn, job)
+
+    def _close(self, tx: EffectTx, job: JobContext) -> None:
+        if not tx.done:
+            tx.conn.execute(
+                jobs.insert().values(
+                    job_key=job.key,
+                    state="DONE",
+                    fingerprint=job.fingerprint,
+                    result=canonical_json(tx.result, what="the job result"),
+                    fence=job.fence,
+                    finished_at=time.time(),
                 )
+            )
+
+    def _settle(self, job: JobContext, tx: EffectTx, lost: Exception) -> None:
+        """The COMMIT's reply never came: it landed if our DONE row is there (read on a
+        fresh connection); else, or if that cannot be read, the outcome stays unknown."""
+        if tx.done:
+            return  # a replay: the stored result is known, the fence advance does not matter
+        try:
+            with self.engine.connect() as fresh:
+                row = fresh.execute(
+                    select(jobs.c.fingerprint, jobs.c.fence).where(jobs.c.job_key == job.key)
+                ).first()
+        except (OperationalError, InterfaceError) as again:
+            raise CommitOutcomeUnknown(
+                "the connection was lost at the effect's COMMIT and the database cannot be "
+                "read", key=job.key, fence=job.fence,
+                reason=f"{type(lost).__name__}, then {type(again).__name__}",
+            ) from lost  # fmt: skip
+        if row is not None and row.fence == job.fence and row.fingerprint == job.fingerprint:
+            return  # it landed: the effect and its DONE row are in
+        raise CommitOutcomeUnknown(
+            "the connection was lost at the effect's COMMIT, which did not land",
+            key=job.key, fence=job.fence, reason=type(lost).__name__,
+        ) from lost  # fmt: skip
 
     def record(self, job_key: str) -> dict[str, Any] | None:
         ensure_tables(self.engine, TABLES)
@@ -141,3 +211,20 @@ class SqlEffects:
                 "job key already used with different arguments", key=job.key, fence=job.fence
             )
         return EffectTx(conn, done=True, result=json.loads(row.result))
+
+
+def _after_commit(session: Session, callback: Callable[[], None]) -> None:
+    """Run `callback` once the Session's current root transaction commits; never on rollback
+    (a later transaction of the same Session is another one, and does not count)."""
+    root = session.get_transaction()
+    fired = False
+
+    def after_commit(sess: Session) -> None:
+        nonlocal fired
+        # after_commit fires for a released savepoint too: only the root's commit counts.
+        if fired or sess.in_nested_transaction() or sess.get_transaction() is not root:
+            return
+        fired = True
+        callback()
+
+    event.listen(session, "after_commit", after_commit)

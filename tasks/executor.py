@@ -14,7 +14,13 @@ from typing import Any, Literal
 
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.backend import Busy, JobRecord, LockBackend, RateGrant, default_meta
-from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LeaseLost, StaleFence
+from jobfence.locks.errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    CommitOutcomeUnknown,
+    LeaseLost,
+    StaleFence,
+)
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
 from jobfence.locks.semaphore import acquire_slot
@@ -270,6 +276,11 @@ class Executor:
             return Outcome("superseded", SUPERSEDED, lease.fence)
         except LeaseLost as exc:  # proof still to find
             return self._lease_lost(spec, lease, exc)
+        except CommitOutcomeUnknown as exc:  # the effect's COMMIT went unanswered, unsettled
+            log.warning("job %s: its effect's commit outcome is unknown (fence=%s, %s): "
+                        "delivering again", spec.key, lease.fence, exc.reason)  # fmt: skip
+            self._release_quietly(lease)
+            return self._redeliver(spec, "effect commit outcome unknown", lease.fence)
         except passthrough:
             self.release(lease)
             self._note("released", spec, lease.fence)
@@ -286,6 +297,9 @@ class Executor:
             raise
         finally:
             reset_current(token)
+        # An outer block the body opened and committed itself is done: commit as usual.
+        if not all(outer.committed for outer in ctx.outer):
+            return self._done_after_outer_commit(spec, lease, ctx, value, result)
         stored = self._finish(spec, lease, "DONE", result)
         if stored is None:
             # The body ran; whether its DONE record exists is unknown. Deliver again: the
@@ -297,6 +311,52 @@ class Executor:
         if spec.unique_for and spec.task_id:
             self._throttle(spec)
         return Outcome("ran", value, lease.fence)
+
+    def _done_after_outer_commit(
+        self, spec: JobSpec, lease: Lease, ctx: JobContext, value: Any, result: str
+    ) -> Outcome:
+        """The effect committed into a caller's transaction, which may still roll back.
+
+        Until it commits, the database's DONE row is the record that answers: the lease goes
+        now, without a record, so a rollback leaves the job free to run again. A copy that
+        starts meanwhile blocks on the open transaction's row locks (the fence row), then
+        finds the DONE row or runs the effect; a call again inside that same transaction
+        finds its own DONE row. Once every joined transaction commits, the lock server gets
+        the DONE record too, so later deliveries are answered without a database round trip.
+        """
+        self._release_quietly(lease)
+        waiting = [len(ctx.outer)]
+
+        def committed() -> None:
+            waiting[0] -= 1
+            if not waiting[0]:
+                self._record_done(spec, result)
+
+        for outer in ctx.outer:
+            outer.then(committed)
+        self.metrics.task(spec.name).done.inc()
+        self._note("released", spec, lease.fence)
+        return Outcome("ran", value, lease.fence)
+
+    def _record_done(self, spec: JobSpec, result: str) -> None:
+        """After the caller's commit: store the DONE record under a fresh grant. Best effort:
+        this runs in the caller's commit hook, and the database's DONE row answers anyway."""
+        try:
+            got = self.backend.begin(
+                spec.key, spec.ttl, meta=default_meta(spec.task_id, spec.name), record=True,
+                fingerprint=spec.record_fingerprint,
+            )  # fmt: skip
+            if isinstance(got, Lease):  # else a record answers already, or a copy will store it
+                self.backend.commit(
+                    got, state="DONE", result=result, fingerprint=spec.record_fingerprint,
+                    result_ttl=spec.result_ttl,
+                )  # fmt: skip
+        except Exception as exc:  # never into the caller's commit: that commit has happened
+            log.warning("job %s: DONE record not stored after the caller's commit (the "
+                        "database's row answers): %s", spec.key, type(exc).__name__)  # fmt: skip
+        else:
+            if self.observers:
+                self._note("done", spec, None)
 
     def begin(self, spec: JobSpec) -> Lease | Outcome:
         """Acquire the job's lease, or say why not (replay, duplicate, defer, retry, redeliver)."""

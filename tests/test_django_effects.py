@@ -8,6 +8,7 @@ nothing from here; tests that set one use ``override_settings``.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -29,8 +30,9 @@ from django.test import override_settings  # noqa: E402
 
 from jobfence.config import Settings, UnsafeSettings, load_settings  # noqa: E402
 from jobfence.config.django_source import UnknownDjangoSetting  # noqa: E402
-from jobfence.locks import LockError, StaleFence  # noqa: E402
+from jobfence.locks import CommitOutcomeUnknown, LockError, StaleFence  # noqa: E402
 from jobfence.tasks import IdempotencyConflict, JobContext  # noqa: E402
+from tests.pg_cut import CommitReplyCutter  # noqa: E402
 from tests.servers import (  # noqa: E402
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
@@ -41,6 +43,8 @@ from tests.tasks.conftest import job_with_fence as job  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALIASES = ["default", "pg", "maria"]
+#: The proxy under the "pg_cut" alias (one, made with the databases).
+CUTTERS: list[CommitReplyCutter] = []
 
 
 def _mysql_through_pymysql() -> None:
@@ -62,6 +66,8 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
             pytest.skip(reason)
     _mysql_through_pymysql()
     pg, maria = PostgresDatabase(), MariaDBDatabase()
+    cutter = CommitReplyCutter(5432)
+    CUTTERS.append(cutter)
     folder = tmp_path_factory.mktemp("django")
     sqlite = folder / "db.sqlite3"
     django_settings.configure(
@@ -78,6 +84,15 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
                 "USER": "postgres",
                 "HOST": "127.0.0.1",
                 "PORT": "5432",
+            },
+            # The pg database again, through a proxy that can lose a COMMIT's reply.
+            "pg_cut": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": pg.name,
+                "USER": "postgres",
+                "HOST": "127.0.0.1",
+                "PORT": str(cutter.port),
+                "OPTIONS": {"sslmode": "disable"},
             },
             "maria": {
                 "ENGINE": "django.db.backends.mysql",
@@ -98,6 +113,7 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         yield ALIASES
     finally:
         connections.close_all()
+        cutter.close()
         pg.drop()
         maria.drop()
 
@@ -333,3 +349,230 @@ def test_migrate_keeps_tables_the_sqlalchemy_side_created(databases: list[str]) 
         cur.execute("CREATE TABLE dj_effects (job VARCHAR(64) NOT NULL, fence BIGINT)")
     assert _run("pre", job("pre-job", 1), "payment:pre") == {"fence": 1}
     assert _run("pre", job("pre-job", 2), "payment:pre") == {"fence": 1}
+
+
+# --------------------------------------------------------------------------- outer transactions
+
+
+@pytest.fixture
+def charge(databases: list[str], redis_url: str) -> Iterator[Any]:
+    """A task as the README's, on the PostgreSQL alias and a real Redis lock server; `runs`
+    counts its bodies, `runtime` is its jobfence runtime."""
+    from celery import Celery
+
+    from jobfence.tasks import install, singleton_task
+    from jobfence.tasks.django import django_effects
+
+    app = Celery(_new("outer").replace(":", "-"), set_as_current=False)
+    app.conf.update(
+        task_always_eager=False,
+        task_eager_propagates=True,
+        broker_url="memory://localhost/",
+        result_backend=None,
+    )
+    runtime = install(app, Settings(lock_url=redis_url))
+    runs: list[int] = []
+
+    @singleton_task(app=app, bind=True, key=["payment_id"])
+    def charge(self: Any, payment_id: str, amount: int) -> Any:
+        runs.append(self.job.fence)
+        with django_effects.transaction(self.job, f"payment:{payment_id}", using="pg") as tx:
+            if tx.done:
+                return tx.result
+            _effect("pg", payment_id, self.job.fence)
+            tx.result = {"charged": amount}
+        return tx.result
+
+    charge.runs = runs
+    charge.runtime = runtime
+    yield charge
+    runtime.close()
+    app.close()
+
+
+def _call(task: Any, how: str, *args: Any) -> Any:
+    """The task run in this process: called directly, `.apply()`, or `.delay()` eagerly."""
+    if how == "direct":
+        return task(*args)
+    if how == "apply":
+        return task.apply(args=args).get()
+    task.app.conf.task_always_eager = True
+    try:
+        return task.delay(*args).get()
+    finally:
+        task.app.conf.task_always_eager = False
+
+
+@pytest.mark.parametrize("how", ["direct", "apply", "eager"])
+def test_a_task_in_an_outer_atomic_that_rolls_back_leaves_no_record_and_runs_again(
+    charge: Any, how: str
+) -> None:
+    pay = _new("pay")
+    with pytest.raises(RuntimeError), transaction.atomic(using="pg"):
+        assert _call(charge, how, pay, 5) == {"charged": 5}
+        assert _call(charge, how, pay, 5) == {"charged": 5}  # replays the block's DONE row
+        raise RuntimeError("the view fails after the charge")
+    assert _effects("pg", pay) == []  # rolled back with the caller's transaction
+    key, _ = charge.identity((pay, 5), {})
+    assert charge.runtime.backend.job_record(key) is None  # ... and so is the record
+    assert _call(charge, how, pay, 5) == {"charged": 5}  # runs again, and charges once
+    assert len(charge.runs) == 3
+    assert _effects("pg", pay) == [charge.runs[2]]
+
+
+def test_a_task_in_an_outer_atomic_that_commits_records_done_and_replays(charge: Any) -> None:
+    pay = _new("pay")
+    with transaction.atomic(using="pg"):
+        assert charge(pay, 7) == {"charged": 7}
+        key, _ = charge.identity((pay, 7), {})
+        assert charge.runtime.backend.job_record(key) is None  # not before the commit
+    record = charge.runtime.backend.job_record(key)
+    assert record is not None and record.state == "DONE"
+    assert charge(pay, 7) == {"charged": 7}  # the lock server's record answers
+    assert len(charge.runs) == 1 and len(_effects("pg", pay)) == 1
+
+
+def test_a_second_call_inside_the_same_outer_atomic_replays_its_done_row(charge: Any) -> None:
+    pay = _new("pay")
+    with transaction.atomic(using="pg"):
+        assert charge(pay, 3) == {"charged": 3}
+        assert charge(pay, 3) == {"charged": 3}  # not a duplicate of itself: the row answers
+    assert len(charge.runs) == 2 and len(_effects("pg", pay)) == 1
+
+
+def test_a_copy_meeting_the_open_outer_transaction_waits_for_it_then_replays(
+    charge: Any,
+) -> None:
+    """Another worker (thread, connection) runs the job while the caller's transaction is
+    open: the fence row's lock holds it until the commit, then it finds the DONE row."""
+    pay = _new("pay")
+    got: list[Any] = []
+    started = threading.Event()
+
+    def copy() -> None:
+        try:
+            started.set()
+            got.append(charge(pay, 4))
+        except BaseException as exc:
+            got.append(exc)
+        finally:
+            connections.close_all()
+
+    with transaction.atomic(using="pg"):
+        assert charge(pay, 4) == {"charged": 4}
+        other = threading.Thread(target=copy)
+        other.start()
+        started.wait(10)
+        # The copy's body starts, then blocks on the fence row this transaction holds.
+        _wait_for_lock_wait("pg")
+        assert got == []
+    other.join(30)
+    assert got == [{"charged": 4}]
+    assert len(_effects("pg", pay)) == 1
+
+
+def test_a_body_that_commits_its_own_outer_block_records_done_at_once(
+    charge: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's case: the body's own atomic block is the outer one, committed before the
+    body returns, so the record is stored as usual, with the job's own lease."""
+    body = charge.run
+
+    @functools.wraps(body)  # the same signature: the key binds `payment_id`
+    def in_a_block(*args: Any, **kwargs: Any) -> Any:
+        with transaction.atomic(using="pg"):
+            return body(*args, **kwargs)
+
+    monkeypatch.setattr(charge, "run", in_a_block)
+    pay = _new("pay")
+    assert charge(pay, 2) == {"charged": 2}
+    key, _ = charge.identity((pay, 2), {})
+    record = charge.runtime.backend.job_record(key)
+    assert record is not None and record.state == "DONE"
+    assert record.fence == charge.runs[0]  # committed under the body's lease, no new grant
+    assert len(_effects("pg", pay)) == 1
+
+
+def _wait_for_lock_wait(alias: str, timeout: float = 30.0) -> None:
+    """Until another session of this database waits on a row lock."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with connections[alias].cursor() as cur:
+            cur.execute("SELECT pg_stat_clear_snapshot()")  # else one snapshot per transaction
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+            )
+            if cur.fetchone()[0]:
+                return
+        time.sleep(0.05)
+    raise AssertionError("no session waited on the open transaction's row lock")
+
+
+# --------------------------------------------------------------------------- COMMIT lost
+
+
+def _kill_at_next_commit(alias: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Terminate the alias's server process just before its next COMMIT is sent."""
+    import sqlalchemy as sa
+
+    conn = connections[alias]
+    real = conn._commit
+    killed: list[int] = []
+
+    def commit() -> Any:
+        if not killed:
+            pid = conn.connection.info.backend_pid
+            admin = sa.create_engine(POSTGRES_ADMIN_URL)
+            try:
+                with admin.connect() as other:  # waits until the process is gone
+                    other.execute(sa.text("SELECT pg_terminate_backend(:p, 10000)"), {"p": pid})
+            finally:
+                admin.dispose()
+            killed.append(pid)
+        return real()
+
+    monkeypatch.setattr(conn, "_commit", commit)
+    return killed
+
+
+def test_effects_whose_commit_never_landed_raise_outcome_unknown_and_run_again_once(
+    databases: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobfence.tasks.django import django_effects
+
+    key, r = _new("job"), _new("payment")
+    killed = _kill_at_next_commit("pg", monkeypatch)
+    with pytest.raises(CommitOutcomeUnknown, match="did not land"):
+        _run("pg", job(key, 5), r)
+    assert killed and _effects("pg", key) == []
+    assert django_effects.record(key, using="pg") is None
+    assert _run("pg", job(key, 6), r) == {"fence": 6}  # the redelivery takes effect once
+    assert _effects("pg", key) == [6]
+
+
+def test_effects_whose_commit_landed_with_its_reply_lost_return_the_result(
+    databases: list[str],
+) -> None:
+    key, r = _new("job"), _new("payment")
+    connections["pg_cut"].ensure_connection()
+    cutter = CUTTERS[-1]
+    cutter.armed.set()
+    assert _run("pg_cut", job(key, 7), r) == {"fence": 7}  # settled: the DONE row is there
+    assert cutter.fired.is_set()
+    assert _effects("pg", key) == [7]
+    assert _run("pg", job(key, 8), r) == {"fence": 7}  # and it answers later deliveries
+
+
+def test_guard_transaction_lost_at_commit_raises_outcome_unknown(
+    databases: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobfence.tasks.django import fence_guard
+
+    r = _new("stock")
+    _kill_at_next_commit("pg", monkeypatch)
+    with pytest.raises(CommitOutcomeUnknown), fence_guard.transaction(r, 3, using="pg"):
+        _effect("pg", r, 3)
+    assert _effects("pg", r) == []

@@ -9,9 +9,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
 from django.db import transaction as db_transaction
 
+from jobfence.locks.errors import CommitOutcomeUnknown
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.django.guard import DjangoFenceGuard
 from jobfence.tasks.errors import IdempotencyConflict
@@ -48,7 +49,11 @@ class DjangoEffects:
     Each resource's fence is checked and advanced first (StaleFence rolls everything
     back); the DONE row is inserted in the same ``transaction.atomic()`` block, so a later
     execution of the job finds it, and two racing executions collide on its primary key.
-    Nested in an outer atomic block it becomes a savepoint, and commits with the outer one.
+    Nested in an outer atomic block (a caller's, ``ATOMIC_REQUESTS``, a ``TestCase``) it
+    becomes a savepoint that commits with the outer one, and the lock server's record waits
+    for that commit (``on_commit``; none on rollback, and the job may run again). If the
+    connection is lost at COMMIT, the DONE row is read on a fresh connection: there, the
+    block landed; else ``CommitOutcomeUnknown`` (the job is delivered again).
     """
 
     def __init__(self, *, using: str = DEFAULT_DB_ALIAS, guard: DjangoFenceGuard | None = None):
@@ -60,13 +65,24 @@ class DjangoEffects:
         self, job: JobContext, *resources: str, using: str | None = None
     ) -> Iterator[DjangoEffectTx]:
         alias = using or self.using
-        with db_transaction.atomic(using=alias):
-            for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
-                self.guard.check_and_advance(resource, job.fence, using=alias)
-            tx = self._lookup(alias, job)
-            yield tx
-            if not tx.done:
-                self._insert_done(alias, job, canonical_json(tx.result, what="the job result"))
+        outer = connections[alias].in_atomic_block
+        committing = False
+        try:
+            with db_transaction.atomic(using=alias):
+                for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
+                    self.guard.check_and_advance(resource, job.fence, using=alias)
+                tx = self._lookup(alias, job)
+                yield tx
+                if not tx.done:
+                    result = canonical_json(tx.result, what="the job result")
+                    self._insert_done(alias, job, result)
+                committing = not outer
+        except (OperationalError, InterfaceError) as exc:
+            if not committing:
+                raise
+            self._settle(alias, job, tx, exc)
+        if outer:  # a replay too: the DONE row it read may be the block's own, uncommitted
+            db_transaction.on_commit(job.join_outer().commit, using=alias)
 
     def record(self, job_key: str, *, using: str | None = None) -> dict[str, Any] | None:
         """The stored row of ``job_key`` (``result`` still as JSON text), or None."""
@@ -80,6 +96,27 @@ class DjangoEffects:
             )
             row = cur.fetchone()
         return None if row is None else dict(zip(_COLUMNS, row, strict=True))
+
+    def _settle(self, alias: str, job: JobContext, tx: DjangoEffectTx, lost: Exception) -> None:
+        """The COMMIT's reply never came: it landed if our DONE row is there (read on a
+        fresh connection); else, or if that cannot be read, the outcome stays unknown."""
+        if tx.done:
+            return  # a replay: the stored result is known
+        connections[alias].close()  # the old link is dead; the next query opens a new one
+        try:
+            row = self.record(job.key, using=alias)
+        except (OperationalError, InterfaceError) as again:
+            raise CommitOutcomeUnknown(
+                "the connection was lost at the effect's COMMIT and the database cannot be "
+                "read", key=job.key, fence=job.fence,
+                reason=f"{type(lost).__name__}, then {type(again).__name__}",
+            ) from lost  # fmt: skip
+        if row is not None and row["fence"] == job.fence and row["fingerprint"] == job.fingerprint:
+            return  # it landed: the effect and its DONE row are in
+        raise CommitOutcomeUnknown(
+            "the connection was lost at the effect's COMMIT, which did not land",
+            key=job.key, fence=job.fence, reason=type(lost).__name__,
+        ) from lost  # fmt: skip
 
     def _lookup(self, alias: str, job: JobContext) -> DjangoEffectTx:
         conn = connections[alias]

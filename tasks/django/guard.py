@@ -6,9 +6,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    transaction,
+)
 
-from jobfence.locks.errors import LockError, StaleFence
+from jobfence.locks.errors import CommitOutcomeUnknown, LockError, StaleFence
 from jobfence.locks.guards import _check_args
 
 FENCES_TABLE = "jobfence_fences"
@@ -78,9 +85,21 @@ class DjangoFenceGuard:
         """``with guard.transaction(resource, fence) as alias:`` an atomic block, token checked
         first. Yields the database alias, for ``Model.objects.using(alias)``."""
         alias = using or DEFAULT_DB_ALIAS
-        with transaction.atomic(using=alias):
-            self.check_and_advance(resource, fence, using=alias)
-            yield alias
+        outer = connections[alias].in_atomic_block
+        committing = False
+        try:
+            with transaction.atomic(using=alias):
+                self.check_and_advance(resource, fence, using=alias)
+                yield alias
+                committing = not outer
+        except (OperationalError, InterfaceError) as exc:
+            if not committing:
+                raise
+            # No record here says whether the writes landed: the job comes back to find out.
+            raise CommitOutcomeUnknown(
+                "the connection was lost at the fenced transaction's COMMIT",
+                key=resource, fence=fence, reason=type(exc).__name__,
+            ) from exc  # fmt: skip
 
     def _update_or_insert(self, conn: Any, resource: str, fence: int) -> None:
         qn = conn.ops.quote_name
