@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -13,13 +15,18 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from jobfence.locks.errors import LockError, RateLimitUnsupported
+from jobfence.locks.errors import BackendUnavailable, LockError, RateLimitUnsupported
 from jobfence.locks.lease import Lease
 from jobfence.locks.ratelimit import Rate, parse_rate
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
     DuplicatePublish,
+    DuplicateSkipped,
+    JobDropped,
+    JobSkipped,
+    JobSuperseded,
+    RateLimitSkipped,
     TaskDefinitionError,
     TaskError,
 )
@@ -67,6 +74,15 @@ _COME_BACK = frozenset(
     {"defer", "retry", "redeliver", "requeue", "rate_limited", "rate_skipped"}
 )
 
+#: Outcomes that end a delivery with no result of its own: the typed stop each raises, so a
+#: chain, group, chord or link never takes a marker as the task's result (design §9).
+_STOPS: dict[str, type[JobSkipped]] = {
+    "duplicate": DuplicateSkipped,
+    "superseded": JobSuperseded,
+    "dropped": JobDropped,
+    "rate_skipped": RateLimitSkipped,
+}
+
 log = logging.getLogger(__name__)
 
 
@@ -87,6 +103,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     acks_late = True
     reject_on_worker_lost = True
     serializer = "json"
+    throws = (JobSkipped,)  # an expected end: logged as one line, without a traceback
     jobfence_key: KeySelector = None
     jobfence_ttl: float | None = None
     on_conflict: ConflictPolicy = "skip"
@@ -281,7 +298,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 rt.backend.clear_publish(key)  # a failed job may be submitted afresh
             raise
         if out.status not in _COME_BACK:
-            return out.value
+            return _result_of(rt, spec, out)
         # A countdown the broker would outwait redelivers the message while it waits;
         # coming back early only means deferring once more.
         countdown = min(out.countdown, max(0.1, s.visibility_timeout / 2))
@@ -301,7 +318,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._requeue(out, countdown, explicit, redeliveries)
         if out.status == "redeliver":
             self._redeliver(out, key, explicit, redeliveries, countdown)
-        return out.value
+        return _result_of(rt, spec, out)
 
     def _rate_spec(
         self, rt: Runtime, arguments: dict[str, Any], req: Any, headers: Any, fields: Any
@@ -538,6 +555,40 @@ def _check_key_callable(
         ) from None
     except ValueError:  # no signature to read (a builtin): it is tried at publish
         return
+
+
+def _result_of(rt: Runtime, spec: JobSpec, out: Outcome) -> Any:
+    """What the caller and the workflow get: the job's own result (ran, replayed), else the
+    typed stop. A superseded copy answers with the job's DONE record when it is already
+    there (the newer holder ran this very job), as a later delivery would."""
+    stop = _STOPS.get(out.status)
+    if stop is None:
+        return out.value
+    if out.status == "superseded":
+        with contextlib.suppress(BackendUnavailable):  # no answer: the typed stop says why
+            record = rt.backend.job_record(spec.key)
+            if (
+                record is not None
+                and record.state == "DONE"
+                and record.fingerprint == spec.record_fingerprint
+            ):
+                return json.loads(record.result) if record.result else None
+    reason = _STOP_REASONS[out.status]
+    if stop is RateLimitSkipped:
+        after = float((out.value or {}).get("retry_after", 0.0))
+        raise RateLimitSkipped(f"{spec.name}: {reason} (retry after {after:g}s)", after,
+                               key=spec.key)  # fmt: skip
+    raise stop(f"{spec.name}: {reason}", key=spec.key)
+
+
+_STOP_REASONS = {
+    "duplicate": "a copy of this job is running, or ran within unique_for; acked without "
+    "running (on_conflict='skip'); the running copy's task answers with the result",
+    "superseded": "a newer copy took this job over before its result was on record",
+    "dropped": "the lease was lost mid-body and the job is not run again "
+    "(on_lease_lost='drop'); it may have run in part",
+    "rate_skipped": "no global rate limit turn was free; not run (on_rate_limited='skip')",
+}
 
 
 def _copy_headers(
