@@ -574,6 +574,9 @@ def _result_of(rt: Runtime, spec: JobSpec, out: Outcome) -> Any:
             ):
                 return json.loads(record.result) if record.result else None
     reason = _STOP_REASONS[out.status]
+    if stop is DuplicateSkipped:
+        held = f" (task {out.holder})" if out.holder else ""
+        raise DuplicateSkipped(f"{spec.name}: {reason}{held}", out.holder, key=spec.key)
     if stop is RateLimitSkipped:
         after = float((out.value or {}).get("retry_after", 0.0))
         raise RateLimitSkipped(f"{spec.name}: {reason} (retry after {after:g}s)", after,
@@ -583,7 +586,7 @@ def _result_of(rt: Runtime, spec: JobSpec, out: Outcome) -> Any:
 
 _STOP_REASONS = {
     "duplicate": "a copy of this job is running, or ran within unique_for; acked without "
-    "running (on_conflict='skip'); the running copy's task answers with the result",
+    "running (on_conflict='skip'); that copy's AsyncResult answers with the result",
     "superseded": "a newer copy took this job over before its result was on record",
     "dropped": "the lease was lost mid-body and the job is not run again "
     "(on_lease_lost='drop'); it may have run in part",

@@ -68,10 +68,18 @@ class JobSkipped(TaskError):
 
 class DuplicateSkipped(JobSkipped, DuplicateJob):
     """`on_conflict="skip"`: a copy of the job was running (or, with `unique_for`, ran within
-    the window), so this one was acked without running. The running copy's own task id
-    answers with the job's result."""
+    the window), so this one was acked without running. `task_id` is that copy's task id
+    (empty where unknown): its `AsyncResult` answers with the job's result."""
 
     marker: ClassVar[dict[str, str]] = {"jobfence": "duplicate"}
+
+    def __init__(self, message: str, task_id: str = "", *, key: str | None = None) -> None:
+        super().__init__(message, key=key)
+        self.task_id = task_id
+        self.args = (str(self), task_id)  # what Celery stores, and rebuilds it from
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class JobSuperseded(JobSkipped):

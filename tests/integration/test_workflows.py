@@ -112,12 +112,14 @@ def test_chain_after_a_duplicate_head_stops_and_tail_never_gets_a_marker(
     n = next(_numbers)
     first = _first_run(wf, n)
     second = chain(wf.task("head").s(n), wf.task("tail").s(job_id(n))).apply_async()
-    with pytest.raises(DuplicateSkipped):
+    with pytest.raises(DuplicateSkipped) as caught:
         second.get(timeout=DEADLINE)  # the chain's last step: failed with the head's stop
     assert second.parent.state == "FAILURE"
     assert isinstance(second.parent.result, DuplicateSkipped)
+    assert caught.value.task_id == first.parent.id  # the running head's, which answers
     assert wf.received(n, "tail") == [], wf.explain(n)()
     _finish_first(wf, n, first)
+    assert wf.app.AsyncResult(caught.value.task_id).get(timeout=DEADLINE) == n * 10
     assert wf.received(n, "tail") == [n * 10], wf.explain(n)()
 
 

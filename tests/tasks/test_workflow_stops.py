@@ -72,6 +72,7 @@ def test_direct_call_of_a_duplicate_raises_duplicate_skipped(make_app: AppFactor
         head(7)
     assert isinstance(caught.value, DuplicateJob) and isinstance(caught.value, JobSkipped)
     assert caught.value.marker == DUPLICATE
+    assert caught.value.task_id == "elsewhere"  # the holder's: its AsyncResult answers
     assert "7" not in str(caught.value).split("key=")[0]  # names no argument
 
 
@@ -115,7 +116,7 @@ def test_a_superseded_copy_answers_with_the_jobs_done_record(make_app: AppFactor
 @pytest.mark.parametrize(
     "exc",
     [
-        DuplicateSkipped("t: duplicate", key="k"),
+        DuplicateSkipped("t: duplicate", "holder-id", key="k"),
         JobSuperseded("t: superseded"),
         JobDropped("t: dropped"),
         RateLimitSkipped("t: rate", 2.5, key="k"),
@@ -128,3 +129,5 @@ def test_a_stop_survives_the_json_result_backend(make_app: AppFactory, exc: JobS
     assert type(back) is type(exc) and str(back) == str(exc)
     if isinstance(exc, RateLimitSkipped):
         assert isinstance(back, RateLimitSkipped) and back.retry_after == 2.5
+    if isinstance(exc, DuplicateSkipped):
+        assert isinstance(back, DuplicateSkipped) and back.task_id == "holder-id"
