@@ -297,6 +297,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             elif self.dedupe_on_publish:
                 rt.backend.clear_publish(key)  # a failed job may be submitted afresh
             raise
+        if out.status == "duplicate" and self._follows(req, spec, out):
+            self._follow(req, spec, out, explicit, redeliveries)
         if out.status not in _COME_BACK:
             return _result_of(rt, spec, out)
         # A countdown the broker would outwait redelivers the message while it waits;
@@ -363,6 +365,38 @@ class SingletonTask(Task):  # type: ignore[misc]
             headers[RATE_SLOT_HEADER] = out.slot
         try:
             self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
+        except Exception as exc:
+            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore()
+
+    def _follows(self, req: Any, spec: JobSpec, out: Outcome) -> bool:
+        """Whether a skipped duplicate waits for the running copy's result: only where a
+        workflow needs data from it (a chain, group, chord or link), through a broker, and
+        where that copy's DONE record will answer this very job (not a run of its own)."""
+        return bool(
+            out.holder
+            and self.on_conflict == "skip"
+            and not (spec.per_run or spec.claims)
+            and not (req.called_directly or req.is_eager)
+            and (req.callbacks or req.chain or req.chord or req.group)
+        )
+
+    def _follow(
+        self, req: Any, spec: JobSpec, out: Outcome, explicit: str | None, redeliveries: int
+    ) -> None:
+        """Publish this message again (same id, workflow and key) to come back once the
+        running copy's lease would have ended, when its DONE record answers, then ack this
+        one (Ignore). If that copy failed, the comeback runs the job, as a fresh publish
+        would. A failed publish requeues the current message instead: never lost."""
+        countdown = min(spec.ttl, max(0.1, self._runtime().settings.visibility_timeout / 2))
+        headers = _copy_headers(req, explicit, redeliveries, deferred=False)
+        sig = self.signature_from_request(req, countdown=countdown, headers=headers)
+        log.info("%s[%s]: a copy runs as task %s; this one comes back for its result",
+                 self.name, req.id, out.holder)  # fmt: skip
+        try:
+            # Task's own publish: a copy of a delivered message is never de-duplicated.
+            super().apply_async(sig.args, sig.kwargs, **sig.options)
         except Exception as exc:
             log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
             raise Reject(exc, requeue=True) from exc

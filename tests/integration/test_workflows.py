@@ -2,10 +2,10 @@
 
 `workflow.head` is `@singleton_task(key=["n"], on_conflict="skip")` with a gated body. Each
 test starts a first run of job n and holds it in its body, then publishes a workflow whose
-head is a duplicate of it: the duplicate's step stops with `DuplicateSkipped` (the steps after
-it never run), its caller's `.get()` raises it, and the first run's workflow gets the real
-result. The control is a naive skip (a `SET NX` lock that returns a marker): the next step
-takes the marker as its input.
+head is a duplicate of it: the duplicate comes back for the running copy's result and the
+steps after it get that real result (the body runs once); a bare duplicate, with no workflow
+after it, stops with `DuplicateSkipped` naming the running copy. The control is a naive skip
+(a `SET NX` lock that returns a marker): the next step takes the marker as its input.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chain, chord, group
-from celery.exceptions import ChordError
 
 from jobfence.tasks import DuplicateSkipped, runtime_for
 from tests.integration.apps import workflow_app
@@ -50,6 +49,11 @@ class Workflows:
         """Wait until the first run of job n is in its body (holding the job's lease)."""
         wait_for(lambda: self.ledger.start_count(job_id(n)) >= 1, DEADLINE, 0.02,
                  self.explain(n))  # fmt: skip
+
+    def turned_away(self, task_id: str) -> None:
+        """Wait until a delivery of `task_id` has ended in the worker (a duplicate, here)."""
+        wait_for(lambda: any(e.kind == "postrun" for e in self.fleet.events(task_id)),
+                 DEADLINE, 0.02, lambda: self.fleet.logs(lines=20))  # fmt: skip
 
     def received(self, n: int, step: str) -> list[Any]:
         """What each run of `step` (tail, summary) was handed for job n."""
@@ -106,62 +110,67 @@ def _finish_first(wf: Workflows, n: int, first: Any) -> None:
     assert wf.ledger.start_count(job_id(n)) == 1, wf.explain(n)()
 
 
-def test_chain_after_a_duplicate_head_stops_and_tail_never_gets_a_marker(
-    wf: Workflows,
-) -> None:
+def test_chain_after_a_duplicate_head_gets_the_running_copys_result(wf: Workflows) -> None:
     n = next(_numbers)
     first = _first_run(wf, n)
     second = chain(wf.task("head").s(n), wf.task("tail").s(job_id(n))).apply_async()
-    with pytest.raises(DuplicateSkipped) as caught:
-        second.get(timeout=DEADLINE)  # the chain's last step: failed with the head's stop
-    assert second.parent.state == "FAILURE"
-    assert isinstance(second.parent.result, DuplicateSkipped)
-    assert caught.value.task_id == first.parent.id  # the running head's, which answers
-    assert wf.received(n, "tail") == [], wf.explain(n)()
+    wf.turned_away(second.parent.id)  # met the running copy, and went on waiting for it
+    assert wf.received(n, "tail") == [] and not second.ready(), wf.explain(n)()
     _finish_first(wf, n, first)
-    assert wf.app.AsyncResult(caught.value.task_id).get(timeout=DEADLINE) == n * 10
-    assert wf.received(n, "tail") == [n * 10], wf.explain(n)()
+    assert second.get(timeout=DEADLINE) == n * 10
+    assert wf.received(n, "tail") == [n * 10, n * 10], wf.explain(n)()
 
 
-def test_group_with_a_duplicate_raises_on_get_and_keeps_the_other_results(
-    wf: Workflows,
-) -> None:
+def test_group_with_a_duplicate_gets_the_running_copys_result(wf: Workflows) -> None:
     n = next(_numbers)
     first = _first_run(wf, n)
     both = group(wf.task("head").s(n), wf.task("tail").s("other", job_id(n))).apply_async()
-    with pytest.raises(DuplicateSkipped):
-        both.get(timeout=DEADLINE)
-    skipped, other = both.join(timeout=DEADLINE, propagate=False)
-    assert isinstance(skipped, DuplicateSkipped) and other == "other"
+    wf.turned_away(both.results[0].id)
     _finish_first(wf, n, first)
-    assert NAIVE_MARKER not in wf.received(n, "tail"), wf.explain(n)()
+    assert both.get(timeout=DEADLINE) == [n * 10, "other"]
 
 
-def test_chord_with_a_duplicate_in_its_header_never_runs_its_body(wf: Workflows) -> None:
+def test_chord_with_a_duplicate_in_its_header_runs_its_body_with_the_real_result(
+    wf: Workflows,
+) -> None:
     n = next(_numbers)
     first = _first_run(wf, n)
     header = [wf.task("head").s(n), wf.task("tail").s("other", job_id(n))]
     body = chord(header, wf.task("summary").s(job_id(n))).apply_async()
-    with pytest.raises(DuplicateSkipped):
-        body.get(timeout=DEADLINE)  # the header's stop first, as Celery re-raises a parent's
-    wait_for(body.ready, DEADLINE, 0.02, wf.explain(n))
-    assert isinstance(body.result, ChordError) and "DuplicateSkipped" in str(body.result)
-    _finish_first(wf, n, first)
+    wf.turned_away(body.parent.results[0].id)
     assert wf.received(n, "summary") == [], wf.explain(n)()
+    _finish_first(wf, n, first)
+    assert body.get(timeout=DEADLINE) == [n * 10, "other"]
+    assert wf.received(n, "summary") == [[n * 10, "other"]], wf.explain(n)()
 
 
-def test_link_does_not_run_for_a_duplicate_and_link_error_does(wf: Workflows) -> None:
+def test_link_of_a_duplicate_runs_with_the_real_result_and_link_error_does_not(
+    wf: Workflows,
+) -> None:
     n = next(_numbers)
     first = _first_run(wf, n)
     dup = wf.task("head").apply_async(
         (n,), link=wf.task("tail").s(job_id(n)), link_error=wf.task("on_error").s(job_id(n))
     )
-    with pytest.raises(DuplicateSkipped):
-        dup.get(timeout=DEADLINE)
-    called = wait_for(lambda: wf.ledger.outcomes(job_id(n)), DEADLINE, 0.02, wf.explain(n))
-    assert [o["failed"] for o in called] == [dup.id]
+    wf.turned_away(dup.id)
     _finish_first(wf, n, first)
-    assert wf.received(n, "tail") == [n * 10], wf.explain(n)()  # the first run's own only
+    assert dup.get(timeout=DEADLINE) == n * 10
+    wait_for(lambda: len(wf.received(n, "tail")) == 2, DEADLINE, 0.02, wf.explain(n))
+    assert wf.received(n, "tail") == [n * 10, n * 10], wf.explain(n)()
+    assert wf.ledger.outcomes(job_id(n)) == [], "link_error ran for a duplicate"
+
+
+def test_a_bare_duplicate_stops_with_duplicate_skipped_naming_the_running_copy(
+    wf: Workflows,
+) -> None:
+    n = next(_numbers)
+    first = _first_run(wf, n)
+    dup = wf.task("head").delay(n)  # no workflow after it: nothing waits for its data
+    with pytest.raises(DuplicateSkipped) as caught:
+        dup.get(timeout=DEADLINE)
+    assert caught.value.task_id == first.parent.id
+    _finish_first(wf, n, first)
+    assert wf.app.AsyncResult(caught.value.task_id).get(timeout=DEADLINE) == n * 10
 
 
 def test_control_a_naive_skip_hands_its_marker_to_the_next_step(wf: Workflows) -> None:
