@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, chain
+from celery.app.task import Context
 from celery.backends.base import Backend
 
 from jobfence.tasks import (
@@ -67,13 +68,13 @@ def test_eager_chain_gets_the_real_result_once_the_job_is_done(make_app: AppFact
 def test_direct_call_of_a_duplicate_raises_duplicate_skipped(make_app: AppFactory) -> None:
     app = make_app()
     head = define(app, _times_ten, key=["n"], on_conflict="skip")
-    occupy(app, head, (7,))
+    occupy(app, head, (4242421,))
     with pytest.raises(DuplicateSkipped) as caught:
-        head(7)
+        head(4242421)
     assert isinstance(caught.value, DuplicateJob) and isinstance(caught.value, JobSkipped)
     assert caught.value.marker == DUPLICATE
     assert caught.value.task_id == "elsewhere"  # the holder's: its AsyncResult answers
-    assert "7" not in str(caught.value).split("key=")[0]  # names no argument
+    assert "4242421" not in str(caught.value)  # names no argument
 
 
 @pytest.mark.parametrize(
@@ -131,3 +132,26 @@ def test_a_stop_survives_the_json_result_backend(make_app: AppFactory, exc: JobS
         assert isinstance(back, RateLimitSkipped) and back.retry_after == 2.5
     if isinstance(exc, DuplicateSkipped):
         assert isinstance(back, DuplicateSkipped) and back.task_id == "holder-id"
+
+
+@pytest.mark.parametrize(
+    ("fields", "spec_options", "follows"),
+    [
+        ({"chain": [{"task": "next"}]}, {}, True),
+        ({"callbacks": [{"task": "next"}]}, {}, True),
+        ({"chord": {"task": "body"}}, {}, True),
+        ({"group": "g-1"}, {}, True),
+        ({}, {}, False),  # no workflow after it: the typed stop is enough
+        ({"chain": [{"task": "next"}], "is_eager": True}, {}, False),  # no broker to return
+        ({"chain": [{"task": "next"}]}, {"unique_for": 5.0}, False),  # a run of its own
+        ({"chain": [{"task": "next"}]}, {"lock_until": "start"}, False),
+    ],
+)
+def test_a_skipped_duplicate_follows_the_running_copy_only_inside_a_workflow(
+    make_app: AppFactory, fields: dict[str, Any], spec_options: dict[str, Any], follows: bool
+) -> None:
+    head = define(make_app(), _times_ten, key=["n"], on_conflict="skip")
+    req = Context({"id": "dup", "called_directly": False, "is_eager": False, **fields})
+    spec = spec_for(unique("job"), **spec_options)
+    assert head._follows(req, spec, Outcome("duplicate", DUPLICATE, holder="running")) is follows
+    assert not head._follows(req, spec, Outcome("duplicate", DUPLICATE))  # no copy known
