@@ -23,7 +23,7 @@ from celery import Celery, chain, chord, group
 from jobfence.tasks import DuplicateSkipped, runtime_for
 from tests.integration.apps import workflow_app
 from tests.integration.apps.common import app_env
-from tests.integration.apps.workflow_app import NAIVE_MARKER, job_id
+from tests.integration.apps.workflow_app import NAIVE_MARKER, fail_once_key, job_id
 from tests.integration.celery_fleet import Fleet, FleetFactory
 from tests.integration.ledger import Ledger
 from tests.servers import RedisServer, wait_for
@@ -158,6 +158,22 @@ def test_link_of_a_duplicate_runs_with_the_real_result_and_link_error_does_not(
     wait_for(lambda: len(wf.received(n, "tail")) == 2, DEADLINE, 0.02, wf.explain(n))
     assert wf.received(n, "tail") == [n * 10, n * 10], wf.explain(n)()
     assert wf.ledger.outcomes(job_id(n)) == [], "link_error ran for a duplicate"
+
+
+def test_a_duplicate_whose_running_copy_failed_runs_the_job_for_its_chain(
+    wf: Workflows,
+) -> None:
+    n = next(_numbers)
+    wf.ledger.client.set(fail_once_key(n), 1)
+    first = _first_run(wf, n)
+    second = chain(wf.task("head").s(n), wf.task("tail").s(job_id(n))).apply_async()
+    wf.turned_away(second.parent.id)
+    wf.ledger.release(job_id(n))
+    with pytest.raises(RuntimeError):
+        first.get(timeout=DEADLINE)
+    assert second.get(timeout=DEADLINE) == n * 10  # its comeback ran it, as a fresh publish
+    assert wf.ledger.start_count(job_id(n)) == 2 and wf.ledger.max_concurrent(job_id(n)) == 1
+    assert wf.received(n, "tail") == [n * 10], wf.explain(n)()
 
 
 def test_a_bare_duplicate_stops_with_duplicate_skipped_naming_the_running_copy(

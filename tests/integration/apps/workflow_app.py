@@ -20,7 +20,7 @@ from jobfence.tasks import install, singleton_task
 from tests.integration.apps.common import app_on_first_access, make_app
 from tests.integration.apps.singleton_app import ledger, settings_from
 
-__all__ = ["NAIVE_MARKER", "create_app", "job_id"]
+__all__ = ["NAIVE_MARKER", "create_app", "fail_once_key", "job_id"]
 
 GATE_TIMEOUT = 30.0
 #: What the control's naive skip returns, as jobfence's skip did before its typed stop.
@@ -31,6 +31,11 @@ def job_id(n: int) -> str:
     return f"wf-{n}"
 
 
+def fail_once_key(n: int) -> str:
+    """Set (in the ledger's Redis) to make the next body of job n fail once at its end."""
+    return f"wf-fail-once:{n}"
+
+
 def _gated(self: Task, n: int) -> int:
     """Start, wait until the test opens the job's gate, end; returns n * 10."""
     book = ledger()
@@ -39,6 +44,8 @@ def _gated(self: Task, n: int) -> int:
     while not book.released(job_id(n)) and time.monotonic() < deadline:
         time.sleep(0.02)
     book.end(job_id(n), task_id=self.request.id)
+    if book.client.delete(fail_once_key(n)):
+        raise RuntimeError("failed once, as the test asked")
     return n * 10
 
 
