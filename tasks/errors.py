@@ -55,10 +55,10 @@ class PoisonMessage(TaskError):
 class JobSkipped(TaskError):
     """The delivery ended without a result of its own, so nothing may flow on as one: the
     caller's `.get()` raises it and a chain, group, chord or `link` stops there (`link_error`
-    runs). `marker` is the dict such a delivery returned before 0.2, for code that read it.
+    runs). `marker` is the dict such a delivery returned in 0.1, for code that read it.
 
     Raised in the worker and rebuilt by Celery from the result backend, so it keeps only its
-    message (and `retry_after`) in `args`; `key` is set where it was raised."""
+    message (and `task_id` or `retry_after`) in `args`; `key` is set where it was raised."""
 
     marker: ClassVar[dict[str, str]] = {"jobfence": "skipped"}
 
