@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     )
     from jobfence.tasks import (
         ArgumentsNotSerializable,
+        DuplicateSkipped,
         IdempotencyConflict,
+        JobSkipped,
         SingletonTask,
         current_job,
         current_lease,
@@ -45,7 +47,9 @@ __all__ = [
     "AcquireTimeout",
     "ArgumentsNotSerializable",
     "BackendUnavailable",
+    "DuplicateSkipped",
     "IdempotencyConflict",
+    "JobSkipped",
     "JobfenceError",
     "Lease",
     "LeaseLost",

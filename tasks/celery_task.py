@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -14,13 +16,18 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from jobfence.locks.errors import LockError, RateLimitUnsupported
+from jobfence.locks.errors import BackendUnavailable, LockError, RateLimitUnsupported
 from jobfence.locks.lease import Lease
 from jobfence.locks.ratelimit import Rate, parse_rate
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
     DuplicatePublish,
+    DuplicateSkipped,
+    JobDropped,
+    JobSkipped,
+    JobSuperseded,
+    RateLimitSkipped,
     TaskDefinitionError,
     TaskError,
 )
@@ -68,6 +75,15 @@ _COME_BACK = frozenset(
     {"defer", "retry", "redeliver", "requeue", "rate_limited", "rate_skipped"}
 )
 
+#: Outcomes that end a delivery with no result of its own: the typed stop each raises, so a
+#: chain, group, chord or link never takes a marker as the task's result (design §9).
+_STOPS: dict[str, type[JobSkipped]] = {
+    "duplicate": DuplicateSkipped,
+    "superseded": JobSuperseded,
+    "dropped": JobDropped,
+    "rate_skipped": RateLimitSkipped,
+}
+
 log = logging.getLogger(__name__)
 
 
@@ -88,6 +104,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     acks_late = True
     reject_on_worker_lost = True
     serializer = "json"
+    throws = (JobSkipped,)  # an expected end: logged as one line, without a traceback
     jobfence_key: KeySelector = None
     jobfence_ttl: float | None = None
     on_conflict: ConflictPolicy = "skip"
@@ -282,8 +299,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             elif self.dedupe_on_publish:
                 rt.backend.clear_publish(key)  # a failed job may be submitted afresh
             raise
+        if out.status == "duplicate" and self._follows(req, spec, out):
+            self._follow(req, spec, out, explicit, redeliveries)
         if out.status not in _COME_BACK:
-            return out.value
+            return _result_of(rt, spec, out)
         # A countdown the broker would outwait redelivers the message while it waits;
         # coming back early only means deferring once more.
         countdown = min(out.countdown, max(0.1, s.visibility_timeout / 2))
@@ -303,7 +322,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._requeue(out, countdown, explicit, redeliveries)
         if out.status == "redeliver":
             self._redeliver(out, key, explicit, redeliveries, countdown)
-        return out.value
+        return _result_of(rt, spec, out)
 
     def _rate_spec(
         self, rt: Runtime, arguments: dict[str, Any], req: Any, headers: Any, fields: Any
@@ -348,6 +367,38 @@ class SingletonTask(Task):  # type: ignore[misc]
             headers[RATE_SLOT_HEADER] = out.slot
         try:
             self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
+        except Exception as exc:
+            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore()
+
+    def _follows(self, req: Any, spec: JobSpec, out: Outcome) -> bool:
+        """Whether a skipped duplicate waits for the running copy's result: only where a
+        workflow needs data from it (a chain, group, chord or link), through a broker, and
+        where that copy's DONE record will answer this very job (not a run of its own)."""
+        return bool(
+            out.holder
+            and self.on_conflict == "skip"
+            and not (spec.per_run or spec.claims)
+            and not (req.called_directly or req.is_eager)
+            and (req.callbacks or req.chain or req.chord or req.group)
+        )
+
+    def _follow(
+        self, req: Any, spec: JobSpec, out: Outcome, explicit: str | None, redeliveries: int
+    ) -> None:
+        """Publish this message again (same id, workflow and key) to come back once the
+        running copy's lease would have ended, when its DONE record answers, then ack this
+        one (Ignore). If that copy failed, the comeback runs the job, as a fresh publish
+        would. A failed publish requeues the current message instead: never lost."""
+        countdown = min(spec.ttl, max(0.1, self._runtime().settings.visibility_timeout / 2))
+        headers = _copy_headers(req, explicit, redeliveries, deferred=False)
+        sig = self.signature_from_request(req, countdown=countdown, headers=headers)
+        log.info("%s[%s]: a copy runs as task %s; this one comes back for its result",
+                 self.name, req.id, out.holder)  # fmt: skip
+        try:
+            # Task's own publish: a copy of a delivered message is never de-duplicated.
+            super().apply_async(sig.args, sig.kwargs, **sig.options)
         except Exception as exc:
             log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
             raise Reject(exc, requeue=True) from exc
@@ -561,6 +612,43 @@ def _check_key_callable(
         ) from None
     except ValueError:  # no signature to read (a builtin): it is tried at publish
         return
+
+
+def _result_of(rt: Runtime, spec: JobSpec, out: Outcome) -> Any:
+    """What the caller and the workflow get: the job's own result (ran, replayed), else the
+    typed stop. A superseded copy answers with the job's DONE record when it is already
+    there (the newer holder ran this very job), as a later delivery would."""
+    stop = _STOPS.get(out.status)
+    if stop is None:
+        return out.value
+    if out.status == "superseded":
+        with contextlib.suppress(BackendUnavailable):  # no answer: the typed stop says why
+            record = rt.backend.job_record(spec.key)
+            if (
+                record is not None
+                and record.state == "DONE"
+                and record.fingerprint == spec.record_fingerprint
+            ):
+                return json.loads(record.result) if record.result else None
+    reason = _STOP_REASONS[out.status]
+    if stop is DuplicateSkipped:
+        held = f" (task {out.holder})" if out.holder else ""
+        raise DuplicateSkipped(f"{spec.name}: {reason}{held}", out.holder, key=spec.key)
+    if stop is RateLimitSkipped:
+        after = float((out.value or {}).get("retry_after", 0.0))
+        raise RateLimitSkipped(f"{spec.name}: {reason} (retry after {after:g}s)", after,
+                               key=spec.key)  # fmt: skip
+    raise stop(f"{spec.name}: {reason}", key=spec.key)
+
+
+_STOP_REASONS = {
+    "duplicate": "a copy of this job is running, or ran within unique_for; acked without "
+    "running (on_conflict='skip'); that copy's AsyncResult answers with the result",
+    "superseded": "a newer copy took this job over before its result was on record",
+    "dropped": "the lease was lost mid-body and the job is not run again "
+    "(on_lease_lost='drop'); it may have run in part",
+    "rate_skipped": "no global rate limit turn was free; not run (on_rate_limited='skip')",
+}
 
 
 def _copy_headers(

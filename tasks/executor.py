@@ -193,6 +193,7 @@ class Outcome:
     countdown: float = 0.0
     reason: str = ""
     slot: float | None = None  # rate_limited: the server time of the turn reserved, if any
+    holder: str = ""  # duplicate: the task id of the copy that has the job, where known
 
 
 class Executor:
@@ -416,7 +417,7 @@ class Executor:
             self.metrics.conflicts.labels(spec.name, spec.on_conflict).inc()
             self._note("conflict", spec, None)
             if spec.on_conflict == "skip":
-                return Outcome("duplicate", DUPLICATE)
+                return Outcome("duplicate", DUPLICATE, holder=got.task_id or "")
             if spec.on_conflict == "raise":
                 raise DuplicateJob("job is running elsewhere", key=spec.key)
             if spec.on_conflict == "retry":
@@ -594,7 +595,7 @@ class Executor:
             self.metrics.conflicts.labels(spec.name, "unique_for").inc()
             self._note("throttled", spec, lease.fence)
             self._release_quietly(lease)
-            return Outcome("duplicate", DUPLICATE, lease.fence)
+            return Outcome("duplicate", DUPLICATE, lease.fence, holder=kept.removeprefix(STARTED))
         return None
 
     def _swap_claim(self, spec: JobSpec) -> str | None:
@@ -774,7 +775,7 @@ class Executor:
             ):
                 return self._replay(spec, got)
             if isinstance(got, Busy):
-                return Outcome("duplicate", DUPLICATE)
+                return Outcome("duplicate", DUPLICATE, holder=got.task_id or "")
             if isinstance(got, JobRecord):  # another run's record: ours cannot be written
                 raise BackendUnavailable("no record for this run", key=spec.key)
             failed = {"error": "RedeliveryLimitReached", "message": message}

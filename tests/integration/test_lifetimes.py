@@ -12,7 +12,7 @@ import pytest
 import redis
 from celery import Celery
 
-from jobfence.tasks import DUPLICATE, SUPERSEDED, DuplicatePublish, runtime_for
+from jobfence.tasks import DuplicatePublish, runtime_for
 from tests.integration.apps import lifetime_app
 from tests.integration.apps.common import app_env
 from tests.integration.celery_fleet import Fleet, FleetFactory
@@ -150,7 +150,8 @@ def test_unique_for_throttles_publishes_and_runs_within_the_window_and_allows_af
     assert task.delay(j).id == first.id, "a publish inside the window went out"
     # A copy published around the claim (send_task) is throttled when it runs.
     stray = lt.app.send_task("lifetime.throttle", args=[j])
-    assert lt.outcome(j, stray.id)["value"] == DUPLICATE
+    throttled = lt.outcome(j, stray.id)
+    assert (throttled["state"], throttled["error"]) == ("FAILURE", "DuplicateSkipped")
     # After the window a publish goes out and runs.
     deadline = time.monotonic() + lifetime_app.UNIQUE_FOR + DEADLINE
     while (later := task.delay(j)).id == first.id:
@@ -192,7 +193,8 @@ def test_replace_supersedes_a_copy_that_has_not_started(lt: Lifetimes) -> None:
     assert new.id != old.id
     assert lt.outcome(j, new.id)["value"] == "v2"
     # The old copy is still delivered (nothing revoked it): it finds its claim gone and skips.
-    assert lt.outcome(j, old.id)["value"] == SUPERSEDED
+    skipped = lt.outcome(j, old.id)
+    assert (skipped["state"], skipped["error"]) == ("FAILURE", "JobSuperseded")
     assert [s["version"] for s in lt.ledger.starts(j)] == ["v2"], lt.explain(j)()
 
 

@@ -15,7 +15,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from jobfence.locks.backend import LockBackend, LockInfo
-from jobfence.tasks import DUPLICATE, runtime_for
+from jobfence.tasks import DuplicateSkipped, runtime_for
 from tests.integration.apps import pool_app
 from tests.integration.apps.common import app_env
 from tests.integration.celery_fleet import POOLS, Fleet, FleetFactory, broker_backlog
@@ -267,13 +267,14 @@ def test_lease_is_kept_while_a_body_outlives_its_ttl_and_a_duplicate_is_refused(
     (lease,) = watch(busy.backend, [(key, fence)])
     lease.assert_kept(pid)
 
-    # The duplicate ran beside the body's delivery and got the duplicate marker.
+    # The duplicate ran beside the body's delivery and stopped as one.
     dup = busy.outcome(job, duplicate.id)
-    assert (dup["state"], dup.get("value")) == ("SUCCESS", DUPLICATE), busy.explain(job)
+    assert (dup["state"], dup.get("error")) == ("FAILURE", "DuplicateSkipped"), busy.explain(job)
     assert busy.ledger.end_count(job) == 0, "the body should still be at its gate"
     busy.ledger.release(job)
     assert holder.get(timeout=15.0) == {"job": job, "fence": fence, "pid": pid, "effects": 1}
-    assert duplicate.get(timeout=5.0) == DUPLICATE
+    with pytest.raises(DuplicateSkipped):
+        duplicate.get(timeout=5.0)
     busy.fleet.wait_idle(busy.broker)
     assert busy.ledger.start_count(job) == 1, busy.explain(job)
     assert busy.ledger.effect_count(job) == 1, busy.explain(job)

@@ -16,6 +16,7 @@ from jobfence.tasks import (
     DuplicatePublish,
     Executor,
     JobContext,
+    JobSuperseded,
     TaskDefinitionError,
     runtime_for,
 )
@@ -233,8 +234,10 @@ def test_replace_supersedes_a_queued_copy_which_then_skips(
     newest = runtime_for(app).backend.claim_publish(task.identity((1,), {})[0], "probe", 60)
     assert newest not in (old.id, new.id)
     # Delivered anyway (a revoke would have been lost): the old copies skip, the newest runs.
-    assert task.apply((1, 1), task_id=old.id).get() == SUPERSEDED
-    assert task.apply((1, 2), task_id=new.id).get() == SUPERSEDED
+    for args, task_id in (((1, 1), old.id), ((1, 2), new.id)):
+        with pytest.raises(JobSuperseded) as caught:
+            task.apply(args, task_id=task_id)
+        assert caught.value.marker == SUPERSEDED
     assert task.apply((1, 3), task_id=newest).get() == 4
 
 

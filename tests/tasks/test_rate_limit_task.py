@@ -11,7 +11,14 @@ import pytest
 
 from jobfence.config import Settings
 from jobfence.locks import Capabilities, MemoryBackend, RateLimitUnsupported
-from jobfence.tasks import Runtime, TaskDefinitionError, install, runtime_for, singleton_task
+from jobfence.tasks import (
+    RateLimitSkipped,
+    Runtime,
+    TaskDefinitionError,
+    install,
+    runtime_for,
+    singleton_task,
+)
 from jobfence.worker.checks import check_rate_limits
 from tests.tasks.conftest import AppFactory, unique
 
@@ -58,7 +65,7 @@ def test_eager_calls_wait_for_their_turn_on_one_limiter_per_rate_key(
     assert all(task.name in k and "account" not in k for k in keys)  # ... named by a digest
 
 
-def test_skip_returns_the_marker_without_running(make_app: AppFactory) -> None:
+def test_skip_stops_with_rate_limit_skipped_without_running(make_app: AppFactory) -> None:
     app = make_app()
     runs: list[int] = []
 
@@ -71,8 +78,10 @@ def test_skip_returns_the_marker_without_running(make_app: AppFactory) -> None:
         on_rate_limited="skip",
     )(body)  # fmt: skip
     assert task.delay(1).get() == 1
-    skipped = task.delay(2).get()
-    assert skipped["jobfence"] == "rate_limited" and 55 < skipped["retry_after"] <= 60
+    with pytest.raises(RateLimitSkipped) as caught:
+        task.delay(2)
+    assert caught.value.marker == {"jobfence": "rate_limited"}
+    assert 55 < caught.value.retry_after <= 60
     assert runs == [1]
 
 

@@ -21,6 +21,7 @@ from jobfence.tasks import (
     ArgumentsNotSerializable,
     BadArguments,
     DuplicateJob,
+    DuplicateSkipped,
     IdempotencyConflict,
     SingletonTask,
     TaskDefinitionError,
@@ -332,7 +333,7 @@ def test_self_retry_does_not_wait_on_its_own_lock(make_app: AppFactory) -> None:
     assert runtime_for(app).backend.inspect(key) is None
 
 
-def test_busy_skip_returns_the_duplicate_marker(make_app: AppFactory) -> None:
+def test_busy_skip_stops_with_duplicate_skipped(make_app: AppFactory) -> None:
     app = make_app()
     calls: list[int] = []
 
@@ -341,7 +342,9 @@ def test_busy_skip_returns_the_duplicate_marker(make_app: AppFactory) -> None:
 
     task = define(app, body, on_conflict="skip")
     occupy(app, task, (1,))
-    assert task.delay(1).get() == DUPLICATE
+    with pytest.raises(DuplicateSkipped, match="on_conflict='skip'") as caught:
+        task.delay(1)
+    assert isinstance(caught.value, DuplicateJob) and caught.value.marker == DUPLICATE
     assert calls == []
 
 

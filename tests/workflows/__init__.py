@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -9,11 +10,11 @@ from celery import Celery
 import jobfence.tasks.shop.payments
 import jobfence.tasks.shop.stock
 from jobfence.config import Settings
-from jobfence.tasks import install, runtime_for
+from jobfence.tasks import DUPLICATE, DuplicateSkipped, install, runtime_for
 from jobfence.tasks.shop.faults import DemoFaults, install_faults
 from jobfence.tasks.shop.ledger import create_schema
 
-__all__ = ["eager_app", "reserve_in_process"]
+__all__ = ["answer_or_duplicate", "eager_app", "reserve_in_process"]
 
 # imported: their shared tasks register
 WORKFLOW_MODULES = (jobfence.tasks.shop.payments, jobfence.tasks.shop.stock)
@@ -44,6 +45,14 @@ def eager_app(
     return app
 
 
+def answer_or_duplicate(call: Callable[[], Any]) -> Any:
+    """The job's answer, or DUPLICATE where a copy was running (any other stop raises)."""
+    try:
+        return call()
+    except DuplicateSkipped:
+        return DUPLICATE
+
+
 def reserve_in_process(
     lock_url: str,
     database_url: str,
@@ -58,7 +67,8 @@ def reserve_in_process(
     try:
         start.wait(60)
         for order_id, sku, qty in orders:
-            results.append((order_id, task.delay(order_id, sku, qty).get()))
+            got = answer_or_duplicate(lambda: task.delay(order_id, sku, qty).get())  # noqa: B023
+            results.append((order_id, got))
     except BaseException as exc:  # report, so the parent fails with the cause
         results.append(("<error>", f"{type(exc).__name__}: {exc}"))
     finally:
