@@ -15,7 +15,7 @@ from celery import Celery
 from jobfence.config import Settings
 from jobfence.locks import Lease
 from jobfence.locks.backend import default_meta
-from jobfence.tasks import Runtime, runtime_for, singleton_task
+from jobfence.tasks import DuplicateSkipped, Runtime, runtime_for, singleton_task
 from jobfence.tasks.keys import secret_id
 from jobfence.worker.checks import EX_CONFIG, StartupRefused, check_key_secret, enforce
 from tests.servers import RedisServer
@@ -67,7 +67,9 @@ def test_a_job_held_under_the_old_secret_is_a_conflict(make_app: AppFactory) -> 
     assert isinstance(held, Lease)
     new_app = make_app(key_secret=NEW, key_secret_previous=f"unused-secret,{OLD}")
     new_task = charge_on(new_app, name, charges, on_conflict="skip")
-    assert new_task.delay(7).get() == {"jobfence": "duplicate"}
+    with pytest.raises(DuplicateSkipped) as stop:
+        new_task.delay(7).get()
+    assert stop.value.task_id == "elsewhere"  # the old-secret holder's task answers
     assert charges == []
     new_key, _ = new_task.identity((7,), {})
     assert runtime_for(new_app).backend.inspect(new_key) is None  # our grant was given back
