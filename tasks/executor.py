@@ -129,9 +129,9 @@ class JobSpec:
     suspect: bool = False
     max_crashed: int = 0
     # Lock lifetimes (README "Lock lifetimes and duplicate publishes"). `lock_until="start"`
-    # drops the publish claim when the run starts; `unique_for` keeps it that many seconds
-    # after the run finished. With either, each publish is a run of its own: its DONE record
-    # answers its own redeliveries, not a later publish of the key.
+    # drops the publish claim when the body starts (past its rate turn and slot); `unique_for`
+    # keeps it that many seconds after the run finished. With either, each publish is a run of
+    # its own: its DONE record answers its own redeliveries, not a later publish of the key.
     lock_until: LockUntil = "finish"
     unique_for: float = 0.0
     claim_ttl: float = 60.0  # the publish claim's TTL while the job runs
@@ -155,6 +155,11 @@ class JobSpec:
     def record_fingerprint(self) -> str:
         """The fingerprint stored with the record: per run, it names the run (task id)."""
         return f"{self.fingerprint}#{self.task_id}" if self.per_run else self.fingerprint
+
+    @property
+    def claim_at_body(self) -> bool:
+        """The claim is dropped when the body really starts, not at the grant (lock_until)."""
+        return self.lock_until == "start"
 
     @property
     def claims(self) -> bool:
@@ -219,7 +224,7 @@ class Executor:
         if isinstance(got, Outcome):
             return got
         lease = got
-        if spec.claims:
+        if spec.claims and not spec.claim_at_body:
             skipped = self._claim_at_start(spec, lease)
             if skipped is not None:
                 return skipped
@@ -231,14 +236,30 @@ class Executor:
             if held is not None:
                 return held
         if not spec.concurrency:
-            return self._run_held(spec, lease, body, passthrough)
+            return self._start_body(spec, lease, body, passthrough)
         slot = self._take_slot(spec, lease)
         if isinstance(slot, Outcome):
             return slot
         try:
-            return self._run_held(spec, lease, body, passthrough, slot)
+            return self._start_body(spec, lease, body, passthrough, slot)
         finally:
             self._release_slot(spec, slot)
+
+    def _start_body(
+        self,
+        spec: JobSpec,
+        lease: Lease,
+        body: Callable[[JobContext], Any],
+        passthrough: tuple[type[BaseException], ...],
+        slot: SlotLease | None = None,
+    ) -> Outcome:
+        """lock_until="start": the claim is dropped here, past the rate turn and the slot, so
+        a publish while this job waits for them is a duplicate of it, not queued beside it."""
+        if spec.claims and spec.claim_at_body:
+            skipped = self._claim_at_start(spec, lease)
+            if skipped is not None:
+                return skipped
+        return self._run_held(spec, lease, body, passthrough, slot)
 
     def _run_held(
         self,

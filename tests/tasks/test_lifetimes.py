@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 import redis
 
 from jobfence.locks import BackendUnavailable, Backoff, LeaseKeeper, MemoryBackend
+from jobfence.locks.semaphore import acquire_slot
 from jobfence.tasks import (
     DUPLICATE,
     SUPERSEDED,
@@ -19,7 +21,7 @@ from jobfence.tasks import (
     TaskDefinitionError,
     runtime_for,
 )
-from jobfence.tasks.executor import STARTED
+from jobfence.tasks.executor import STARTED, RateSpec
 from tests.tasks.conftest import AppFactory, spec_for, unique
 from tests.tasks.test_singleton_task import define
 
@@ -151,6 +153,44 @@ def test_each_run_may_bring_other_arguments_when_each_publish_is_its_own_run(
     second = spec_for(key, task_id="B", lock_until="start", fingerprint="args-2")
     assert run_on.run(first, body).status == "ran"
     assert run_on.run(second, body).status == "ran"  # not an IdempotencyConflict
+
+
+def test_lock_until_start_keeps_the_claim_while_the_job_waits_for_its_slot(
+    run_on: Executor, memory: MemoryBackend
+) -> None:
+    """A publish while the job waits for its slot is a duplicate of it: not started yet."""
+    key, group = unique(), unique("group")
+    other = acquire_slot(memory, group, limit=1, ttl=30, timeout=0)  # the only slot, taken
+    assert memory.claim_publish(key, "A", 60) is None
+    spec = spec_for(key, task_id="A", lock_until="start", publish_claim=True, concurrency=1,
+                    concurrency_key=group, on_conflict="wait", wait_timeout=0.05)  # fmt: skip
+    assert run_on.run(spec, Body()).status == "requeue"
+    assert memory.claim_publish(key, "B", 60) == "A", "the claim left before the body started"
+    other.release()
+    body = Body(during=lambda: memory.claim_publish(key, "C", 60))
+    assert run_on.run(spec, body).status == "ran"
+    assert body.seen is None, "the claim stayed after the body started"
+
+
+def test_lock_until_start_keeps_the_claim_while_the_job_sleeps_for_its_rate_turn(
+    run_on: Executor, memory: MemoryBackend
+) -> None:
+    key, limiter = unique(), unique("rate")
+    assert memory.claim_publish(key, "A", 60) is None
+    assert memory.take_rate(limiter, 0.4, 1, 0.0).admitted  # the turn now is another job's
+    body = Body(during=lambda: memory.claim_publish(key, "B", 60))
+    rate = RateSpec(key=limiter, label="tests.job", interval=0.4, on_limited="wait",
+                    wait_timeout=5.0)  # fmt: skip
+    spec = spec_for(key, task_id="A", lock_until="start", publish_claim=True, rate=rate,
+                    on_conflict="wait")  # fmt: skip
+    waiting = threading.Thread(target=run_on.run, args=(spec, body))
+    waiting.start()
+    # Granted and asleep for its turn: a newer publish is its duplicate.
+    while memory.inspect(key) is None:
+        time.sleep(0.005)
+    newer = memory.claim_publish(key, "N", 60)
+    waiting.join(10)
+    assert (newer, body.calls, body.seen) == ("A", 1, None)
 
 
 class ClaimsDown(MemoryBackend):
