@@ -377,8 +377,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _requeue(
         self, out: Outcome, countdown: float, explicit: str | None, redeliveries: int
     ) -> None:
-        """No concurrency slot came free in time: publish this message again (same id, key
-        and counts; neither a retry nor a redelivery), then ack this one."""
+        """No concurrency slot came free in time, or (lock_until="start") another run of the
+        key holds it: publish this message again (same id, key and counts; neither a retry
+        nor a redelivery), then ack this one."""
         req = self.request
         if req.called_directly or req.is_eager:
             raise JobNotSettled(f"{out.reason}; call it again", fence=out.fence)

@@ -174,7 +174,8 @@ class JobSpec:
 @dataclass(frozen=True)
 class Outcome:
     """What happened to one delivery. `countdown` is set for `defer`, `retry`, `redeliver`
-    and `requeue` (no concurrency slot came free in time: publish again, nothing counted).
+    and `requeue` (no concurrency slot came free in time, or under lock_until="start" another
+    run of the key holds it: publish again, nothing counted).
 
     `redeliver`: the job's fate is unknown (lock server unavailable, lease lost without
     proof of a newer holder, commit outcome unknown); deliver it again with the same key,
@@ -374,9 +375,13 @@ class Executor:
             if spec.on_conflict == "raise":
                 raise DuplicateJob("job is running elsewhere", key=spec.key)
             if spec.on_conflict == "retry":
+                if spec.lock_until == "start":
+                    return self._behind(spec, got, attempt)
                 return Outcome("retry", countdown=self._after(got, attempt))
             left = deadline - clock.monotonic()
             if left <= 0:
+                if spec.lock_until == "start":
+                    return self._behind(spec, got, attempt)
                 self.metrics.timeouts.labels(spec.name).inc()
                 raise AcquireTimeout(
                     f"job still running after {spec.wait_timeout:g}s", key=spec.key
@@ -385,6 +390,17 @@ class Executor:
                 spec.key, min(left, got.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
             )
             attempt += 1
+
+    def _behind(self, spec: JobSpec, busy: Busy, attempt: int) -> Outcome:
+        """lock_until="start": another run of the key holds it. This run queues behind it, as
+        long as that holder lives (its lease renewed), spending neither Celery's retries nor
+        the redelivery bound; a holder that dies frees the key at its lease's expiry."""
+        self._note("queued", spec, None)
+        return Outcome(
+            "requeue",
+            countdown=self._after(busy, attempt),
+            reason="another run of the key holds it",
+        )
 
     def _take_slot(self, spec: JobSpec, lease: Lease) -> SlotLease | Outcome:
         """A slot of the job's concurrency group, taken while the job's lease is held (so a

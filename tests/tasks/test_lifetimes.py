@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 import redis
 
-from jobfence.locks import BackendUnavailable, Backoff, LeaseKeeper, MemoryBackend
+from jobfence.locks import (
+    AcquireTimeout,
+    BackendUnavailable,
+    Backoff,
+    Lease,
+    LeaseKeeper,
+    MemoryBackend,
+)
+from jobfence.locks.backend import default_meta
 from jobfence.locks.semaphore import acquire_slot
 from jobfence.tasks import (
     DUPLICATE,
@@ -191,6 +199,47 @@ def test_lock_until_start_keeps_the_claim_while_the_job_sleeps_for_its_rate_turn
     newer = memory.claim_publish(key, "N", 60)
     waiting.join(10)
     assert (newer, body.calls, body.seen) == ("A", 1, None)
+
+
+@pytest.mark.parametrize("policy", ["retry", "wait"])
+def test_lock_until_start_queues_behind_another_run_without_spending_a_retry(
+    run_on: Executor, memory: MemoryBackend, policy: str
+) -> None:
+    key = unique()
+    holder = memory.begin(key, 30, meta=default_meta(task_id="A"), record=True)
+    assert isinstance(holder, Lease)
+    spec = spec_for(key, task_id="B", lock_until="start", on_conflict=policy, wait_timeout=0.05)
+    out = run_on.run(spec, Body())  # retry: no Celery retry spent; wait: no AcquireTimeout
+    assert out.status == "requeue", out
+    assert 0 < out.countdown <= 30 + 0.05 + 1
+
+
+@pytest.mark.parametrize("policy", ["retry", "wait"])
+def test_lock_until_start_a_holder_that_dies_lets_the_queued_run_in(
+    run_on: Executor, memory: MemoryBackend, policy: str
+) -> None:
+    """Nobody renews a dead holder's lease: it expires, and the run queued behind it runs."""
+    key, body = unique(), Body()
+    holder = memory.begin(key, 0.3, meta=default_meta(task_id="A"), record=True)
+    assert isinstance(holder, Lease)  # never kept: its process is gone
+    spec = spec_for(key, task_id="B", lock_until="start", on_conflict=policy, wait_timeout=0.01)
+    deadline = time.monotonic() + 10
+    while (out := run_on.run(spec, body)).status == "requeue":
+        assert time.monotonic() < deadline, "the queued run never got in after the holder died"
+        time.sleep(min(out.countdown, 0.05))
+    assert (out.status, body.calls) == ("ran", 1)
+
+
+def test_control_lock_until_finish_still_times_out_behind_a_copy_of_the_same_job(
+    run_on: Executor, memory: MemoryBackend
+) -> None:
+    """A copy of the same job (its DONE record answers later) keeps wait's timeout."""
+    key = unique()
+    assert isinstance(memory.begin(key, 30, meta=default_meta(task_id="A"), record=True), Lease)
+    with pytest.raises(AcquireTimeout):
+        run_on.run(spec_for(key, task_id="B", on_conflict="wait", wait_timeout=0.05), Body())
+    out = run_on.run(spec_for(key, task_id="B", on_conflict="retry"), Body())
+    assert out.status == "retry"
 
 
 class ClaimsDown(MemoryBackend):
