@@ -29,6 +29,7 @@ from jobfence.tasks import (
     TaskDefinitionError,
     runtime_for,
 )
+from jobfence.tasks.celery_task import REPUBLISHED
 from jobfence.tasks.executor import STARTED, RateSpec
 from tests.tasks.conftest import AppFactory, spec_for, unique
 from tests.tasks.test_singleton_task import define
@@ -355,6 +356,24 @@ def test_a_started_job_may_publish_its_own_retry(
     assert runtime_for(app).backend.swap_publish(key, first.id, STARTED + first.id, 60) is None
     assert task.apply_async((5,), task_id=first.id).id == first.id
     assert redis_client.llen("celery") == 2, "the retry was taken for a duplicate"
+
+
+def test_a_delivered_message_published_again_goes_out_whoever_holds_the_claim(
+    make_app: AppFactory, redis_client: redis.Redis
+) -> None:
+    """A requeue, rate turn, deferred copy, redelivery or retry is the same job again (same
+    task id, marked by _copy_headers): never answered with a newer copy's AsyncResult."""
+    app = make_app(eager=False)
+    task = define(app, _f, dedupe_on_publish=True, lock_until="start", on_conflict="wait")
+    first = task.delay(5)
+    key, _ = task.identity((5,), {})
+    assert runtime_for(app).backend.swap_publish(key, first.id, None, 60) is None  # started
+    newer = task.delay(5)
+    assert newer.id != first.id  # a newer run, queued behind the started one
+    again = task.apply_async((5,), task_id=first.id, headers={REPUBLISHED: 1})
+    assert again.id == first.id
+    assert redis_client.llen("celery") == 3, "the re-published copy was taken for a duplicate"
+    assert REPUBLISHED.encode() not in b"".join(redis_client.lrange("celery", 0, -1))
 
 
 def test_a_throttled_job_that_failed_frees_its_key_for_a_fresh_submission(
