@@ -302,3 +302,22 @@ def test_lock_until_start_a_newer_run_waits_behind_a_long_run_then_runs(
     assert [s["version"] for s in starts] == ["v1", "v2"], lt.explain(j)()
     assert lt.ledger.max_concurrent(j) == 1
     assert starts[1]["t"] >= ends[0]["t"], "the newer run ran beside the running one"
+
+
+@ON_REDIS_ONLY
+def test_lock_until_start_a_run_queued_behind_a_holder_that_dies_gets_in(lt: Lifetimes) -> None:
+    """The holder's pool process is killed mid-run: its lease is no longer renewed and
+    expires (1 s TTL), and the run queued behind it gets in; nothing is lost."""
+    j, task = job(), lt.task("queue_retry")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    holder = int(lt.ledger.starts(j)[0]["pid"])
+    second = task.delay(j, "v2")
+    # Queued behind the live holder: published again at least once.
+    wait_for(lambda: any(o["state"] == "IGNORED" for o in lt.ledger.outcomes(j, second.id)),
+             DEADLINE, 0.05, lt.explain(j))  # fmt: skip
+    lt.fleet.kill_child(holder)
+    lt.ledger.release(j)
+    _succeeded(lt, j, second.id)
+    _succeeded(lt, j, first.id)  # the killed run's message comes back (acks_late) and runs
+    assert sorted(s["version"] for s in lt.ledger.starts(j)) == ["v1", "v1", "v2"]
