@@ -276,6 +276,24 @@ def test_lock_until_start_a_job_sleeping_for_its_rate_turn_answers_a_newer_publi
     assert [s["version"] for s in lt.ledger.starts(y)] == ["v1"], lt.explain(y)()
 
 
+def test_lock_until_start_a_retry_is_never_deduplicated_against_a_newer_queued_run(
+    lt: Lifetimes,
+) -> None:
+    """The body retries after a newer run of its key was published (the claim went when the
+    body started); the retry is the same job again and must go out, not be answered with
+    the newer run's AsyncResult."""
+    j, task = job(), lt.task("start_retried")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    newer = task.apply_async((j, "v2"), countdown=3)  # queued, holding the key's claim
+    assert newer.id != first.id
+    lt.ledger.release(j)  # the first body ends and retries
+    _succeeded(lt, j, first.id)
+    _succeeded(lt, j, newer.id)
+    assert sorted(s["version"] for s in lt.ledger.starts(j)) == ["v1", "v1", "v2", "v2"]
+    assert lt.ledger.max_concurrent(j) == 1
+
+
 #: The first run's length: far past the 1 s TTL, Celery's 3 retries and wait_timeout (2 s).
 LONG_RUN = 7.0
 

@@ -46,6 +46,14 @@ def gated(self: Task, job_id: str, version: str = "") -> str:
     return version
 
 
+def gated_then_retried(self: Task, job_id: str, version: str = "") -> str:
+    """`gated`, then on the first try a retry at once."""
+    out = gated(self, job_id, version)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return out
+
+
 def record(self: Task, job_id: str) -> int:
     """Start, have the effect, end."""
     book = ledger()
@@ -89,6 +97,8 @@ def _register(app: Celery) -> None:
     singleton("lifetime.queue_retry", gated, **start, on_conflict="retry", ttl=SHORT_TTL)
     singleton("lifetime.queue_wait", gated, **start, on_conflict="wait", ttl=SHORT_TTL,
               wait_timeout=SHORT_TTL * 2)  # fmt: skip
+    singleton("lifetime.start_retried", gated_then_retried, **start, on_conflict="wait",
+              wait_timeout=GATE_TIMEOUT, max_retries=2)  # fmt: skip
     singleton("lifetime.finish", gated, dedupe_on_publish=True)
     singleton("lifetime.throttle", record, dedupe_on_publish=True, unique_for=UNIQUE_FOR)
     singleton("lifetime.retried", retried, dedupe_on_publish=True, unique_for=UNIQUE_FOR,
