@@ -9,7 +9,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Literal, NoReturn, overload
 
 from celery import Task, shared_task
 from celery._state import _task_stack
@@ -61,6 +61,10 @@ REDELIVERIES = "jobfence_redeliveries"
 #: Set on the copy a delivery re-publishes when its own earlier delivery holds the lease
 #: (it crashed, or still runs): a grant of that copy counts towards the poison cap.
 DEFERRED_HEADER = "jobfence_deferred"
+#: Set by `_copy_headers` on every copy of a delivered message published again (a requeue, a
+#: rate turn, a deferred copy, a redelivery, a retry): apply_async takes it off and makes no
+#: publish claim, so the copy is never de-duplicated away against a newer publish.
+REPUBLISHED = "jobfence_republished"
 #: Set on the copy a rate-limited delivery re-publishes: the server time of the turn it
 #: reserved, so the copy starts then without spending another.
 RATE_SLOT_HEADER = "jobfence_rate_slot"
@@ -165,8 +169,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 raise ArgumentsNotSerializable("idempotency_key must be a non-empty string")
             headers[HEADER] = explicit
         key, _ = self.identity(args, kwargs, headers.get(HEADER))  # refuses non-JSON arguments
-        redelivery = REDELIVERIES in headers  # the same task id again: no claim to make
-        if self.dedupe_on_publish and not self.app.conf.task_always_eager and not redelivery:
+        # A delivered message published again (same task id): it holds or held the claim.
+        again = bool(headers.pop(REPUBLISHED, None)) or REDELIVERIES in headers
+        if self.dedupe_on_publish and not self.app.conf.task_always_eager and not again:
             task_id = task_id or uuid()
 
             def publish() -> Any:
@@ -256,8 +261,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         rt = self._runtime()
         headers = req.headers or {}
         fields = _fields(req)
-        explicit = headers.get(HEADER) or fields.get(HEADER)
-        redeliveries = int(headers.get(REDELIVERIES) or fields.get(REDELIVERIES) or 0)
+        explicit, redeliveries = _marks(req)
         key, fp = self._identity(rt, arguments, explicit)
         s = rt.settings
         spec = JobSpec(
@@ -295,7 +299,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         except BaseException:
             if spec.claims:  # owner-checked: the claim may be a newer copy's by now
-                rt.backend.swap_publish(key, STARTED + spec.task_id, None, spec.claim_ttl)
+                # lock_until="start" keeps the claim unmarked until the body starts.
+                mine = spec.task_id if spec.claim_at_body else STARTED + spec.task_id
+                rt.backend.swap_publish(key, mine, None, spec.claim_ttl)
             elif self.dedupe_on_publish:
                 rt.backend.clear_publish(key)  # a failed job may be submitted afresh
             raise
@@ -309,9 +315,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         if out.status == "defer":
             # Our own earlier delivery holds the lease: come back after it ends, and let
             # this copy go without a result (the real one is stored under the same id).
-            headers = _copy_headers(req, explicit, redeliveries, deferred=True)
-            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
-            raise Ignore()
+            self._publish_again(req, countdown, _copy_headers(req, explicit, redeliveries,
+                                                              deferred=True))  # fmt: skip
         if out.status == "rate_skipped" and self.dedupe_on_publish:
             rt.backend.clear_publish(key)  # it never ran: a new submission may go out
         if out.status == "rate_limited":
@@ -365,12 +370,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         headers = _copy_headers(req, explicit, redeliveries, deferred=False)
         if out.slot is not None:
             headers[RATE_SLOT_HEADER] = out.slot
-        try:
-            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
-        except Exception as exc:
-            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
-            raise Reject(exc, requeue=True) from exc
-        raise Ignore()
+        self._publish_again(req, countdown, headers)
 
     def _follows(self, req: Any, spec: JobSpec, out: Outcome) -> bool:
         """Whether a skipped duplicate waits for the running copy's result: only where a
@@ -425,23 +425,24 @@ class SingletonTask(Task):  # type: ignore[misc]
             redeliveries + 1,
             out.reason,
         )
-        try:
-            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
-        except Exception as exc:
-            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
-            raise Reject(exc, requeue=True) from exc
-        raise Ignore()
+        self._publish_again(req, countdown, headers)
 
     def _requeue(
         self, out: Outcome, countdown: float, explicit: str | None, redeliveries: int
     ) -> None:
-        """No concurrency slot came free in time: publish this message again (same id,
-        key and counts; neither a retry nor a redelivery), then ack this one. If the
-        publish fails, the message goes back to the broker instead: never dropped."""
+        """No concurrency slot came free in time, or (lock_until="start") another run of the
+        key holds it: publish this message again (same id, key and counts; neither a retry
+        nor a redelivery), then ack this one."""
         req = self.request
         if req.called_directly or req.is_eager:
             raise JobNotSettled(f"{out.reason}; call it again", fence=out.fence)
-        headers = _copy_headers(req, explicit, redeliveries, deferred=False)
+        self._publish_again(req, countdown, _copy_headers(req, explicit, redeliveries,
+                                                          deferred=False))  # fmt: skip
+
+    def _publish_again(self, req: Any, countdown: float, headers: dict[str, Any]) -> NoReturn:
+        """Publish the delivered message `req` again (same id; `headers` from _copy_headers,
+        so no publish claim is made for it), then ack this delivery. If the publish fails,
+        the message goes back to the broker instead (Reject with requeue): never dropped."""
         try:
             self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
         except Exception as exc:
@@ -471,6 +472,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                 job = None
             if job is not None:
                 self._runtime().executor.release(job.lease)
+        if not req.called_directly and not req.is_eager:
+            # The retry is this delivered message again: marked, never de-duplicated away.
+            explicit, redeliveries = _marks(req)
+            copied = _copy_headers(req, explicit, redeliveries, deferred=False)
+            options["headers"] = {**copied, **(options.get("headers") or {}), REPUBLISHED: 1}
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
@@ -654,9 +660,10 @@ _STOP_REASONS = {
 def _copy_headers(
     req: Any, explicit: str | None, redeliveries: int, *, deferred: bool
 ) -> dict[str, Any]:
-    """Headers for a copy of this message published again: the same idempotency key (Celery
-    may expose it only as a request attribute) and redelivery count; the crash marker only
-    on a deferred copy, so a redelivery never counts towards the poison cap by inheritance."""
+    """Headers for a copy of this message published again: marked as such (REPUBLISHED), the
+    same idempotency key (Celery may expose it only as a request attribute) and redelivery
+    count; the crash marker only on a deferred copy, so a redelivery never counts towards the
+    poison cap by inheritance."""
     # Neither marker is inherited: a reserved rate turn is spent by the copy it was made for.
     headers = {
         k: v for k, v in (req.headers or {}).items() if k not in (DEFERRED_HEADER, RATE_SLOT_HEADER)
@@ -667,7 +674,16 @@ def _copy_headers(
         headers[REDELIVERIES] = redeliveries
     if deferred:
         headers[DEFERRED_HEADER] = 1
+    headers[REPUBLISHED] = 1
     return headers
+
+
+def _marks(req: Any) -> tuple[str | None, int]:
+    """The delivery's explicit idempotency key and redelivery count, from its headers or (as
+    Celery may expose custom headers) its attributes."""
+    headers, fields = req.headers or {}, _fields(req)
+    explicit = headers.get(HEADER) or fields.get(HEADER)
+    return explicit, int(headers.get(REDELIVERIES) or fields.get(REDELIVERIES) or 0)
 
 
 def _fields(req: Any) -> dict[str, Any]:

@@ -137,9 +137,9 @@ class JobSpec:
     suspect: bool = False
     max_crashed: int = 0
     # Lock lifetimes (README "Lock lifetimes and duplicate publishes"). `lock_until="start"`
-    # drops the publish claim when the run starts; `unique_for` keeps it that many seconds
-    # after the run finished. With either, each publish is a run of its own: its DONE record
-    # answers its own redeliveries, not a later publish of the key.
+    # drops the publish claim when the body starts (past its rate turn and slot); `unique_for`
+    # keeps it that many seconds after the run finished. With either, each publish is a run of
+    # its own: its DONE record answers its own redeliveries, not a later publish of the key.
     lock_until: LockUntil = "finish"
     unique_for: float = 0.0
     claim_ttl: float = 60.0  # the publish claim's TTL while the job runs
@@ -168,6 +168,11 @@ class JobSpec:
         return f"{self.fingerprint}#{self.task_id}" if self.per_run else self.fingerprint
 
     @property
+    def claim_at_body(self) -> bool:
+        """The claim is dropped when the body really starts, not at the grant (lock_until)."""
+        return self.lock_until == "start"
+
+    @property
     def claims(self) -> bool:
         """Whether this delivery reads and updates the key's publish claim at start."""
         return bool(self.task_id) and (
@@ -180,7 +185,8 @@ class JobSpec:
 @dataclass(frozen=True)
 class Outcome:
     """What happened to one delivery. `countdown` is set for `defer`, `retry`, `redeliver`
-    and `requeue` (no concurrency slot came free in time: publish again, nothing counted).
+    and `requeue` (no concurrency slot came free in time, or under lock_until="start" another
+    run of the key holds it: publish again, nothing counted).
 
     `redeliver`: the job's fate is unknown (lock server unavailable, lease lost without
     proof of a newer holder, commit outcome unknown); deliver it again with the same key,
@@ -231,7 +237,7 @@ class Executor:
         if isinstance(got, Outcome):
             return got
         lease = got
-        if spec.claims:
+        if spec.claims and not spec.claim_at_body:
             skipped = self._claim_at_start(spec, lease)
             if skipped is not None:
                 return skipped
@@ -243,14 +249,30 @@ class Executor:
             if held is not None:
                 return held
         if not spec.concurrency:
-            return self._run_held(spec, lease, body, passthrough)
+            return self._start_body(spec, lease, body, passthrough)
         slot = self._take_slot(spec, lease)
         if isinstance(slot, Outcome):
             return slot
         try:
-            return self._run_held(spec, lease, body, passthrough, slot)
+            return self._start_body(spec, lease, body, passthrough, slot)
         finally:
             self._release_slot(spec, slot)
+
+    def _start_body(
+        self,
+        spec: JobSpec,
+        lease: Lease,
+        body: Callable[[JobContext], Any],
+        passthrough: tuple[type[BaseException], ...],
+        slot: SlotLease | None = None,
+    ) -> Outcome:
+        """lock_until="start": the claim is dropped here, past the rate turn and the slot, so
+        a publish while this job waits for them is a duplicate of it, not queued beside it."""
+        if spec.claims and spec.claim_at_body:
+            skipped = self._claim_at_start(spec, lease)
+            if skipped is not None:
+                return skipped
+        return self._run_held(spec, lease, body, passthrough, slot)
 
     def _run_held(
         self,
@@ -421,9 +443,13 @@ class Executor:
             if spec.on_conflict == "raise":
                 raise DuplicateJob("job is running elsewhere", key=spec.key)
             if spec.on_conflict == "retry":
+                if spec.lock_until == "start":
+                    return self._behind(spec, got, attempt)
                 return Outcome("retry", countdown=self._after(got, attempt))
             left = deadline - clock.monotonic()
             if left <= 0:
+                if spec.lock_until == "start":
+                    return self._behind(spec, got, attempt)
                 self.metrics.timeouts.labels(spec.name).inc()
                 raise AcquireTimeout(
                     f"job still running after {spec.wait_timeout:g}s", key=spec.key
@@ -432,6 +458,17 @@ class Executor:
                 spec.key, min(left, got.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
             )
             attempt += 1
+
+    def _behind(self, spec: JobSpec, busy: Busy, attempt: int) -> Outcome:
+        """lock_until="start": another run of the key holds it. This run queues behind it, as
+        long as that holder lives (its lease renewed), spending neither Celery's retries nor
+        the redelivery bound; a holder that dies frees the key at its lease's expiry."""
+        self._note("queued", spec, None)
+        return Outcome(
+            "requeue",
+            countdown=self._after(busy, attempt),
+            reason="another run of the key holds it",
+        )
 
     def _take_slot(self, spec: JobSpec, lease: Lease) -> SlotLease | Outcome:
         """A slot of the job's concurrency group, taken while the job's lease is held (so a

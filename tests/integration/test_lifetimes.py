@@ -208,3 +208,136 @@ def test_replace_never_runs_a_second_copy_beside_a_started_one(lt: Lifetimes) ->
     lt.fleet.wait_idle(lt.broker)  # a second copy would be queued or running now
     assert [s["version"] for s in lt.ledger.starts(j)] == ["v1"]
     assert len(lt.ledger.outcomes(j)) == 1
+
+
+# -- lock_until="start" meeting slots, rate turns and a running copy ---------------------
+
+
+def _succeeded(lt: Lifetimes, job_id: str, task_id: str) -> None:
+    """`task_id` (a published job's AsyncResult id) ends SUCCESS; else it was lost."""
+    wait_for(
+        lambda: any(o["state"] == "SUCCESS" for o in lt.ledger.outcomes(job_id, task_id)),
+        DEADLINE * 2, 0.05,
+        lambda: f"task {task_id} never succeeded (lost?)\n{lt.explain(job_id)()}",
+    )  # fmt: skip
+
+
+def _granted(lt: Lifetimes, task: Any, job_id: str) -> None:
+    """Wait until `job_id`'s lease is held: granted, and waiting before its body."""
+    key, _ = task.identity((job_id,), {})
+    backend = runtime_for(lt.app).backend
+    wait_for(lambda: backend.inspect(key) is not None, DEADLINE, 0.005, lt.explain(job_id))
+
+
+def test_lock_until_start_a_job_waiting_for_its_slot_is_never_deduplicated_away(
+    lt: Lifetimes,
+) -> None:
+    """concurrency=1: a job waits for the slot and is published again (requeue) while a
+    newer copy of its key is published; every published job must still take effect."""
+    a, b, task = job(), job(), lt.task("slot")
+    first = task.delay(a, "v1")
+    lt.started(a)  # holds the only slot until its gate opens
+    waiting = task.delay(b, "v1")
+    _granted(lt, task, b)  # its lease granted, its body not started: waiting for the slot
+    newer = task.delay(b, "v2")
+
+    def requeues() -> int:
+        return sum(o["state"] == "IGNORED" for o in lt.ledger.outcomes(b))
+
+    seen = requeues()
+    # Published again at least once since the newer publish (a second cycle if one was in
+    # flight), or the newer copy went out beside it and had its own first delivery.
+    wait_for(lambda: requeues() >= seen + 2 or (newer.id != waiting.id and any(
+        o["task_id"] == newer.id for o in lt.ledger.outcomes(b))), DEADLINE, 0.05,
+        lt.explain(b))  # fmt: skip
+    lt.ledger.release(a)
+    lt.ledger.release(b)
+    for job_id, result in ((a, first), (b, waiting), (b, newer)):
+        _succeeded(lt, job_id, result.id)
+    assert newer.id == waiting.id, "a publish while the job waited for its slot went beside it"
+    assert [s["version"] for s in lt.ledger.starts(b)] == ["v1"], lt.explain(b)()
+
+
+def test_lock_until_start_a_job_sleeping_for_its_rate_turn_answers_a_newer_publish(
+    lt: Lifetimes,
+) -> None:
+    """global_rate_limit, on_rate_limited="wait": the job sleeps in the worker for its turn
+    holding its lease; it has not started, so a newer publish is its duplicate."""
+    x, y, task = job(), job(), lt.task("rate")
+    first = task.delay(x, "v1")
+    lt.started(x)  # took the turn now; the next is lifetime_app.RATE's interval away
+    waiting = task.delay(y, "v1")
+    _granted(lt, task, y)
+    assert lt.ledger.start_count(y) == 0, "the second job did not wait for its turn"
+    newer = task.delay(y, "v2")
+    lt.ledger.release(x)
+    lt.ledger.release(y)
+    for job_id, result in ((x, first), (y, waiting), (y, newer)):
+        _succeeded(lt, job_id, result.id)
+    assert newer.id == waiting.id, "a publish while the job waited for its turn went beside it"
+    assert [s["version"] for s in lt.ledger.starts(y)] == ["v1"], lt.explain(y)()
+
+
+def test_lock_until_start_a_retry_is_never_deduplicated_against_a_newer_queued_run(
+    lt: Lifetimes,
+) -> None:
+    """The body retries after a newer run of its key was published (the claim went when the
+    body started); the retry is the same job again and must go out, not be answered with
+    the newer run's AsyncResult."""
+    j, task = job(), lt.task("start_retried")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    newer = task.apply_async((j, "v2"), countdown=3)  # queued, holding the key's claim
+    assert newer.id != first.id
+    lt.ledger.release(j)  # the first body ends and retries
+    _succeeded(lt, j, first.id)
+    _succeeded(lt, j, newer.id)
+    assert sorted(s["version"] for s in lt.ledger.starts(j)) == ["v1", "v1", "v2", "v2"]
+    assert lt.ledger.max_concurrent(j) == 1
+
+
+#: The first run's length: far past the 1 s TTL, Celery's 3 retries and wait_timeout (2 s).
+LONG_RUN = 7.0
+
+
+@pytest.mark.parametrize("policy", ["retry", "wait"])
+def test_lock_until_start_a_newer_run_waits_behind_a_long_run_then_runs(
+    lt: Lifetimes, policy: str
+) -> None:
+    j, task = job(), lt.task(f"queue_{policy}")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    began = time.monotonic()
+    second = task.delay(j, "v2")
+    assert second.id != first.id
+    time.sleep(max(0.0, LONG_RUN - (time.monotonic() - began)))  # the run's length, by design
+    assert lt.ledger.start_count(j) == 1, "the newer run started beside the running one"
+    lt.ledger.release(j)
+    _succeeded(lt, j, first.id)
+    _succeeded(lt, j, second.id)
+    failed = [o for o in lt.ledger.outcomes(j, second.id) if o["state"] not in (
+        "SUCCESS", "IGNORED")]  # fmt: skip
+    assert not failed, f"the newer run failed or spent a retry while it waited: {failed}"
+    starts, ends = lt.ledger.starts(j), lt.ledger.ends(j)
+    assert [s["version"] for s in starts] == ["v1", "v2"], lt.explain(j)()
+    assert lt.ledger.max_concurrent(j) == 1
+    assert starts[1]["t"] >= ends[0]["t"], "the newer run ran beside the running one"
+
+
+@ON_REDIS_ONLY
+def test_lock_until_start_a_run_queued_behind_a_holder_that_dies_gets_in(lt: Lifetimes) -> None:
+    """The holder's pool process is killed mid-run: its lease is no longer renewed and
+    expires (1 s TTL), and the run queued behind it gets in; nothing is lost."""
+    j, task = job(), lt.task("queue_retry")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    holder = int(lt.ledger.starts(j)[0]["pid"])
+    second = task.delay(j, "v2")
+    # Queued behind the live holder: published again at least once.
+    wait_for(lambda: any(o["state"] == "IGNORED" for o in lt.ledger.outcomes(j, second.id)),
+             DEADLINE, 0.05, lt.explain(j))  # fmt: skip
+    lt.fleet.kill_child(holder)
+    lt.ledger.release(j)
+    _succeeded(lt, j, second.id)
+    _succeeded(lt, j, first.id)  # the killed run's message comes back (acks_late) and runs
+    assert sorted(s["version"] for s in lt.ledger.starts(j)) == ["v1", "v1", "v2"]

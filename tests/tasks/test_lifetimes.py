@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -9,7 +10,16 @@ from typing import Any
 import pytest
 import redis
 
-from jobfence.locks import BackendUnavailable, Backoff, LeaseKeeper, MemoryBackend
+from jobfence.locks import (
+    AcquireTimeout,
+    BackendUnavailable,
+    Backoff,
+    Lease,
+    LeaseKeeper,
+    MemoryBackend,
+)
+from jobfence.locks.backend import default_meta
+from jobfence.locks.semaphore import acquire_slot
 from jobfence.tasks import (
     DUPLICATE,
     SUPERSEDED,
@@ -20,7 +30,8 @@ from jobfence.tasks import (
     TaskDefinitionError,
     runtime_for,
 )
-from jobfence.tasks.executor import STARTED
+from jobfence.tasks.celery_task import REPUBLISHED
+from jobfence.tasks.executor import STARTED, RateSpec
 from tests.tasks.conftest import AppFactory, spec_for, unique
 from tests.tasks.test_singleton_task import define
 
@@ -154,6 +165,85 @@ def test_each_run_may_bring_other_arguments_when_each_publish_is_its_own_run(
     assert run_on.run(second, body).status == "ran"  # not an IdempotencyConflict
 
 
+def test_lock_until_start_keeps_the_claim_while_the_job_waits_for_its_slot(
+    run_on: Executor, memory: MemoryBackend
+) -> None:
+    """A publish while the job waits for its slot is a duplicate of it: not started yet."""
+    key, group = unique(), unique("group")
+    other = acquire_slot(memory, group, limit=1, ttl=30, timeout=0)  # the only slot, taken
+    assert memory.claim_publish(key, "A", 60) is None
+    spec = spec_for(key, task_id="A", lock_until="start", publish_claim=True, concurrency=1,
+                    concurrency_key=group, on_conflict="wait", wait_timeout=0.05)  # fmt: skip
+    assert run_on.run(spec, Body()).status == "requeue"
+    assert memory.claim_publish(key, "B", 60) == "A", "the claim left before the body started"
+    other.release()
+    body = Body(during=lambda: memory.claim_publish(key, "C", 60))
+    assert run_on.run(spec, body).status == "ran"
+    assert body.seen is None, "the claim stayed after the body started"
+
+
+def test_lock_until_start_keeps_the_claim_while_the_job_sleeps_for_its_rate_turn(
+    run_on: Executor, memory: MemoryBackend
+) -> None:
+    key, limiter = unique(), unique("rate")
+    assert memory.claim_publish(key, "A", 60) is None
+    assert memory.take_rate(limiter, 0.4, 1, 0.0).admitted  # the turn now is another job's
+    body = Body(during=lambda: memory.claim_publish(key, "B", 60))
+    rate = RateSpec(key=limiter, label="tests.job", interval=0.4, on_limited="wait",
+                    wait_timeout=5.0)  # fmt: skip
+    spec = spec_for(key, task_id="A", lock_until="start", publish_claim=True, rate=rate,
+                    on_conflict="wait")  # fmt: skip
+    waiting = threading.Thread(target=run_on.run, args=(spec, body))
+    waiting.start()
+    # Granted and asleep for its turn: a newer publish is its duplicate.
+    while memory.inspect(key) is None:
+        time.sleep(0.005)
+    newer = memory.claim_publish(key, "N", 60)
+    waiting.join(10)
+    assert (newer, body.calls, body.seen) == ("A", 1, None)
+
+
+@pytest.mark.parametrize("policy", ["retry", "wait"])
+def test_lock_until_start_queues_behind_another_run_without_spending_a_retry(
+    run_on: Executor, memory: MemoryBackend, policy: str
+) -> None:
+    key = unique()
+    holder = memory.begin(key, 30, meta=default_meta(task_id="A"), record=True)
+    assert isinstance(holder, Lease)
+    spec = spec_for(key, task_id="B", lock_until="start", on_conflict=policy, wait_timeout=0.05)
+    out = run_on.run(spec, Body())  # retry: no Celery retry spent; wait: no AcquireTimeout
+    assert out.status == "requeue", out
+    assert 0 < out.countdown <= 30 + 0.05 + 1
+
+
+@pytest.mark.parametrize("policy", ["retry", "wait"])
+def test_lock_until_start_a_holder_that_dies_lets_the_queued_run_in(
+    run_on: Executor, memory: MemoryBackend, policy: str
+) -> None:
+    """Nobody renews a dead holder's lease: it expires, and the run queued behind it runs."""
+    key, body = unique(), Body()
+    holder = memory.begin(key, 0.3, meta=default_meta(task_id="A"), record=True)
+    assert isinstance(holder, Lease)  # never kept: its process is gone
+    spec = spec_for(key, task_id="B", lock_until="start", on_conflict=policy, wait_timeout=0.01)
+    deadline = time.monotonic() + 10
+    while (out := run_on.run(spec, body)).status == "requeue":
+        assert time.monotonic() < deadline, "the queued run never got in after the holder died"
+        time.sleep(min(out.countdown, 0.05))
+    assert (out.status, body.calls) == ("ran", 1)
+
+
+def test_control_lock_until_finish_still_times_out_behind_a_copy_of_the_same_job(
+    run_on: Executor, memory: MemoryBackend
+) -> None:
+    """A copy of the same job (its DONE record answers later) keeps wait's timeout."""
+    key = unique()
+    assert isinstance(memory.begin(key, 30, meta=default_meta(task_id="A"), record=True), Lease)
+    with pytest.raises(AcquireTimeout):
+        run_on.run(spec_for(key, task_id="B", on_conflict="wait", wait_timeout=0.05), Body())
+    out = run_on.run(spec_for(key, task_id="B", on_conflict="retry"), Body())
+    assert out.status == "retry"
+
+
 class ClaimsDown(MemoryBackend):
     """Locks work; the publish claims' compare-and-set finds the server unavailable."""
 
@@ -269,6 +359,24 @@ def test_a_started_job_may_publish_its_own_retry(
     assert runtime_for(app).backend.swap_publish(key, first.id, STARTED + first.id, 60) is None
     assert task.apply_async((5,), task_id=first.id).id == first.id
     assert redis_client.llen("celery") == 2, "the retry was taken for a duplicate"
+
+
+def test_a_delivered_message_published_again_goes_out_whoever_holds_the_claim(
+    make_app: AppFactory, redis_client: redis.Redis
+) -> None:
+    """A requeue, rate turn, deferred copy, redelivery or retry is the same job again (same
+    task id, marked by _copy_headers): never answered with a newer copy's AsyncResult."""
+    app = make_app(eager=False)
+    task = define(app, _f, dedupe_on_publish=True, lock_until="start", on_conflict="wait")
+    first = task.delay(5)
+    key, _ = task.identity((5,), {})
+    assert runtime_for(app).backend.swap_publish(key, first.id, None, 60) is None  # started
+    newer = task.delay(5)
+    assert newer.id != first.id  # a newer run, queued behind the started one
+    again = task.apply_async((5,), task_id=first.id, headers={REPUBLISHED: 1})
+    assert again.id == first.id
+    assert redis_client.llen("celery") == 3, "the re-published copy was taken for a duplicate"
+    assert REPUBLISHED.encode() not in b"".join(redis_client.lrange("celery", 0, -1))
 
 
 def test_a_throttled_job_that_failed_frees_its_key_for_a_fresh_submission(

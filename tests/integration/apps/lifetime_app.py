@@ -25,6 +25,12 @@ __all__ = ["UNIQUE_FOR", "create_app"]
 UNIQUE_FOR = 2.0
 #: How long a gated body waits for the test to open its gate.
 GATE_TIMEOUT = 30.0
+#: ``lifetime.slot``: how long a job waits for the only slot before it is published again.
+SLOT_WAIT = 1.0
+#: ``lifetime.rate``: one start per 4 s, so a second job sleeps in the worker for its turn.
+RATE = "15/m"
+#: ``lifetime.queue_*``: the lease TTL, far shorter than the run a newer copy waits behind.
+SHORT_TTL = 1.0
 
 
 def gated(self: Task, job_id: str, version: str = "") -> str:
@@ -38,6 +44,14 @@ def gated(self: Task, job_id: str, version: str = "") -> str:
     book.effect(job_id, **meta)
     book.end(job_id, **meta)
     return version
+
+
+def gated_then_retried(self: Task, job_id: str, version: str = "") -> str:
+    """`gated`, then on the first try a retry at once."""
+    out = gated(self, job_id, version)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return out
 
 
 def record(self: Task, job_id: str) -> int:
@@ -74,6 +88,17 @@ def _register(app: Celery) -> None:
         on_conflict="wait",
         wait_timeout=GATE_TIMEOUT,
     )
+    # lock_until="start" meeting a slot, a rate turn and a running copy of the key.
+    start = {"dedupe_on_publish": True, "lock_until": "start"}
+    singleton("lifetime.slot", gated, **start, on_conflict="wait", wait_timeout=SLOT_WAIT,
+              concurrency=1)  # fmt: skip
+    singleton("lifetime.rate", gated, **start, on_conflict="wait", global_rate_limit=RATE,
+              on_rate_limited="wait", wait_timeout=GATE_TIMEOUT)  # fmt: skip
+    singleton("lifetime.queue_retry", gated, **start, on_conflict="retry", ttl=SHORT_TTL)
+    singleton("lifetime.queue_wait", gated, **start, on_conflict="wait", ttl=SHORT_TTL,
+              wait_timeout=SHORT_TTL * 2)  # fmt: skip
+    singleton("lifetime.start_retried", gated_then_retried, **start, on_conflict="wait",
+              wait_timeout=GATE_TIMEOUT, max_retries=2)  # fmt: skip
     singleton("lifetime.finish", gated, dedupe_on_publish=True)
     singleton("lifetime.throttle", record, dedupe_on_publish=True, unique_for=UNIQUE_FOR)
     singleton("lifetime.retried", retried, dedupe_on_publish=True, unique_for=UNIQUE_FOR,
