@@ -392,17 +392,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         one (Ignore). If that copy failed, the comeback runs the job, as a fresh publish
         would. A failed publish requeues the current message instead: never lost."""
         countdown = min(spec.ttl, max(0.1, self._runtime().settings.visibility_timeout / 2))
-        headers = _copy_headers(req, explicit, redeliveries, deferred=False)
-        sig = self.signature_from_request(req, countdown=countdown, headers=headers)
         log.info("%s[%s]: a copy runs as task %s; this one comes back for its result",
                  self.name, req.id, out.holder)  # fmt: skip
-        try:
-            # Task's own publish: a copy of a delivered message is never de-duplicated.
-            super().apply_async(sig.args, sig.kwargs, **sig.options)
-        except Exception as exc:
-            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
-            raise Reject(exc, requeue=True) from exc
-        raise Ignore()
+        self._publish_again(req, countdown, _copy_headers(req, explicit, redeliveries,
+                                                          deferred=False))  # fmt: skip
 
     def _redeliver(
         self, out: Outcome, key: str, explicit: str | None, redeliveries: int, countdown: float
