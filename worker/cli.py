@@ -482,12 +482,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def _lock_scheme(url: str) -> str | None:
     """'postgres' or 'mysql' for a SQL lock URL, else None (Redis, memory: no tables)."""
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
-        return "postgres"
-    if scheme in ("mysql", "mariadb", "mysql+pymysql"):
-        return "mysql"
-    return None
+    from jobfence.locks import registry
+
+    try:
+        name = registry.entry_for(url).name
+    except ValueError:
+        return None
+    return name if name in ("postgres", "mysql") else None
 
 
 def _migrate_effects(raw: str, *, sql: bool) -> int:

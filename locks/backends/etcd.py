@@ -859,6 +859,9 @@ class EtcdBackend(LockBackend):
             self.clock.sleep(timeout)
 
     # -- checks and housekeeping ------------------------------------------------------------
+    def _ping(self) -> str:
+        return f"etcd {self.gateway.get('/version').get('etcdserver', '?')}"
+
     def server_problems(self) -> list[tuple[str, str]]:
         """What in the server breaks this backend (start-up check): (problem, fix) pairs."""
         try:
