@@ -444,6 +444,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     app.loader.import_default_modules()  # the task modules, as a worker imports them
     runtime = runtime_for(app)  # built from JOBFENCE_* if the app has none yet
     try:
+        health = runtime.backend.health()
+        state = "ok" if health.ok else "NOT ANSWERING"
+        print(f"lock server ({runtime.backend.name}): {state} in {health.latency * 1000:.1f} ms: "
+              f"{health.detail}")  # fmt: skip
         findings = run_checks(app, runtime)
     finally:
         runtime.close()

@@ -469,6 +469,12 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
         )
         return float(rows[0][0])
 
+    def _ping(self) -> str:
+        # Not through _run: a probe must not create the tables on first use.
+        with self._conn("health", None) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+        return f"PostgreSQL {row[0] if row else '?'}"
+
     def session_problems(self) -> list[str]:
         """What in this server or session breaks the backend's statements (start-up check).
 

@@ -480,6 +480,12 @@ class ZooKeeperBackend(LockBackend):
         """The server's wall clock as estimated from our latest write (no round trip)."""
         return time.time() + self._skew
 
+    def _ping(self) -> str:
+        # A read, not server_time (which writes a node): a probe changes nothing.
+        session = self._any_session()
+        self._call(session, "health", None, lambda: session.client.exists_async("/"))
+        return "zookeeper answered"
+
     def server_time(self) -> float:
         """Now on the server's clock: the mtime of a write to `<prefix>/clock`."""
         session = self._any_session()
