@@ -446,8 +446,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         health = runtime.backend.health()
         state = "ok" if health.ok else "NOT ANSWERING"
-        print(f"lock server ({runtime.backend.name}): {state} in {health.latency * 1000:.1f} ms: "
-              f"{health.detail}")  # fmt: skip
+        print(f"health of the {runtime.backend.name} lock backend: {state} in "
+              f"{health.latency * 1000:.1f} ms ({health.detail})")  # fmt: skip
         findings = run_checks(app, runtime)
     finally:
         runtime.close()

@@ -320,10 +320,10 @@ def test_the_check_command_reports_an_evicting_lock_server(fresh_redis):
 
 def test_the_check_command_reports_whether_the_lock_server_answers(fresh_redis):
     done = run_cli("check", env={"JOBFENCE_LOCK_URL": fresh_redis.url})
-    assert re.search(r"lock server \(redis\): ok in [0-9.]+ ms: PONG", done.stdout), done.stdout
+    assert re.search(r"redis lock backend: ok in [0-9.]+ ms \(PONG\)", done.stdout), done.stdout
     fresh_redis.stop()
     done = run_cli("check", env={"JOBFENCE_LOCK_URL": fresh_redis.url})
-    assert "lock server (redis): NOT ANSWERING" in done.stdout, done.stdout
+    assert "redis lock backend: NOT ANSWERING" in done.stdout, done.stdout
     assert "ConnectionError" in done.stdout
 
 
