@@ -24,13 +24,14 @@ from pymysql.constants import CLIENT  # type: ignore[import-untyped]
 from pymysql.err import Error as PyMySQLError  # type: ignore[import-untyped]
 from pymysql.err import MySQLError  # type: ignore[import-untyped]
 
+from jobfence.locks import registry
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import OwnerMeta
 
-SCHEMES = ("mysql", "mariadb", "mysql+pymysql")
+SCHEMES = registry.entry("mysql").schemes  # the registry is the one list
 RETRY_ERRORS = {1213, 1205}  # deadlock, lock wait timeout: the transaction was rolled back
 NO_SUCH_TABLE = 1146  # someone dropped our tables: make them again
 ATTEMPTS = 5

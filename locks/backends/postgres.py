@@ -15,6 +15,7 @@ import psycopg
 from psycopg import errors as pgerrors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from jobfence.locks import registry
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.backends.postgres_semaphore import PostgresSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -24,7 +25,7 @@ from jobfence.locks.lease import OwnerMeta
 TABLE = "jobfence_locks"
 FENCE_SEQUENCE = "jobfence_lock_fence_seq"
 CHANNEL = "jobfence_release"
-SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
+SCHEMES = registry.entry("postgres").schemes  # the registry is the one list
 
 # One row per (prefix, key): the lease, the job's final record, the queued-task marker and the
 # crash-suspect delivery count. Rows outlive their lease (owner '' once released), so a key's

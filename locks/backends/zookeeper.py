@@ -36,6 +36,7 @@ from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import KazooState
 from kazoo.retry import KazooRetry
 
+from jobfence.locks import registry
 from jobfence.locks.backend import (
     BeginResult,
     Busy,
@@ -53,7 +54,7 @@ from jobfence.locks.lease import DRIFT_FLOOR, DRIFT_FRACTION, Lease, OwnerMeta, 
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("zookeeper",)
+SCHEMES = registry.entry("zookeeper").schemes  # the registry is the one list
 DEFAULT_PORT = 2181
 ADMIN_TTL = 10.0  # the session of a process that holds no lease (CLI, admin calls)
 ATTEMPTS = 6  # a begin that keeps meeting a release, a new key node or a cleared record
