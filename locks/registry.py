@@ -92,10 +92,13 @@ _BY_SCHEME: dict[str, BackendEntry] = {}
 def register(entry: BackendEntry) -> BackendEntry:
     """Add `entry`; each of its schemes (lower case) must be new."""
     schemes = [s.lower() for s in entry.schemes]
-    taken = [s for s in schemes if s in _BY_SCHEME] + [entry.name] * (entry.name in _ENTRIES)
-    if not schemes or taken:
-        raise ValueError(f"backend {entry.name!r}: schemes or name {taken or 'none'} already "
-                         "registered (or none given); pick new ones")  # fmt: skip
+    if not schemes:
+        raise ValueError(f"backend {entry.name!r} has no schemes; give it at least one")
+    taken = [s for s in schemes if s in _BY_SCHEME]
+    if taken or entry.name in _ENTRIES:
+        owner = _BY_SCHEME[taken[0]].name if taken else entry.name
+        raise ValueError(f"backend {entry.name!r}: {'scheme ' + taken[0] if taken else 'name'} "
+                         f"is already registered by {owner!r}; pick another")  # fmt: skip
     _ENTRIES[entry.name] = entry
     _BY_SCHEME.update(dict.fromkeys(schemes, entry))
     return entry
