@@ -23,11 +23,10 @@ from pydantic_settings import (
 
 from jobfence.config.django_source import django_sources
 from jobfence.config.errors import UnsafeSettings
-from jobfence.config.urls import LOCK_SCHEMES, check_lock_url, check_url, redact
+from jobfence.config.urls import check_lock_url, check_url, redact
 
 ENV_PREFIX = "JOBFENCE_"
 DEV_SECRET = "jobfence-insecure-dev-secret"
-SUPPORTED_LOCK_SCHEMES = LOCK_SCHEMES
 URL_FIELDS = ("lock_url", "broker_url", "result_backend", "database_url")
 
 # JOBFENCE_* variables jobfence reads outside Settings (the demo's faults and journal, the

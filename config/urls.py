@@ -118,14 +118,6 @@ def check_url(
         raise UnsafeSettings(variable, f"{shown!r} {port}", fix)
 
 
-LOCK_SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "memory")
-LOCK_SCHEMES += ("postgresql", "postgres", "postgresql+psycopg")
-LOCK_SCHEMES += ("mysql", "mariadb", "mysql+pymysql")
-LOCK_SCHEMES += ("redlock",)
-LOCK_SCHEMES += ("etcd",)
-LOCK_SCHEMES += ("redis+cluster",)
-LOCK_SCHEMES += ("redis+sentinel",)
-LOCK_SCHEMES += ("zookeeper",)
 LOCK_EXAMPLE = "redis://127.0.0.1:6379/0 (TLS: rediss://host:6380/0)"
 
 
@@ -293,29 +285,24 @@ def sentinel_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> SentinelTa
     )
 
 
+def has_scheme(url: str) -> bool:
+    return bool(_SCHEME.match(url))
+
+
 def check_lock_url(url: str, variable: str) -> None:
-    """The lock URL: a supported scheme, a host for redis(s)://, a numeric port and db."""
-    if url.lower().startswith("redlock://"):
-        redlock_masters(url, variable)
-        return
-    if url.lower().startswith("redis+cluster://"):
-        cluster_nodes(url, variable)
-        return
-    if url.lower().startswith("redis+sentinel://"):
-        sentinel_target(url, variable)
-        return
-    if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "etcd":
-        _check_etcd_url(url, variable)  # a list of members: the one-host checks do not apply
-        return
-    if _SCHEME.match(url) and url.split("://", 1)[0].lower() == "zookeeper":
-        _check_zookeeper_url(url, variable)  # a host list: its own message and example
-        return
-    check_url(url, variable=variable, schemes=LOCK_SCHEMES, example=LOCK_EXAMPLE,
-              what="lock backend")
+    """The lock URL: a scheme a registered backend takes, then that backend's URL checks."""
+    # The schemes are listed once, in the backend registry (imports no client library).
+    from jobfence.locks.registry import check_lock_url as check_registered
+
+    check_registered(url, variable)
+
+
+def check_redis_url(url: str, variable: str) -> None:
+    """redis://, rediss:// (a host, a numeric db) or unix:// (a socket path)."""
+    check_url(url, variable=variable, schemes=None, example=LOCK_EXAMPLE, what="lock backend")
     fix = f"set {variable} to a URL such as {LOCK_EXAMPLE}"
     scheme, rest = url.split("://", 1)
-    scheme = scheme.lower()
-    if scheme in ("redis", "rediss"):
+    if scheme.lower() in ("redis", "rediss"):
         if not _host_port(url)[0].strip("[]"):
             raise UnsafeSettings(variable, f"{redact(url)!r} names no host", fix)
         path = rest.split("?", 1)[0].split("#", 1)[0]
@@ -324,20 +311,24 @@ def check_lock_url(url: str, variable: str) -> None:
             raise UnsafeSettings(
                 variable, f"{redact(url)!r} has database {db!r}, which is not a number", fix
             )
-    elif scheme in ("mysql", "mariadb", "mysql+pymysql"):
-        if not rest.split("?", 1)[0].partition("/")[2].strip("/"):
-            raise UnsafeSettings(
-                variable, f"{redact(url)!r} names no database",
-                f"set {variable} to a URL such as mysql://user:password@127.0.0.1:3306/jobfence",
-            )
-    elif scheme == "unix" and not rest.split("?", 1)[0]:
+    elif not rest.split("?", 1)[0]:
         raise UnsafeSettings(
             variable, f"{redact(url)!r} names no socket path",
             f"set {variable} to a URL such as unix:///run/redis/redis.sock?db=0",
         )
 
 
-def _check_etcd_url(url: str, variable: str) -> None:
+def check_mysql_url(url: str, variable: str) -> None:
+    """mysql://, mariadb://, mysql+pymysql://: the one-host checks and a database name."""
+    check_url(url, variable=variable, schemes=None, example=LOCK_EXAMPLE, what="lock backend")
+    if not url.split("://", 1)[1].split("?", 1)[0].partition("/")[2].strip("/"):
+        raise UnsafeSettings(
+            variable, f"{redact(url)!r} names no database",
+            f"set {variable} to a URL such as mysql://user:password@127.0.0.1:3306/jobfence",
+        )
+
+
+def check_etcd_url(url: str, variable: str) -> None:
     """etcd://host:port[,host:port...]: every member a host and a numeric port, no path."""
     fix = f"set {variable} to a URL such as etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
     rest = url.split("://", 1)[1]
@@ -364,7 +355,7 @@ def _check_etcd_url(url: str, variable: str) -> None:
             )
 
 
-def _check_zookeeper_url(url: str, variable: str) -> None:
+def check_zookeeper_url(url: str, variable: str) -> None:
     """zookeeper://host:port[,host:port...][/chroot]: every host named, every port a number."""
     fix = f"set {variable} to a URL such as zookeeper://zk1:2181,zk2:2181,zk3:2181/jobfence"
     shown = redact(url)

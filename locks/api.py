@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
+from jobfence.locks import registry
 from jobfence.locks.acquire import Backoff, acquire
 from jobfence.locks.backend import LockBackend, default_meta, validate_seconds
 from jobfence.locks.errors import AcquireTimeout, LeaseLost
@@ -255,57 +256,10 @@ class Locker:
 
 
 def open_backend(url: str, **options: Any) -> LockBackend:
-    """A backend for `url`'s scheme; optional backends are imported only when asked for."""
+    """A backend for `url`'s scheme (locks/registry.py); optional backends are imported only
+    when asked for, and a missing extra raises ModuleNotFoundError naming its install."""
     scheme = url.split("://", 1)[0]
-    if scheme in ("redis", "rediss", "unix"):
-        from jobfence.locks.backends.redis import RedisBackend
-
-        return RedisBackend.from_url(url, **options)
-    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
-        try:
-            from jobfence.locks.backends.postgres import PostgresBackend
-        except ModuleNotFoundError as exc:
-            raise ModuleNotFoundError(
-                f"the {scheme}:// lock backend needs psycopg: pip install 'jobfence[postgres]'",
-                name=exc.name,
-            ) from exc
-        return PostgresBackend.from_url(url, **options)
-    if scheme.lower() == "redis+cluster":
-        from jobfence.locks.backends.redis_cluster import RedisClusterBackend
-
-        return RedisClusterBackend.from_url(url, **options)
-    if scheme.lower() == "redis+sentinel":
-        from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
-
-        return RedisSentinelBackend.from_url(url, **options)
-    if scheme.lower() == "redlock":
-        from jobfence.locks.backends.redlock import RedlockBackend
-
-        return RedlockBackend.from_url(url, **options)
-    if scheme == "memory":
-        from jobfence.locks.backends.memory import MemoryBackend
-
-        return MemoryBackend(**{k: v for k, v in options.items() if k == "clock"})
-    if scheme.lower() in ("mysql", "mariadb", "mysql+pymysql"):
-        try:
-            from jobfence.locks.backends.mysql import MySQLBackend
-        except ImportError as exc:
-            hint = f"{scheme}:// locks need PyMySQL: pip install jobfence[mysql]"
-            raise ImportError(hint) from exc
-        return MySQLBackend.from_url(url, **options)
-    if scheme.lower() == "etcd":  # the JSON gateway over http.client: nothing to install
-        from jobfence.locks.backends.etcd import EtcdBackend
-
-        return EtcdBackend.from_url(url, **options)
-    if scheme.lower() == "zookeeper":
-        try:
-            from jobfence.locks.backends.zookeeper import ZooKeeperBackend
-        except ImportError as exc:
-            hint = "zookeeper:// locks need kazoo: pip install 'jobfence[zookeeper]'"
-            raise ImportError(hint) from exc
-        return ZooKeeperBackend.from_url(url, **options)
-    raise ValueError(
-        f"no lock backend for scheme {scheme!r}; use redis://, rediss://, unix://, "
-        "postgresql://, mysql://, mariadb://, redlock://, redis+sentinel://, redis+cluster:// "
-        "etcd:// or zookeeper://"
-    )
+    cls = registry.entry_for(url).load(scheme)
+    # from_url is each backend's own keyword-only signature, so the base declares none.
+    from_url: Callable[..., LockBackend] = getattr(cls, "from_url")  # noqa: B009
+    return from_url(url, **options)

@@ -21,8 +21,9 @@ from jobfence.locks.errors import (
 )
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 from jobfence.locks.procinfo import process_start
+from jobfence.locks.registry import Capabilities as Capabilities
+from jobfence.locks.registry import backends_with
 from jobfence.locks.slots import (
-    SEMAPHORE_BACKENDS,
     SlotInfo,
     SlotLease,
     SlotWait,
@@ -33,15 +34,13 @@ MAX_KEY_LENGTH = 512
 
 
 @dataclass(frozen=True)
-class Capabilities:
-    """What a backend guarantees, so callers can refuse a backend too weak for them."""
+class Health:
+    """One cheap round trip to the lock server: did it answer, how fast, and what it said
+    (or why it failed). Never an owner token or a password."""
 
-    native_fencing: bool  # grants carry a strictly increasing token
-    durable_fence: bool  # tokens keep increasing if the server loses its data
-    ha: bool  # survives the loss of one server
-    release_notify: bool  # waiters are woken on release instead of polling
-    semaphore: bool = False  # keeps counting semaphores (Locker.semaphore, concurrency=)
-    rate_limit: bool = False  # keeps shared GCRA rate limits on its own clock (take_rate)
+    ok: bool
+    latency: float  # seconds, on this host's clock
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -334,7 +333,7 @@ class LockBackend(ABC):
         if not self.capabilities.semaphore:
             raise SemaphoreUnsupported(
                 f"the {self.name} lock backend keeps no semaphores (concurrency limits); "
-                f"use one that does: {SEMAPHORE_BACKENDS}"
+                f"use one that does: {backends_with('semaphore', fleet=False)}"
             )
 
     def _sem_acquire(
@@ -455,8 +454,8 @@ class LockBackend(ABC):
         validate_key(key)
         if not self.capabilities.rate_limit:
             raise RateLimitUnsupported(
-                f"the {self.name} lock backend keeps no shared rate limits; use redis://, "
-                "redis+sentinel://, redis+cluster://, postgresql:// or mysql:// (mariadb://)",
+                f"the {self.name} lock backend keeps no shared rate limits; use "
+                f"{backends_with('rate_limit')}",
                 key=key,
             )
         if not interval > 0 or not isinstance(burst, int) or burst < 1:
@@ -477,6 +476,20 @@ class LockBackend(ABC):
         """Now, in Unix seconds, on the clock the server stamps heartbeats with; this
         default is the local clock (a backend with a server clock overrides it)."""
         return time.time()
+
+    def health(self) -> Health:
+        """Ask the server one cheap question (never raises): for `jobfence check` and probes."""
+        started = time.perf_counter()
+        try:
+            detail = self._ping()
+        except Exception as exc:  # a probe reports the failure; it is not the caller's to handle
+            return Health(False, time.perf_counter() - started, f"{type(exc).__name__}: {exc}")
+        return Health(True, time.perf_counter() - started, detail)
+
+    def _ping(self) -> str:
+        """One round trip; what the server answered, in a few words. This default reads
+        the server's clock: backends whose `server_time` is local override it."""
+        return f"server time {self.server_time():.6f}"
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free connections."""

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from jobfence.locks.backend import LockBackend, RateGrant, validate_seconds
 from jobfence.locks.errors import LockError, RateLimited, RateLimitUnsupported
+from jobfence.locks.registry import backends_with
 
 if TYPE_CHECKING:
     from jobfence.tasks.metrics import Metrics
@@ -121,8 +122,8 @@ class RateLimiter:
     ) -> None:
         if not backend.capabilities.rate_limit:
             raise RateLimitUnsupported(
-                f"the {backend.name} lock backend keeps no shared rate limits; use redis://, "
-                "redis+sentinel://, redis+cluster://, postgresql:// or mysql:// (mariadb://)",
+                f"the {backend.name} lock backend keeps no shared rate limits; use "
+                f"{backends_with('rate_limit')}",
                 key=key,
             )
         self.backend = backend

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from jobfence.locks.errors import LockError
 from jobfence.locks.lease import Lease, OwnerMeta
 
-#: The backends that keep semaphores (capability `semaphore`), named in refusals.
-SEMAPHORE_BACKENDS = "redis, redis+sentinel, redis+cluster, postgresql, mysql/mariadb, memory"
 #: A waiter's place in the queue is kept this long after its last poll: a waiter that died
 #: holds up those behind it for this long at most. Waiters poll well within it.
 WAITER_TTL = 5.0

@@ -19,6 +19,7 @@ from celery.utils import uuid
 from jobfence.locks.errors import BackendUnavailable, LockError, RateLimitUnsupported
 from jobfence.locks.lease import Lease
 from jobfence.locks.ratelimit import Rate, parse_rate
+from jobfence.locks.registry import backends_with
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
@@ -339,8 +340,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         if not rt.backend.capabilities.rate_limit:
             raise RateLimitUnsupported(
                 f"{self.name} has global_rate_limit={str(rate)!r}, but the "
-                f"{rt.backend.name} lock backend keeps no shared rate limits; use redis://, "
-                "redis+sentinel://, redis+cluster://, postgresql:// or mysql:// (mariadb://)"
+                f"{rt.backend.name} lock backend keeps no shared rate limits; use "
+                f"{backends_with('rate_limit')}"
             )
         if self.rate_key is None:
             limiter = self.name

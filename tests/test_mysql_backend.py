@@ -77,7 +77,7 @@ def test_pymysql_is_imported_only_when_asked_for_and_its_absence_names_the_extra
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert "pip install jobfence[mysql]" in out.stdout
+    assert "pip install 'jobfence[mysql]'" in out.stdout
 
 
 # What MySQL 8 rejects or deprecates, though MariaDB 10.11 accepts it (MySQL 8 itself is not

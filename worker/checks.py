@@ -20,12 +20,12 @@ from redis.retry import Retry
 from jobfence.config import UnsafeSettings
 from jobfence.config.settings import ENV_PREFIX, unknown_variables
 from jobfence.config.urls import check_url, redact, redlock_masters
-from jobfence.locks import BackendUnavailable, RedisBackend
+from jobfence.locks import BackendUnavailable, RedisBackend, registry
 from jobfence.locks.backends.redis import tls_hint
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.locks.backends.redlock import RedlockBackend
-from jobfence.locks.slots import SEMAPHORE_BACKENDS
+from jobfence.locks.registry import backends_with
 from jobfence.tasks import Runtime, SingletonTask
 from jobfence.tasks.keys import secret_id
 
@@ -40,7 +40,7 @@ SECRET_ID_KEY = "key-secret-id"
 #: It must outlive every DONE record under the secret; it is refreshed at each start.
 SECRET_ID_RETENTION = 10 * 365 * 24 * 3600.0
 JSON_TYPES = ("json", "application/json")
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = registry.entry("redis").schemes
 
 
 class StartupWarning(UserWarning):
@@ -172,7 +172,8 @@ def check_lock_backend(
     try:
         backend.client.ping()
     except RedisError as exc:
-        hint = tls_hint(exc) if urlsplit(settings.lock_url).scheme == "rediss" else None
+        tls = urlsplit(settings.lock_url).scheme == registry.entry("redis").tls_scheme
+        hint = tls_hint(exc) if tls else None
         if hint:  # a TLS set-up that cannot work: no amount of waiting helps
             yield _refuse(
                 setting,
@@ -451,7 +452,7 @@ def check_semaphores(runtime: Runtime, tasks: Iterable[Any] = ()) -> Iterator[Fi
                 f"task {task.name} concurrency",
                 f"the {backend.name} lock backend keeps no semaphores, so "
                 f"concurrency={task.concurrency} cannot be enforced",
-                f"use a lock backend that keeps them ({SEMAPHORE_BACKENDS}) or drop "
+                f"use a lock backend that keeps them ({backends_with('semaphore')}) or drop "
                 "concurrency= from the task",
             )
 
@@ -466,8 +467,8 @@ def check_rate_limits(runtime: Runtime, tasks: Iterable[Any] = ()) -> Iterator[F
             yield _refuse(
                 f"task {task.name} global_rate_limit",
                 f"the {backend.name} lock backend keeps no shared rate limits",
-                f"use redis://, redis+sentinel://, redis+cluster://, postgresql:// or mysql:// "
-                f"for {ENV_PREFIX}LOCK_URL, or drop global_rate_limit",
+                f"use {backends_with('rate_limit')} for {ENV_PREFIX}LOCK_URL, or drop "
+                "global_rate_limit",
             )
 
 

@@ -444,6 +444,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     app.loader.import_default_modules()  # the task modules, as a worker imports them
     runtime = runtime_for(app)  # built from JOBFENCE_* if the app has none yet
     try:
+        health = runtime.backend.health()
+        state = "ok" if health.ok else "NOT ANSWERING"
+        print(f"health of the {runtime.backend.name} lock backend: {state} in "
+              f"{health.latency * 1000:.1f} ms ({health.detail})")  # fmt: skip
         findings = run_checks(app, runtime)
     finally:
         runtime.close()
@@ -482,12 +486,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def _lock_scheme(url: str) -> str | None:
     """'postgres' or 'mysql' for a SQL lock URL, else None (Redis, memory: no tables)."""
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
-        return "postgres"
-    if scheme in ("mysql", "mariadb", "mysql+pymysql"):
-        return "mysql"
-    return None
+    from jobfence.locks import registry
+
+    try:
+        name = registry.entry_for(url).name
+    except ValueError:
+        return None
+    return name if name in ("postgres", "mysql") else None
 
 
 def _migrate_effects(raw: str, *, sql: bool) -> int:

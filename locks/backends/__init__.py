@@ -1,1 +1,1 @@
-"""Lock backends, one module each: Redis (one node) and in-memory (for unit tests)."""
+"""Lock backends, one module each; locks/registry.py maps URL schemes to them."""

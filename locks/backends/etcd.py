@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from jobfence.locks import registry
 from jobfence.locks.backend import (
     BeginResult,
     Busy,
@@ -36,7 +37,7 @@ from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import Lease, OwnerMeta
 
-SCHEMES = ("etcd",)
+SCHEMES = registry.entry("etcd").schemes  # the registry is the one list
 #: Lease TTLs are whole seconds on etcd; shorter asks are raised to this (etcd's own floor
 #: is 1.5 election timeouts, 2 s with its defaults).
 MIN_TTL = 2
@@ -859,6 +860,9 @@ class EtcdBackend(LockBackend):
             self.clock.sleep(timeout)
 
     # -- checks and housekeeping ------------------------------------------------------------
+    def _ping(self) -> str:
+        return f"etcd {self.gateway.get('/version').get('etcdserver', '?')}"
+
     def server_problems(self) -> list[tuple[str, str]]:
         """What in the server breaks this backend (start-up check): (problem, fix) pairs."""
         try:

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from jobfence.locks.backend import (
     Busy,
@@ -57,6 +57,15 @@ class MemoryBackend(LockBackend):
         self._slots: dict[str, dict[str, tuple[int, float, OwnerMeta]]] = {}
         self._waiters: dict[str, dict[str, float]] = {}
         self._slot_fences: dict[str, int] = {}
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Clock = SYSTEM_CLOCK, **options: Any) -> MemoryBackend:
+        """`memory://`: one process's locks. The options other backends take (prefix,
+        socket_timeout) mean nothing here and are ignored, so one settings object fits all."""
+        return cls(clock=clock)
+
+    def _ping(self) -> str:
+        return "in process"
 
     def _live(self, key: str) -> _Held | None:
         h = self._held.get(key)

@@ -24,13 +24,14 @@ from pymysql.constants import CLIENT  # type: ignore[import-untyped]
 from pymysql.err import Error as PyMySQLError  # type: ignore[import-untyped]
 from pymysql.err import MySQLError  # type: ignore[import-untyped]
 
+from jobfence.locks import registry
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import OwnerMeta
 
-SCHEMES = ("mysql", "mariadb", "mysql+pymysql")
+SCHEMES = registry.entry("mysql").schemes  # the registry is the one list
 RETRY_ERRORS = {1213, 1205}  # deadlock, lock wait timeout: the transaction was rolled back
 NO_SUCH_TABLE = 1146  # someone dropped our tables: make them again
 ATTEMPTS = 5
@@ -354,6 +355,17 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         """Now on the server's clock (`NOW(6)` at UTC: the clock expiry runs on)."""
         rows = self._run("SELECT UNIX_TIMESTAMP(NOW(6))", None, None)
         return float(rows[0][0][0])
+
+    def _ping(self) -> str:
+        # Not through _run: a probe must not create the tables on first use.
+        conn = self._connection(None)
+        try:
+            rows = self._execute(conn, "SELECT VERSION()", None)
+        except BaseException:
+            _discard(conn)
+            raise
+        self._pool.put(conn)
+        return f"MySQL/MariaDB {rows[0][0][0]}"
 
     # Where an acquire+release pair's ~1.2-1.5 ms goes on loopback here (MariaDB 10.11,
     # profiled): two durable commits (a redo-log flush each, ~170 µs on this disk), the six

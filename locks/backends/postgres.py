@@ -15,6 +15,7 @@ import psycopg
 from psycopg import errors as pgerrors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from jobfence.locks import registry
 from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
 from jobfence.locks.backends.postgres_semaphore import PostgresSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -24,7 +25,7 @@ from jobfence.locks.lease import OwnerMeta
 TABLE = "jobfence_locks"
 FENCE_SEQUENCE = "jobfence_lock_fence_seq"
 CHANNEL = "jobfence_release"
-SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
+SCHEMES = registry.entry("postgres").schemes  # the registry is the one list
 
 # One row per (prefix, key): the lease, the job's final record, the queued-task marker and the
 # crash-suspect delivery count. Rows outlive their lease (owner '' once released), so a key's
@@ -468,6 +469,12 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
             "server time", None, "SELECT extract(epoch FROM clock_timestamp())::float8", None
         )
         return float(rows[0][0])
+
+    def _ping(self) -> str:
+        # Not through _run: a probe must not create the tables on first use.
+        with self._conn("health", None) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+        return f"PostgreSQL {row[0] if row else '?'}"
 
     def session_problems(self) -> list[str]:
         """What in this server or session breaks the backend's statements (start-up check).

@@ -287,6 +287,10 @@ class RedisBackend(RedisSemaphores, LockBackend):
             clock=clock,
         )
 
+    def _ping(self) -> str:
+        self.client.ping()  # the master a Sentinel names; any node of a cluster
+        return "PONG"
+
     def _evalsha(self, sha: str, keys: list[str], args: list[Any]) -> Any:
         if self._lane is not None:
             return self._lane.call("EVALSHA", sha, len(keys), *keys, *args)

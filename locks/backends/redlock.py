@@ -973,6 +973,17 @@ class RedlockBackend(LockBackend):
             return float(seconds) + float(micros) / 1e6
         raise BackendUnavailable("redlock: no master answered TIME")
 
+    def _ping(self) -> str:
+        """PING each master: healthy while a majority answers (grants need one)."""
+        answered = 0
+        for master in self.masters:
+            with contextlib.suppress(RedisError):
+                answered += bool(master.client.ping())
+        detail = f"{answered} of {len(self.masters)} masters answered"
+        if answered < self.quorum:
+            raise BackendUnavailable(f"{detail}; a majority of {self.quorum} is needed")
+        return detail
+
     def check_servers(self) -> list[tuple[bool, str, str]]:
         """What about the masters is unsafe (refuse) or weakens a guarantee (warn).
 

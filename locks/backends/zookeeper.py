@@ -36,6 +36,7 @@ from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import KazooState
 from kazoo.retry import KazooRetry
 
+from jobfence.locks import registry
 from jobfence.locks.backend import (
     BeginResult,
     Busy,
@@ -53,7 +54,7 @@ from jobfence.locks.lease import DRIFT_FLOOR, DRIFT_FRACTION, Lease, OwnerMeta, 
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("zookeeper",)
+SCHEMES = registry.entry("zookeeper").schemes  # the registry is the one list
 DEFAULT_PORT = 2181
 ADMIN_TTL = 10.0  # the session of a process that holds no lease (CLI, admin calls)
 ATTEMPTS = 6  # a begin that keeps meeting a release, a new key node or a cleared record
@@ -479,6 +480,12 @@ class ZooKeeperBackend(LockBackend):
     def server_now(self) -> float:
         """The server's wall clock as estimated from our latest write (no round trip)."""
         return time.time() + self._skew
+
+    def _ping(self) -> str:
+        # A read, not server_time (which writes a node): a probe changes nothing.
+        session = self._any_session()
+        self._call(session, "health", None, lambda: session.client.exists_async("/"))
+        return "zookeeper answered"
 
     def server_time(self) -> float:
         """Now on the server's clock: the mtime of a write to `<prefix>/clock`."""

@@ -632,3 +632,10 @@ def test_release_just_before_the_wait_is_not_missed(harness: BackendHarness) -> 
     other.wait_for_release(key, 3.0)
     assert time.monotonic() - started < 1.0, "wait_for_release missed a release"
     assert other.try_acquire(key, 5.0) is not None
+
+
+def test_health_asks_the_server_once_and_says_it_answered(harness: BackendHarness) -> None:
+    health, trips = harness.round_trips(harness.backend.health)
+    assert health.ok, health.detail
+    assert 0 <= health.latency < 5.0 and health.detail
+    assert trips is None or trips <= 1, f"health cost {trips} round trips"

@@ -318,6 +318,15 @@ def test_the_check_command_reports_an_evicting_lock_server(fresh_redis):
     assert "REFUSED" in done.stdout and "allkeys-random" in done.stdout
 
 
+def test_the_check_command_reports_whether_the_lock_server_answers(fresh_redis):
+    done = run_cli("check", env={"JOBFENCE_LOCK_URL": fresh_redis.url})
+    assert re.search(r"redis lock backend: ok in [0-9.]+ ms \(PONG\)", done.stdout), done.stdout
+    fresh_redis.stop()
+    done = run_cli("check", env={"JOBFENCE_LOCK_URL": fresh_redis.url})
+    assert "redis lock backend: NOT ANSWERING" in done.stdout, done.stdout
+    assert "ConnectionError" in done.stdout
+
+
 def test_bench_without_a_name_prints_its_usage(env):
     done = run_cli("bench", env=env)
     assert done.returncode == 2 and "bench {locks|celery|gate|leader|memory|keeper}" in done.stderr

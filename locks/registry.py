@@ -1,0 +1,210 @@
+"""The one registry of lock backends: URL scheme → module, class, extra, URL check, capabilities.
+
+Every list of schemes (settings checks, `open_backend`, refusals naming the backends that can)
+is read from here, and a backend's module is imported only when its scheme is asked for, with
+an install hint when its extra is missing (as dramatiq's `rate_limits/backends/__init__.py`).
+Adding a backend is one module plus one `register(BackendEntry(...))` line below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+from jobfence.config import urls
+
+if TYPE_CHECKING:
+    from jobfence.locks.backend import LockBackend
+
+Feature = Literal[
+    "native_fencing", "durable_fence", "ha", "release_notify", "semaphore", "rate_limit"
+]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees, so callers can refuse a backend too weak for them."""
+
+    native_fencing: bool  # grants carry a strictly increasing token
+    durable_fence: bool  # tokens keep increasing if the server loses its data
+    ha: bool  # survives the loss of one server
+    release_notify: bool  # waiters are woken on release instead of polling
+    semaphore: bool = False  # keeps counting semaphores (Locker.semaphore, concurrency=)
+    rate_limit: bool = False  # keeps shared GCRA rate limits on its own clock (take_rate)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One lock backend: the schemes that pick it and where its class lives.
+
+    `capabilities` is the class's own table, readable without importing the module (whose
+    client library may not be installed); a test keeps the two equal. `check_url(url,
+    variable)` raises UnsafeSettings naming `variable` for an unusable URL; None: the
+    one-host checks (a host, a numeric port, no '/' or '#' in the password).
+    """
+
+    name: str  # the class's `name`, as metrics, logs and refusals show it
+    schemes: tuple[str, ...]  # the first is the one messages name
+    module: str
+    class_name: str
+    capabilities: Capabilities
+    extra: str | None = None  # `pip install 'jobfence[<extra>]'` installs its library
+    requires: str | None = None  # the import name of that library
+    check_url: Callable[[str, str], object] | None = None
+    default_port: int | None = None
+    tls_scheme: str | None = None  # the scheme that asks for TLS, if the backend has one
+    fleet: bool = True  # False: one process only (not a lock server a fleet can share)
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install 'jobfence[{self.extra}]'" if self.extra else ""
+
+    def load(self, scheme: str | None = None) -> type[LockBackend]:
+        """The backend class, importing its module now; a missing extra names its install."""
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as exc:
+            missing = exc.name or ""
+            if not self.requires or missing.split(".")[0] != self.requires:
+                raise  # not the optional library: a real error, shown as it is
+            raise ModuleNotFoundError(
+                f"the {scheme or self.schemes[0]}:// lock backend needs {self.requires}: "
+                f"{self.install_hint}",
+                name=exc.name,
+            ) from exc
+        cls: type[LockBackend] = getattr(module, self.class_name)
+        return cls
+
+    def validate_url(self, url: str, variable: str) -> None:
+        if self.check_url is not None:
+            self.check_url(url, variable)
+        else:
+            urls.check_url(url, variable=variable, schemes=None, example=urls.LOCK_EXAMPLE,
+                           what="lock backend")  # fmt: skip
+
+
+_ENTRIES: dict[str, BackendEntry] = {}  # by name, in registration order
+_BY_SCHEME: dict[str, BackendEntry] = {}
+
+
+def register(entry: BackendEntry) -> BackendEntry:
+    """Add `entry`; each of its schemes (lower case) must be new."""
+    schemes = [s.lower() for s in entry.schemes]
+    if not schemes:
+        raise ValueError(f"backend {entry.name!r} has no schemes; give it at least one")
+    taken = [s for s in schemes if s in _BY_SCHEME]
+    if taken or entry.name in _ENTRIES:
+        owner = _BY_SCHEME[taken[0]].name if taken else entry.name
+        raise ValueError(f"backend {entry.name!r}: {'scheme ' + taken[0] if taken else 'name'} "
+                         f"is already registered by {owner!r}; pick another")  # fmt: skip
+    _ENTRIES[entry.name] = entry
+    _BY_SCHEME.update(dict.fromkeys(schemes, entry))
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Remove the backend `name` (tests that register one of their own)."""
+    entry = _ENTRIES.pop(name)
+    for scheme in entry.schemes:
+        _BY_SCHEME.pop(scheme.lower(), None)
+
+
+def entry(name: str) -> BackendEntry:
+    """The backend registered as `name` ("redis", "postgres", ...)."""
+    return _ENTRIES[name]
+
+
+def entries() -> tuple[BackendEntry, ...]:
+    return tuple(_ENTRIES.values())
+
+
+def lock_schemes() -> tuple[str, ...]:
+    """Every scheme a lock URL may have, in registration order."""
+    return tuple(s for e in _ENTRIES.values() for s in e.schemes)
+
+
+def scheme_of(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else ""
+
+
+def entry_for(url: str) -> BackendEntry:
+    """The backend `url`'s scheme picks; ValueError naming every scheme if none does."""
+    entry = _BY_SCHEME.get(scheme_of(url))
+    if entry is None:
+        raise ValueError(f"no lock backend for scheme {url.split('://', 1)[0]!r}; use "
+                         f"{_either(s + '://' for s in lock_schemes())}")  # fmt: skip
+    return entry
+
+
+def check_lock_url(url: str, variable: str) -> None:
+    """Raise UnsafeSettings (one line naming `variable`) unless a backend takes `url`."""
+    entry = _BY_SCHEME.get(scheme_of(url)) if urls.has_scheme(url) else None
+    if entry is None:  # refused here: no scheme, or one no backend takes
+        urls.check_url(url, variable=variable, schemes=lock_schemes(), example=urls.LOCK_EXAMPLE,
+                       what="lock backend")  # fmt: skip
+        return
+    entry.validate_url(url, variable)
+
+
+def backends_with(feature: Feature, *, fleet: bool = True) -> str:
+    """The schemes of the backends that have `feature`, for a refusal's fix ("redis://,
+    postgresql:// or mysql://"); with `fleet`, only those a fleet of processes can share."""
+    return _either(
+        e.schemes[0] + "://"
+        for e in _ENTRIES.values()
+        if getattr(e.capabilities, feature) and (e.fleet or not fleet)
+    )
+
+
+def _either(names: Iterable[str]) -> str:
+    items = list(names)
+    return ", ".join(items[:-1]) + f" or {items[-1]}" if len(items) > 1 else "".join(items)
+
+
+_BACKENDS = "jobfence.locks.backends."
+# A lock server with every feature, and without: most entries differ only in a flag or two.
+_FULL = Capabilities(
+    native_fencing=True, durable_fence=True, ha=False, release_notify=True,
+    semaphore=True, rate_limit=True,
+)  # fmt: skip
+_LEASES = Capabilities(native_fencing=True, durable_fence=True, ha=True, release_notify=True)
+
+register(BackendEntry(
+    "redis", ("redis", "rediss", "unix"), _BACKENDS + "redis", "RedisBackend", _FULL,
+    check_url=urls.check_redis_url, default_port=6379, tls_scheme="rediss",
+))  # fmt: skip
+register(BackendEntry(
+    "memory", ("memory",), _BACKENDS + "memory", "MemoryBackend",
+    replace(_FULL, durable_fence=False), fleet=False,
+))  # fmt: skip
+register(BackendEntry(
+    "postgres", ("postgresql", "postgres", "postgresql+psycopg"), _BACKENDS + "postgres",
+    "PostgresBackend", _FULL, extra="postgres", requires="psycopg", default_port=5432,
+))  # fmt: skip
+register(BackendEntry(
+    "mysql", ("mysql", "mariadb", "mysql+pymysql"), _BACKENDS + "mysql", "MySQLBackend",
+    replace(_FULL, release_notify=False), extra="mysql", requires="pymysql",
+    check_url=urls.check_mysql_url, default_port=3306,
+))  # fmt: skip
+register(BackendEntry(
+    "redlock", ("redlock",), _BACKENDS + "redlock", "RedlockBackend",
+    replace(_LEASES, durable_fence=False), check_url=urls.redlock_masters, default_port=6379,
+))  # fmt: skip
+register(BackendEntry(
+    "etcd", ("etcd",), _BACKENDS + "etcd", "EtcdBackend", replace(_LEASES, ha=False),
+    check_url=urls.check_etcd_url, default_port=2379,
+))  # fmt: skip
+register(BackendEntry(
+    "redis-cluster", ("redis+cluster",), _BACKENDS + "redis_cluster", "RedisClusterBackend",
+    _FULL, check_url=urls.cluster_nodes, default_port=6379,
+))  # fmt: skip
+register(BackendEntry(
+    "redis-sentinel", ("redis+sentinel",), _BACKENDS + "redis_sentinel", "RedisSentinelBackend",
+    replace(_FULL, ha=True), check_url=urls.sentinel_target, default_port=26379,
+))  # fmt: skip
+register(BackendEntry(
+    "zookeeper", ("zookeeper",), _BACKENDS + "zookeeper", "ZooKeeperBackend", _LEASES,
+    extra="zookeeper", requires="kazoo", check_url=urls.check_zookeeper_url, default_port=2181,
+))  # fmt: skip
