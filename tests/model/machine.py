@@ -17,8 +17,9 @@ from tests.model.scenario import Harness, Scenario, Step
 __all__ = ["ModelMachine", "machine_settings"]
 
 MODES = st.sampled_from(["ok", "ok", "retry", "fail"])
-#: Short bodies, and one longer than the lease TTL (the keeper must carry it).
-HOLDS = st.sampled_from([0.02, 0.02, 0.4, 1.6])
+#: Short bodies; now and then one longer than the lease TTL (the keeper must carry it), or
+#: than the conflict wait and slot wait (2 s).
+HOLDS = st.sampled_from([0.02, 0.02, 0.02, 0.4, 1.6, 5.0])
 COUNTDOWNS = st.one_of(st.none(), st.sampled_from([0.3, MAX_COUNTDOWN]))
 PICKS = st.integers(min_value=0, max_value=7)
 #: A chain also starts a new job now and then (its first publish is the chain's head).
