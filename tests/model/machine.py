@@ -102,7 +102,7 @@ class ModelMachine(RuleBasedStateMachine):
         scenario.drain()
         violations = []
         for violation in scenario.check():
-            defect = None if strict() else known_defect(violation, scenario.options)
+            defect = None if strict() else known_defect(violation, scenario)
             if defect is None:
                 violations.append(violation)
             else:
