@@ -33,6 +33,7 @@ __all__ = [
     "BODY_RETRY_COUNTDOWN",
     "LEASE_TTL",
     "MAX_RETRIES",
+    "PLAIN",
     "ModelApp",
     "Options",
     "build_app",
@@ -113,6 +114,10 @@ class Options:
         return options
 
 
+#: The control's "options": a plain ``@app.task`` with the same body, no jobfence.
+PLAIN = Options("plain", "finish", None, False, "result", 0, None)
+
+
 def valid_options() -> list[Options]:
     """Every combination the decorator accepts (README: the refusals at decoration)."""
     found = []
@@ -163,6 +168,8 @@ def _body(model: ModelApp) -> Any:
             raise self.retry(countdown=BODY_RETRY_COUNTDOWN, exc=BodyFailed("asked a retry"))
         if mode == "fail":
             raise BodyFailed(f"{job_id} fails by design")
+        if self.name == PLAIN.task_name:
+            return _plain_effect(model, self.request.id, job_id, group, hold)
         ctx = current_job()
         slots = f"model:slots:{group}"
         enter = {"kind": "enter", "task_id": self.request.id, "t": time.monotonic()}
@@ -185,6 +192,26 @@ def _body(model: ModelApp) -> Any:
             model.ledger.rpush(slots, json.dumps(leave))
 
     return job
+
+
+def _plain_effect(
+    model: ModelApp, task_id: str, job_id: str, group: str, hold: float
+) -> dict[str, Any]:
+    """The control's body: the same records, the effect written with no lock and no fence."""
+    slots = f"model:slots:{group}"
+    model.ledger.rpush(
+        slots, json.dumps({"kind": "enter", "task_id": task_id, "t": time.monotonic()})
+    )
+    time.sleep(hold)
+    key = f"plain:{job_id}"
+    with model.engine.begin() as conn:
+        conn.execute(
+            effects_table.insert().values(job_id=job_id, task_id=task_id, job_key=key, fence=0)
+        )
+    model.ledger.rpush(
+        slots, json.dumps({"kind": "exit", "task_id": task_id, "t": time.monotonic()})
+    )
+    return {"job": job_id, "key": key}
 
 
 def build_app(env: Mapping[str, str], *, lock_url: str, database_url: str) -> ModelApp:
@@ -214,6 +241,9 @@ def build_app(env: Mapping[str, str], *, lock_url: str, database_url: str) -> Mo
             app=app, name=options.task_name, bind=True, shared=False, max_retries=MAX_RETRIES,
             wait_timeout=WAIT_TIMEOUT, **options.decorator_options(),
         )(body)  # fmt: skip
+
+    # The control: the same body as a plain Celery task (its options are never drawn).
+    model.tasks[PLAIN] = app.task(name=PLAIN.task_name, bind=True, shared=False)(body)
 
     def tail(value: Any, prefix: str) -> Any:
         """A chain's next step: records what it received (a marker here is a violation)."""
