@@ -47,6 +47,12 @@ KNOWN: tuple[Known, ...] = (
     Known("issue 18 defect 11", "unexpected-failure",
           lambda s: s.options.on_conflict == "wait", "AcquireTimeout"),
     Known("issue 18 defect 11", "lost-run", lambda s: s.options.lock_until == "start"),
+    # Not filed yet: the publish claim's cleanup after a failed or refused run reaches the
+    # paused lock server, and its error replaces the task's own (seed "claim-cleanup-*").
+    Known("model: claim cleanup masks the error", "unexpected-failure",
+          lambda s: any(step.kind == "blip" for step in s.steps), "swap_publish failed"),
+    Known("model: claim cleanup masks the error", "unexpected-failure",
+          lambda s: any(step.kind == "blip" for step in s.steps), "clear_publish failed"),
 )  # fmt: skip
 
 
