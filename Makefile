@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` runs the main job, `make test` the suite.
 # Each does its own set-up (.ci/setup); extra arguments go in ARGS="...".
-.PHONY: demo test lint bench faults
+.PHONY: demo test lint bench faults fuzz
 
 demo:
 	./.ci/setup --venv-only
@@ -24,3 +24,11 @@ bench:
 faults:
 	./.ci/setup --venv-only
 	.venv/bin/python -m jobfence faults $(ARGS)
+
+# The model-based test at length: FUZZ_EXAMPLES random sequences per lock backend (memory, Redis),
+# nothing tolerated, failing sequences kept in .hypothesis/model for the next run.
+FUZZ_EXAMPLES ?= 2000
+fuzz:
+	./.ci/setup --venv-only
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=0 \
+		--hypothesis-show-statistics tests/model/test_model.py $(ARGS)

@@ -1,0 +1,110 @@
+"""The hypothesis state machine: random publishes, redeliveries and faults on one option set."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from tests.model.app import MAX_COUNTDOWN, Options, valid_options
+from tests.model.known import known_defect, strict
+from tests.model.scenario import Harness, Scenario, Step
+
+__all__ = ["ModelMachine", "machine_settings"]
+
+MODES = st.sampled_from(["ok", "ok", "retry", "fail"])
+#: Short bodies; now and then one longer than the lease TTL (the keeper must carry it), or
+#: than the conflict wait and slot wait (2 s).
+HOLDS = st.sampled_from([0.02, 0.02, 0.02, 0.4, 1.6, 5.0])
+COUNTDOWNS = st.one_of(st.none(), st.sampled_from([0.3, MAX_COUNTDOWN]))
+PICKS = st.integers(min_value=0, max_value=7)
+#: A chain also starts a new job now and then (its first publish is the chain's head).
+CHAIN_PICKS = st.integers(min_value=-1, max_value=7)
+
+
+def machine_settings() -> settings:
+    """Small and derandomized in the suite; ``FUZZ_EXAMPLES=N`` (``make fuzz``) runs N
+    random sequences per backend and keeps failing ones in ``.hypothesis/model``."""
+    fuzz = int(os.environ.get("FUZZ_EXAMPLES", "0") or 0)
+    common: dict[str, Any] = {
+        "deadline": None,
+        "suppress_health_check": list(HealthCheck),
+        "stateful_step_count": int(os.environ.get("FUZZ_STEPS", "10" if fuzz else "6")),
+    }
+    if fuzz:
+        database = DirectoryBasedExampleDatabase(".hypothesis/model")
+        return settings(max_examples=fuzz, database=database, **common)
+    examples = int(os.environ.get("MODEL_EXAMPLES", "8"))
+    return settings(max_examples=examples, derandomize=True, database=None, **common)
+
+
+class ModelMachine(RuleBasedStateMachine):
+    """Drives one worker through one sequence; the invariants are checked at teardown."""
+
+    harness: ClassVar[Harness]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scenario: Scenario | None = None
+
+    @initialize(options=st.sampled_from(valid_options()))
+    def choose_options(self, options: Options) -> None:
+        self.scenario = Scenario(self.harness, options)
+
+    def _run(self, step: Step) -> None:
+        assert self.scenario is not None
+        self.scenario.run(step)
+
+    @rule(mode=MODES, hold=HOLDS, countdown=COUNTDOWNS)
+    def publish(self, mode: str, hold: float, countdown: float | None) -> None:
+        self._run(Step("publish", mode=mode, hold=hold, countdown=countdown))
+
+    @rule(job=PICKS, countdown=COUNTDOWNS)
+    def duplicate(self, job: int, countdown: float | None) -> None:
+        self._run(Step("duplicate", job=job, countdown=countdown))
+
+    @rule(job=PICKS)
+    def redeliver(self, job: int) -> None:
+        self._run(Step("redeliver", job=job))
+
+    @rule(job=CHAIN_PICKS, mode=MODES, hold=HOLDS)
+    def chain(self, job: int, mode: str, hold: float) -> None:
+        if job >= 0:
+            mode, hold = "ok", 0.02  # not used: the picked job keeps its own
+        self._run(Step("chain", job=job, mode=mode, hold=hold))
+
+    @rule(seconds=st.sampled_from([0.1, 0.5]))
+    def sleep(self, seconds: float) -> None:
+        self._run(Step("sleep", seconds=seconds))
+
+    @rule()
+    def lose_leases(self) -> None:
+        self._run(Step("lose_leases"))
+
+    @precondition(lambda self: self.harness.locks is not None)
+    @rule(seconds=st.sampled_from([0.2, 0.6]))
+    def blip(self, seconds: float) -> None:
+        self._run(Step("blip", seconds=seconds))
+
+    @precondition(lambda self: self.harness.locks is not None)
+    @rule()
+    def flush(self) -> None:
+        self._run(Step("flush"))
+
+    def teardown(self) -> None:
+        scenario = self.scenario
+        if scenario is None or not scenario.steps:
+            return
+        scenario.drain()
+        violations = []
+        for violation in scenario.check():
+            defect = None if strict() else known_defect(violation, scenario)
+            if defect is None:
+                violations.append(violation)
+            else:
+                event(f"tolerated ({defect}): {violation.kind}")
+        assert not violations, "\n".join(map(str, violations)) + "\nseed: " + scenario.describe()
