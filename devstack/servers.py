@@ -23,8 +23,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
+from devstack.local_etcd import EtcdCluster, EtcdServerError, etcd_unavailable
 from jobfence.worker import procs
-from jobfence.worker.local_etcd import EtcdCluster, EtcdServerError, etcd_unavailable
 from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
 
 __all__ = [
