@@ -355,7 +355,7 @@ def _pg_binary(name: str) -> str:
     return candidates[-1]
 
 
-class PostgresServer:
+class PostgresServer(procs.Launcher):
     """A PostgreSQL cluster of its own (``initdb`` in a temp dir, own port), free to kill -9.
 
         with PostgresServer(listen=("127.0.0.1",)) as server:
@@ -385,16 +385,15 @@ class PostgresServer:
         self.host = self.listen[0]
         self.port = port or free_port()
         self.ready_timeout = ready_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
+        self._server = procs.ServerProcess("private PostgreSQL", error=PostgresServerError)
         user = pwd.getpwnam(self.OS_USER)
         self._uid, self._gid = user.pw_uid, user.pw_gid
         # Not under pytest's tmp_path: that is root's, mode 0700, and postgres must enter it.
-        self.root = Path(tempfile.mkdtemp(prefix="jobfence-pg-"))
+        self._dir = procs.Workdir(None, "jobfence-pg-")
+        self.root = self._dir.make()
         os.chown(self.root, self._uid, self._gid)
         self.data = self.root / "data"
         self.log_path = self.root / "postgres.log"
-        self._started: list[subprocess.Popen[bytes]] = []  # for the finalizer: kill, then remove
-        self._finalizer = weakref.finalize(self, _remove_pg, self._started, str(self.root))
         try:
             self._initdb(trust)
             if start:
@@ -446,39 +445,27 @@ class PostgresServer:
         return f"postgresql+psycopg://postgres@{host}:{self.port}/{database}"
 
     @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self._server.proc
 
-    def start(self) -> None:
+    @property
+    def pid(self) -> int | None:
+        return self._server.pid if self._server.running else None
+
+    def start(self) -> Self:
         """Start the postmaster on the data dir (again after `kill9`/`stop`); wait until ready."""
         if self.pid is not None:
-            return
-        log = open(self.log_path, "ab")  # noqa: SIM115
-        try:
-            self.proc = subprocess.Popen(
-                [_pg_binary("postgres"), "-D", str(self.data), "-p", str(self.port),
-                 "-c", f"listen_addresses={','.join(self.listen)}",
-                 "-c", f"unix_socket_directories={self.root}"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                **self._as_postgres(),
-            )  # fmt: skip
-        finally:
-            log.close()
-        self._started[:] = [self.proc]
-        wait_for(
-            self._ready,
-            self.ready_timeout,
-            interval=0.05,
-            message=lambda: f"private PostgreSQL not ready:\n{procs.tail(str(self.log_path), 30)}",
-            error=PostgresServerError,
-        )
+            return self
+        self._server.spawn(
+            [_pg_binary("postgres"), "-D", str(self.data), "-p", str(self.port),
+             "-c", f"listen_addresses={','.join(self.listen)}",
+             "-c", f"unix_socket_directories={self.root}"],
+            log_path=self.log_path, **self._as_postgres(),
+        )  # fmt: skip
+        self._server.wait_ready(self._ready, self.ready_timeout, interval=0.05)
+        return self
 
     def _ready(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise PostgresServerError(
-                f"postgres exited {self.proc.returncode}:\n{procs.tail(str(self.log_path), 30)}"
-            )
         import psycopg
 
         try:
@@ -492,9 +479,8 @@ class PostgresServer:
 
     def kill9(self) -> None:
         """SIGKILL the postmaster we started (no shutdown checkpoint: crash recovery next)."""
-        assert self.proc is not None and self.proc.poll() is None, "not running"
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
+        assert self._server.running, "not running"
+        self._server.kill(group=False)
         # Its backends notice the postmaster is gone and exit; a new postmaster refuses to
         # start while they still hold the shared memory, so wait for them (by the lock file).
         wait_for(
@@ -507,21 +493,14 @@ class PostgresServer:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Fast shutdown (SIGINT), SIGKILL after ``timeout``; idempotent."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+        self._server.stop(timeout, sig=signal.SIGINT)
 
     def close(self) -> None:
         """Stop the server and remove its directory."""
         try:
             self.stop()
         finally:
-            self._finalizer()
+            self._dir.remove()
 
     def __enter__(self) -> Self:
         return self
@@ -547,13 +526,3 @@ def _pg_children_alive(data: Path) -> bool:
             if (entry / "cwd").resolve() == data.resolve():
                 return True
     return False
-
-
-def _remove_pg(started: list[subprocess.Popen[bytes]], root: str) -> None:
-    """Finalizer: SIGKILL a postmaster nobody stopped (ours, by pid), then remove its dir."""
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-    shutil.rmtree(root, ignore_errors=True)

@@ -377,11 +377,15 @@ class ServerProcess:
         finally:
             self.resume()
 
-    def kill(self) -> int | None:
-        """SIGKILL the server and its group (a crash) and reap it; its exit code."""
+    def kill(self, *, group: bool = True) -> int | None:
+        """SIGKILL the server and its group (a crash) and reap it; its exit code. Without
+        `group` the server alone: its children are left to notice (PostgreSQL's backends)."""
         if self.proc is None:
             return None
         try:
+            if not group:
+                signal_leader(self.proc, signal.SIGKILL)
+                return self.proc.wait(30)
             return finish(self.proc, timeout=30)
         finally:
             self._forget()
