@@ -70,7 +70,7 @@ def _mode(answer: str) -> str | None:
     return None
 
 
-class ZooKeeperServer(procs.Launcher):
+class ZooKeeperServer(procs.SingleServer):
     """One ZooKeeper server, a child process of this one; standalone unless given `peers`.
 
         with ZooKeeperServer() as zk:
@@ -130,23 +130,6 @@ class ZooKeeperServer(procs.Launcher):
     @property
     def url(self) -> str:
         return f"zookeeper://{self.address}"
-
-    @property
-    def pid(self) -> int:
-        return self._server.pid
-
-    @property
-    def running(self) -> bool:
-        """True while the JVM lives (checked without reaping it), even when paused."""
-        return self._server.running
-
-    @property
-    def paused(self) -> bool:
-        return self._server.paused
-
-    @property
-    def workdir(self) -> Path:
-        return self._dir.path
 
     @property
     def data_dir(self) -> Path:
@@ -246,10 +229,6 @@ class ZooKeeperServer(procs.Launcher):
         self._server.stop(timeout)
         self._dir.remove()
 
-    def kill(self) -> None:
-        """SIGKILL the JVM (a crash) and reap it; data and port are kept."""
-        self._server.kill()
-
     def restart(self, *, fresh: bool = False) -> Self:
         """Kill and start again on the same port; `fresh` empties the data directory first."""
         self.kill()
@@ -271,9 +250,6 @@ class ZooKeeperServer(procs.Launcher):
             if all(state in ("T", "t", None) for state in states):
                 return
             time.sleep(0.001)
-
-    def resume(self) -> None:
-        self._server.resume()
 
     def __repr__(self) -> str:
         state = "paused" if self.paused else ("running" if self.running else "stopped")

@@ -408,3 +408,44 @@ class ServerProcess:
             self._log = None
         self.proc = None
         self.paused = False
+
+
+class SingleServer(Launcher):
+    """A launcher of one server process in one directory (redis-server, ZooKeeper): what it
+    answers about that process, and pause, resume and kill, come from here."""
+
+    _server: ServerProcess
+    _dir: Workdir
+
+    @property
+    def pid(self) -> int:
+        return self._server.pid
+
+    @property
+    def running(self) -> bool:
+        """True while the process lives (checked without reaping it), even when paused."""
+        return self._server.running
+
+    @property
+    def paused(self) -> bool:
+        return self._server.paused
+
+    @property
+    def workdir(self) -> Path:
+        return self._dir.path
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections stay open but nothing is answered."""
+        self._server.pause()
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        self._server.resume()
+
+    def suspended(self) -> contextlib.AbstractContextManager[None]:
+        """Context manager: paused inside the block, resumed on exit (even on error)."""
+        return self._server.suspended()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash) and reap it; its directory and port are kept."""
+        self._server.kill()

@@ -39,7 +39,7 @@ def _answers(probe: redis.Redis) -> bool:
         return False
 
 
-class RedisServer(procs.Launcher):
+class RedisServer(procs.SingleServer):
     """A private, non-persistent ``redis-server`` on 127.0.0.1, owned by this process.
 
     Usage::
@@ -111,29 +111,12 @@ class RedisServer(procs.Launcher):
         return self.db_url(0)
 
     @property
-    def pid(self) -> int:
-        return self._server.pid
-
-    @property
-    def workdir(self) -> Path:
-        return self._dir.path
-
-    @property
     def log_path(self) -> Path:
         return self.workdir / "redis.log"
 
     @property
     def stdio_path(self) -> Path:
         return self.workdir / "stdio.log"
-
-    @property
-    def running(self) -> bool:
-        """True while the process lives (checked without reaping it), even when paused."""
-        return self._server.running
-
-    @property
-    def paused(self) -> bool:
-        return self._server.paused
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the server log and of its stdout/stderr."""
@@ -217,26 +200,10 @@ class RedisServer(procs.Launcher):
         self._server.stop(timeout)  # resumes a paused server first
         self._dir.remove()
 
-    def kill(self) -> None:
-        """SIGKILL the server (a crash) and reap it; the temp dir and port are kept."""
-        self._server.kill()
-
     def restart(self) -> Self:
         """Kill the server and start a new one on the same port; all data is lost."""
         self.kill()
         return self.start()
-
-    def pause(self) -> None:
-        """SIGSTOP the server: connections stay open but nothing is answered."""
-        self._server.pause()
-
-    def resume(self) -> None:
-        """SIGCONT a paused server."""
-        self._server.resume()
-
-    def suspended(self) -> contextlib.AbstractContextManager[None]:
-        """Context manager: paused inside the block, resumed on exit (even on error)."""
-        return self._server.suspended()
 
     # -- clients --------------------------------------------------------------------
 
