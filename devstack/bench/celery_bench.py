@@ -44,7 +44,7 @@ TRIVIAL_TARGET = 0.9
 BODY_TARGET = 0.97
 WARMUP_JOBS = 200  # per contender, untimed: forks, connections and scripts are ready after
 POLL = 0.005  # seconds between counter polls
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # devstack/bench/ -> the checkout
 
 
 @dataclass
