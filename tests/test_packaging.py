@@ -237,6 +237,15 @@ def test_the_cli_runs_from_the_install(installed: Installed) -> None:
     assert "CREATE TABLE IF NOT EXISTS jobfence_fences" in done.stdout
 
 
+def test_bench_from_the_install_says_the_devstack_is_absent(installed: Installed) -> None:
+    done = subprocess.run(
+        [str(installed.python), "-m", "jobfence", "bench", "locks"],
+        cwd=installed.scratch, env=installed.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "devstack" in done.stderr and "not in the wheel" in done.stderr, done.stderr
+
+
 # -- the wheel's metadata ------------------------------------------------------------------
 
 
