@@ -104,7 +104,25 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0, *, group: b
 # --------------------------------------------------------------------------- SQL databases
 
 
-class _ScratchDatabase:
+class _ClosedOnExit:
+    """Made ready by its constructor; `with` closes it (drops the database, removes the server)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class _ScratchDatabase(_ClosedOnExit):
     """A uniquely named database created on construction and removed by ``drop()``."""
 
     dialect_name = ""
@@ -167,15 +185,7 @@ class _ScratchDatabase:
             engine.dispose()
         return None
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
         self.drop()
 
     def __repr__(self) -> str:
@@ -355,7 +365,7 @@ def _pg_binary(name: str) -> str:
     return candidates[-1]
 
 
-class PostgresServer(procs.Launcher):
+class PostgresServer(_ClosedOnExit):
     """A PostgreSQL cluster of its own (``initdb`` in a temp dir, own port), free to kill -9.
 
         with PostgresServer(listen=("127.0.0.1",)) as server:
@@ -501,17 +511,6 @@ class PostgresServer(procs.Launcher):
             self.stop()
         finally:
             self._dir.remove()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<PostgresServer {self.host}:{self.port} pid={self.pid}>"
