@@ -12,7 +12,7 @@ test:
 
 lint:
 	./.ci/setup --venv-only
-	.venv/bin/ruff check jobfence config locks tasks worker tests
+	.venv/bin/ruff check jobfence config locks tasks worker devstack tests
 	.venv/bin/mypy
 
 bench:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import redis
 
-from jobfence.worker import local_zookeeper
-from jobfence.worker.local_zookeeper import ZooKeeperServer
+from devstack import local_zookeeper
+from devstack.local_zookeeper import ZooKeeperServer
 from tests.servers import (
     ETCD_TIMING,
     MARIADB_ADMIN_URL,
@@ -157,7 +157,7 @@ def process_group(tmp_path: Path) -> Iterator[ProcessGroup]:
 def redis_cluster() -> Iterator[Any]:
     """A private 3-master Redis Cluster for the session (no replicas); tests keep to key
     prefixes of their own."""
-    from jobfence.worker.local_cluster import LocalCluster
+    from devstack.local_cluster import LocalCluster
 
     with LocalCluster(masters=3) as cluster:
         yield cluster

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
+from devstack.local_etcd import EtcdCluster
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.config.urls import check_lock_url
 from jobfence.locks import BackendUnavailable, Backoff, Lease, acquire, open_backend
 from jobfence.locks.backends.etcd import EtcdBackend, EtcdClusterBackend, parse_endpoints
 from jobfence.locks.backends.etcd_gateway import b64
 from jobfence.locks.clock import ManualClock
-from jobfence.worker.local_etcd import EtcdCluster
 from tests.servers import free_port
 from tests.worker.test_cli import REPO_ROOT
 

@@ -1,6 +1,7 @@
 """The image's install step, done for real: the Dockerfile's `pip install` in a fresh venv, from
 the files it copies, then every module the compose services run imported there, and the
-wheel's metadata (license, project URLs)."""
+wheel's metadata (license, project URLs), and the wheel a checkout builds: no test or
+benchmark tooling in it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from email.parser import Parser
@@ -235,6 +237,15 @@ def test_the_cli_runs_from_the_install(installed: Installed) -> None:
     assert "CREATE TABLE IF NOT EXISTS jobfence_fences" in done.stdout
 
 
+def test_bench_from_the_install_says_the_devstack_is_absent(installed: Installed) -> None:
+    done = subprocess.run(
+        [str(installed.python), "-m", "jobfence", "bench", "locks"],
+        cwd=installed.scratch, env=installed.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "devstack" in done.stderr and "not in the wheel" in done.stderr, done.stderr
+
+
 # -- the wheel's metadata ------------------------------------------------------------------
 
 
@@ -269,3 +280,47 @@ def test_the_license_and_changelog_are_in_the_repository() -> None:
     version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert "## [Unreleased]" in changelog
     assert f"## [{version}]" in changelog
+
+
+# -- the wheel holds what users run, not the devstack --------------------------------------
+
+#: Test and benchmark tooling (devstack/, tests/): server launchers, the peers' benches,
+#: the fault report. The demo's own redis-server launcher and process helpers stay.
+TOOLING = (
+    "devstack/*", "tests/*", "*/bench/*", "*/local_*.py", "*/redis_masters.py",
+    "*/faults_report.py", "*/servers.py", "*conftest.py", "*/test_*.py",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkout_wheel(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The file list of the wheel `pip wheel .` builds from this checkout's files."""
+    root = tmp_path_factory.mktemp("checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO_ROOT, capture_output=True, check=True, timeout=60,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):  # a checkout's .venv may be an untracked symlink
+        if name.split("/")[0] == ".venv":
+            continue
+        src = REPO_ROOT / name
+        if src.is_symlink() or src.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / name, follow_symlinks=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "--no-deps",
+         "-w", str(root / "dist"), str(root)],
+        env=clean_env(), capture_output=True, text=True, timeout=INSTALL_TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 0, f"pip wheel failed:\n{done.stderr[-3000:]}"
+    (wheel,) = (root / "dist").glob("jobfence-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.namelist()
+
+
+def test_the_wheel_holds_no_test_or_benchmark_tooling(checkout_wheel: list[str]) -> None:
+    tooling = sorted(f for f in checkout_wheel if any(fnmatch.fnmatch(f, p) for p in TOOLING))
+    assert tooling == [], f"tooling in the wheel (it belongs in devstack/): {tooling}"
+    # What users run stays: the CLI, the demo and the private redis-server it starts.
+    for module in ("cli.py", "demo.py", "redis_server.py", "procs.py", "fleet.py"):
+        assert f"jobfence/worker/{module}" in checkout_wheel

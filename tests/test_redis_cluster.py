@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
+from devstack.local_cluster import LocalCluster
 from jobfence.config import UnsafeSettings
 from jobfence.config.urls import cluster_nodes
 from jobfence.locks import FencedWriteRefused, Lease, RedisFenceGuard, StaleFence, open_backend
@@ -16,7 +17,6 @@ from jobfence.locks.backends import redis_cluster as redis_cluster_module
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.locks.slots import SlotLease
 from jobfence.worker.admin import release_grant
-from jobfence.worker.local_cluster import LocalCluster
 from tests.servers import wait_for
 
 SCRIPT_CALLS = ("cmdstat_evalsha", "cmdstat_eval")

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
+from devstack.redis_masters import RedisMasters
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.config.urls import redlock_masters
 from jobfence.locks import Busy, JobRecord, Lease, open_backend
 from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.tasks import Runtime
 from jobfence.tasks.executor import JobSpec
-from jobfence.worker.redis_masters import RedisMasters
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SECRET = "a-real-random-secret"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from devstack.local_sentinel import LocalSentinel
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.config.urls import sentinel_target
 from jobfence.locks import BackendUnavailable, JobRecord, LockBackend, open_backend
@@ -19,7 +20,6 @@ from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.tasks import Runtime
 from jobfence.tasks.executor import JobSpec
 from jobfence.worker.checks import Finding, check_lock_backend
-from jobfence.worker.local_sentinel import LocalSentinel
 from jobfence.worker.redis_server import free_port
 from tests.servers import wait_for
 

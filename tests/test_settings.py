@@ -374,9 +374,9 @@ def test_a_typo_is_reported_with_the_closest_name() -> None:
 
 
 def test_variables_jobfence_reads_elsewhere_are_known() -> None:
+    from devstack.bench.celery_bench_app import URL_ENV
     from jobfence.tasks.shop.faults import ENV_PREFIX as DEMO_PREFIX
     from jobfence.tasks.shop.faults import DemoFaults
-    from jobfence.worker.bench.celery_bench_app import URL_ENV
     from jobfence.worker.journal import JOURNAL_ENV
 
     read_elsewhere = {DEMO_PREFIX + f.upper() for f in DemoFaults.model_fields}

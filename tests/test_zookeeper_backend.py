@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 from kazoo.client import KazooClient
 
+from devstack.local_zookeeper import ZooKeeperServer
 from jobfence.config import UnsafeSettings
 from jobfence.config.urls import check_lock_url
 from jobfence.locks import (
@@ -24,7 +25,6 @@ from jobfence.locks import (
     open_backend,
 )
 from jobfence.locks.backends.zookeeper import ZooKeeperBackend, node_name, parse_url
-from jobfence.worker.local_zookeeper import ZooKeeperServer
 from tests.servers import wait_for
 
 

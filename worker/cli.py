@@ -18,12 +18,12 @@ from jobfence.worker.fleet import BUNDLED_APP
 
 PASSTHROUGH = ("bench", "demo", "faults")  # commands whose arguments belong to another program
 BENCHES = {
-    "locks": "jobfence.worker.bench.locks_bench",
-    "celery": "jobfence.worker.bench.celery_bench",
-    "gate": "jobfence.worker.bench.gate_bench",
-    "leader": "jobfence.worker.bench.leader_bench",
-    "memory": "jobfence.worker.bench.memory_bench",
-    "keeper": "jobfence.worker.bench.keeper_bench",
+    "locks": "devstack.bench.locks_bench",
+    "celery": "devstack.bench.celery_bench",
+    "gate": "devstack.bench.gate_bench",
+    "leader": "devstack.bench.leader_bench",
+    "memory": "devstack.bench.memory_bench",
+    "keeper": "devstack.bench.keeper_bench",
 }
 
 
@@ -620,8 +620,8 @@ def cmd_bench(argv: list[str]) -> int:
     main = _load_main(
         BENCHES[argv[0]],
         f"bench {argv[0]}",
-        "benchmarks ship in the source tree: run from the repository root, with "
-        "pip install -e '.[bench]'",
+        "the benchmarks live in devstack/ of the source tree, not in the wheel: run from "
+        "a checkout's root, with pip install -e '.[bench]'",
     )
     return 2 if main is None else int(main(argv[1:]) or 0)
 
@@ -633,9 +633,10 @@ def cmd_demo(argv: list[str]) -> int:
 
 def cmd_faults(argv: list[str]) -> int:
     main = _load_main(
-        "jobfence.worker.faults_report",
+        "devstack.faults_report",
         "the fault report",
-        "it runs the scenarios in tests/faults from the repository root",
+        "it lives in devstack/ of the source tree, not in the wheel, and runs the "
+        "scenarios in tests/faults from a checkout's root",
     )
     return 2 if main is None else int(main(argv) or 0)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import redis
 
 from jobfence.config import Settings, load_settings
 from jobfence.config.settings import ENV_PREFIX
+from jobfence.worker import procs
 from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
 
 __all__ = ["HOST", "EmbeddedStack", "EmbeddedStackError", "free_port"]
@@ -20,7 +20,7 @@ __all__ = ["HOST", "EmbeddedStack", "EmbeddedStackError", "free_port"]
 EmbeddedStackError = RedisServerError
 
 
-class EmbeddedStack:
+class EmbeddedStack(procs.Launcher):
     """Two private `redis-server`s (no persistence, noeviction, free ports on 127.0.0.1), one
     for locks and one for the broker, and an SQLite ledger file, all in a temporary directory
     removed on exit.
@@ -174,17 +174,6 @@ class EmbeddedStack:
         if self._dir is not None and not self.keep and self._given_dir is None:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._dir = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         where = f" at {self.lock_url}" if self.running else ""

@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from types import TracebackType
+from typing import IO, Any, Self
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -91,11 +95,13 @@ def spawn(
     env: Mapping[str, str] | None = None,
     stdout: IO[Any] | int | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    **popen: Any,
 ) -> subprocess.Popen[bytes]:
     """Start `args` as the leader of a new session: a terminal's Ctrl-C does not reach it,
     and its own children (a prefork pool) share its process group, so they can be stopped
     together. If this process dies without stopping it, it gets SIGTERM (Linux; only when
-    spawned from the main thread, as the kernel ties the signal to the forking thread)."""
+    spawned from the main thread, as the kernel ties the signal to the forking thread).
+    `popen` adds Popen options (`user`, `group`: a server that refuses to run as root)."""
     return subprocess.Popen(
         list(args),
         stdin=subprocess.DEVNULL,
@@ -105,6 +111,7 @@ def spawn(
         cwd=cwd,
         start_new_session=True,
         preexec_fn=_parent_death_signal(signal.SIGTERM),
+        **popen,
     )
 
 
@@ -188,3 +195,257 @@ def stop(
     for proc in procs:
         wait_exited(proc, max(0.0, deadline - time.monotonic()))
     return [finish(proc) for proc in procs]
+
+
+# -- the launchers' base: a server we start, wait for, and stop by pid ----------------
+
+
+class Launcher:
+    """A launcher used as a context manager: `with X() as x` starts it (stopping whatever
+    started if the start fails) and stops it on the way out."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class Workdir:
+    """A launcher's directory: the one given (created, kept) or a temporary one that
+    `remove()` deletes, as does a finalizer if the launcher is dropped without stopping."""
+
+    def __init__(
+        self, given: str | os.PathLike[str] | None, prefix: str, *, parent: str | None = None
+    ) -> None:
+        self.given = Path(given) if given is not None else None
+        self.prefix = prefix
+        self.parent = parent
+        self._path: str | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    @property
+    def made(self) -> bool:
+        return self._path is not None
+
+    @property
+    def path(self) -> Path:
+        if self._path is None:
+            raise RuntimeError(f"{self.prefix.strip('-')}: not started yet")
+        return Path(self._path)
+
+    def make(self) -> Path:
+        """The directory, made now if it is not there yet."""
+        if self._path is None:
+            if self.given is not None:
+                self.given.mkdir(parents=True, exist_ok=True)
+                self._path = str(self.given)
+            else:
+                self._path = tempfile.mkdtemp(prefix=self.prefix, dir=self.parent)
+                self._finalizer = weakref.finalize(self, shutil.rmtree, self._path, True)
+        return Path(self._path)
+
+    def remove(self) -> None:
+        """Delete the directory if it is a temporary one of ours; a given one is kept."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._path = None
+
+
+def _finish_quietly(proc: subprocess.Popen[bytes]) -> None:
+    """The finalizer's last resort: never leave a server we started behind."""
+    with contextlib.suppress(Exception):
+        finish(proc, timeout=5)
+
+
+class ServerProcess:
+    """One server child process: spawned in its own session with its output appended to a
+    log file, waited on until `ready()` answers, paused, killed or stopped by its pid and
+    reaped. A finalizer kills it if the launcher is dropped without stopping it; nothing is
+    ever signalled by name, and nothing after it has been reaped.
+
+    `error` is the exception type the launcher raises (its name tells the user which server
+    failed); `what` names the server in messages, e.g. ``redis-server on port 6380``.
+    """
+
+    def __init__(self, what: str, *, error: type[Exception] = RuntimeError) -> None:
+        self.what = what
+        self.error = error
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+        self.paused = False
+        self._log: IO[bytes] | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    @property
+    def running(self) -> bool:
+        """True while the process lives (checked without reaping it), even when paused."""
+        return self.proc is not None and not exited(self.proc)
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError(f"{self.what} is not running")
+        return self.proc.pid
+
+    def tail(self, lines: int = 40) -> str:
+        return "<not started>" if self.log_path is None else tail(self.log_path, lines)
+
+    def spawn(
+        self,
+        args: Sequence[str],
+        *,
+        log_path: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        **popen: Any,
+    ) -> subprocess.Popen[bytes]:
+        """Start `args` (its stdout and stderr appended to `log_path`); reaps a predecessor
+        that died on its own first."""
+        if self.proc is not None:
+            self.kill()
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed by _forget
+        try:
+            self.proc = spawn(args, stdout=self._log, env=env, cwd=cwd, **popen)
+        except OSError as exc:
+            self._forget()
+            raise self.error(f"cannot run {args[0]!r}: {exc}") from exc
+        self.paused = False
+        self._finalizer = weakref.finalize(self, _finish_quietly, self.proc)
+        return self.proc
+
+    def wait_ready(
+        self, ready: Callable[[], bool], timeout: float, *, interval: float = 0.01
+    ) -> None:
+        """Poll `ready` until it is true; if the process exits first, or `timeout` passes,
+        kill and reap it and raise `error` with the end of its log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.proc
+            if proc is None or exited(proc):
+                code = finish(proc) if proc is not None else None
+                log = self.tail(30)
+                self._forget()
+                raise self.error(f"{self.what} exited with code {code} during start-up\n{log}")
+            if ready():
+                return
+            if time.monotonic() >= deadline:
+                log = self.tail(30)
+                self.kill()
+                raise self.error(f"{self.what} not ready within {timeout:.1f}s\n{log}")
+            time.sleep(interval)
+
+    def send(self, sig: int) -> None:
+        """Send `sig` to the server alone (not its process group) while it is ours."""
+        if not self.running:
+            raise RuntimeError(f"{self.what} is not running")
+        assert self.proc is not None
+        signal_leader(self.proc, sig)
+
+    def pause(self) -> None:
+        """SIGSTOP: its connections stay open, nothing is answered."""
+        self.send(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        self.send(signal.SIGCONT)
+        self.paused = False
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Paused inside the block, resumed on the way out (even on error)."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def kill(self, *, group: bool = True) -> int | None:
+        """SIGKILL the server and its group (a crash) and reap it; its exit code. Without
+        `group` the server alone: its children are left to notice (PostgreSQL's backends)."""
+        if self.proc is None:
+            return None
+        try:
+            if not group:
+                signal_leader(self.proc, signal.SIGKILL)
+                return self.proc.wait(30)
+            return finish(self.proc, timeout=30)
+        finally:
+            self._forget()
+
+    def stop(self, timeout: float = 10.0, *, sig: int = signal.SIGTERM) -> int | None:
+        """`sig` (after a SIGCONT), SIGKILL after `timeout`, reap; idempotent."""
+        if self.proc is None:
+            return None
+        try:
+            return stop([self.proc], sig=sig, timeout=timeout)[0]
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.proc = None
+        self.paused = False
+
+
+class SingleServer(Launcher):
+    """A launcher of one server process in one directory (redis-server, ZooKeeper): what it
+    answers about that process, and pause, resume and kill, come from here."""
+
+    _server: ServerProcess
+    _dir: Workdir
+
+    @property
+    def pid(self) -> int:
+        return self._server.pid
+
+    @property
+    def running(self) -> bool:
+        """True while the process lives (checked without reaping it), even when paused."""
+        return self._server.running
+
+    @property
+    def paused(self) -> bool:
+        return self._server.paused
+
+    @property
+    def workdir(self) -> Path:
+        return self._dir.path
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections stay open but nothing is answered."""
+        self._server.pause()
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        self._server.resume()
+
+    def suspended(self) -> contextlib.AbstractContextManager[None]:
+        """Context manager: paused inside the block, resumed on exit (even on error)."""
+        return self._server.suspended()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash) and reap it; its directory and port are kept."""
+        self._server.kill()

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import tempfile
-import time
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Self
 
 import redis
 from redis.backoff import NoBackoff
@@ -35,19 +28,18 @@ def free_port(host: str = HOST) -> int:
         return port
 
 
-def _kill_and_reap(proc: subprocess.Popen[bytes], workdir: str | None) -> None:
-    """Last-resort cleanup used by the finalizer: never leave a redis-server behind."""
-    with contextlib.suppress(Exception):
-        procs.finish(proc, timeout=5)
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 class RedisServerError(RuntimeError):
     """A private redis-server could not be started."""
 
 
-class RedisServer:
+def _answers(probe: redis.Redis) -> bool:
+    try:
+        return bool(probe.ping())
+    except redis.RedisError:
+        return False
+
+
+class RedisServer(procs.SingleServer):
     """A private, non-persistent ``redis-server`` on 127.0.0.1, owned by this process.
 
     Usage::
@@ -87,13 +79,9 @@ class RedisServer:
         self._executable = executable
         self._extra_args = tuple(extra_args)
         self._startup_timeout = startup_timeout
-        self._given_workdir = Path(workdir) if workdir is not None else None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._stdio: IO[bytes] | None = None
-        self._workdir: str | None = None
-        self._paused = False
+        self._dir = procs.Workdir(workdir, "jobfence-redis-")
+        self._server = procs.ServerProcess("redis-server", error=RedisServerError)
         self._clients: list[redis.Redis] = []
-        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- properties -----------------------------------------------------------------
 
@@ -123,18 +111,6 @@ class RedisServer:
         return self.db_url(0)
 
     @property
-    def pid(self) -> int:
-        if self._proc is None:
-            raise RuntimeError("RedisServer is not running")
-        return self._proc.pid
-
-    @property
-    def workdir(self) -> Path:
-        if self._workdir is None:
-            raise RuntimeError("RedisServer has not been started yet")
-        return Path(self._workdir)
-
-    @property
     def log_path(self) -> Path:
         return self.workdir / "redis.log"
 
@@ -142,18 +118,9 @@ class RedisServer:
     def stdio_path(self) -> Path:
         return self.workdir / "stdio.log"
 
-    @property
-    def running(self) -> bool:
-        """True while the process lives (checked without reaping it), even when paused."""
-        return self._proc is not None and not procs.exited(self._proc)
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the server log and of its stdout/stderr."""
-        if self._workdir is None:
+        if not self._dir.made:
             return "<not started>"
         return (
             f"--- {self.log_path} ---\n{procs.tail(self.log_path, lines)}\n"
@@ -170,15 +137,7 @@ class RedisServer:
         """
         if self.running:
             return self
-        if self._proc is not None:  # it died on its own: reap it before replacing it
-            _kill_and_reap(self._proc, None)
-            self._forget_process()
-        if self._workdir is None:
-            if self._given_workdir is not None:
-                self._given_workdir.mkdir(parents=True, exist_ok=True)
-                self._workdir = str(self._given_workdir)
-            else:
-                self._workdir = tempfile.mkdtemp(prefix="jobfence-redis-")
+        self._dir.make()
         choose_port = self._port is None
         attempts = 5 if choose_port else 1
         for attempt in range(attempts):
@@ -197,7 +156,7 @@ class RedisServer:
         raise AssertionError("unreachable")
 
     def _command(self) -> list[str]:
-        assert self._workdir is not None and self._port is not None
+        assert self._port is not None
         return [
             *self._prefix_command,
             self._executable,
@@ -206,7 +165,7 @@ class RedisServer:
             "--daemonize", "no",
             "--save", "",
             "--appendonly", "no",
-            "--dir", self._workdir,
+            "--dir", str(self.workdir),
             "--maxmemory-policy", "noeviction",
             "--logfile", str(self.log_path),
             "--loglevel", "notice",
@@ -217,22 +176,10 @@ class RedisServer:
         ]  # fmt: skip
 
     def _spawn_and_wait(self) -> None:
-        assert self._workdir is not None
-        self._stdio = open(self.stdio_path, "ab")  # noqa: SIM115
-        try:
-            # A new session: Ctrl-C in the terminal must not hit the server first.
-            env = {**os.environ, **self._env} if self._env is not None else None
-            proc = procs.spawn(self._command(), stdout=self._stdio, env=env)
-        except OSError as exc:
-            self._close_stdio()
-            raise RedisServerError(f"cannot run {self._executable!r}: {exc}") from exc
-        self._proc = proc
-        self._paused = False
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        owned_dir = self._workdir if self._given_workdir is None else None
-        self._finalizer = weakref.finalize(self, _kill_and_reap, proc, owned_dir)
-
+        self._server.what = f"redis-server on port {self._port}"
+        # A new session: Ctrl-C in the terminal must not hit the server first.
+        env = {**os.environ, **self._env} if self._env is not None else None
+        self._server.spawn(self._command(), log_path=self.stdio_path, env=env)
         probe = redis.Redis(
             host=self.host,
             port=self.port,
@@ -240,93 +187,23 @@ class RedisServer:
             socket_connect_timeout=1.0,
             retry=Retry(NoBackoff(), 0),
         )
-        deadline = time.monotonic() + self._startup_timeout
         try:
-            while True:
-                if procs.exited(proc):
-                    code = procs.finish(proc)
-                    self._forget_process()
-                    raise RedisServerError(
-                        f"redis-server on port {self._port} exited with code "
-                        f"{code} during start-up\n{self.log_tail()}"
-                    )
-                try:
-                    if probe.ping():
-                        return
-                except redis.RedisError:
-                    pass
-                if time.monotonic() >= deadline:
-                    _kill_and_reap(proc, None)
-                    self._forget_process()
-                    raise RedisServerError(
-                        f"redis-server on port {self._port} did not answer PING within "
-                        f"{self._startup_timeout:.1f}s\n{self.log_tail()}"
-                    )
-                time.sleep(0.01)
+            self._server.wait_ready(lambda: _answers(probe), self._startup_timeout)
+        except RedisServerError as exc:  # the server's own log says why (a port in use)
+            raise RedisServerError(f"{exc}\n{procs.tail(self.log_path)}") from None
         finally:
             probe.close()
-
-    def _forget_process(self) -> None:
-        # The finalizer stays armed: reaping a dead process is harmless and it still owns
-        # the temp dir if this object is dropped without stop().
-        self._proc = None
-        self._paused = False
-        self._close_stdio()
-
-    def _close_stdio(self) -> None:
-        if self._stdio is not None:
-            self._stdio.close()
-            self._stdio = None
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop gracefully (SIGTERM, SIGKILL after ``timeout``), reap, delete the temp dir."""
         self._close_clients()
-        if self._proc is not None:
-            procs.stop([self._proc], timeout=timeout)  # resumes a paused server first
-            self._forget_process()
-        if self._workdir is not None:
-            if self._given_workdir is None:
-                shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-
-    def kill(self) -> None:
-        """SIGKILL the server (a crash) and reap it; the temp dir and port are kept."""
-        if self._proc is not None:
-            _kill_and_reap(self._proc, None)
-            self._forget_process()
+        self._server.stop(timeout)  # resumes a paused server first
+        self._dir.remove()
 
     def restart(self) -> Self:
         """Kill the server and start a new one on the same port; all data is lost."""
         self.kill()
         return self.start()
-
-    def _signal(self, sig: int) -> None:
-        if not self.running:
-            raise RuntimeError("RedisServer is not running")
-        assert self._proc is not None
-        procs.signal_leader(self._proc, sig)
-
-    def pause(self) -> None:
-        """SIGSTOP the server: connections stay open but nothing is answered."""
-        self._signal(signal.SIGSTOP)
-        self._paused = True
-
-    def resume(self) -> None:
-        """SIGCONT a paused server."""
-        self._signal(signal.SIGCONT)
-        self._paused = False
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """Context manager: paused inside the block, resumed on exit (even on error)."""
-        self.pause()
-        try:
-            yield
-        finally:
-            self.resume()
 
     # -- clients --------------------------------------------------------------------
 
@@ -356,19 +233,6 @@ class RedisServer:
             with contextlib.suppress(Exception):
                 client.close()
 
-    # -- context manager ------------------------------------------------------------
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
-        state = "paused" if self._paused else ("running" if self.running else "stopped")
+        state = "paused" if self.paused else ("running" if self.running else "stopped")
         return f"<RedisServer {self.host}:{self._port} {state}>"

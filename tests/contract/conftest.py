@@ -132,8 +132,8 @@ def _redlock_harness(n: int, request: pytest.FixtureRequest) -> BackendHarness:
     """`n` private masters with the persistence a durable fence needs (AOF, fsync always, on
     tmpfs); losing data crashes every master and starts it empty. A round trip is one
     command to every master in parallel: the most any one master has run."""
+    from devstack.redis_masters import RedisMasters
     from jobfence.locks.backends.redlock import RedlockBackend
-    from jobfence.worker.redis_masters import RedisMasters
 
     started: dict[int, RedisMasters] = request.getfixturevalue("redlock_masters")
     masters = started.get(n)
@@ -162,8 +162,8 @@ def _sentinel_harness(request: pytest.FixtureRequest) -> BackendHarness:
     of this test's own. Losing data empties the master (FLUSHALL reaches the replicas too,
     SCRIPT FLUSH drops the loaded scripts): a failover onto a replica that never received
     a grant is the fault suite's (tests/faults/test_sentinel_faults.py)."""
+    from devstack.local_sentinel import LocalSentinel
     from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
-    from jobfence.worker.local_sentinel import LocalSentinel
 
     started: list[LocalSentinel] = request.getfixturevalue("sentinel_topology")
     if not started:  # one topology for the session, started on first use
@@ -253,8 +253,8 @@ def _etcd_harness(request: pytest.FixtureRequest) -> BackendHarness:
     No request count: extend_many is a txn plus one keep-alive per lease (etcd has no op
     that does both), so the contract's one-request check does not apply.
     """
+    from devstack.local_etcd import EtcdCluster
     from jobfence.locks.backends.etcd import EtcdBackend
-    from jobfence.worker.local_etcd import EtcdCluster
 
     server: EtcdCluster = request.getfixturevalue("etcd_server")
     url: str = request.getfixturevalue("etcd_url")
@@ -305,8 +305,8 @@ def _zookeeper_harness(request: pytest.FixtureRequest) -> BackendHarness:
 
     No request count: a multi is all or nothing, so extend_many over leases of which one was
     lost costs a second multi (tests/test_zookeeper_backend.py counts the cases)."""
+    from devstack.local_zookeeper import ZooKeeperServer
     from jobfence.locks.backends.zookeeper import ZooKeeperBackend
-    from jobfence.worker.local_zookeeper import ZooKeeperServer
 
     server: ZooKeeperServer = request.getfixturevalue("zookeeper_server")
     url: str = request.getfixturevalue("zookeeper_url")

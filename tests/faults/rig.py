@@ -25,9 +25,9 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from devstack.faults_report import Outcome, Side
 from jobfence.tasks.effects import make_engine
 from jobfence.tasks.shop.ledger import accounts, create_schema, open_account, payments
-from jobfence.worker.faults_report import Outcome, Side
 from jobfence.worker.redis_server import RedisServer, free_port
 from tests.faults import naive_app
 from tests.integration.celery_fleet import Fleet, broker_backlog

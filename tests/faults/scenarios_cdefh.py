@@ -2,7 +2,7 @@
 
 Each ``row_*`` function runs one side (``"naive"`` or ``"jobfence"``) in ``workdir`` on its
 own servers and real ``celery worker`` fleets (see :mod:`tests.faults.rig`) and returns an
-:class:`~jobfence.worker.faults_report.Outcome`. ``full=False`` is the suite's size,
+:class:`~devstack.faults_report.Outcome`. ``full=False`` is the suite's size,
 ``full=True`` the fault report's. The tests in ``tests/faults/test_rows_*.py`` assert on
 these outcomes; ``python -m jobfence faults`` prints them in one table.
 """
@@ -13,8 +13,8 @@ import re
 import time
 from pathlib import Path
 
+from devstack.faults_report import Outcome, Scenario, Side
 from jobfence.locks.backends.redis import parse_record
-from jobfence.worker.faults_report import Outcome, Scenario, Side
 from tests.faults import fenced_app, hold, naive_app
 from tests.faults.rig import HOLD_DB, LEDGER_DB, Rig, plan_payments, wait_until
 from tests.integration.celery_fleet import Fleet, broker_backlog

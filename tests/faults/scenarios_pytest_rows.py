@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobfence.worker.faults_report import Outcome, Scenario, Side
+from devstack.faults_report import Outcome, Scenario, Side
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 900.0

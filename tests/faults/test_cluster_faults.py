@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
+from devstack.local_cluster import LocalCluster
 from jobfence.locks import BackendUnavailable, Lease, LeaseKeeper, RedisFenceGuard, StaleFence
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.locks.slots import SlotLease
-from jobfence.worker.local_cluster import LocalCluster
 from tests.faults.rig import CHARGE, Rig, plan_payments, wait_until
 from tests.faults.scenarios_cdefh import SETTLE_TIMEOUT
 from tests.servers import wait_for

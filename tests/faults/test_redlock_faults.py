@@ -21,9 +21,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from devstack.redis_masters import RedisMasters
 from jobfence.locks import BackendUnavailable, Lease, LeaseLost, RedisFenceGuard, StaleFence
 from jobfence.locks.backends.redlock import RedlockBackend
-from jobfence.worker.redis_masters import RedisMasters
 from tests.servers import wait_for
 
 pytestmark = pytest.mark.fault

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from jobfence.worker import faults_report
-from jobfence.worker.faults_report import Outcome, RowResult, Scenario, Side, render, run_row
+from devstack import faults_report
+from devstack.faults_report import Outcome, RowResult, Scenario, Side, render, run_row
 
 
 def _fixed(naive: Outcome, jobfence: Outcome) -> Scenario:

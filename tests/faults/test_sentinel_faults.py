@@ -18,9 +18,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from devstack.local_sentinel import HOST, LocalSentinel
 from jobfence.locks import Lease, LeaseLost, RedisFenceGuard, StaleFence
 from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
-from jobfence.worker.local_sentinel import HOST, LocalSentinel
 from tests.servers import RedisServer, wait_for
 
 pytestmark = pytest.mark.fault

@@ -33,6 +33,8 @@ import pytest
 import sqlalchemy as sa
 from kazoo.client import KazooClient
 
+from devstack import local_zookeeper
+from devstack.local_zookeeper import ZooKeeperEnsemble, ZooKeeperServer
 from jobfence.locks import (
     AcquireTimeout,
     BackendUnavailable,
@@ -42,8 +44,6 @@ from jobfence.locks import (
     SqlFenceGuard,
 )
 from jobfence.locks.backends.zookeeper import ZooKeeperBackend
-from jobfence.worker import local_zookeeper
-from jobfence.worker.local_zookeeper import ZooKeeperEnsemble, ZooKeeperServer
 from tests.faults import netns
 from tests.faults.netns import NetNamespace
 from tests.servers import ProcessGroup, wait_for

@@ -23,9 +23,9 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
+from devstack.redis_masters import RedisMasters
 from jobfence.locks.backend import JobRecord
 from jobfence.tasks import ArgumentsNotSerializable, DuplicateSkipped, Runtime, runtime_for
-from jobfence.worker.redis_masters import RedisMasters
 from tests.integration.apps import singleton_app
 from tests.integration.apps.common import app_env
 from tests.integration.celery_fleet import Fleet, FleetFactory, broker_backlog

@@ -19,13 +19,13 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from devstack.local_sentinel import LocalSentinel
 from jobfence.config import Settings
 from jobfence.tasks import runtime_for
 from jobfence.tasks.effects import make_engine
 from jobfence.tasks.shop.ledger import balance_of, create_schema, open_account, payments
 from jobfence.tasks.shop.payments import CHARGE
 from jobfence.worker.app import create_app
-from jobfence.worker.local_sentinel import LocalSentinel
 from tests.integration.celery_fleet import Fleet, FleetFactory
 from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer, wait_for
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobfence.worker.bench import cluster_rows, locks_bench
+from devstack.bench import cluster_rows, locks_bench
 
 
 def test_cluster_rows_run_with_several_client_processes() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobfence.worker.bench import etcd_rows, locks_bench
-from jobfence.worker.local_etcd import etcd_unavailable
+from devstack.bench import etcd_rows, locks_bench
+from devstack.local_etcd import etcd_unavailable
 from jobfence.worker.procs import pid_alive
 
 

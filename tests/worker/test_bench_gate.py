@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobfence.worker.bench import gate_bench
+from devstack.bench import gate_bench
 from jobfence.worker.redis_server import RedisServer
 
 
@@ -33,6 +33,6 @@ def test_a_gated_call_in_the_bench_runs_the_body_once_and_stores_its_result() ->
 def test_the_cli_knows_the_gate_bench() -> None:
     from jobfence.worker.cli import BENCHES
 
-    assert BENCHES["gate"] == "jobfence.worker.bench.gate_bench"
+    assert BENCHES["gate"] == "devstack.bench.gate_bench"
     args = gate_bench.parse_args(["--calls", "5", "--json", "--profile", "10"])
     assert (args.calls, args.json, args.profile) == (5, "-", 10)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobfence.worker.bench import keeper_bench, memory_bench
+from devstack.bench import keeper_bench, memory_bench
 from jobfence.worker.redis_server import RedisServer
 
 
@@ -28,6 +28,6 @@ def test_the_keeper_bench_sees_one_round_trip_per_interval() -> None:
 def test_the_cli_knows_both_benches() -> None:
     from jobfence.worker.cli import BENCHES
 
-    assert BENCHES["memory"] == "jobfence.worker.bench.memory_bench"
-    assert BENCHES["keeper"] == "jobfence.worker.bench.keeper_bench"
+    assert BENCHES["memory"] == "devstack.bench.memory_bench"
+    assert BENCHES["keeper"] == "devstack.bench.keeper_bench"
     assert keeper_bench.parse_args(["--leases", "5"]).leases == 5

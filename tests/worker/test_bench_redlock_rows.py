@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobfence.worker.bench import locks_bench, redlock_rows
+from devstack.bench import locks_bench, redlock_rows
 
 
 def test_redlock_rows_run_and_report_orphaned_keys() -> None:

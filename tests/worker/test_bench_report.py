@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobfence.worker.bench import locks_bench, matrix, report
+from devstack.bench import locks_bench, matrix, report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {

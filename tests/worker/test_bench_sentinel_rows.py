@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobfence.worker.bench import locks_bench, sentinel_rows
+from devstack.bench import locks_bench, sentinel_rows
 
 
 def test_the_sentinel_row_runs_beside_the_single_node() -> None:

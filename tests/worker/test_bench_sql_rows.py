@@ -7,7 +7,7 @@ import os
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from jobfence.worker.bench import locks_bench, sql_rows
+from devstack.bench import locks_bench, sql_rows
 from tests.servers import MARIADB_ADMIN_URL, POSTGRES_ADMIN_URL, MariaDBDatabase, PostgresDatabase
 
 

@@ -80,7 +80,7 @@ def locks_chart(results: Mapping[str, Any], path: Path) -> None:
     ax_pair.set_yticks(ys)
     ax_pair.set_yticklabels(names)
     ax_pair.invert_yaxis()
-    from jobfence.worker.bench.report import machine_info
+    from devstack.bench.report import machine_info
 
     m = machine_info()
     fig.suptitle(

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from devstack.local_cluster import LocalCluster
 from jobfence.locks import LockBackend, RedisBackend
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
-from jobfence.worker.local_cluster import LocalCluster
 from jobfence.worker.redis_server import RedisServer
 
 PREFIX = "clbench"

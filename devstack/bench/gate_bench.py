@@ -36,13 +36,13 @@ import redis.utils
 from celery import Celery
 from celery.app.trace import task_has_custom
 
+from devstack.bench import charts
+from devstack.bench import report as report_io
 from jobfence.config import Settings
 from jobfence.locks import Lease, RedisBackend
 from jobfence.locks.errors import LockError
 from jobfence.tasks import Runtime, install, singleton_task
 from jobfence.tasks.executor import JobSpec
-from jobfence.worker.bench import charts
-from jobfence.worker.bench import report as report_io
 from jobfence.worker.redis_server import RedisServer
 
 TARGET_RATIO = 1.3  # a gated call costs at most this many bare acquire+release pairs

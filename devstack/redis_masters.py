@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 import redis
 
+from jobfence.worker import procs
 from jobfence.worker.redis_server import RedisServer
 
 __all__ = ["RedisMasters"]
@@ -20,7 +19,7 @@ __all__ = ["RedisMasters"]
 TMPFS = Path("/dev/shm")
 
 
-class RedisMasters:
+class RedisMasters(procs.Launcher):
     """`n` independent private redis-servers on free ports of 127.0.0.1.
 
     ``durable=True`` runs each with ``appendonly yes`` and ``appendfsync always`` (what
@@ -31,10 +30,11 @@ class RedisMasters:
     def __init__(self, n: int, *, durable: bool = False, executable: str = "redis-server") -> None:
         self.durable = durable
         base = str(TMPFS) if durable and TMPFS.is_dir() else None
-        self._root = Path(tempfile.mkdtemp(prefix="jobfence-redlock-", dir=base))
+        self._dir = procs.Workdir(None, "jobfence-redlock-", parent=base)
+        root = self._dir.make()
         extra = ["--appendonly", "yes", "--appendfsync", "always"] if durable else []
         self.servers = [
-            RedisServer(executable=executable, extra_args=extra, workdir=self._root / f"m{i}")
+            RedisServer(executable=executable, extra_args=extra, workdir=root / f"m{i}")
             for i in range(n)
         ]
 
@@ -56,7 +56,7 @@ class RedisMasters:
         for server in self.servers:
             with contextlib.suppress(Exception):
                 server.stop()
-        shutil.rmtree(self._root, ignore_errors=True)
+        self._dir.remove()
 
     def restart(self, index: int, *, keep_data: bool = False) -> None:
         """Crash master `index` (SIGKILL) and start it again on its port, empty unless
@@ -94,17 +94,6 @@ class RedisMasters:
             finally:
                 client.close()
         return out
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"<RedisMasters {self.url}{' durable' if self.durable else ''}>"

@@ -8,10 +8,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from devstack.bench import sql_rows
+from devstack.local_etcd import EtcdCluster, EtcdServerError, etcd_unavailable
 from jobfence import locks
 from jobfence.locks.backends.etcd import EtcdBackend
-from jobfence.worker.bench import sql_rows
-from jobfence.worker.local_etcd import EtcdCluster, EtcdServerError, etcd_unavailable
 
 NAME = "etcd lease"
 PROBE_PAIRS = 100  # pairs over which requests per pair are counted

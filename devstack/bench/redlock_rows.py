@@ -16,9 +16,9 @@ from typing import Any
 
 import redis
 
+from devstack.redis_masters import RedisMasters
 from jobfence.locks import Lease, LockBackend, RedisBackend
 from jobfence.locks.backends.redlock import RedlockBackend
-from jobfence.worker.redis_masters import RedisMasters
 
 PAIR_TTL = 10.0
 PREFIX = "rlbench"

@@ -8,9 +8,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from jobfence.worker import local_zookeeper
-from jobfence.worker.bench import sql_rows
-from jobfence.worker.local_zookeeper import ZooKeeperError, ZooKeeperServer
+from devstack import local_zookeeper
+from devstack.bench import sql_rows
+from devstack.local_zookeeper import ZooKeeperError, ZooKeeperServer
 
 NAME = "ZooKeeper lease"
 AUTO = "auto"  # start a private standalone server for the run

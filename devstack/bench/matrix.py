@@ -710,7 +710,7 @@ def _redis(executable: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _masters(executable: str) -> Iterator[tuple[list[str], str, str]]:
-    from jobfence.worker.redis_masters import RedisMasters
+    from devstack.redis_masters import RedisMasters
 
     if shutil.which(executable) is None:
         raise MatrixError(f"{executable!r} is not on PATH")
@@ -721,7 +721,7 @@ def _masters(executable: str) -> Iterator[tuple[list[str], str, str]]:
 
 @contextlib.contextmanager
 def _sentinel(executable: str) -> Iterator[str]:
-    from jobfence.worker.local_sentinel import LocalSentinel
+    from devstack.local_sentinel import LocalSentinel
 
     if shutil.which(executable) is None:
         raise MatrixError(f"{executable!r} is not on PATH")
@@ -731,7 +731,7 @@ def _sentinel(executable: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _cluster(executable: str) -> Iterator[str]:
-    from jobfence.worker.local_cluster import LocalCluster
+    from devstack.local_cluster import LocalCluster
 
     if shutil.which(executable) is None:
         raise MatrixError(f"{executable!r} is not on PATH")
@@ -741,7 +741,7 @@ def _cluster(executable: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _scratch(label: str, server_url: str) -> Iterator[str]:
-    from jobfence.worker.bench import sql_rows
+    from devstack.bench import sql_rows
 
     skipped: dict[str, str] = {}
     with sql_rows.scratch_databases({label: server_url}, skipped) as dbs:
@@ -753,7 +753,7 @@ def _scratch(label: str, server_url: str) -> Iterator[str]:
 @contextlib.contextmanager
 def _etcd(given: str | None) -> Iterator[str]:
     """`given` (an etcd:// URL), or a private etcd when None; '' skips."""
-    from jobfence.worker.local_etcd import EtcdCluster, etcd_unavailable
+    from devstack.local_etcd import EtcdCluster, etcd_unavailable
 
     if given is not None:
         if not given:
@@ -774,7 +774,7 @@ def _etcd(given: str | None) -> Iterator[str]:
 def _zookeeper(given: str) -> Iterator[str]:
     """`given` (a zookeeper:// URL, a chroot of the run's own added), 'auto' starts a private
     server, '' skips."""
-    from jobfence.worker.bench import zookeeper_rows
+    from devstack.bench import zookeeper_rows
 
     skipped: dict[str, str] = {}
     with zookeeper_rows.server_url(given, skipped) as got:
@@ -843,7 +843,7 @@ def run(
         groups = {c.group for c in contenders}
         ctx.set_forkserver_preload(
             [
-                "jobfence.worker.bench.matrix",
+                "devstack.bench.matrix",
                 *(m for g in GROUPS if g in groups for m in PRELOAD[g]),
             ]
         )

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import redis
 
+from jobfence.worker import procs
 from jobfence.worker.redis_server import RedisServer, RedisServerError, free_port
 
 __all__ = ["LocalCluster"]
@@ -20,7 +17,7 @@ __all__ = ["LocalCluster"]
 SLOTS = 16384
 
 
-class LocalCluster:
+class LocalCluster(procs.Launcher):
     """`masters` cluster-enabled redis-servers, each with `replicas` replicas, on free ports.
 
     Usage::
@@ -48,11 +45,12 @@ class LocalCluster:
             raise ValueError(f"need masters >= 1 and replicas >= 0, got {masters}, {replicas}")
         self.startup_timeout = startup_timeout
         self.node_timeout_ms = node_timeout_ms
-        self._root = Path(tempfile.mkdtemp(prefix="jobfence-cluster-"))
+        self._dir = procs.Workdir(None, "jobfence-cluster-")
+        root = self._dir.make()
         self.servers: list[RedisServer] = []
         self.bus_ports: list[int] = []
         for i in range(masters * (1 + replicas)):
-            workdir = self._root / f"n{i}"
+            workdir = root / f"n{i}"
             args = [
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(workdir / "nodes.conf"),
@@ -180,18 +178,7 @@ class LocalCluster:
         for server in self.servers:
             with contextlib.suppress(Exception):
                 server.stop()
-        shutil.rmtree(self._root, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        self._dir.remove()
 
     def __repr__(self) -> str:
         return f"<LocalCluster {self.n_masters} masters x {self.n_replicas} replicas {self.url}>"

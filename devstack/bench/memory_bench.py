@@ -26,10 +26,10 @@ from typing import Any
 import redis
 from celery import Celery
 
+from devstack.bench.gate_bench import as_worker_calls
 from jobfence.config import Settings
 from jobfence.locks import Lease, RedisBackend
 from jobfence.tasks import install, singleton_task
-from jobfence.worker.bench.gate_bench import as_worker_calls
 from jobfence.worker.redis_server import RedisServer
 
 PREFIX = "jobfence"

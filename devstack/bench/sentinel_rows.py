@@ -8,10 +8,10 @@ from typing import Any
 
 import redis
 
+from devstack.bench.redlock_rows import CLIENT_OPTIONS, Row, _jobfence_row, _time
+from devstack.local_sentinel import LocalSentinel
 from jobfence.locks import RedisBackend
 from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
-from jobfence.worker.bench.redlock_rows import CLIENT_OPTIONS, Row, _jobfence_row, _time
-from jobfence.worker.local_sentinel import LocalSentinel
 
 PREFIX = "stbench"
 SINGLE = "jobfence Redis, 1 node"

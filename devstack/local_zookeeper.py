@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Self
 
 from jobfence.worker import procs
 from jobfence.worker.redis_server import HOST, free_port
@@ -76,15 +70,7 @@ def _mode(answer: str) -> str | None:
     return None
 
 
-def _kill_and_reap(proc: subprocess.Popen[bytes], workdir: str | None) -> None:
-    """The finalizer's last resort: never leave a JVM or a temp dir behind."""
-    with contextlib.suppress(Exception):
-        procs.finish(proc, timeout=5)
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-class ZooKeeperServer:
+class ZooKeeperServer(procs.SingleServer):
     """One ZooKeeper server, a child process of this one; standalone unless given `peers`.
 
         with ZooKeeperServer() as zk:
@@ -117,7 +103,7 @@ class ZooKeeperServer:
     ) -> None:
         self._port = port
         self.listen = listen
-        self._given_workdir = Path(workdir) if workdir is not None else None
+        self._dir = procs.Workdir(workdir, "jobfence-zk-")
         self.tick_ms = tick_ms
         self.min_session_ms = min_session_ms
         self.max_session_ms = max_session_ms
@@ -127,11 +113,7 @@ class ZooKeeperServer:
         self.prefix_command = tuple(prefix_command)
         self.peers = tuple(peers)  # (myid, peer port, election port) of every member
         self.myid = myid
-        self._workdir: str | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._stdio: IO[bytes] | None = None
-        self._paused = False
-        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._server = procs.ServerProcess("ZooKeeper", error=ZooKeeperError)
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -150,23 +132,6 @@ class ZooKeeperServer:
         return f"zookeeper://{self.address}"
 
     @property
-    def pid(self) -> int:
-        if self._proc is None:
-            raise RuntimeError("ZooKeeperServer is not running")
-        return self._proc.pid
-
-    @property
-    def running(self) -> bool:
-        """True while the JVM lives (checked without reaping it), even when paused."""
-        return self._proc is not None and not procs.exited(self._proc)
-
-    @property
-    def workdir(self) -> Path:
-        if self._workdir is None:
-            raise RuntimeError("ZooKeeperServer has not been started yet")
-        return Path(self._workdir)
-
-    @property
     def data_dir(self) -> Path:
         return self.workdir / "data"
 
@@ -175,7 +140,7 @@ class ZooKeeperServer:
         return self.workdir / "zookeeper.out"
 
     def log_tail(self, lines: int = 40) -> str:
-        if self._workdir is None:
+        if not self._dir.made:
             return "<not started>"
         return f"--- {self.log_path} ---\n{procs.tail(self.log_path, lines)}"
 
@@ -230,18 +195,10 @@ class ZooKeeperServer:
         """Start the JVM and (with `wait`) return once `srvr` reports a mode; idempotent."""
         if self.running:
             return self
-        if self._proc is not None:  # it died: reap it before replacing it
-            _kill_and_reap(self._proc, None)
-            self._forget_process()
         reason = unavailable(self.java)
         if reason is not None:
             raise ZooKeeperError(reason)
-        if self._workdir is None:
-            if self._given_workdir is not None:
-                self._given_workdir.mkdir(parents=True, exist_ok=True)
-                self._workdir = str(self._given_workdir)
-            else:
-                self._workdir = tempfile.mkdtemp(prefix="jobfence-zk-")
+        self._dir.make()
         if self._port is None:
             self._port = free_port(self.listen)
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -255,83 +212,35 @@ class ZooKeeperServer:
         return self
 
     def _spawn(self) -> None:
-        self._stdio = open(self.log_path, "ab")  # noqa: SIM115 - closed by _forget_process
-        try:
-            proc = procs.spawn(self._command(), stdout=self._stdio, cwd=self.workdir)
-        except OSError as exc:
-            self._close_stdio()
-            raise ZooKeeperError(f"cannot run {self.java!r}: {exc}") from exc
-        self._proc = proc
-        self._paused = False
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        owned = self._workdir if self._given_workdir is None else None
-        self._finalizer = weakref.finalize(self, _kill_and_reap, proc, owned)
+        self._server.what = f"ZooKeeper on {self.address}"
+        self._server.spawn(self._command(), log_path=self.log_path, cwd=self.workdir)
 
     def wait_serving(self, timeout: float | None = None) -> str:
         """Wait until `srvr` shows a mode (`ruok` answers earlier, before it serves)."""
-        deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
-        while True:
-            if self._proc is None or procs.exited(self._proc):
-                code = procs.finish(self._proc) if self._proc is not None else None
-                self._forget_process()
-                raise ZooKeeperError(
-                    f"ZooKeeper on {self.address} exited with code {code} during start-up\n"
-                    f"{self.log_tail()}"
-                )
-            mode = self.mode()
-            if mode is not None:
-                return mode
-            if time.monotonic() >= deadline:
-                raise ZooKeeperError(
-                    f"ZooKeeper on {self.address} did not serve within "
-                    f"{self.startup_timeout:.0f}s\n{self.log_tail()}"
-                )
-            time.sleep(0.02)
-
-    def _forget_process(self) -> None:
-        self._proc = None
-        self._paused = False
-        self._close_stdio()
-
-    def _close_stdio(self) -> None:
-        if self._stdio is not None:
-            self._stdio.close()
-            self._stdio = None
+        self._server.wait_ready(
+            lambda: self.mode() is not None,
+            self.startup_timeout if timeout is None else timeout,
+            interval=0.02,
+        )
+        return self.mode() or "unknown"
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (SIGKILL after `timeout`), reap, and remove the temp dir if it is ours."""
-        if self._proc is not None:
-            procs.stop([self._proc], timeout=timeout)
-            self._forget_process()
-        if self._workdir is not None and self._given_workdir is None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-
-    def kill(self) -> None:
-        """SIGKILL the JVM (a crash) and reap it; data and port are kept."""
-        if self._proc is not None:
-            _kill_and_reap(self._proc, None)
-            self._forget_process()
+        self._server.stop(timeout)
+        self._dir.remove()
 
     def restart(self, *, fresh: bool = False) -> Self:
         """Kill and start again on the same port; `fresh` empties the data directory first."""
         self.kill()
-        if fresh and self._workdir is not None:
+        if fresh and self._dir.made:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         return self.start()
 
     def pause(self) -> None:
         """SIGSTOP the JVM and return once every thread of it has stopped: connections stay
         open, nothing is answered, no session expires."""
-        if self._proc is None:
-            raise RuntimeError("ZooKeeperServer is not running")
-        procs.signal_leader(self._proc, signal.SIGSTOP)
-        self._paused = True
-        tasks = Path(f"/proc/{self._proc.pid}/task")
+        self._server.pause()
+        tasks = Path(f"/proc/{self.pid}/task")
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             try:
@@ -342,29 +251,12 @@ class ZooKeeperServer:
                 return
             time.sleep(0.001)
 
-    def resume(self) -> None:
-        if self._proc is None:
-            raise RuntimeError("ZooKeeperServer is not running")
-        procs.signal_leader(self._proc, signal.SIGCONT)
-        self._paused = False
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
-        state = "paused" if self._paused else ("running" if self.running else "stopped")
+        state = "paused" if self.paused else ("running" if self.running else "stopped")
         return f"<ZooKeeperServer {self.listen}:{self._port} {state}>"
 
 
-class ZooKeeperEnsemble:
+class ZooKeeperEnsemble(procs.Launcher):
     """`size` servers on 127.0.0.1 forming one ensemble (quorum size // 2 + 1).
 
         with ZooKeeperEnsemble() as ens:
@@ -382,11 +274,8 @@ class ZooKeeperEnsemble:
     ) -> None:
         if size < 3 or size % 2 == 0:
             raise ValueError(f"an ensemble needs an odd size of at least 3, got {size}")
-        self._tmp: str | None = None
-        if workdir is None:
-            self._tmp = tempfile.mkdtemp(prefix="jobfence-zk-ensemble-")
-            workdir = self._tmp
-        root = Path(workdir)
+        self._dir = procs.Workdir(workdir, "jobfence-zk-ensemble-")
+        root = self._dir.make()
         ports = _free_ports(3 * size)
         peers = [(i + 1, ports[3 * i + 1], ports[3 * i + 2]) for i in range(size)]
         self.startup_timeout = startup_timeout
@@ -431,27 +320,10 @@ class ZooKeeperEnsemble:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+        self._dir.remove()
 
     def __iter__(self) -> Iterator[ZooKeeperServer]:
         return iter(self.servers)
-
-    def __enter__(self) -> Self:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _free_ports(n: int) -> list[int]:

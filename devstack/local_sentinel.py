@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import shutil
-import subprocess
-import tempfile
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -38,8 +33,7 @@ class _Sentinel:
     conf: Path
     log: Path
     myid: str
-    proc: subprocess.Popen[bytes] | None = None
-    stdio: IO[bytes] | None = field(default=None, repr=False)
+    server: procs.ServerProcess = field(repr=False)
 
     def client(self, timeout: float = 1.0) -> redis.Redis:
         return redis.Redis(host=HOST, port=self.port, socket_timeout=timeout,
@@ -47,15 +41,7 @@ class _Sentinel:
                            decode_responses=True)  # fmt: skip
 
 
-def _reap(popens: list[subprocess.Popen[bytes]], root: str) -> None:
-    """Last-resort cleanup (finalizer): no sentinel outlives the object that started it."""
-    for proc in popens:
-        with contextlib.suppress(Exception):
-            procs.finish(proc, timeout=5)
-    shutil.rmtree(root, ignore_errors=True)
-
-
-class LocalSentinel:
+class LocalSentinel(procs.Launcher):
     """One master, `replicas` replicas and `sentinels` sentinels, each a child process on a
     free port of 127.0.0.1, non-persistent (data lives in memory only).
 
@@ -85,8 +71,8 @@ class LocalSentinel:
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
         self.executable = executable
-        self._root = tempfile.mkdtemp(prefix="jobfence-sentinel-")
-        root = Path(self._root)
+        self._dir = procs.Workdir(None, "jobfence-sentinel-")
+        root = self._dir.make()
         master_port = free_port()
         self.nodes = [
             RedisServer(
@@ -105,15 +91,10 @@ class LocalSentinel:
                 conf=root / f"sentinel{i}.conf",
                 log=root / f"sentinel{i}.log",
                 myid=secrets.token_hex(20),
+                server=procs.ServerProcess(f"sentinel {i}", error=SentinelError),
             )
             for i in range(sentinels)
         ]
-        # Sentinels started so far: the finalizer reaps them (and deletes the files) if this
-        # object is dropped without stop().
-        self._popens: list[subprocess.Popen[bytes]] = []
-        self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
-            self, _reap, self._popens, self._root
-        )
 
     # -- addresses -------------------------------------------------------------------
 
@@ -126,7 +107,7 @@ class LocalSentinel:
     def master_address(self) -> tuple[str, int] | None:
         """The master the first answering sentinel names, or None if none answers."""
         for sentinel in self.sentinels:
-            if sentinel.proc is None or procs.exited(sentinel.proc):
+            if not sentinel.server.running:
                 continue
             client = sentinel.client()
             try:
@@ -174,11 +155,9 @@ class LocalSentinel:
             sentinel.port = free_port()
         for sentinel in self.sentinels:
             self._write_conf(sentinel, master_port)
-            sentinel.stdio = open(sentinel.log.with_suffix(".stdio"), "ab")  # noqa: SIM115
-            sentinel.proc = procs.spawn(
-                [self.executable, str(sentinel.conf), "--sentinel"], stdout=sentinel.stdio
-            )
-            self._popens.append(sentinel.proc)
+            sentinel.server.what = f"sentinel on port {sentinel.port}"
+            sentinel.server.spawn([self.executable, str(sentinel.conf), "--sentinel"],
+                                  log_path=sentinel.log.with_suffix(".stdio"))  # fmt: skip
 
     def _write_conf(self, sentinel: _Sentinel, master_port: int) -> None:
         name = self.service
@@ -186,7 +165,7 @@ class LocalSentinel:
             f"port {sentinel.port}",
             f"bind {HOST}",
             "daemonize no",
-            f"dir {self._root}",
+            f"dir {self._dir.path}",
             f"logfile {sentinel.log}",
             f"sentinel myid {sentinel.myid}",
             f"sentinel monitor {name} {HOST} {master_port} {self.quorum}",
@@ -208,7 +187,7 @@ class LocalSentinel:
         def ready() -> bool:
             addr = None
             for sentinel in self.sentinels:
-                if sentinel.proc is None or procs.exited(sentinel.proc):
+                if not sentinel.server.running:
                     raise SentinelError(f"sentinel on port {sentinel.port} exited\n"
                                         f"{procs.tail(sentinel.log)}")  # fmt: skip
                 client = sentinel.client()
@@ -247,22 +226,12 @@ class LocalSentinel:
 
     def stop(self) -> None:
         """Stop every sentinel and node this object started (by pid) and delete its files."""
-        running = [s.proc for s in self.sentinels if s.proc is not None]
-        if running:
-            procs.stop(running, timeout=5)
-        self._popens.clear()
         for sentinel in self.sentinels:
-            sentinel.proc = None
-            if sentinel.stdio is not None:
-                sentinel.stdio.close()
-                sentinel.stdio = None
+            sentinel.server.stop(5)
         for node in self.nodes:
             with contextlib.suppress(Exception):
                 node.stop()
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        shutil.rmtree(self._root, ignore_errors=True)
+        self._dir.remove()
 
     def log_tail(self, lines: int = 15) -> str:
         parts = [f"--- sentinel {s.port} ---\n{procs.tail(s.log, lines)}" for s in self.sentinels]
@@ -355,19 +324,6 @@ class LocalSentinel:
         finally:
             client.close()
         self.wait_ready(timeout)
-
-    # -- context manager ---------------------------------------------------------------
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"<LocalSentinel {self.url}>"

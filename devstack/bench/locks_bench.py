@@ -1,9 +1,9 @@
 """Lock benchmark: acquire+release pairs/s and release-to-waiter wake-up, jobfence beside peers.
 
 Redis locks first (private redis-server), then PostgreSQL and MariaDB in the same run
-(`worker/bench/sql_rows.py`: a scratch database on each server, dropped at the end), then
-etcd (`worker/bench/etcd_rows.py`: a private etcd unless one is given), then
-ZooKeeper (`worker/bench/zookeeper_rows.py`: a private server unless one is given).
+(`devstack/bench/sql_rows.py`: a scratch database on each server, dropped at the end), then
+etcd (`devstack/bench/etcd_rows.py`: a private etcd unless one is given), then
+ZooKeeper (`devstack/bench/zookeeper_rows.py`: a private server unless one is given).
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ import redis_lock
 from redis.connection import AbstractConnection
 from sqlalchemy.exc import SQLAlchemyError
 
-from jobfence import locks
-from jobfence.locks import Lease, RedisBackend
-from jobfence.worker import local_zookeeper
-from jobfence.worker.bench import (
+from devstack import local_zookeeper
+from devstack.bench import (
     charts,
     cluster_rows,
     etcd_rows,
@@ -45,8 +43,10 @@ from jobfence.worker.bench import (
     sql_rows,
     zookeeper_rows,
 )
-from jobfence.worker.bench import report as report_io
-from jobfence.worker.local_sentinel import SentinelError
+from devstack.bench import report as report_io
+from devstack.local_sentinel import SentinelError
+from jobfence import locks
+from jobfence.locks import Lease, RedisBackend
 from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
-import signal
-import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Self
 
 from jobfence.worker import procs
 from jobfence.worker.redis_server import HOST, free_port
@@ -44,8 +40,7 @@ class _Node:
     peer_port: int
     data_dir: Path
     log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    stdio: IO[bytes] | None = field(default=None, repr=False)
+    server: procs.ServerProcess = field(repr=False)
 
     @property
     def client_url(self) -> str:
@@ -57,19 +52,7 @@ class _Node:
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and not procs.exited(self.proc)
-
-
-def _reap_all(nodes: list[_Node], workdir: str | None) -> None:
-    """Last-resort cleanup (the finalizer): never leave an etcd behind."""
-    for node in nodes:
-        if node.proc is not None:
-            with contextlib.suppress(Exception):
-                procs.finish(node.proc, timeout=5)
-        if node.stdio is not None:
-            node.stdio.close()
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
+        return self.server.running
 
 
 def _get_json(url: str, timeout: float) -> Any:
@@ -85,7 +68,7 @@ def _post_json(url: str, body: dict[str, Any], timeout: float) -> Any:
         return json.loads(reply.read())
 
 
-class EtcdCluster:
+class EtcdCluster(procs.Launcher):
     """`size` etcd members on free loopback ports, as child processes of this one.
 
     Usage::
@@ -118,11 +101,9 @@ class EtcdCluster:
         self.heartbeat_ms = heartbeat_ms
         self.startup_timeout = startup_timeout
         self.extra_args = tuple(extra_args)
-        self._given_workdir = Path(workdir) if workdir is not None else None
-        self._workdir: str | None = None
+        self._dir = procs.Workdir(workdir, "jobfence-etcd-")
         self._nodes: list[_Node] = []
         self._token = ""
-        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- addresses --------------------------------------------------------------------
     @property
@@ -144,19 +125,14 @@ class EtcdCluster:
         return self._require_nodes()[index].client_url
 
     def pid(self, index: int) -> int:
-        proc = self._require_nodes()[index].proc
-        if proc is None:
-            raise RuntimeError(f"etcd member {index} is not running")
-        return proc.pid
+        return self._require_nodes()[index].server.pid
 
     def running(self, index: int) -> bool:
         return self._require_nodes()[index].running
 
     @property
     def workdir(self) -> Path:
-        if self._workdir is None:
-            raise RuntimeError("EtcdCluster has not been started yet")
-        return Path(self._workdir)
+        return self._dir.path
 
     def _require_nodes(self) -> list[_Node]:
         if not self._nodes:
@@ -169,19 +145,11 @@ class EtcdCluster:
         reason = etcd_unavailable(self.executable)
         if reason:
             raise EtcdServerError(reason)
-        if self._workdir is None:
-            if self._given_workdir is not None:
-                self._given_workdir.mkdir(parents=True, exist_ok=True)
-                self._workdir = str(self._given_workdir)
-            else:
-                self._workdir = tempfile.mkdtemp(prefix="jobfence-etcd-")
+        self._dir.make()
         fresh = not self._nodes
         for attempt in range(3 if fresh else 1):
             if not self._nodes:
                 self._plan()
-            if self._finalizer is None:
-                owned = self._workdir if self._given_workdir is None else None
-                self._finalizer = weakref.finalize(self, _reap_all, self._nodes, owned)
             for node in self._nodes:
                 if not node.running:
                     self._spawn(node)
@@ -197,24 +165,18 @@ class EtcdCluster:
 
     def _discard_plan(self) -> None:
         for node in self._nodes:
-            if node.proc is not None:
-                procs.finish(node.proc, timeout=10)
-                node.proc = None
-            if node.stdio is not None:
-                node.stdio.close()
-                node.stdio = None
+            node.server.kill()
             shutil.rmtree(node.data_dir.parent, ignore_errors=True)
         self._nodes.clear()
 
     def _plan(self) -> None:
-        assert self._workdir is not None
         ports: set[int] = set()
         while len(ports) < 2 * self.size:
             ports.add(free_port())
         ordered = sorted(ports)
         self._token = f"jobfence-{ordered[0]}-{int(time.time() * 1000)}"
         for i in range(self.size):
-            base = Path(self._workdir) / f"m{i}"
+            base = self.workdir / f"m{i}"
             base.mkdir(parents=True, exist_ok=True)
             self._nodes.append(
                 _Node(
@@ -223,6 +185,9 @@ class EtcdCluster:
                     peer_port=ordered[2 * i + 1],
                     data_dir=base / "data",
                     log_path=base / "etcd.log",
+                    server=procs.ServerProcess(
+                        f"etcd member m{i} on port {ordered[2 * i]}", error=EtcdServerError
+                    ),
                 )
             )
 
@@ -251,13 +216,7 @@ class EtcdCluster:
         ]  # fmt: skip
 
     def _spawn(self, node: _Node) -> None:
-        if node.stdio is not None:
-            node.stdio.close()
-        node.stdio = open(node.log_path, "ab")  # noqa: SIM115 - closed when the node stops
-        try:
-            node.proc = procs.spawn(self._command(node), stdout=node.stdio)
-        except OSError as exc:
-            raise EtcdServerError(f"cannot run {self.executable!r}: {exc}") from exc
+        node.server.spawn(self._command(node), log_path=node.log_path)
 
     def healthy(self, index: int, timeout: float = 1.0) -> bool:
         """True if member `index` answers /health with health true (it sees a leader)."""
@@ -274,25 +233,12 @@ class EtcdCluster:
         """Wait until the members (all running ones by default) answer /health."""
         nodes = self._require_nodes()
         wanted = list(indexes) if indexes is not None else [
-            i for i, n in enumerate(nodes) if n.proc is not None
+            i for i, n in enumerate(nodes) if n.server.proc is not None
         ]
         deadline = time.monotonic() + self.startup_timeout
         for i in wanted:
-            while not self.healthy(i):
-                node = nodes[i]
-                if node.proc is not None and procs.exited(node.proc):
-                    code = procs.finish(node.proc)
-                    node.proc = None
-                    raise EtcdServerError(
-                        f"etcd member {node.name} on port {node.client_port} exited with code "
-                        f"{code} during start-up\n{procs.tail(node.log_path)}"
-                    )
-                if time.monotonic() >= deadline:
-                    raise EtcdServerError(
-                        f"etcd member {node.name} on port {node.client_port} not healthy within "
-                        f"{self.startup_timeout:.0f}s\n{procs.tail(node.log_path)}"
-                    )
-                time.sleep(0.02)
+            remaining = max(0.0, deadline - time.monotonic())
+            nodes[i].server.wait_ready(functools.partial(self.healthy, i), remaining, interval=0.02)
 
     def leader(self, timeout: float = 1.0) -> int | None:
         """Index of the member that is leader now (as a running member reports it), or None."""
@@ -320,17 +266,11 @@ class EtcdCluster:
 
     def kill_member(self, index: int) -> None:
         """SIGKILL member `index` (a crash) and reap it; its data directory is kept."""
-        node = self._require_nodes()[index]
-        if node.proc is not None:
-            procs.finish(node.proc, timeout=10)
-            node.proc = None
+        self._require_nodes()[index].server.kill()
 
     def stop_member(self, index: int, timeout: float = 10.0) -> None:
         """SIGTERM member `index` (SIGKILL after `timeout`), reap it; its data is kept."""
-        node = self._require_nodes()[index]
-        if node.proc is not None:
-            procs.stop([node.proc], timeout=timeout)
-            node.proc = None
+        self._require_nodes()[index].server.stop(timeout)
 
     def start_member(self, index: int, *, wait: bool = True) -> None:
         """Start member `index` again from its data directory (same ports)."""
@@ -342,14 +282,10 @@ class EtcdCluster:
 
     def pause_member(self, index: int) -> None:
         """SIGSTOP member `index`: its connections stay open, nothing is answered."""
-        proc = self._require_nodes()[index].proc
-        if proc is not None:
-            procs.signal_leader(proc, signal.SIGSTOP)
+        self._require_nodes()[index].server.pause()
 
     def resume_member(self, index: int) -> None:
-        proc = self._require_nodes()[index].proc
-        if proc is not None:
-            procs.signal_leader(proc, signal.SIGCONT)
+        self._require_nodes()[index].server.resume()
 
     def restart(self, *, fresh: bool = False, kill: bool = True) -> Self:
         """Stop every member (SIGKILL with `kill`, else SIGTERM) and start them again on the
@@ -373,21 +309,13 @@ class EtcdCluster:
     def stop(self, timeout: float = 10.0, *, kill: bool = False) -> None:
         """Stop every member (SIGTERM, SIGKILL after `timeout`; SIGKILL at once with `kill`:
         a cluster whose data goes anyway), reap, delete the temp dir."""
-        running = [n.proc for n in self._nodes if n.proc is not None]
-        if running:
-            procs.stop(running, sig=signal.SIGKILL if kill else signal.SIGTERM, timeout=timeout)
         for node in self._nodes:
-            node.proc = None
-            if node.stdio is not None:
-                node.stdio.close()
-                node.stdio = None
-        if self._workdir is not None and self._given_workdir is None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-        self._workdir = None
+            if kill:
+                node.server.kill()
+            else:
+                node.server.stop(timeout)
+        self._dir.remove()
         self._nodes.clear()
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(
@@ -401,17 +329,6 @@ class EtcdCluster:
             yield
         finally:
             self.resume_member(index)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         where = ",".join(self.endpoints) if self._nodes else "not started"

@@ -28,11 +28,11 @@ import redis
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from jobfence.worker.bench import charts
-from jobfence.worker.bench import report as report_io
-from jobfence.worker.bench.locks_bench import BenchError, Server, start_private_redis
+from devstack.bench import charts
+from devstack.bench import report as report_io
+from devstack.bench.locks_bench import BenchError, Server, start_private_redis
 
-APP_MODULE = "jobfence.worker.bench.celery_bench_app"
+APP_MODULE = "devstack.bench.celery_bench_app"
 BODY_ENV = "JOBFENCE_BENCH_BODY_MS"  # the app module's body wait, in milliseconds
 PLAIN = "plain Celery task"
 JOBFENCE = "jobfence @singleton_task"
@@ -44,7 +44,7 @@ TRIVIAL_TARGET = 0.9
 BODY_TARGET = 0.97
 WARMUP_JOBS = 200  # per contender, untimed: forks, connections and scripts are ready after
 POLL = 0.005  # seconds between counter polls
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # devstack/bench/ -> the checkout
 
 
 @dataclass
