@@ -10,7 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import (
@@ -20,6 +20,18 @@ from jobfence.locks.errors import (
     SemaphoreUnsupported,
 )
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
+from jobfence.locks.ops import (
+    Acquire,
+    Extend,
+    Inspect,
+    LeaveSlot,
+    Release,
+    ReleaseOwner,
+    StoreOp,
+    TakeRate,
+    TakeSlot,
+    WaitRelease,
+)
 from jobfence.locks.procinfo import process_start
 from jobfence.locks.slots import (
     SEMAPHORE_BACKENDS,
@@ -182,9 +194,11 @@ class LockBackend(ABC):
         got = self.attempt(key, ttl, meta=meta)
         return got if isinstance(got, Lease) else None
 
-    def attempt(self, key: str, ttl: float, *, meta: OwnerMeta | None = None) -> Lease | Busy:
+    def attempt(
+        self, key: str, ttl: float, *, meta: OwnerMeta | None = None, owner: str | None = None
+    ) -> Lease | Busy:
         """Like try_acquire, but says how long the current holder's lease has left."""
-        got = self.begin(key, ttl, meta=meta)
+        got = self.begin(key, ttl, meta=meta, owner=owner)
         assert not isinstance(got, JobRecord)
         return got
 
@@ -196,17 +210,19 @@ class LockBackend(ABC):
         meta: OwnerMeta | None = None,
         record: bool = False,
         fingerprint: str = "",
+        owner: str | None = None,
     ) -> BeginResult:
         """Acquire `key` unless its job record says DONE (then return the record).
 
         With `record=True` a FAILED record does not stop a new run (the grant clears it);
         while the job runs, the lock itself says who runs it. `fingerprint` is kept with
         the grant and returned in `Busy`, so the same key with other arguments is a
-        conflict while the job runs, not only after DONE.
+        conflict while the job runs, not only after DONE. `owner`: the token to hold it
+        under (a flow picks it, so it can release a grant whose reply it never read).
         """
         validate_key(key)
         ttl_ms = validate_ttl(ttl)
-        owner = new_owner_token()
+        owner = owner or new_owner_token()
         meta = meta or default_meta()
         started = self.clock.monotonic()
         got = self._begin(key, owner, ttl_ms, meta, record, fingerprint)
@@ -274,6 +290,35 @@ class LockBackend(ABC):
         if type(lease) is SlotLease:
             return self._sem_release(lease.key, lease.owner)
         return self._release(lease.key, lease.owner)
+
+    # -- the Store seam: one entry point per op (locks/ops.py), over the methods above --
+    def execute(self, op: StoreOp) -> Any:
+        """Run one op of a flow (locks/flows.py) as one round trip; its reply is the
+        method's own (the table in locks/ops.py)."""
+        match op:
+            case Acquire(key, ttl, owner, meta):
+                return self.attempt(key, ttl, meta=meta, owner=owner)
+            case WaitRelease(key, timeout):
+                self.wait_for_release(key, timeout)
+                return None
+            case Extend(leases):
+                return self.extend_many(leases)
+            case Release(lease):
+                return lease.release()
+            case ReleaseOwner(key, owner):
+                validate_key(key)
+                return self._release(key, owner)
+            case TakeSlot(key, limit, ttl, owner, meta, queue_ttl):
+                return self.semaphore_attempt(
+                    key, limit, ttl, owner=owner, meta=meta, queue_ttl=queue_ttl
+                )
+            case LeaveSlot(key, owner):
+                return self.semaphore_leave(key, owner)
+            case TakeRate(key, interval, burst, max_wait):
+                return self.take_rate(key, interval, burst, max_wait)
+            case Inspect(key):
+                return self.inspect(key)
+        raise LockError(f"the {self.name} lock backend cannot run {type(op).__name__}")
 
     # -- semaphores: validate, then one call ----------------------------------------
     def semaphore_attempt(
