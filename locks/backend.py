@@ -179,6 +179,26 @@ def validate_ttl(ttl: float) -> int:
     return ms
 
 
+def settle_extensions(leases: Sequence[Lease], results: list[bool], started: float) -> list[bool]:
+    """After one batched extension sent at `started`: move each confirmed lease's deadline,
+    mark each refused one lost. Every store's Extend ends here."""
+    for lease, ok in zip(leases, results, strict=True):
+        if ok:
+            lease.renewed(started)
+        else:
+            lease.mark_lost(
+                NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
+            )
+    return results
+
+
+def validate_rate(key: str, interval: float, burst: int) -> None:
+    if not interval > 0 or not isinstance(burst, int) or burst < 1:
+        raise LockError(
+            f"rate needs interval > 0 and burst >= 1, got {interval!r}, {burst!r}", key=key
+        )
+
+
 class LockBackend(ABC):
     """A lock server. Subclasses implement the `_`-prefixed one-round-trip methods."""
 
@@ -259,15 +279,7 @@ class LockBackend(ABC):
             return []
         started = self.clock.monotonic()
         items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
-        results = self._extend_leases_and_slots(leases, items)
-        for lease, ok in zip(leases, results, strict=True):
-            if ok:
-                lease.renewed(started)
-            else:
-                lease.mark_lost(
-                    NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
-                )
-        return results
+        return settle_extensions(leases, self._extend_leases_and_slots(leases, items), started)
 
     def _extend_leases_and_slots(
         self, leases: Sequence[Lease], items: list[tuple[str, str, int]]
@@ -504,10 +516,7 @@ class LockBackend(ABC):
                 "redis+sentinel://, redis+cluster://, postgresql:// or mysql:// (mariadb://)",
                 key=key,
             )
-        if not interval > 0 or not isinstance(burst, int) or burst < 1:
-            raise LockError(
-                f"rate needs interval > 0 and burst >= 1, got {interval!r}, {burst!r}", key=key
-            )
+        validate_rate(key, interval, burst)
         admitted, wait_us, now_us = self._take_rate(key, interval * 1e6, burst, max_wait * 1e6)
         return RateGrant(admitted, max(0.0, wait_us / 1e6), now_us / 1e6)
 
