@@ -34,12 +34,14 @@ from jobfence.locks.semaphore import acquire_slot
 from jobfence.locks.slots import SlotInfo, SlotLease, SlotWait
 
 if TYPE_CHECKING:
+    from jobfence.locks.aio import AsyncLocker
     from jobfence.locks.backends.redis import RedisBackend
     from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
+        "AsyncLocker": "jobfence.locks.aio",
         "RedisBackend": "jobfence.locks.backends.redis",
         "RedisFenceGuard": "jobfence.locks.guards",
         "SqlFenceGuard": "jobfence.locks.guards",
@@ -49,6 +51,7 @@ __getattr__, __dir__ = lazy_exports(
 __all__ = [
     "SYSTEM_CLOCK",
     "AcquireTimeout",
+    "AsyncLocker",
     "BackendUnavailable",
     "Backoff",
     "Busy",

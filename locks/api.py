@@ -57,6 +57,12 @@ class Locker:
         self.timeout = validate_seconds(timeout, "Locker timeout")
         self.backoff = backoff or Backoff()
 
+    @classmethod
+    def from_url(cls, url: str, *, ttl: float = 30.0, timeout: float = 10.0,
+                 **options: Any) -> Locker:  # fmt: skip
+        """A Locker on any lock URL jobfence accepts (`options` go to `open_backend`)."""
+        return cls(open_backend(url, **options), ttl=ttl, timeout=timeout)
+
     def acquire(
         self,
         key: str,
