@@ -178,6 +178,7 @@ class AsyncTerm:
         self.fence = lease.fence
         self.lost = asyncio.Event()
         loop = asyncio.get_running_loop()
+
         # A ThreadStore's extension marks the loss in a worker thread: set it on the loop.
         def ended(_lease: Lease, _cause: BaseException) -> None:
             loop.call_soon_threadsafe(self.lost.set)
