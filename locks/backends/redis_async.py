@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, ClassVar
 
 import redis
@@ -56,6 +57,9 @@ from jobfence.locks.ops import (
 )
 from jobfence.locks.slots import SlotLease, validate_limit
 
+#: How long an op waits for a free connection of the pool (seconds) before it fails.
+POOL_WAIT = 30.0
+
 
 class AsyncRedisStore:
     """Locks on one Redis server for asyncio: each op is one awaited EVALSHA of the same
@@ -70,11 +74,23 @@ class AsyncRedisStore:
     name: ClassVar[str] = "redis"
     capabilities: ClassVar[Capabilities] = RedisBackend.capabilities
 
-    def __init__(self, backend: RedisBackend, client: redis.asyncio.Redis) -> None:
+    def __init__(
+        self,
+        backend: RedisBackend,
+        client: redis.asyncio.Redis,
+        keeper_client: redis.asyncio.Redis | None = None,
+    ) -> None:
         self.backend = backend
         self.client = client
+        # Extensions go through a pool of their own: a storm of acquires and waiters that
+        # takes every connection of `client` must not make the held leases miss renewal.
+        self.keeper_client = keeper_client or client
         self.keys = backend.keys
         self.clock = backend.clock
+        self._blocking = 0  # waiters in BLPOP now
+        self._max_blocking = max(
+            1, (getattr(client.connection_pool, "max_connections", 2) or 2) // 2
+        )
         pool_kwargs = client.connection_pool.connection_kwargs
         timeout = pool_kwargs.get("socket_timeout")
         self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
@@ -86,15 +102,29 @@ class AsyncRedisStore:
         *,
         prefix: str = "jobfence",
         socket_timeout: float = 2.0,
+        max_connections: int = 32,
         clock: Clock = SYSTEM_CLOCK,
     ) -> AsyncRedisStore:
         backend = RedisBackend.from_url(url, prefix=prefix, socket_timeout=socket_timeout,
                                         clock=clock)  # fmt: skip
-        # The sync client's options, with redis.asyncio's own (no-)retry object.
+        # The sync client's options, with redis.asyncio's own (no-)retry object. A waiter
+        # holds a connection in BLPOP, so many coroutines need many: past the cap an op
+        # waits for a free one rather than fail.
         options = {**client_options(socket_timeout), "retry": Retry(NoBackoff(), 0)}
-        return cls(backend, redis.asyncio.Redis.from_url(url, **options))
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=POOL_WAIT, **options
+        )
+        keeper_pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=4, timeout=POOL_WAIT, **options
+        )
+        return cls(backend, redis.asyncio.Redis(connection_pool=pool),
+                   redis.asyncio.Redis(connection_pool=keeper_pool))  # fmt: skip
 
-    async def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
+    async def _call(
+        self, name: str, keys: list[str], args: list[Any], key: str | None,
+        client: redis.asyncio.Redis | None = None,
+    ) -> Any:  # fmt: skip
+        client = client or self.client
         scripts = self.backend.scripts
         if name not in scripts:  # the semaphore scripts, registered on first use
             for extra in SEMAPHORE_SCRIPTS:
@@ -102,10 +132,10 @@ class AsyncRedisStore:
         script = scripts[name]
         try:
             try:
-                return await self.client.evalsha(script.sha, len(keys), *keys, *args)
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:  # a server that lost its script cache (restart, flush)
-                script.sha = await self.client.script_load(script.script)
-                return await self.client.evalsha(script.sha, len(keys), *keys, *args)
+                script.sha = await client.script_load(script.script)
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
         except RedisError as exc:
             raise BackendUnavailable(f"redis {name} failed", key=key, cause=exc) from exc
 
@@ -168,10 +198,18 @@ class AsyncRedisStore:
         timeout = min(timeout, self._max_block)
         if timeout < 0.001:
             return
+        if self._blocking >= self._max_blocking:
+            # A BLPOP holds a connection: past half the pool the others sleep out their
+            # backoff instead, so acquires and releases always find a connection.
+            await asyncio.sleep(timeout)
+            return
+        self._blocking += 1
         try:
             await self.client.blpop([self.keys.signal(key)], timeout=timeout)
         except RedisError as exc:
             raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
+        finally:
+            self._blocking -= 1
 
     async def _extend(self, leases: list[Lease]) -> list[bool]:
         if not leases:
@@ -182,7 +220,7 @@ class AsyncRedisStore:
         slots = [i for i, le in enumerate(leases) if type(le) is SlotLease]
         if locks:
             items = [(leases[i].key, leases[i].owner, validate_ttl(leases[i].ttl)) for i in locks]
-            replies = [await self._call("extend_many", keys, args, None)
+            replies = [await self._call("extend_many", keys, args, None, self.keeper_client)
                        for keys, args in extend_calls(self.keys, items)]  # fmt: skip
             for i, ok in zip(locks, parse_extend(replies), strict=True):
                 results[i] = ok
@@ -190,7 +228,7 @@ class AsyncRedisStore:
             items = [(leases[i].key, leases[i].owner, validate_ttl(leases[i].ttl)) for i in slots]
             names, args = sem_extend_call(self.keys.prefix, items,
                                           self.backend.semaphore_retention_ms)  # fmt: skip
-            reply = await self._call("sem_extend_many", names, args, None)
+            reply = await self._call("sem_extend_many", names, args, None, self.keeper_client)
             for i, x in zip(slots, reply, strict=True):
                 results[i] = bool(int(x))
         return settle_extensions(leases, results, started)
@@ -223,4 +261,6 @@ class AsyncRedisStore:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self.keeper_client is not self.client:
+            await self.keeper_client.aclose()
         self.backend.close()
