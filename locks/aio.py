@@ -97,11 +97,12 @@ class AsyncKeeper:
 
     def keep(self, lease: Lease) -> None:
         self._due[lease] = first_due(self.clock.monotonic(), lease, self.fraction)
-        if self._task is None or self._task.done():
+        loop = asyncio.get_running_loop()
+        task = self._task
+        # A task of a loop that has ended (a second asyncio.run) never runs again: replace it.
+        if task is None or task.done() or task.get_loop() is not loop:
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="jobfence-async-keeper"
-            )
+            self._task = loop.create_task(self._run(), name="jobfence-async-keeper")
         elif self._wake is not None:
             self._wake.set()
 
@@ -116,7 +117,7 @@ class AsyncKeeper:
     async def aclose(self) -> None:
         task, self._task = self._task, None
         self._due.clear()
-        if task is not None and not task.done():
+        if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -134,7 +135,8 @@ class AsyncKeeper:
             assert wake is not None
             wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), wait)
+                async with asyncio.timeout(wait):  # no helper task, unlike wait_for
+                    await wake.wait()
 
     async def _tick(self) -> float:
         now = self.clock.monotonic()
@@ -234,6 +236,7 @@ class AsyncRateLimiter:
 
 class AsyncLocker:
     """The Locker for asyncio: the same flows, awaited; leases kept by an asyncio task.
+    Use one per event loop (its store's connections belong to the loop that opened them).
 
     async with locker.lock("invoice:42", ttl=10, timeout=5) as lease:
         await write(..., fence=lease.fence)
