@@ -20,7 +20,8 @@ from jobfence.locks import (
 )
 from jobfence.locks.backend import RateGrant
 from jobfence.locks.drive import run_async, run_sync
-from jobfence.locks.flows import Backoff, acquire_flow, rate_flow, slot_flow
+from jobfence.locks.flows import Backoff, acquire_flow, campaign_flow, rate_flow, slot_flow
+from jobfence.locks.lease import OwnerMeta
 from jobfence.locks.ops import (
     Acquire,
     LeaveSlot,
@@ -279,3 +280,36 @@ def test_run_async_cancel_during_a_round_trip_releases_the_grant() -> None:
 
     ops = asyncio.run(main())
     assert isinstance(ops[0], Acquire) and ops[1] == ReleaseOwner("k", ops[0].owner)
+
+
+def test_campaign_waits_for_ever_by_default_and_tags_the_leader() -> None:
+    meta = OwnerMeta(host="h", pid=1, task_name="jobfence.leader")
+    flow = campaign_flow("leader:x", ttl=5, meta=meta, backoff=_backoff())
+    flow.send(None)
+    take = flow.send(100.0)
+    assert isinstance(take, Acquire) and take.meta == meta
+    flow.send(Busy(ttl_left=5))
+    wait = flow.send(1e9)  # a billion seconds later: still waiting, no timeout
+    assert isinstance(wait, WaitRelease)
+    assert isinstance(flow.send(None), Acquire)
+
+
+def test_run_async_cancel_in_a_slot_queue_leaves_it() -> None:
+    class Queued(_Scripted):
+        async def execute_async(self, op: StoreOp) -> Any:
+            self.ops.append(op)
+            return SlotWait(position=1, ttl_left=9) if isinstance(op, TakeSlot) else True
+
+    async def main() -> list[StoreOp]:
+        store = Queued([])
+        flow = slot_flow("s", limit=1, ttl=10, timeout=60, backoff=_backoff())
+        task = asyncio.ensure_future(run_async(flow, store, ManualClock(0.0)))
+        while len(store.ops) < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return store.ops
+
+    ops = asyncio.run(main())
+    assert isinstance(ops[-1], LeaveSlot) and ops[-1].owner == ops[0].owner  # type: ignore[union-attr]
