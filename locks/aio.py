@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 #: The schemes with a native asyncio store; every other lock URL runs on a ThreadStore.
 NATIVE_ASYNC_SCHEMES = ("redis", "rediss", "unix")
+NATIVE_POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
 
 
 class ThreadStore:
@@ -69,13 +70,20 @@ class ThreadStore:
 
 
 def open_async_store(url: str, **options: Any) -> AsyncStore:
-    """The asyncio store for a lock URL: native on Redis (one node), a ThreadStore over
-    `open_backend(url)` for every other scheme."""
+    """The asyncio store for a lock URL: native on Redis (one node) and PostgreSQL, a
+    ThreadStore over `open_backend(url)` for every other scheme."""
     scheme = url.split("://", 1)[0].lower()
     if scheme in NATIVE_ASYNC_SCHEMES:
         from jobfence.locks.backends.redis_async import AsyncRedisStore
 
         return AsyncRedisStore.from_url(url, **options)
+    if scheme in NATIVE_POSTGRES_SCHEMES:
+        backend = open_backend(url, **options)  # its install hint if psycopg is missing
+        from jobfence.locks.backends.postgres import PostgresBackend
+        from jobfence.locks.backends.postgres_async import AsyncPostgresStore
+
+        assert isinstance(backend, PostgresBackend)
+        return AsyncPostgresStore(backend)
     return ThreadStore(open_backend(url, **options))
 
 

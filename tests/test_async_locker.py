@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 from jobfence import AsyncLocker, Lease, Locker
 from jobfence.locks import AcquireTimeout, AsyncRedisFenceGuard, open_backend
 from jobfence.locks.aio import ThreadStore
+from jobfence.locks.backends.postgres_async import AsyncPostgresStore
 from jobfence.locks.backends.redis_async import AsyncRedisStore
 from jobfence.locks.backends.redis_semaphore import semaphore_keys
 
@@ -47,7 +48,7 @@ def _sync_contender(url: str, start: Any, out: Any) -> None:
     out.put(held)
 
 
-def _contend(url: str, coroutines: int) -> list[tuple[float, float, int]]:
+def _contend(url: str, coroutines: int, *, offload: bool = False) -> list[tuple[float, float, int]]:
     """`coroutines` async holders in this loop and PROCESSES sync ones elsewhere, one key."""
     ctx = multiprocessing.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
@@ -56,7 +57,11 @@ def _contend(url: str, coroutines: int) -> list[tuple[float, float, int]]:
         proc.start()
 
     async def main() -> list[tuple[float, float, int]]:
-        locker = AsyncLocker.from_url(url, ttl=10, timeout=120)
+        if offload:  # the thread offload every backend without a native store runs on
+            backend = open_backend(url)
+            locker = AsyncLocker(ThreadStore(backend), clock=backend.clock, ttl=10, timeout=120)
+        else:
+            locker = AsyncLocker.from_url(url, ttl=10, timeout=120)
         held: list[tuple[float, float, int]] = []
 
         async def one() -> None:
@@ -96,25 +101,19 @@ def test_async_and_sync_holders_exclude_each_other_on_redis(redis_url: str) -> N
     _assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
 
 
-def test_thread_offload_contention_on_postgres(pg_url: str) -> None:
-    url = pg_url.replace("postgresql+psycopg://", "postgresql://")
-
-    async def kind() -> type:
-        locker = AsyncLocker.from_url(url)
-        store = type(locker.store)
-        await locker.aclose()
-        return store
-
-    assert asyncio.run(kind()) is ThreadStore
-    held = _contend(url, COROUTINES)
+@pytest.mark.parametrize("offload", [False, True], ids=["native", "thread-offload"])
+def test_async_and_sync_holders_exclude_each_other_on_postgres(pg_url: str, offload: bool) -> None:
+    held = _contend(pg_url, COROUTINES, offload=offload)
     _assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
 
 
-def test_async_store_is_native_on_redis(redis_url: str) -> None:
+def test_async_stores_are_native_on_redis_and_postgres(redis_url: str, pg_url: str) -> None:
     async def main() -> None:
-        locker = AsyncLocker.from_url(redis_url)
-        assert isinstance(locker.store, AsyncRedisStore)
-        await locker.aclose()
+        for url, kind in [(redis_url, AsyncRedisStore), (pg_url, AsyncPostgresStore),
+                          ("memory://", ThreadStore)]:  # fmt: skip
+            locker = AsyncLocker.from_url(url)
+            assert isinstance(locker.store, kind)
+            await locker.aclose()
 
     asyncio.run(main())
 
@@ -188,11 +187,13 @@ def test_cancelled_waiter_leaves_nothing_behind(redis_url: str) -> None:
     client.close()
 
 
-def test_cancelled_holder_releases_at_once(redis_url: str) -> None:
-    backend = open_backend(redis_url)
+@pytest.mark.parametrize("server", ["redis_url", "pg_url"])
+def test_cancelled_holder_releases_at_once(server: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue(server)
+    backend = open_backend(url)
 
     async def main() -> None:
-        locker = AsyncLocker.from_url(redis_url)
+        locker = AsyncLocker.from_url(url)
         entered = asyncio.Event()
 
         async def hold() -> None:
