@@ -13,7 +13,7 @@ from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend, RateGrant, default_meta, validate_seconds
 from jobfence.locks.clock import Clock
 from jobfence.locks.drive import AsyncStore, run_async
-from jobfence.locks.errors import LeaseLost, LockError, RateLimited
+from jobfence.locks.errors import LeaseLost, LockError, RateLimited, RateLimitUnsupported
 from jobfence.locks.flows import Backoff, acquire_flow, campaign_flow, rate_flow, slot_flow
 from jobfence.locks.keeper import (
     MAX_SLEEP,
@@ -388,9 +388,12 @@ class AsyncLocker:
         """A fleet-wide limiter named `key`, e.g. `rate="100/m"` (shared with sync users)."""
         caps = getattr(self.store, "capabilities", None)
         if caps is not None and not caps.rate_limit:
-            from jobfence.locks.errors import RateLimitUnsupported
-
-            raise RateLimitUnsupported("this lock backend keeps no shared rate limits", key=key)
+            name = getattr(self.store, "name", "this")
+            raise RateLimitUnsupported(
+                f"the {name} lock backend keeps no shared rate limits; use redis://, "
+                "redis+sentinel://, redis+cluster://, postgresql:// or mysql:// (mariadb://)",
+                key=key,
+            )
         parsed = parse_rate(rate, option="rate", burst=burst) if isinstance(rate, str) else rate
         if timeout is not None:
             validate_seconds(timeout, "timeout")
