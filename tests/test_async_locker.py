@@ -249,7 +249,7 @@ FROZEN_HOLDER = textwrap.dedent(
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
     from jobfence import AsyncLocker
-    from jobfence.locks import AsyncRedisFenceGuard, StaleFence
+    from jobfence.locks import AsyncRedisFenceGuard, LeaseLost, StaleFence
 
     async def main(url):
         locker = AsyncLocker.from_url(url)
@@ -263,7 +263,10 @@ FROZEN_HOLDER = textwrap.dedent(
             except StaleFence:
                 print("REFUSED", flush=True)
 
-    asyncio.run(main(sys.argv[1]))
+    try:
+        asyncio.run(main(sys.argv[1]))
+    except LeaseLost:  # at the block's exit: the lease was lost while it ran (the point)
+        pass
     """
 )
 
