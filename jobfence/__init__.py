@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from jobfence.config import JobfenceError, Settings, UnsafeSettings, load_settings
     from jobfence.locks import (
         AcquireTimeout,
+        AsyncLocker,
         BackendUnavailable,
         Lease,
         LeaseLost,
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcquireTimeout",
     "ArgumentsNotSerializable",
+    "AsyncLocker",
     "BackendUnavailable",
     "DuplicateSkipped",
     "IdempotencyConflict",

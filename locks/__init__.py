@@ -34,12 +34,15 @@ from jobfence.locks.semaphore import acquire_slot
 from jobfence.locks.slots import SlotInfo, SlotLease, SlotWait
 
 if TYPE_CHECKING:
+    from jobfence.locks.aio import AsyncLocker
     from jobfence.locks.backends.redis import RedisBackend
-    from jobfence.locks.guards import RedisFenceGuard, SqlFenceGuard
+    from jobfence.locks.guards import AsyncRedisFenceGuard, RedisFenceGuard, SqlFenceGuard
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
+        "AsyncLocker": "jobfence.locks.aio",
+        "AsyncRedisFenceGuard": "jobfence.locks.guards",
         "RedisBackend": "jobfence.locks.backends.redis",
         "RedisFenceGuard": "jobfence.locks.guards",
         "SqlFenceGuard": "jobfence.locks.guards",
@@ -49,6 +52,8 @@ __getattr__, __dir__ = lazy_exports(
 __all__ = [
     "SYSTEM_CLOCK",
     "AcquireTimeout",
+    "AsyncLocker",
+    "AsyncRedisFenceGuard",
     "BackendUnavailable",
     "Backoff",
     "Busy",

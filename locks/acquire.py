@@ -1,31 +1,17 @@
-"""Blocking acquire for every backend: a deadline, full-jitter backoff, and wake-up on release."""
+"""Blocking acquire for every backend: a deadline, full-jitter backoff, and wake-up on release.
+
+The logic is `locks/flows.py::acquire_flow`; this runs it in the calling thread."""
 
 from __future__ import annotations
 
-import math
-import random
 import threading
-from dataclasses import dataclass, field
 
-from jobfence.locks.backend import LockBackend, validate_seconds
-from jobfence.locks.errors import AcquireTimeout, LockError
+from jobfence.locks.backend import LockBackend
+from jobfence.locks.drive import run_sync
+from jobfence.locks.flows import Backoff, acquire_flow
 from jobfence.locks.lease import Lease, OwnerMeta
 
-
-@dataclass(frozen=True)
-class Backoff:
-    """Exponential backoff with full jitter: sleep uniform(0, min(cap, base * 2**attempt))."""
-
-    base: float = 0.005
-    cap: float = 0.5
-    rng: random.Random = field(default_factory=random.Random, compare=False)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.base <= self.cap or not math.isfinite(self.cap):  # NaN fails 0 < x
-            raise LockError(f"backoff needs 0 < base <= cap, got base={self.base} cap={self.cap}")
-
-    def delay(self, attempt: int) -> float:
-        return self.rng.uniform(0, min(self.cap, self.base * (2 ** min(attempt, 32))))
+__all__ = ["Backoff", "acquire"]
 
 
 def acquire(
@@ -45,21 +31,12 @@ def acquire(
     jittered backoff, the holder's remaining TTL and the deadline, so a release wakes it
     at once and an expiry is noticed within one backoff step.
     """
-    validate_seconds(timeout, "timeout", forever=True)
-    backoff = backoff or Backoff()
-    clock = backend.clock
-    deadline = clock.monotonic() + timeout
-    attempt = 0
-    while True:
-        got = backend.attempt(key, ttl, meta=meta)
-        if isinstance(got, Lease):
-            return got
-        if cancel is not None and cancel.is_set():
-            raise AcquireTimeout("the wait was cancelled", key=key)
-        left = deadline - clock.monotonic()
-        if left <= 0:
-            raise AcquireTimeout(f"not acquired within {timeout:g}s", key=key)
-        # Jitter spreads waiters that poll for an expiry; a release wakes one at once.
-        wait = min(left, got.ttl_left + 0.001, max(backoff.delay(attempt), 0.001))
-        backend.wait_for_release(key, wait)
-        attempt += 1
+    flow = acquire_flow(
+        key,
+        ttl=ttl,
+        timeout=timeout,
+        backoff=backoff,
+        meta=meta,
+        cancelled=None if cancel is None else cancel.is_set,
+    )
+    return run_sync(flow, backend, backend.clock)

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
 from jobfence.locks import registry
-from jobfence.locks.acquire import Backoff, acquire
 from jobfence.locks.backend import LockBackend, default_meta, validate_seconds
+from jobfence.locks.drive import run_sync
 from jobfence.locks.errors import AcquireTimeout, LeaseLost
+from jobfence.locks.flows import Backoff, acquire_flow
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.leader import (
     LeaderElector,
@@ -57,6 +58,12 @@ class Locker:
         self.timeout = validate_seconds(timeout, "Locker timeout")
         self.backoff = backoff or Backoff()
 
+    @classmethod
+    def from_url(cls, url: str, *, ttl: float = 30.0, timeout: float = 10.0,
+                 **options: Any) -> Locker:  # fmt: skip
+        """A Locker on any lock URL jobfence accepts (`options` go to `open_backend`)."""
+        return cls(open_backend(url, **options), ttl=ttl, timeout=timeout)
+
     def acquire(
         self,
         key: str,
@@ -67,21 +74,15 @@ class Locker:
     ) -> Lease:
         """Acquire and start keeping `key`. Release with `release(lease)`."""
         ttl = self.ttl if ttl is None else ttl
-        if blocking:
-            timeout = self.timeout if timeout is None else timeout
-            lease = acquire(
-                self.backend,
-                key,
-                ttl=ttl,
-                timeout=timeout,
-                backoff=self.backoff,
-                meta=default_meta(),
-            )
-        else:
-            got = self.backend.try_acquire(key, ttl, meta=default_meta())
-            if got is None:
-                raise AcquireTimeout("held by another owner", key=key)
-            lease = got
+        flow = acquire_flow(
+            key,
+            ttl=ttl,
+            timeout=(self.timeout if timeout is None else timeout) if blocking else 0.0,
+            backoff=self.backoff,
+            meta=default_meta(),
+            blocking=blocking,
+        )
+        lease = run_sync(flow, self.backend, self.backend.clock)
         self.keeper.keep(lease)
         return lease
 

@@ -10,7 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import (
@@ -20,6 +20,18 @@ from jobfence.locks.errors import (
     SemaphoreUnsupported,
 )
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
+from jobfence.locks.ops import (
+    Acquire,
+    Extend,
+    Inspect,
+    LeaveSlot,
+    Release,
+    ReleaseOwner,
+    StoreOp,
+    TakeRate,
+    TakeSlot,
+    WaitRelease,
+)
 from jobfence.locks.procinfo import process_start
 from jobfence.locks.registry import Capabilities as Capabilities
 from jobfence.locks.registry import backends_with
@@ -166,6 +178,26 @@ def validate_ttl(ttl: float) -> int:
     return ms
 
 
+def settle_extensions(leases: Sequence[Lease], results: list[bool], started: float) -> list[bool]:
+    """After one batched extension sent at `started`: move each confirmed lease's deadline,
+    mark each refused one lost. Every store's Extend ends here."""
+    for lease, ok in zip(leases, results, strict=True):
+        if ok:
+            lease.renewed(started)
+        else:
+            lease.mark_lost(
+                NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
+            )
+    return results
+
+
+def validate_rate(key: str, interval: float, burst: int) -> None:
+    if not interval > 0 or not isinstance(burst, int) or burst < 1:
+        raise LockError(
+            f"rate needs interval > 0 and burst >= 1, got {interval!r}, {burst!r}", key=key
+        )
+
+
 class LockBackend(ABC):
     """A lock server. Subclasses implement the `_`-prefixed one-round-trip methods."""
 
@@ -181,9 +213,11 @@ class LockBackend(ABC):
         got = self.attempt(key, ttl, meta=meta)
         return got if isinstance(got, Lease) else None
 
-    def attempt(self, key: str, ttl: float, *, meta: OwnerMeta | None = None) -> Lease | Busy:
+    def attempt(
+        self, key: str, ttl: float, *, meta: OwnerMeta | None = None, owner: str | None = None
+    ) -> Lease | Busy:
         """Like try_acquire, but says how long the current holder's lease has left."""
-        got = self.begin(key, ttl, meta=meta)
+        got = self.begin(key, ttl, meta=meta, owner=owner)
         assert not isinstance(got, JobRecord)
         return got
 
@@ -195,17 +229,19 @@ class LockBackend(ABC):
         meta: OwnerMeta | None = None,
         record: bool = False,
         fingerprint: str = "",
+        owner: str | None = None,
     ) -> BeginResult:
         """Acquire `key` unless its job record says DONE (then return the record).
 
         With `record=True` a FAILED record does not stop a new run (the grant clears it);
         while the job runs, the lock itself says who runs it. `fingerprint` is kept with
         the grant and returned in `Busy`, so the same key with other arguments is a
-        conflict while the job runs, not only after DONE.
+        conflict while the job runs, not only after DONE. `owner`: the token to hold it
+        under (a flow picks it, so it can release a grant whose reply it never read).
         """
         validate_key(key)
         ttl_ms = validate_ttl(ttl)
-        owner = new_owner_token()
+        owner = owner or new_owner_token()
         meta = meta or default_meta()
         started = self.clock.monotonic()
         got = self._begin(key, owner, ttl_ms, meta, record, fingerprint)
@@ -242,15 +278,7 @@ class LockBackend(ABC):
             return []
         started = self.clock.monotonic()
         items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
-        results = self._extend_leases_and_slots(leases, items)
-        for lease, ok in zip(leases, results, strict=True):
-            if ok:
-                lease.renewed(started)
-            else:
-                lease.mark_lost(
-                    NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
-                )
-        return results
+        return settle_extensions(leases, self._extend_leases_and_slots(leases, items), started)
 
     def _extend_leases_and_slots(
         self, leases: Sequence[Lease], items: list[tuple[str, str, int]]
@@ -273,6 +301,35 @@ class LockBackend(ABC):
         if type(lease) is SlotLease:
             return self._sem_release(lease.key, lease.owner)
         return self._release(lease.key, lease.owner)
+
+    # -- the Store seam: one entry point per op (locks/ops.py), over the methods above --
+    def execute(self, op: StoreOp) -> Any:
+        """Run one op of a flow (locks/flows.py) as one round trip; its reply is the
+        method's own (the table in locks/ops.py)."""
+        match op:
+            case Acquire(key, ttl, owner, meta):
+                return self.attempt(key, ttl, meta=meta, owner=owner)
+            case WaitRelease(key, timeout):
+                self.wait_for_release(key, timeout)
+                return None
+            case Extend(leases):
+                return self.extend_many(leases)
+            case Release(lease):
+                return lease.release()
+            case ReleaseOwner(key, owner):
+                validate_key(key)
+                return self._release(key, owner)
+            case TakeSlot(key, limit, ttl, owner, meta, queue_ttl):
+                return self.semaphore_attempt(
+                    key, limit, ttl, owner=owner, meta=meta, queue_ttl=queue_ttl
+                )
+            case LeaveSlot(key, owner):
+                return self.semaphore_leave(key, owner)
+            case TakeRate(key, interval, burst, max_wait):
+                return self.take_rate(key, interval, burst, max_wait)
+            case Inspect(key):
+                return self.inspect(key)
+        raise LockError(f"the {self.name} lock backend cannot run {type(op).__name__}")
 
     # -- semaphores: validate, then one call ----------------------------------------
     def semaphore_attempt(
@@ -458,10 +515,7 @@ class LockBackend(ABC):
                 f"{backends_with('rate_limit')}",
                 key=key,
             )
-        if not interval > 0 or not isinstance(burst, int) or burst < 1:
-            raise LockError(
-                f"rate needs interval > 0 and burst >= 1, got {interval!r}, {burst!r}", key=key
-            )
+        validate_rate(key, interval, burst)
         admitted, wait_us, now_us = self._take_rate(key, interval * 1e6, burst, max_wait * 1e6)
         return RateGrant(admitted, max(0.0, wait_us / 1e6), now_us / 1e6)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 
 # _Lane sends on a pool's connections and never re-sends a command that went out.
 from jobfence.locks.backends.redis import _Lane
-from jobfence.locks.backends.redis_scripts import load_scripts
+from jobfence.locks.backends.redis_scripts import load_scripts, script_source
 from jobfence.locks.errors import (
     BackendUnavailable,
     CommitOutcomeUnknown,
@@ -159,7 +160,52 @@ class SqlFenceGuard:
         raise StaleFence(resource=resource, fence=fence, last=self._last(conn, resource))
 
 
-class RedisFenceGuard:
+class _FencedWrites:
+    """What the sync and asyncio Redis fence guards share: the checks and the script's
+    keys and arguments (the reply: `_outcome`)."""
+
+    client: Any
+    keys: KeySpace
+
+    def _request(
+        self,
+        resource: str,
+        fence: int,
+        commands: Sequence[Sequence[str | int | float]],
+        write_id: str,
+        keys: Sequence[str] | None,
+    ) -> tuple[list[str], list[Any]]:
+        """fenced_write.lua's keys and arguments, after checking them."""
+        _check_args(resource, fence)
+        if not isinstance(write_id, str) or len(write_id) > 255:
+            raise LockError("write_id must be a string of at most 255 characters", key=resource)
+        touched = list(keys) if keys is not None else [str(c[1]) for c in commands if len(c) > 1]
+        self._check_one_slot(resource, fence, touched)
+        body = json.dumps([[_arg(a) for a in c] for c in commands])
+        k = self.keys
+        return [k.resource_fence(resource), k.resource_writes(resource), *touched], [
+            fence, write_id, body,
+        ]  # fmt: skip
+
+    def _check_one_slot(self, resource: str, fence: int, touched: list[str]) -> None:
+        """On a cluster client (it has `keyslot`), refuse keys outside the resource's slot:
+        the script must run where its fence lives, and a cluster runs it in one slot."""
+        keyslot = getattr(self.client, "keyslot", None)
+        if keyslot is None:
+            return
+        home = keyslot(self.keys.resource_fence(resource))
+        for index, name in enumerate(touched, 1):
+            if keyslot(name) != home:
+                raise FencedWriteRefused(
+                    resource=resource, fence=fence, index=None,
+                    reason=f"key {index} of the write is in another hash slot than its "
+                    "resource's, and on a Redis Cluster a fenced write runs in one slot; put "
+                    "the resource in braces in the key's name, "
+                    f"e.g. 'balance:{{{resource}}}'",
+                )  # fmt: skip
+
+
+class RedisFenceGuard(_FencedWrites):
     """Fenced writes on Redis: one Lua script checks the token, advances it, then writes.
 
     A write is idempotent per (resource, fence, write id): a resend after a lost reply
@@ -207,52 +253,9 @@ class RedisFenceGuard:
         `write_id` was used under this fence with other commands) or PartialFencedWrite.
         `keys` lists the keys written; by default each command's first argument.
         """
-        _check_args(resource, fence)
-        if not isinstance(write_id, str) or len(write_id) > 255:
-            raise LockError("write_id must be a string of at most 255 characters", key=resource)
-        touched = list(keys) if keys is not None else [str(c[1]) for c in commands if len(c) > 1]
-        self._check_one_slot(resource, fence, touched)
-        body = json.dumps([[_arg(a) for a in c] for c in commands])
-        reply, lost = self._send(resource, fence, write_id, body, touched)
-        code = int(reply[0])
-        if code in (1, 2):
-            return list(reply[2:])
-        if code == 0:
-            error = StaleFenceOutcomeUnknown if lost else StaleFence
-            raise error(resource=resource, fence=fence, last=int(reply[1]))
-        if code == 3:
-            raise FencedWriteRefused(
-                resource=resource, fence=fence, index=int(reply[1]), reason=_text(reply[2])
-            )
-        if code == 4:
-            raise FencedWriteRefused(
-                resource=resource, fence=fence, index=None,
-                reason="this write_id was used under this fence with other commands",
-            )  # fmt: skip
-        raise PartialFencedWrite(
-            resource=resource,
-            fence=fence,
-            index=int(reply[2]),
-            reason=_text(reply[3]),
-            replies=list(reply[4:]),
-        )
-
-    def _check_one_slot(self, resource: str, fence: int, touched: list[str]) -> None:
-        """On a cluster client (it has `keyslot`), refuse keys outside the resource's slot:
-        the script must run where its fence lives, and a cluster runs it in one slot."""
-        keyslot = getattr(self.client, "keyslot", None)
-        if keyslot is None:
-            return
-        home = keyslot(self.keys.resource_fence(resource))
-        for index, name in enumerate(touched, 1):
-            if keyslot(name) != home:
-                raise FencedWriteRefused(
-                    resource=resource, fence=fence, index=None,
-                    reason=f"key {index} of the write is in another hash slot than its "
-                    "resource's, and on a Redis Cluster a fenced write runs in one slot; put "
-                    "the resource in braces in the key's name, "
-                    f"e.g. 'balance:{{{resource}}}'",
-                )  # fmt: skip
+        script_keys, args = self._request(resource, fence, commands, write_id, keys)
+        reply, lost = self._send(resource, fence, script_keys, args)
+        return _outcome(resource, fence, reply, lost)
 
     def advance(self, resource: str, fence: int) -> int:
         """Raise the resource's floor to `fence` (no write); return the floor now in force.
@@ -271,11 +274,9 @@ class RedisFenceGuard:
         return None if value is None else int(value)
 
     def _send(
-        self, resource: str, fence: int, write_id: str, body: str, touched: list[str]
+        self, resource: str, fence: int, keys: list[str], args: list[Any]
     ) -> tuple[list[Any], bool]:
         """The script's reply, and whether an earlier attempt's reply was lost."""
-        keys = [self.keys.resource_fence(resource), self.keys.resource_writes(resource), *touched]
-        args = [fence, write_id, body]
         lost: RedisError | None = None
         for _ in range(self.resends + 1):
             try:
@@ -283,23 +284,8 @@ class RedisFenceGuard:
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 lost = exc  # the script may have run: only a resend tells, and it is safe
             except ResponseError as exc:
-                # An error out of the script itself (not a command's: those are caught in
-                # it), e.g. out of memory. The server checks memory at a script's first
-                # write only, and every write but the commands' comes after them or is the
-                # first: so nothing was written.
-                raise FencedWriteRefused(
-                    resource=resource,
-                    fence=fence,
-                    index=None,
-                    reason=f"the server refused it: {exc}",
-                ) from exc
-        raise BackendUnavailable(
-            f"fenced write outcome unknown after {self.resends + 1} attempts; resend it with "
-            "the same fence and write_id to learn it (a resend never applies twice)",
-            key=resource,
-            fence=fence,
-            cause=lost,
-        )
+                raise _refused_by_server(resource, fence, exc) from exc
+        raise _unknown_after_resends(resource, fence, self.resends, lost)
 
     def _evalsha(self, keys: list[str], args: list[Any]) -> Any:
         script = self.script
@@ -327,6 +313,105 @@ def _arg(value: object) -> str:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _outcome(resource: str, fence: int, reply: list[Any], lost: bool) -> list[Any]:
+    """fenced_write.lua's reply: the commands' replies, or the refusal raised."""
+    code = int(reply[0])
+    if code in (1, 2):
+        return list(reply[2:])
+    if code == 0:
+        error = StaleFenceOutcomeUnknown if lost else StaleFence
+        raise error(resource=resource, fence=fence, last=int(reply[1]))
+    if code == 3:
+        raise FencedWriteRefused(
+            resource=resource, fence=fence, index=int(reply[1]), reason=_text(reply[2])
+        )
+    if code == 4:
+        raise FencedWriteRefused(
+            resource=resource, fence=fence, index=None,
+            reason="this write_id was used under this fence with other commands",
+        )  # fmt: skip
+    raise PartialFencedWrite(
+        resource=resource,
+        fence=fence,
+        index=int(reply[2]),
+        reason=_text(reply[3]),
+        replies=list(reply[4:]),
+    )
+
+
+def _refused_by_server(resource: str, fence: int, exc: ResponseError) -> FencedWriteRefused:
+    # An error out of the script itself (not a command's: those are caught in it), e.g.
+    # out of memory. The server checks memory at a script's first write only, and every
+    # write but the commands' comes after them or is the first: so nothing was written.
+    return FencedWriteRefused(
+        resource=resource, fence=fence, index=None, reason=f"the server refused it: {exc}"
+    )
+
+
+def _unknown_after_resends(
+    resource: str, fence: int, resends: int, lost: BaseException | None
+) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"fenced write outcome unknown after {resends + 1} attempts; resend it with "
+        "the same fence and write_id to learn it (a resend never applies twice)",
+        key=resource,
+        fence=fence,
+        cause=lost,
+    )
+
+
+class AsyncRedisFenceGuard(_FencedWrites):
+    """RedisFenceGuard for asyncio: the same script, checks and replies, sent through a
+    `redis.asyncio.Redis` client that must not retry on its own (the guard re-sends).
+
+        guard = AsyncRedisFenceGuard(redis.asyncio.Redis.from_url(url, retry=Retry(NoBackoff(), 0)))
+        await guard.write("acct:1", lease.fence, [("HSET", "acct:1", "balance", 90)])
+    """
+
+    def __init__(self, client: Any, *, prefix: str = "jobfence", resends: int = 2) -> None:
+        if not isinstance(resends, int) or isinstance(resends, bool) or resends < 0:
+            raise LockError(f"resends must be an int >= 0, got {resends!r}")
+        _refuse_retrying(client)
+        self.client = client
+        self.keys = KeySpace(prefix)
+        self.resends = resends
+        self.source = script_source("fenced_write")
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    async def write(
+        self,
+        resource: str,
+        fence: int,
+        commands: Sequence[Sequence[str | int | float]],
+        *,
+        write_id: str = "",
+        keys: Sequence[str] | None = None,
+    ) -> list[Any]:
+        """As RedisFenceGuard.write, awaited: StaleFence if `fence` is stale (nothing written)."""
+        script_keys, args = self._request(resource, fence, commands, write_id, keys)
+        lost: RedisError | None = None
+        for _ in range(self.resends + 1):
+            try:
+                reply = await self._evalsha_async(script_keys, args)
+                return _outcome(resource, fence, list(reply), lost is not None)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                lost = exc  # the script may have run: only a resend tells, and it is safe
+            except ResponseError as exc:
+                raise _refused_by_server(resource, fence, exc) from exc
+        raise _unknown_after_resends(resource, fence, self.resends, lost)
+
+    async def _evalsha_async(self, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.sha = await self.client.script_load(self.source)
+            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def last(self, resource: str) -> int | None:
+        value = await self.client.get(self.keys.resource_fence(resource))
+        return None if value is None else int(value)
 
 
 def _refuse_retrying(client: Any) -> None:

@@ -7,7 +7,7 @@ import math
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -32,6 +32,52 @@ MIN_RETRY_DELAY = 0.01
 #: The scheduler sleeps at most this long: every lease's due time and deadline wake it
 #: sooner; each tick scans every held lease, which counts with thousands of them.
 MAX_SLEEP = 5.0
+
+
+# -- the schedule, pure: when a lease is due, what counts as lost, which leases go together.
+# The thread keeper (below) and the asyncio keeper (locks/aio.py) both run on it.
+def first_due(now: float, lease: Lease, fraction: float) -> float:
+    """When a lease kept from `now` is first extended."""
+    return now + lease.ttl * fraction
+
+
+def next_due(chosen: float, lease: Lease, fraction: float) -> float:
+    """After a confirmed extension of a batch chosen at `chosen`."""
+    return chosen + lease.ttl * fraction
+
+
+def retry_due(now: float, lease: Lease, fraction: float) -> float:
+    """After a failed extension (unknown outcome, not a refusal): soon, not a whole interval."""
+    return now + max(MIN_RETRY_DELAY, lease.ttl * fraction * RETRY_FRACTION)
+
+
+def time_left(lease: Lease, now: float) -> float:
+    """Seconds until the lease counts as lost (drift subtracted); <= 0: lost now."""
+    return lease.deadline - lease.drift - now
+
+
+def deadline_loss(lease: Lease) -> LeaseLost:
+    return LeaseLost(
+        "lease deadline passed before an extension was confirmed", key=lease.key, fence=lease.fence
+    )
+
+
+def pick_batch(
+    entries: Sequence[tuple[Lease, float]], now: float, fraction: float
+) -> tuple[list[Lease], float]:
+    """One backend's live leases and due times -> (the batch to send now, seconds until one
+    falls due if none is). Once one is due (less its coalescing slack), every lease due
+    within one shortest interval goes along: a backend's leases settle into one phase."""
+    shortest = trigger = earliest = math.inf
+    for lease, due in entries:
+        interval = lease.ttl * fraction
+        shortest = min(shortest, interval)
+        trigger = min(trigger, due - interval * COALESCE_FRACTION)
+        earliest = min(earliest, due)
+    if trigger > now:
+        return [], earliest - now
+    horizon = now + shortest
+    return [lease for lease, due in entries if due <= horizon], math.inf
 
 
 def _snapshot(due: weakref.WeakKeyDictionary[Lease, float]) -> list[tuple[Lease, float]]:
@@ -147,7 +193,7 @@ class LeaseKeeper:
         if self.on_lost is not None:
             lease.on_lost(self.on_lost)
         with self._mutex:
-            due = self.clock.monotonic() + lease.ttl * self.fraction
+            due = first_due(self.clock.monotonic(), lease, self.fraction)
             self._due[lease] = due
             self._start_locked()
             # Wake the thread only if it would sleep past this lease's first extension: a
@@ -245,20 +291,13 @@ class LeaseKeeper:
         taken, they cost one round trip per interval. A lease taken after a batch is due after
         the next one, and rides along with it, extended early rather than in a batch of its own.
         """
-        held: dict[int, tuple[LockBackend, list[tuple[Lease, float]], list[float]]] = {}
+        held: dict[int, tuple[LockBackend, list[tuple[Lease, float]]]] = {}
         next_wake = MAX_SLEEP
-        fraction = self.fraction
         for lease, due in _snapshot(self._due):
-            left = lease.deadline - lease.drift - now
+            left = time_left(lease, now)
             if left <= 0 or lease.settled:
                 if left <= 0 and not lease.released:
-                    lease.mark_lost(
-                        LeaseLost(
-                            "lease deadline passed before an extension was confirmed",
-                            key=lease.key,
-                            fence=lease.fence,
-                        )
-                    )
+                    lease.mark_lost(deadline_loss(lease))
                 del self._due[lease]
                 continue
             # Wake at the deadline at the latest, to declare the loss on time even while
@@ -272,24 +311,14 @@ class LeaseKeeper:
                 due = now
             entry = held.get(bid)
             if entry is None:
-                # [shortest interval, earliest due minus its coalescing slack, earliest due]
-                entry = held[bid] = (lease.backend, [], [math.inf, math.inf, math.inf])
-            interval = lease.ttl * fraction
+                entry = held[bid] = (lease.backend, [])
             entry[1].append((lease, due))
-            marks = entry[2]
-            if interval < marks[0]:
-                marks[0] = interval
-            if due - interval * COALESCE_FRACTION < marks[1]:
-                marks[1] = due - interval * COALESCE_FRACTION
-            if due < marks[2]:
-                marks[2] = due
         batches: dict[int, tuple[LockBackend, list[Lease]]] = {}
-        for bid, (backend, leases, (shortest, trigger, earliest)) in held.items():
-            if trigger > now:  # nothing of this backend due yet
-                next_wake = min(next_wake, earliest - now)
+        for bid, (backend, leases) in held.items():
+            batch, wait = pick_batch(leases, now, self.fraction)
+            if not batch:  # nothing of this backend due yet
+                next_wake = min(next_wake, wait)
                 continue
-            horizon = now + shortest
-            batch = [lease for lease, due in leases if due <= horizon]
             for lease in batch:
                 self._due[lease] = math.inf  # in flight: _extend_batch sets the next due
             batches[bid] = (backend, batch)
@@ -315,12 +344,9 @@ class LeaseKeeper:
                 type(exc).__name__,
             )
             now = self.clock.monotonic()
-            self._set_due(
-                leases,
-                lambda le: now + max(MIN_RETRY_DELAY, le.ttl * self.fraction * RETRY_FRACTION),
-            )
+            self._set_due(leases, lambda le: retry_due(now, le, self.fraction))
             return False
-        self._set_due(leases, lambda le: chosen + le.ttl * self.fraction)
+        self._set_due(leases, lambda le: next_due(chosen, le, self.fraction))
         if self.on_extend is not None:
             self.on_extend(backend.name, self.clock.monotonic() - started, len(leases))
         return True

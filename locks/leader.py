@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from jobfence.locks.acquire import Backoff, acquire
 from jobfence.locks.backend import LockBackend, default_meta, validate_seconds
+from jobfence.locks.drive import run_sync
 from jobfence.locks.errors import AcquireTimeout, LeaseLost, LockError
+from jobfence.locks.flows import Backoff, campaign_flow
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease, OwnerMeta
 
@@ -217,16 +217,15 @@ def elect(
     within one backoff step of the leader's lease running out. Raises AcquireTimeout at the
     timeout or once `cancel` is set, and LockError if the lock server fails an attempt.
     """
-    lease = acquire(
-        backend,
+    flow = campaign_flow(
         key,
         ttl=ttl,
-        timeout=math.inf if timeout is None else timeout,
+        timeout=timeout,
         backoff=backoff,
         meta=meta or default_meta(task_name=LEADER_TASK_NAME),
-        cancel=cancel,
+        cancelled=None if cancel is None else cancel.is_set,
     )
-    return Term(lease, keeper, observer=observer)
+    return Term(run_sync(flow, backend, backend.clock), keeper, observer=observer)
 
 
 class LeaderElector:

@@ -29,7 +29,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from jobfence.locks.backend import LockBackend, RateGrant, validate_seconds
+from jobfence.locks.drive import run_sync
 from jobfence.locks.errors import LockError, RateLimited, RateLimitUnsupported
+from jobfence.locks.flows import rate_flow
 from jobfence.locks.registry import backends_with
 
 if TYPE_CHECKING:
@@ -154,17 +156,13 @@ class RateLimiter:
         One round trip: the turn is reserved on the server, then slept out here.
         """
         timeout = self.timeout if timeout is None else timeout
-        grant = self.take(float("inf") if timeout is None else timeout)
-        if not grant.admitted:
+        flow = rate_flow(self.key, self.rate, timeout=timeout)
+        try:
+            grant = run_sync(flow, self.backend, self.backend.clock)
+        except RateLimited:
             self._denied("raise")
-            raise RateLimited(
-                f"rate limit {self.rate} not available within {timeout:g}s",
-                key=self.key,
-                retry_after=grant.wait,
-            )
+            raise
         self._waited(grant.wait)
-        if grant.wait > 0:
-            self.backend.clock.sleep(grant.wait)
         return grant.wait
 
     def __enter__(self) -> RateLimiter:

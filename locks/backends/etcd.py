@@ -411,8 +411,11 @@ class EtcdBackend(LockBackend):
         meta: OwnerMeta | None = None,
         record: bool = False,
         fingerprint: str = "",
+        owner: str | None = None,
     ) -> BeginResult:
-        got = super().begin(key, ttl, meta=meta, record=record, fingerprint=fingerprint)
+        got = super().begin(
+            key, ttl, meta=meta, record=record, fingerprint=fingerprint, owner=owner
+        )
         if isinstance(got, Lease):
             # The key lives as long as the process lease it sits on: its deadline counts
             # from that lease's last confirmation, with the TTL etcd granted (whole seconds).

@@ -288,6 +288,51 @@ WHERE prefix = %s AND key = %s AND expires_at > clock_timestamp()"""
 _inherited: list[Any] = []
 
 
+# -- each statement's parameters and answer, shared by PostgresBackend and the asyncio store
+# (locks/backends/postgres_async.py): one protocol, two connection kinds.
+def begin_params(
+    prefix: str, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool,
+    fingerprint: str, floor: int,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "prefix": prefix, "key": key, "owner": owner, "floor": floor,
+        "ttl": ttl_ms, "task_id": meta.task_id, "host": meta.host, "pid": meta.pid,
+        "task_name": meta.task_name, "process_start": meta.process_start,
+        "fingerprint": fingerprint if record else "", "record": record,
+    }  # fmt: skip
+
+
+def parse_begin(row: tuple[Any, ...]) -> int | Busy | JobRecord:
+    """_BEGIN's row: the new fence, the job record if DONE, or Busy."""
+    granted, fence, ttl_left, task_id, fp, done, rfp, result, rfence, finished = row
+    if granted:
+        return int(fence)
+    if done:
+        return JobRecord(
+            state="DONE",
+            fingerprint=rfp or "",
+            result=result or "",
+            fence=int(rfence or 0),
+            finished_at=float(finished or 0),
+        )
+    return Busy(ttl_left=max(0.0, float(ttl_left)), task_id=task_id, fingerprint=fp)
+
+
+def extend_params(prefix: str, items: Sequence[tuple[str, str, int]]) -> tuple[Any, ...]:
+    return ([k for k, _, _ in items], [o for _, o, _ in items], [t for _, _, t in items], prefix)
+
+
+def parse_extend(items: Sequence[tuple[str, str, int]], rows: list[tuple[Any, ...]]) -> list[bool]:
+    ours = {r[0] for r in rows}
+    return [k in ours for k, _, _ in items]
+
+
+def wake_params(prefix: str, key: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A release's (or commit's) parameters, with the NOTIFY that wakes the key's waiters."""
+    return {**params, "prefix": prefix, "key": key, "channel": CHANNEL,
+            "payload": f"{prefix}\n{key}"}  # fmt: skip
+
+
 def _like_prefix(match: str) -> str:
     """A LIKE pattern for the literal head of glob `match` (the glob itself is applied after)."""
     head = ""
@@ -531,29 +576,14 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
-        params = {
-            "prefix": self.prefix, "key": key, "owner": owner, "floor": self.fence_floor,
-            "ttl": ttl_ms, "task_id": meta.task_id, "host": meta.host, "pid": meta.pid,
-            "task_name": meta.task_name, "process_start": meta.process_start,
-            "fingerprint": fingerprint if record else "", "record": record,
-        }  # fmt: skip
-        row = self._run("begin", key, _BEGIN, params)[0]
+        params = begin_params(self.prefix, key, owner, ttl_ms, meta, record, fingerprint,
+                              self.fence_floor)  # fmt: skip
+        got = parse_begin(self._run("begin", key, _BEGIN, params)[0])
         if self.clock.monotonic() >= self._next_prune:
             self._prune_soon()
-        granted, fence, ttl_left, task_id, fp, done, rfp, result, rfence, finished = row
-        if granted:
-            if fence > self.fence_floor:
-                self.fence_floor = fence
-            return int(fence)
-        if done:
-            return JobRecord(
-                state="DONE",
-                fingerprint=rfp or "",
-                result=result or "",
-                fence=int(rfence or 0),
-                finished_at=float(finished or 0),
-            )
-        return Busy(ttl_left=max(0.0, float(ttl_left)), task_id=task_id, fingerprint=fp)
+        if isinstance(got, int) and got > self.fence_floor:
+            self.fence_floor = got
+        return got
 
     def _take_rate(
         self, key: str, interval_us: float, burst: int, max_wait_us: float
@@ -570,20 +600,11 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
         return bool(rows[0][0])
 
     def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        keys = [k for k, _, _ in items]
-        rows = self._run(
-            "extend_many",
-            None,
-            _EXTEND_MANY,
-            (keys, [o for _, o, _ in items], [t for _, _, t in items], self.prefix),
-        )
-        ours = {r[0] for r in rows}
-        return [k in ours for k in keys]
+        rows = self._run("extend_many", None, _EXTEND_MANY, extend_params(self.prefix, items))
+        return parse_extend(items, rows)
 
     def _wake(self, what: str, key: str, sql: str, params: dict[str, Any]) -> bool:
-        params.update(prefix=self.prefix, key=key, channel=CHANNEL,
-                      payload=f"{self.prefix}\n{key}")  # fmt: skip
-        return bool(self._run(what, key, sql, params)[0][0])
+        return bool(self._run(what, key, sql, wake_params(self.prefix, key, params))[0][0])
 
     def _release(self, key: str, owner: str) -> bool:
         return self._wake("release", key, _RELEASE, {"owner": owner})

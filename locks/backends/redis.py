@@ -130,6 +130,80 @@ def client_options(socket_timeout: float) -> dict[str, Any]:
     }
 
 
+# -- each script's keys, arguments and reply, shared by RedisBackend and the asyncio store
+# (locks/backends/redis_async.py): one protocol, two transports.
+def begin_call(
+    k: KeySpace,
+    fence_source: str,
+    key: str,
+    owner: str,
+    ttl_ms: int,
+    meta: OwnerMeta,
+    record: bool,
+    fingerprint: str,
+    floor: int,
+) -> tuple[list[str], list[Any]]:
+    """begin.lua's keys and arguments."""
+    holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
+    if record:
+        return (
+            [k.lock(key), fence_source, k.record(key)],
+            [owner, ttl_ms, "1", meta.task_id, holder, fingerprint, floor],
+        )
+    return [k.lock(key), fence_source], [owner, ttl_ms, "0", meta.task_id, holder, "", floor]
+
+
+def parse_begin(reply: Any) -> int | Busy | JobRecord:
+    """begin.lua's reply: the new fence, Busy, or the job record."""
+    if not isinstance(reply, list):
+        return int(reply)
+    if int(reply[0]) == 0:
+        pttl = int(reply[1])
+        return Busy(
+            ttl_left=pttl / 1000 if pttl >= 0 else float("inf"),
+            task_id=_s(reply[2]) if len(reply) > 2 else "",
+            fingerprint=_s(reply[3]) if len(reply) > 3 else "",
+        )
+    if len(reply) == 2:
+        return parse_record(_s(reply[1]))
+    return _legacy_record(*(_s(x) for x in reply[1:]))
+
+
+def extend_calls(
+    k: KeySpace, items: Sequence[tuple[str, str, int]]
+) -> list[tuple[list[str], list[Any]]]:
+    """extend_many.lua's calls for `items`, EXTEND_CHUNK leases a call."""
+    lock = k.lock
+    calls: list[tuple[list[str], list[Any]]] = []
+    for i in range(0, len(items), EXTEND_CHUNK):
+        chunk = items[i : i + EXTEND_CHUNK]
+        args: list[Any] = []
+        for _, owner, ttl_ms in chunk:
+            args += (owner, ttl_ms)
+        calls.append(([lock(key) for key, _, _ in chunk], args))
+    return calls
+
+
+def parse_extend(replies: list[Any]) -> list[bool]:
+    return [bool(int(x)) for reply in replies for x in reply]
+
+
+def release_call(k: KeySpace, key: str, owner: str) -> tuple[list[str], list[Any]]:
+    return [k.lock(key), k.signal(key)], [owner, SIGNAL_LIFETIME_MS]
+
+
+def rate_call(
+    k: KeySpace, key: str, interval_us: float, burst: int, max_wait_us: float
+) -> tuple[list[str], list[Any]]:
+    # Finite text for Lua: an unbounded wait is any wait.
+    cap = min(max_wait_us, 1e18)
+    return [k.rate(key)], [repr(interval_us), burst, repr(cap)]
+
+
+def parse_rate(reply: Any) -> tuple[bool, float, float]:
+    return reply[0] == 1, float(reply[1]), float(reply[2])
+
+
 class _Lane:
     """Connections kept out of the client's pool for the one-script calls on the hot path.
 
@@ -315,12 +389,8 @@ class RedisBackend(RedisSemaphores, LockBackend):
     def _take_rate(
         self, key: str, interval_us: float, burst: int, max_wait_us: float
     ) -> tuple[bool, float, float]:
-        # Finite text for Lua: an unbounded wait is any wait.
-        cap = min(max_wait_us, 1e18)
-        reply = self._call(
-            "rate_take", [self.keys.rate(key)], [repr(interval_us), burst, repr(cap)], key
-        )
-        return reply[0] == 1, float(reply[1]), float(reply[2])
+        keys, args = rate_call(self.keys, key, interval_us, burst, max_wait_us)
+        return parse_rate(self._call("rate_take", keys, args, key))
 
     def _evalsha_many(self, sha: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
         commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls]
@@ -355,61 +425,28 @@ class RedisBackend(RedisSemaphores, LockBackend):
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
-        k = self.keys
-        holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
-        if record:
-            reply = self._call(
-                "begin",
-                [k.lock(key), self.fence_source(key), k.record(key)],
-                [owner, ttl_ms, "1", meta.task_id, holder, fingerprint, self.fence_floor],
-                key,
-            )
-        else:
-            reply = self._call(
-                "begin",
-                [k.lock(key), self.fence_source(key)],
-                [owner, ttl_ms, "0", meta.task_id, holder, "", self.fence_floor],
-                key,
-            )
-        if not isinstance(reply, list):
-            granted = int(reply)  # the new fence
-            if granted > self.fence_floor:  # racing threads may keep an older grant: a floor
-                self.fence_floor = granted
-            return granted
-        if int(reply[0]) == 0:
-            pttl = int(reply[1])
-            return Busy(
-                ttl_left=pttl / 1000 if pttl >= 0 else float("inf"),
-                task_id=_s(reply[2]) if len(reply) > 2 else "",
-                fingerprint=_s(reply[3]) if len(reply) > 3 else "",
-            )
-        if len(reply) == 2:
-            return parse_record(_s(reply[1]))
-        return _legacy_record(*(_s(x) for x in reply[1:]))
+        keys, args = begin_call(
+            self.keys, self.fence_source(key), key, owner, ttl_ms, meta, record, fingerprint,
+            self.fence_floor,
+        )  # fmt: skip
+        got = parse_begin(self._call("begin", keys, args, key))
+        if isinstance(got, int) and got > self.fence_floor:
+            self.fence_floor = got  # racing threads may keep an older grant: a floor
+        return got
 
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
         return bool(self._call("extend", [self.keys.lock(key)], [owner, ttl_ms], key))
 
     def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        lock = self.keys.lock
-        calls: list[tuple[list[str], list[Any]]] = []
-        for i in range(0, len(items), EXTEND_CHUNK):
-            chunk = items[i : i + EXTEND_CHUNK]
-            args: list[Any] = []
-            for _, owner, ttl_ms in chunk:
-                args += (owner, ttl_ms)
-            calls.append(([lock(k) for k, _, _ in chunk], args))
+        calls = extend_calls(self.keys, items)
         if len(calls) == 1:
             replies = [self._call("extend_many", *calls[0], None)]
         else:
             replies = self._call_many("extend_many", calls)
-        return [bool(int(x)) for reply in replies for x in reply]
+        return parse_extend(replies)
 
     def _release(self, key: str, owner: str) -> bool:
-        k = self.keys
-        return bool(
-            self._call("release", [k.lock(key), k.signal(key)], [owner, SIGNAL_LIFETIME_MS], key)
-        )
+        return bool(self._call("release", *release_call(self.keys, key, owner), key))
 
     def _commit(
         self,

@@ -21,6 +21,37 @@ def semaphore_keys(prefix: str, key: str) -> list[str]:
     return [f"{base}:slots", f"{base}:queue", f"{base}:qexp", f"{base}:state", f"{base}:holders"]
 
 
+def sem_acquire_args(
+    owner: str, limit: int, ttl_ms: int, queue_ms: int, meta: OwnerMeta, floor: int,
+    retention_ms: int,
+) -> list[Any]:  # fmt: skip
+    """sem_acquire.lua's arguments (its keys: `semaphore_keys`)."""
+    return [owner, limit, ttl_ms, queue_ms, holder_text(meta), floor, retention_ms]
+
+
+def parse_sem_acquire(reply: Any) -> int | SlotWait:
+    """sem_acquire.lua's reply: the slot's fence, or where the owner waits."""
+    if int(reply[0]) == 1:
+        return int(reply[1])
+    return SlotWait(position=int(reply[1]), ttl_left=int(reply[2]) / 1000)
+
+
+def sem_extend_call(
+    prefix: str, items: Sequence[tuple[str, str, int]], retention_ms: int
+) -> tuple[list[str], list[Any]]:
+    args: list[Any] = [retention_ms]
+    names: list[str] = []
+    for key, owner, ttl_ms in items:
+        args += [owner, ttl_ms]
+        names += semaphore_keys(prefix, key)  # all five: the extension pushes their expiry out
+    return names, args
+
+
+def sem_release_call(prefix: str, key: str, owner: str) -> tuple[list[str], list[Any]]:
+    slots, queue, qexp, _, holders = semaphore_keys(prefix, key)
+    return [slots, queue, qexp, holders], [owner]
+
+
 class RedisSemaphores:
     """The semaphore half of RedisBackend (mixed in): kept apart from the lock scripts."""
 
@@ -47,33 +78,20 @@ class RedisSemaphores:
     def _sem_acquire(
         self, key: str, owner: str, limit: int, ttl_ms: int, queue_ms: int, meta: OwnerMeta
     ) -> int | SlotWait:
-        reply = self._sem_script(
-            "sem_acquire",
-            self._sem_keys(key),
-            [owner, limit, ttl_ms, queue_ms, holder_text(meta), self.fence_floor,
-             self.semaphore_retention_ms],
-            key,
-        )  # fmt: skip
-        if int(reply[0]) == 1:
-            fence = int(reply[1])
-            if fence > self.fence_floor:
-                self.fence_floor = fence
-            return fence
-        return SlotWait(position=int(reply[1]), ttl_left=int(reply[2]) / 1000)
+        args = sem_acquire_args(owner, limit, ttl_ms, queue_ms, meta, self.fence_floor,
+                                self.semaphore_retention_ms)  # fmt: skip
+        got = parse_sem_acquire(self._sem_script("sem_acquire", self._sem_keys(key), args, key))
+        if isinstance(got, int) and got > self.fence_floor:
+            self.fence_floor = got
+        return got
 
     def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        args: list[Any] = [self.semaphore_retention_ms]
-        names: list[str] = []
-        for key, owner, ttl_ms in items:
-            args += [owner, ttl_ms]
-            names += self._sem_keys(key)  # all five: the extension pushes their expiry out
-        reply = self._sem_script("sem_extend_many", names, args, None)
-        return [bool(int(x)) for x in reply]
+        names, args = sem_extend_call(self.keys.prefix, items, self.semaphore_retention_ms)
+        return [bool(int(x)) for x in self._sem_script("sem_extend_many", names, args, None)]
 
     def _sem_release(self, key: str, owner: str) -> bool:
-        slots, queue, qexp, _, holders = self._sem_keys(key)
-        return bool(int(self._sem_script("sem_release", [slots, queue, qexp, holders], [owner],
-                                         key)))  # fmt: skip
+        names, args = sem_release_call(self.keys.prefix, key, owner)
+        return bool(int(self._sem_script("sem_release", names, args, key)))
 
     def _sem_holders(self, key: str) -> list[SlotInfo]:
         names = self._sem_keys(key)

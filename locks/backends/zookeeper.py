@@ -579,12 +579,13 @@ class ZooKeeperBackend(LockBackend):
         meta: OwnerMeta | None = None,
         record: bool = False,
         fingerprint: str = "",
+        owner: str | None = None,
     ) -> BeginResult:
         """As LockBackend.begin; the lease's TTL is its session's (the server may round it)."""
         validate_key(key)
         validate_ttl(ttl)
         session = self._session(ttl)
-        owner = new_owner_token()
+        owner = owner or new_owner_token()
         meta = meta or default_meta()
         started = self.clock.monotonic()
         got = self._grant(session, key, owner, meta, record, fingerprint, started)

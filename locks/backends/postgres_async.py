@@ -1,0 +1,160 @@
+"""The asyncio PostgreSQL store: psycopg's async connections with the sync store's statements."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+import psycopg
+from psycopg import errors as pgerrors
+
+from jobfence.locks.backend import (
+    Capabilities,
+    default_meta,
+    settle_extensions,
+    validate_key,
+    validate_ttl,
+)
+from jobfence.locks.backends.postgres import (
+    _BEGIN,
+    _EXTEND_MANY,
+    _RELEASE,
+    PostgresBackend,
+    begin_params,
+    extend_params,
+    parse_begin,
+    parse_extend,
+    wake_params,
+)
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import BackendUnavailable
+from jobfence.locks.lease import Lease
+from jobfence.locks.ops import Acquire, Extend, Release, ReleaseOwner, StoreOp, WaitRelease
+from jobfence.locks.slots import SlotLease
+
+#: Connections open at once: more ops in flight wait for one (a connect storm of hundreds of
+#: coroutines would time out, and each is a server process).
+MAX_CONNECTIONS = 16
+
+
+class AsyncPostgresStore:
+    """Locks in the PostgreSQL lease table for asyncio: acquire, extend and release are one
+    awaited statement each on psycopg's AsyncConnection, the very statements (and the
+    parameters and answers) PostgresBackend sends, so sync and async holders of one key
+    exclude each other and share one fence sequence.
+
+    Semaphores, rate limits and inspection run the sync backend (`backend`) in a worker
+    thread; a waiter polls with its backoff (asyncio.sleep) rather than hold a connection
+    in LISTEN. Its leases name `backend`, so `lease.release()` from a thread still works.
+    """
+
+    name: ClassVar[str] = "postgres"
+    capabilities: ClassVar[Capabilities] = PostgresBackend.capabilities
+
+    def __init__(self, backend: PostgresBackend) -> None:
+        self.backend = backend
+        self.clock = backend.clock
+        self.prefix = backend.prefix
+        self._idle: list[psycopg.AsyncConnection[Any]] = []
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, clock: Clock = SYSTEM_CLOCK, **options: Any
+    ) -> AsyncPostgresStore:
+        return cls(PostgresBackend.from_url(url, clock=clock, **options))
+
+    async def _run(
+        self, what: str, key: str | None, sql: str, params: Any
+    ) -> list[tuple[Any, ...]]:
+        """One statement, one round trip, as PostgresBackend._run; BackendUnavailable on error."""
+        async with self._slots:
+            return await self._run_on_a_connection(what, key, sql, params)
+
+    async def _run_on_a_connection(
+        self, what: str, key: str | None, sql: str, params: Any
+    ) -> list[tuple[Any, ...]]:
+        for attempt in (0, 1):
+            if not self.backend._ready:
+                await asyncio.to_thread(self.backend.create_tables)
+            conn = self._idle.pop() if self._idle else None
+            try:
+                if conn is None or conn.closed:
+                    conn = await psycopg.AsyncConnection.connect(self.backend.conninfo,
+                                                                 autocommit=True)  # fmt: skip
+                cur = await conn.execute(sql, params, prepare=True)
+                rows = await cur.fetchall() if cur.description else [(cur.rowcount,)]
+            except psycopg.Error as exc:
+                if conn is not None and conn.broken:
+                    await conn.close()
+                if attempt == 0 and isinstance(exc, pgerrors.UndefinedTable):
+                    self.backend._ready = False  # the tables vanished: make them, run again
+                    continue
+                raise BackendUnavailable(
+                    f"postgres {what} failed on {self.backend._shown}", key=key, cause=exc
+                ) from exc
+            except BaseException:
+                if conn is not None:  # cancelled mid-statement: its state is unknown
+                    await asyncio.shield(conn.close())
+                raise
+            if not conn.closed:
+                self._idle.append(conn)
+            return rows
+        raise AssertionError("unreachable")
+
+    async def execute_async(self, op: StoreOp) -> Any:
+        """One op (locks/ops.py); the replies are PostgresBackend.execute's."""
+        match op:
+            case Acquire(key, ttl, owner, meta):
+                validate_key(key)
+                ttl_ms = validate_ttl(ttl)
+                meta = meta or default_meta()
+                started = self.clock.monotonic()
+                params = begin_params(self.prefix, key, owner, ttl_ms, meta, False, "",
+                                      self.backend.fence_floor)  # fmt: skip
+                got = parse_begin((await self._run("begin", key, _BEGIN, params))[0])
+                if not isinstance(got, int):
+                    return got
+                if got > self.backend.fence_floor:
+                    self.backend.fence_floor = got
+                return Lease(key=key, owner=owner, fence=got, ttl=ttl_ms / 1000,
+                             deadline=started + ttl_ms / 1000, backend=self.backend,
+                             clock=self.clock, meta=meta)  # fmt: skip
+            case WaitRelease(_, timeout):
+                await asyncio.sleep(timeout)
+                return None
+            case Extend(leases) if not any(type(le) is SlotLease for le in leases):
+                if not leases:
+                    return []
+                started = self.clock.monotonic()
+                items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
+                rows = await self._run("extend_many", None, _EXTEND_MANY,
+                                       extend_params(self.prefix, items))  # fmt: skip
+                return settle_extensions(leases, parse_extend(items, rows), started)
+            case Release(lease) if type(lease) is not SlotLease:
+                if lease.released:
+                    return False
+                try:
+                    return await self._release(lease.key, lease.owner)
+                finally:
+                    lease._released = True
+            case ReleaseOwner(key, owner):
+                validate_key(key)
+                return await self._release(key, owner)
+        # Slots, rate limits, inspection: the sync backend, in a worker thread.
+        job = asyncio.ensure_future(asyncio.to_thread(self.backend.execute, op))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await asyncio.wait([job])  # its effect lands first; the flow then undoes it
+            raise
+
+    async def _release(self, key: str, owner: str) -> bool:
+        params = wake_params(self.prefix, key, {"owner": owner})
+        return bool((await self._run("release", key, _RELEASE, params))[0][0])
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.close()
+        await asyncio.to_thread(self.backend.close)

@@ -1,0 +1,266 @@
+"""The asyncio Redis store (one node): redis.asyncio with the sync store's Lua, keys and parsing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from jobfence.locks.backend import (
+    Capabilities,
+    RateGrant,
+    default_meta,
+    settle_extensions,
+    validate_key,
+    validate_rate,
+    validate_ttl,
+)
+from jobfence.locks.backends.redis import (
+    RedisBackend,
+    begin_call,
+    client_options,
+    extend_calls,
+    parse_begin,
+    parse_extend,
+    parse_rate,
+    rate_call,
+    release_call,
+)
+from jobfence.locks.backends.redis_scripts import script_source
+from jobfence.locks.backends.redis_semaphore import (
+    SEMAPHORE_SCRIPTS,
+    parse_sem_acquire,
+    sem_acquire_args,
+    sem_extend_call,
+    sem_release_call,
+    semaphore_keys,
+)
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.errors import BackendUnavailable, LockError
+from jobfence.locks.lease import Lease
+from jobfence.locks.ops import (
+    Acquire,
+    Extend,
+    Inspect,
+    LeaveSlot,
+    Release,
+    ReleaseOwner,
+    StoreOp,
+    TakeRate,
+    TakeSlot,
+    WaitRelease,
+)
+from jobfence.locks.slots import SlotLease, validate_limit
+
+#: How long an op waits for a free connection of the pool (seconds) before it fails.
+POOL_WAIT = 30.0
+
+
+class AsyncRedisStore:
+    """Locks on one Redis server for asyncio: each op is one awaited EVALSHA of the same
+    script the sync RedisBackend sends, on the same keys, so sync and async holders of one
+    key exclude each other and share one fence space.
+
+    It keeps a RedisBackend on the same server (`backend`, connected only if used) for what
+    the two share: the key layout, the script digests and the fence floor; its leases name
+    that backend, so `lease.release()` from a thread still works.
+    """
+
+    name: ClassVar[str] = "redis"
+    capabilities: ClassVar[Capabilities] = RedisBackend.capabilities
+
+    def __init__(
+        self,
+        backend: RedisBackend,
+        client: redis.asyncio.Redis,
+        keeper_client: redis.asyncio.Redis | None = None,
+    ) -> None:
+        self.backend = backend
+        self.client = client
+        # Extensions go through a pool of their own: a storm of acquires and waiters that
+        # takes every connection of `client` must not make the held leases miss renewal.
+        self.keeper_client = keeper_client or client
+        self.keys = backend.keys
+        self.clock = backend.clock
+        self._blocking = 0  # waiters in BLPOP now
+        self._max_blocking = max(
+            1, (getattr(client.connection_pool, "max_connections", 2) or 2) // 2
+        )
+        pool_kwargs = client.connection_pool.connection_kwargs
+        timeout = pool_kwargs.get("socket_timeout")
+        self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "jobfence",
+        socket_timeout: float = 2.0,
+        max_connections: int = 32,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> AsyncRedisStore:
+        backend = RedisBackend.from_url(url, prefix=prefix, socket_timeout=socket_timeout,
+                                        clock=clock)  # fmt: skip
+        # The sync client's options, with redis.asyncio's own (no-)retry object. A waiter
+        # holds a connection in BLPOP, so many coroutines need many: past the cap an op
+        # waits for a free one rather than fail.
+        options = {**client_options(socket_timeout), "retry": Retry(NoBackoff(), 0)}
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=POOL_WAIT, **options
+        )
+        keeper_pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=4, timeout=POOL_WAIT, **options
+        )
+        return cls(backend, redis.asyncio.Redis(connection_pool=pool),
+                   redis.asyncio.Redis(connection_pool=keeper_pool))  # fmt: skip
+
+    async def _call(
+        self, name: str, keys: list[str], args: list[Any], key: str | None,
+        client: redis.asyncio.Redis | None = None,
+    ) -> Any:  # fmt: skip
+        client = client or self.client
+        scripts = self.backend.scripts
+        if name not in scripts:  # the semaphore scripts, registered on first use
+            for extra in SEMAPHORE_SCRIPTS:
+                scripts[extra] = self.backend.client.register_script(script_source(extra))
+        script = scripts[name]
+        try:
+            try:
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:  # a server that lost its script cache (restart, flush)
+                script.sha = await client.script_load(script.script)
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
+        except RedisError as exc:
+            raise BackendUnavailable(f"redis {name} failed", key=key, cause=exc) from exc
+
+    def _floor(self, fence: int) -> None:
+        if fence > self.backend.fence_floor:
+            self.backend.fence_floor = fence
+
+    async def execute_async(self, op: StoreOp) -> Any:
+        """One op (locks/ops.py), one round trip; the replies are RedisBackend.execute's."""
+        match op:
+            case Acquire(key, ttl, owner, meta):
+                return await self._acquire(key, ttl, owner, meta or default_meta())
+            case WaitRelease(key, timeout):
+                return await self._wait(key, timeout)
+            case Extend(leases):
+                return await self._extend(list(leases))
+            case Release(lease):
+                if lease.released:
+                    return False
+                try:
+                    return await self._release(lease.key, lease.owner, type(lease) is SlotLease)
+                finally:
+                    lease._released = True
+            case ReleaseOwner(key, owner):
+                validate_key(key)
+                return await self._release(key, owner, False)
+            case TakeSlot(key, limit, ttl, owner, meta, queue_ttl):
+                return await self._take_slot(key, limit, ttl, owner, meta, queue_ttl)
+            case LeaveSlot(key, owner):
+                validate_key(key)
+                return await self._release(key, owner, True)
+            case TakeRate(key, interval, burst, max_wait):
+                validate_key(key)
+                validate_rate(key, interval, burst)
+                keys, args = rate_call(self.keys, key, interval * 1e6, burst, max_wait * 1e6)
+                admitted, wait_us, now_us = parse_rate(await self._call("rate_take", keys, args,
+                                                                        key))  # fmt: skip
+                return RateGrant(admitted, max(0.0, wait_us / 1e6), now_us / 1e6)
+            case Inspect(key):
+                raise LockError("inspect from asyncio: use the sync backend (store.backend)",
+                                key=key)  # fmt: skip
+        raise LockError(f"the asyncio redis store cannot run {type(op).__name__}")
+
+    async def _acquire(self, key: str, ttl: float, owner: str, meta: Any) -> Any:
+        validate_key(key)
+        ttl_ms = validate_ttl(ttl)
+        started = self.clock.monotonic()
+        keys, args = begin_call(self.keys, self.backend.fence_source(key), key, owner, ttl_ms,
+                                meta, False, "", self.backend.fence_floor)  # fmt: skip
+        got = parse_begin(await self._call("begin", keys, args, key))
+        if not isinstance(got, int):
+            return got
+        self._floor(got)
+        return Lease(key=key, owner=owner, fence=got, ttl=ttl_ms / 1000,
+                     deadline=started + ttl_ms / 1000, backend=self.backend, clock=self.clock,
+                     meta=meta)  # fmt: skip
+
+    async def _wait(self, key: str, timeout: float) -> None:
+        """BLPOP the key's signal list, as RedisBackend.wait_for_release (after a Busy)."""
+        timeout = min(timeout, self._max_block)
+        if timeout < 0.001:
+            return
+        if self._blocking >= self._max_blocking:
+            # A BLPOP holds a connection: past half the pool the others sleep out their
+            # backoff instead, so acquires and releases always find a connection.
+            await asyncio.sleep(timeout)
+            return
+        self._blocking += 1
+        try:
+            await self.client.blpop([self.keys.signal(key)], timeout=timeout)
+        except RedisError as exc:
+            raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
+        finally:
+            self._blocking -= 1
+
+    async def _extend(self, leases: list[Lease]) -> list[bool]:
+        if not leases:
+            return []
+        started = self.clock.monotonic()
+        results = [False] * len(leases)
+        locks = [i for i, le in enumerate(leases) if type(le) is not SlotLease]
+        slots = [i for i, le in enumerate(leases) if type(le) is SlotLease]
+        if locks:
+            items = [(leases[i].key, leases[i].owner, validate_ttl(leases[i].ttl)) for i in locks]
+            replies = [await self._call("extend_many", keys, args, None, self.keeper_client)
+                       for keys, args in extend_calls(self.keys, items)]  # fmt: skip
+            for i, ok in zip(locks, parse_extend(replies), strict=True):
+                results[i] = ok
+        if slots:
+            items = [(leases[i].key, leases[i].owner, validate_ttl(leases[i].ttl)) for i in slots]
+            names, args = sem_extend_call(self.keys.prefix, items,
+                                          self.backend.semaphore_retention_ms)  # fmt: skip
+            reply = await self._call("sem_extend_many", names, args, None, self.keeper_client)
+            for i, x in zip(slots, reply, strict=True):
+                results[i] = bool(int(x))
+        return settle_extensions(leases, results, started)
+
+    async def _release(self, key: str, owner: str, slot: bool) -> bool:
+        if slot:
+            names, args = sem_release_call(self.keys.prefix, key, owner)
+            return bool(int(await self._call("sem_release", names, args, key)))
+        return bool(await self._call("release", *release_call(self.keys, key, owner), key))
+
+    async def _take_slot(
+        self, key: str, limit: int, ttl: float, owner: str, meta: Any, queue_ttl: float
+    ) -> Any:
+        validate_key(key)
+        validate_limit(limit, key)
+        ttl_ms = validate_ttl(ttl)
+        queue_ms = validate_ttl(queue_ttl) if queue_ttl > 0 else 0
+        meta = meta or default_meta()
+        started = self.clock.monotonic()
+        args = sem_acquire_args(owner, limit, ttl_ms, queue_ms, meta, self.backend.fence_floor,
+                                self.backend.semaphore_retention_ms)  # fmt: skip
+        keys = semaphore_keys(self.keys.prefix, key)
+        got = parse_sem_acquire(await self._call("sem_acquire", keys, args, key))
+        if not isinstance(got, int):
+            return got
+        self._floor(got)
+        return SlotLease(key=key, owner=owner, fence=got, ttl=ttl_ms / 1000,
+                         deadline=started + ttl_ms / 1000, backend=self.backend,
+                         clock=self.clock, meta=meta, limit=limit)  # fmt: skip
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        if self.keeper_client is not self.client:
+            await self.keeper_client.aclose()
+        self.backend.close()

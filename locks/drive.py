@@ -1,0 +1,71 @@
+"""The two drivers of a flow (locks/flows.py): the only loops that do I/O, sync and asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol, TypeVar
+
+from jobfence.locks.clock import Clock
+from jobfence.locks.flows import Flow
+from jobfence.locks.ops import Now, Sleep, StoreOp
+
+T = TypeVar("T")
+
+
+class Store(Protocol):
+    """What the sync driver needs: one round trip per op (LockBackend.execute)."""
+
+    def execute(self, op: StoreOp) -> Any: ...
+
+
+class AsyncStore(Protocol):
+    """What the asyncio driver needs: one awaited round trip per op."""
+
+    async def execute_async(self, op: StoreOp) -> Any: ...
+
+
+def run_sync(flow: Flow[T], store: Store, clock: Clock) -> T:
+    """Run `flow` to its value in this thread: each op one call of `store.execute`, sleeps
+    on `clock`. A failure (or KeyboardInterrupt) is thrown into the flow, to clean up."""
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = flow.send(reply) if error is None else flow.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        error = reply = None
+        try:
+            kind = type(op)
+            if kind is Now:
+                reply = clock.monotonic()
+            elif kind is Sleep:
+                clock.sleep(op.seconds)  # type: ignore[union-attr]
+            else:
+                reply = store.execute(op)  # type: ignore[arg-type]
+        except BaseException as exc:  # the flow decides: clean up, retry or raise
+            error = exc
+
+
+async def run_async(flow: Flow[T], store: AsyncStore, clock: Clock) -> T:
+    """Run `flow` to its value on the running loop: each op one awaited round trip, sleeps
+    through asyncio.sleep. A cancellation is thrown into the flow, which may still send its
+    clean-up (a release, leaving a queue) before the CancelledError goes on."""
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = flow.send(reply) if error is None else flow.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        error = reply = None
+        try:
+            kind = type(op)
+            if kind is Now:
+                reply = clock.monotonic()
+            elif kind is Sleep:
+                await asyncio.sleep(op.seconds)  # type: ignore[union-attr]
+            else:
+                reply = await store.execute_async(op)  # type: ignore[arg-type]
+        except BaseException as exc:  # CancelledError too: the flow cleans up, then re-raises
+            error = exc

@@ -1,0 +1,111 @@
+"""The lock operations a flow yields: typed, frozen requests, each one round trip to a store."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jobfence.locks.lease import Lease, OwnerMeta
+
+# Replies (the store's answer to each op) are today's types: Acquire -> Lease | Busy,
+# Extend -> list[bool], Release -> bool, TakeSlot -> SlotLease | SlotWait, LeaveSlot -> bool,
+# TakeRate -> RateGrant, Inspect -> LockInfo | None, WaitRelease and Sleep -> None,
+# Now -> float (the driver's monotonic clock).
+
+
+@dataclass(frozen=True)
+class Acquire:
+    """Take `key` for `ttl` seconds under `owner` if it is free (the store's `attempt`)."""
+
+    key: str
+    ttl: float
+    owner: str
+    meta: OwnerMeta | None = None
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Extend every lease (locks and slots) by its own TTL, in one round trip."""
+
+    leases: Sequence[Lease]
+
+
+@dataclass(frozen=True)
+class Release:
+    """Owner-checked release of a lease (a lock or a slot)."""
+
+    lease: Lease
+
+
+@dataclass(frozen=True)
+class ReleaseOwner:
+    """Owner-checked release of `key` by token, for an acquire whose reply never came."""
+
+    key: str
+    owner: str
+
+
+@dataclass(frozen=True)
+class TakeSlot:
+    """Take a slot of semaphore `key`, or keep `owner`'s place in its queue."""
+
+    key: str
+    limit: int
+    ttl: float
+    owner: str
+    meta: OwnerMeta | None = None
+    queue_ttl: float = 0.0
+
+
+@dataclass(frozen=True)
+class LeaveSlot:
+    """Give up `owner`'s place in the queue of semaphore `key` (or its slot)."""
+
+    key: str
+    owner: str
+
+
+@dataclass(frozen=True)
+class TakeRate:
+    """One GCRA step on the limiter `key`, on the server's clock."""
+
+    key: str
+    interval: float
+    burst: int
+    max_wait: float
+
+
+@dataclass(frozen=True)
+class Inspect:
+    """What the store shows of `key`'s holder (never the owner token)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class WaitRelease:
+    """Wait up to `timeout` seconds, or until `key` is released (the store's signal)."""
+
+    key: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Pause; the driver sleeps (time.sleep or asyncio.sleep), never the store."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Now:
+    """Read the driver's monotonic clock (flows own no clock, so tests script time)."""
+
+
+StoreOp = (
+    Acquire | Extend | Release | ReleaseOwner | TakeSlot | LeaveSlot | TakeRate | Inspect
+    | WaitRelease
+)  # fmt: skip
+Op = StoreOp | Sleep | Now

@@ -1,0 +1,366 @@
+"""AsyncLocker on real servers: one loop and four processes contend, leases outlive their TTL,
+cancellation leaves nothing behind, the loop stays responsive, and a frozen holder is fenced."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from jobfence import AsyncLocker, Lease, Locker
+from jobfence.locks import AcquireTimeout, AsyncRedisFenceGuard, open_backend
+from jobfence.locks.aio import ThreadStore
+from jobfence.locks.backends.postgres_async import AsyncPostgresStore
+from jobfence.locks.backends.redis_async import AsyncRedisStore
+from jobfence.locks.backends.redis_semaphore import semaphore_keys
+
+KEY = "contended"
+COROUTINES = 200
+PROCESSES = 4
+PER_PROCESS = 25
+
+
+def _sync_contender(url: str, start: Any, out: Any) -> None:
+    """A sync Locker in another process: PER_PROCESS grants of KEY, each (start, end, fence)."""
+    locker = Locker.from_url(url, ttl=10, timeout=120)
+    start.wait(60)
+    held = []
+    for _ in range(PER_PROCESS):
+        with locker.lock(KEY) as lease:
+            began = time.monotonic()  # one clock for every process on this host
+            time.sleep(0.001)
+            held.append((began, time.monotonic(), lease.fence))
+    locker.close()
+    out.put(held)
+
+
+def _contend(url: str, coroutines: int, *, offload: bool = False) -> list[tuple[float, float, int]]:
+    """`coroutines` async holders in this loop and PROCESSES sync ones elsewhere, one key."""
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_sync_contender, args=(url, start, out)) for _ in range(PROCESSES)]
+    for proc in procs:
+        proc.start()
+
+    async def main() -> list[tuple[float, float, int]]:
+        if offload:  # the thread offload every backend without a native store runs on
+            backend = open_backend(url)
+            locker = AsyncLocker(ThreadStore(backend), clock=backend.clock, ttl=10, timeout=120)
+        else:
+            locker = AsyncLocker.from_url(url, ttl=10, timeout=120)
+        held: list[tuple[float, float, int]] = []
+
+        async def one() -> None:
+            async with locker.lock(KEY) as lease:
+                began = time.monotonic()
+                await asyncio.sleep(0.001)
+                held.append((began, time.monotonic(), lease.fence))
+
+        start.set()
+        await asyncio.gather(*(one() for _ in range(coroutines)))
+        assert not locker.keeper.held()
+        await locker.aclose()
+        return held
+
+    try:
+        held = asyncio.run(main())
+        for _ in procs:
+            held += out.get(timeout=180)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    return held
+
+
+def _assert_exclusive_and_fenced(held: list[tuple[float, float, int]], expected: int) -> None:
+    assert len(held) == expected
+    held.sort()
+    for (_, end, fence), (begin, _, next_fence) in itertools.pairwise(held):
+        assert begin >= end, "two holders overlapped"
+        assert next_fence > fence, "fences not strictly increasing in grant order"
+
+
+def test_async_and_sync_holders_exclude_each_other_on_redis(redis_url: str) -> None:
+    held = _contend(redis_url, COROUTINES)
+    _assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["native", "thread-offload"])
+def test_async_and_sync_holders_exclude_each_other_on_postgres(pg_url: str, offload: bool) -> None:
+    held = _contend(pg_url, COROUTINES, offload=offload)
+    _assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
+
+
+def test_async_stores_are_native_on_redis_and_postgres(redis_url: str, pg_url: str) -> None:
+    async def main() -> None:
+        for url, kind in [(redis_url, AsyncRedisStore), (pg_url, AsyncPostgresStore),
+                          ("memory://", ThreadStore)]:  # fmt: skip
+            locker = AsyncLocker.from_url(url)
+            assert isinstance(locker.store, kind)
+            await locker.aclose()
+
+    asyncio.run(main())
+
+
+def test_holder_awaiting_three_ttls_keeps_its_lease(redis_url: str) -> None:
+    backend = open_backend(redis_url)
+
+    async def main() -> None:
+        locker = AsyncLocker.from_url(redis_url)
+        async with locker.lock("long", ttl=0.6, timeout=5) as lease:
+            await asyncio.sleep(1.9)  # more than three TTLs
+            lease.check()
+            info = backend.inspect("long")
+            assert info is not None and info.fence == lease.fence
+        assert backend.inspect("long") is None
+        await locker.aclose()
+
+    asyncio.run(main())
+    backend.close()
+
+
+async def _until(predicate: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def _other_tasks() -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+
+def test_cancelled_waiter_leaves_nothing_behind(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+
+    async def main() -> None:
+        locker = AsyncLocker.from_url(redis_url)
+        holder = await locker.acquire("w", ttl=30)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await locker.acquire("w", ttl=30, timeout=60)
+        # A semaphore waiter cancelled in the queue gives its place up.
+        took, leave = asyncio.Event(), asyncio.Event()
+
+        async def take_slot() -> None:
+            async with locker.semaphore("sem", limit=1, ttl=30):
+                took.set()
+                await leave.wait()
+
+        first = asyncio.ensure_future(take_slot())
+        await took.wait()
+        waiter = asyncio.ensure_future(take_slot())
+        queue = semaphore_keys("jobfence", "sem")[1]
+        await _until(lambda: client.zcard(queue) == 1, 10)  # it waits in the queue
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert client.zcard(queue) == 0
+        assert len(locker.keeper.held()) == 2  # the lock and the first slot, no more
+        leave.set()
+        await first
+        await locker.release(holder)
+        assert not locker.keeper.held()
+        await asyncio.sleep(0.05)
+        assert _other_tasks() == []  # the keeper task ended with its last lease
+        async with locker.lock("w", ttl=30, blocking=False):
+            pass  # free at once: no grant left behind
+        await locker.aclose()
+
+    asyncio.run(main())
+    client.close()
+
+
+@pytest.mark.parametrize("server", ["redis_url", "pg_url"])
+def test_cancelled_holder_releases_at_once(server: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue(server)
+    backend = open_backend(url)
+
+    async def main() -> None:
+        locker = AsyncLocker.from_url(url)
+        entered = asyncio.Event()
+
+        async def hold() -> None:
+            async with locker.lock("h", ttl=30):
+                entered.set()
+                await asyncio.sleep(3600)
+
+        task = asyncio.ensure_future(hold())
+        await entered.wait()
+        assert backend.inspect("h") is not None
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert backend.inspect("h") is None  # released, not left to its 30 s TTL
+        assert not locker.keeper.held()
+        await asyncio.sleep(0.05)
+        assert _other_tasks() == []
+        await locker.aclose()
+
+    asyncio.run(main())
+    backend.close()
+
+
+def test_loop_lag_while_a_thousand_leases_are_renewed(redis_url: str) -> None:
+    async def main() -> list[float]:
+        locker = AsyncLocker.from_url(redis_url)
+        leases: list[Lease] = []
+        for start in range(0, 1000, 100):  # in waves: a storm of 1,000 connects is not the point
+            leases += await asyncio.gather(
+                *(locker.acquire(f"many:{i}", ttl=2.0) for i in range(start, start + 100))
+            )
+        lags: list[float] = []
+        until = time.monotonic() + 4.0  # six renewal rounds of 1,000 leases
+        while time.monotonic() < until:
+            before = time.monotonic()
+            await asyncio.sleep(0.001)
+            lags.append(time.monotonic() - before - 0.001)
+        assert not any(lease.lost for lease in leases)
+        await asyncio.gather(*(locker.release(lease) for lease in leases))
+        await locker.aclose()
+        return lags
+
+    lags = sorted(asyncio.run(main()))
+    p99 = lags[int(len(lags) * 0.99)]
+    print(f"\nloop lag with 1,000 leases renewed: median {statistics.median(lags) * 1000:.2f} ms, "
+          f"p99 {p99 * 1000:.2f} ms, max {lags[-1] * 1000:.2f} ms ({len(lags)} ticks)")  # fmt: skip
+
+
+FROZEN_HOLDER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from jobfence import AsyncLocker
+    from jobfence.locks import AsyncRedisFenceGuard, LeaseLost, StaleFence
+
+    async def main(url):
+        locker = AsyncLocker.from_url(url)
+        guard = AsyncRedisFenceGuard(Redis.from_url(url, retry=Retry(NoBackoff(), 0)))
+        async with locker.lock("acct", ttl=1.0) as lease:
+            print("HELD", lease.fence, flush=True)
+            sys.stdin.readline()  # the parent SIGSTOPs us here, and lets us go on later
+            try:
+                await guard.write("acct", lease.fence, [("SET", "balance", "stale")])
+                print("WROTE", flush=True)
+            except StaleFence:
+                print("REFUSED", flush=True)
+
+    try:
+        asyncio.run(main(sys.argv[1]))
+    except LeaseLost:  # at the block's exit: the lease was lost while it ran (the point)
+        pass
+    """
+)
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["fenced", "naive-control"])
+def test_sigstopped_async_holder_late_write_is_refused(redis_url: str, guarded: bool) -> None:
+    """The holder freezes past its TTL; a newer holder writes; the frozen one wakes and writes
+    late. Fenced: refused. The control (a plain SET with no fence) overwrites the newer value."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    script = FROZEN_HOLDER if guarded else FROZEN_HOLDER.replace(
+        'await guard.write("acct", lease.fence, [("SET", "balance", "stale")])',
+        'await guard.client.set("balance", "stale")',
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, redis_url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env={**os.environ},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline()
+        assert line.startswith("HELD"), line
+        old_fence = int(line.split()[1])
+        os.kill(proc.pid, signal.SIGSTOP)
+
+        async def newer() -> int:
+            locker = AsyncLocker.from_url(redis_url)
+            guard = AsyncRedisFenceGuard(
+                redis.asyncio.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0))
+            )
+            async with locker.lock("acct", ttl=10, timeout=30) as lease:  # after the TTL
+                await guard.write("acct", lease.fence, [("SET", "balance", "new")])
+                fence = lease.fence
+            await guard.client.aclose()
+            await locker.aclose()
+            return fence
+
+        assert asyncio.run(newer()) > old_fence
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        verdict = proc.stdout.readline().strip()
+        if guarded:
+            assert verdict == "REFUSED"
+            assert client.get("balance") == "new"
+        else:
+            assert verdict == "WROTE"
+            assert client.get("balance") == "stale"  # the lost update a fence prevents
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
+        client.close()
+
+
+def test_rate_limiter_and_leader_from_asyncio(redis_url: str) -> None:
+    async def main() -> None:
+        locker = AsyncLocker.from_url(redis_url)
+        limiter = locker.rate_limiter("api", "20/s")
+        began = time.monotonic()
+        for _ in range(5):
+            await limiter.acquire()
+        assert time.monotonic() - began >= 4 * 0.05 * 0.9  # spaced one interval apart
+        assert await limiter.try_acquire() > 0
+        async with locker.leader("reports", ttl=1) as term:
+            assert term.leading
+            with pytest.raises(AcquireTimeout):
+                async with locker.leader("reports", ttl=1, timeout=0.2):
+                    pass
+        assert term.lost.is_set()
+        await locker.aclose()
+
+    asyncio.run(main())
+
+
+def test_sync_locker_waits_are_woken_by_an_async_release(redis_url: str) -> None:
+    """One fence space, one release signal: a sync waiter wakes on an async holder's release."""
+    locker = Locker.from_url(redis_url)
+
+    async def main() -> float:
+        alock = AsyncLocker.from_url(redis_url)
+        async with alock.lock("shared", ttl=30) as lease:
+            waiter = asyncio.ensure_future(asyncio.to_thread(locker.acquire, "shared",
+                                                             timeout=20))  # fmt: skip
+            await asyncio.sleep(0.3)
+            released = time.monotonic()
+        sync_lease = await waiter
+        woke = time.monotonic() - released
+        assert sync_lease.fence > lease.fence
+        locker.release(sync_lease)
+        await alock.aclose()
+        return woke
+
+    woke = asyncio.run(main())
+    print(f"\nsync waiter woke {woke * 1000:.1f} ms after the async release")
+    locker.close()
