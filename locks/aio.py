@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
+from jobfence.locks import registry
 from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend, RateGrant, default_meta, validate_seconds
 from jobfence.locks.clock import Clock
@@ -31,10 +33,6 @@ from jobfence.locks.ratelimit import Rate, parse_rate
 from jobfence.locks.slots import SlotLease
 
 log = logging.getLogger(__name__)
-
-#: The schemes with a native asyncio store; every other lock URL runs on a ThreadStore.
-NATIVE_ASYNC_SCHEMES = ("redis", "rediss", "unix")
-NATIVE_POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
 
 
 class ThreadStore:
@@ -72,18 +70,12 @@ class ThreadStore:
 def open_async_store(url: str, **options: Any) -> AsyncStore:
     """The asyncio store for a lock URL: native on Redis (one node) and PostgreSQL, a
     ThreadStore over `open_backend(url)` for every other scheme."""
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in NATIVE_ASYNC_SCHEMES:
-        from jobfence.locks.backends.redis_async import AsyncRedisStore
-
-        return AsyncRedisStore.from_url(url, **options)
-    if scheme in NATIVE_POSTGRES_SCHEMES:
-        backend = open_backend(url, **options)  # its install hint if psycopg is missing
-        from jobfence.locks.backends.postgres import PostgresBackend
-        from jobfence.locks.backends.postgres_async import AsyncPostgresStore
-
-        assert isinstance(backend, PostgresBackend)
-        return AsyncPostgresStore(backend)
+    entry = registry.entry_for(url)
+    if entry.async_store is not None:
+        entry.load()  # its install hint if the backend's library is missing
+        module, _, name = entry.async_store.partition(":")
+        store: Any = getattr(importlib.import_module(module), name)
+        return cast(AsyncStore, store.from_url(url, **options))
     return ThreadStore(open_backend(url, **options))
 
 
@@ -390,8 +382,8 @@ class AsyncLocker:
         if caps is not None and not caps.rate_limit:
             name = getattr(self.store, "name", "this")
             raise RateLimitUnsupported(
-                f"the {name} lock backend keeps no shared rate limits; use redis://, "
-                "redis+sentinel://, redis+cluster://, postgresql:// or mysql:// (mariadb://)",
+                f"the {name} lock backend keeps no shared rate limits; use "
+                f"{registry.backends_with('rate_limit')}",
                 key=key,
             )
         parsed = parse_rate(rate, option="rate", burst=burst) if isinstance(rate, str) else rate

@@ -56,6 +56,8 @@ class BackendEntry:
     default_port: int | None = None
     tls_scheme: str | None = None  # the scheme that asks for TLS, if the backend has one
     fleet: bool = True  # False: one process only (not a lock server a fleet can share)
+    # "module:Class" of a native asyncio store (AsyncLocker); None: the sync backend in a thread
+    async_store: str | None = None
 
     @property
     def install_hint(self) -> str:
@@ -174,6 +176,7 @@ _LEASES = Capabilities(native_fencing=True, durable_fence=True, ha=True, release
 register(BackendEntry(
     "redis", ("redis", "rediss", "unix"), _BACKENDS + "redis", "RedisBackend", _FULL,
     check_url=urls.check_redis_url, default_port=6379, tls_scheme="rediss",
+    async_store=_BACKENDS + "redis_async:AsyncRedisStore",
 ))  # fmt: skip
 register(BackendEntry(
     "memory", ("memory",), _BACKENDS + "memory", "MemoryBackend",
@@ -182,6 +185,7 @@ register(BackendEntry(
 register(BackendEntry(
     "postgres", ("postgresql", "postgres", "postgresql+psycopg"), _BACKENDS + "postgres",
     "PostgresBackend", _FULL, extra="postgres", requires="psycopg", default_port=5432,
+    async_store=_BACKENDS + "postgres_async:AsyncPostgresStore",
 ))  # fmt: skip
 register(BackendEntry(
     "mysql", ("mysql", "mariadb", "mysql+pymysql"), _BACKENDS + "mysql", "MySQLBackend",
