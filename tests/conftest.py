@@ -25,6 +25,42 @@ from tests.servers import (
     etcd_unavailable,
 )
 
+# Fixtures that start or reach a server. A test that uses none of them, or a contract test on
+# the memory backend, is in the fast tier: `make test-fast` deselects the rest (-m "not server").
+SERVER_FIXTURES = frozenset({
+    "redis_server", "redis_url", "redis_client", "fresh_redis", "etcd_server", "etcd_url",
+    "pg_url", "mariadb_url", "zookeeper_server", "zookeeper_url", "redis_cluster",
+    "process_group", "module_redis", "fleet_factory", "redlock_masters", "sentinel_topology",
+})  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if needs_server(item):
+            item.add_marker(pytest.mark.server)
+
+
+def needs_server(item: pytest.Item) -> bool:
+    """Whether the test starts or reaches a server through its fixtures."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if fixtures & SERVER_FIXTURES:
+        return True
+    callspec = getattr(item, "callspec", None)
+    backend = callspec.params.get("harness") if callspec is not None else None
+    return "harness" in fixtures and backend != "memory"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without the plugin
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` splits the suite by `tests.parallel.scope_of`; other modes are
+    pytest-xdist's own."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from tests.parallel import SuiteScheduling
+
+    return SuiteScheduling(config, log)
+
 
 def scratch_database_url(
     kind: type[PostgresDatabase] | type[MariaDBDatabase], admin_url: str

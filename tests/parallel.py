@@ -1,0 +1,35 @@
+"""How the suite is split among pytest-xdist workers (`make test`: ``-n 3 --dist loadscope``)."""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadScopeScheduling
+
+from tests.contract.conftest import BACKENDS
+
+# Files whose tests run on one worker, one after the other, because they share something
+# more than a file does. Empty today: every server, database, namespace and broker a test
+# uses is private to it or to its worker (named by uuid or pid, on a port the kernel picks).
+SHARED_WORKER: dict[str, str] = {}
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: a contract test's backend, so that each worker
+    starts only its backends' servers (a Sentinel topology, Redlock masters, a Cluster);
+    else its file, so that a module's private broker and worker fleet start once, as in a
+    serial run."""
+    path, _, name = nodeid.partition("::")
+    if path in SHARED_WORKER:
+        return SHARED_WORKER[path]
+    if path.startswith("tests/contract/") and name.endswith("]"):
+        params = name[name.index("[") + 1 : -1].split("-")
+        backend = next((p for p in params if p in BACKENDS), None)
+        if backend is not None:
+            return f"contract-{backend}"
+    return path
+
+
+class SuiteScheduling(LoadScopeScheduling):
+    """``--dist loadscope`` with this suite's scopes (`scope_of`) instead of modules."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return scope_of(nodeid)
