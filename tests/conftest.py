@@ -25,12 +25,25 @@ from tests.servers import (
     etcd_unavailable,
 )
 
-# Fixtures that start or reach a server. A test that uses none of them, or a contract test on
-# the memory backend, is in the fast tier: `make test-fast` deselects the rest (-m "not server").
+# What starts or reaches a server: these fixtures; a parameter naming a server (a backend
+# or a database fixture); the modules below, whose tests start servers, fleets or benches
+# of their own. The fast tier (`make test-fast`, -m "not server") is everything else.
 SERVER_FIXTURES = frozenset({
     "redis_server", "redis_url", "redis_client", "fresh_redis", "etcd_server", "etcd_url",
     "pg_url", "mariadb_url", "zookeeper_server", "zookeeper_url", "redis_cluster",
     "process_group", "module_redis", "fleet_factory", "redlock_masters", "sentinel_topology",
+})  # fmt: skip
+SERVER_PARAMS = frozenset({
+    "redis", "postgres", "postgresql", "mariadb", "mysql", "etcd", "zookeeper", "cluster",
+    "sentinel", "redlock3", "redlock5", "pg_url", "mariadb_url",
+})  # fmt: skip
+SERVER_MODULES = frozenset({
+    "tests/worker/test_demo.py", "tests/worker/test_cli.py", "tests/worker/test_cli_sql.py",
+    "tests/worker/test_bench_report.py", "tests/worker/test_bench_cluster_rows.py",
+    "tests/worker/test_bench_etcd_rows.py", "tests/worker/test_bench_redlock_rows.py",
+    "tests/worker/test_bench_sentinel_rows.py", "tests/worker/test_bench_sql_rows.py",
+    "tests/test_sentinel_backend.py", "tests/test_redlock_backend.py",
+    "tests/test_mysql_backend.py",
 })  # fmt: skip
 
 
@@ -42,13 +55,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def needs_server(item: pytest.Item) -> bool:
-    """Whether the test starts or reaches a server through its fixtures."""
-    fixtures = set(getattr(item, "fixturenames", ()))
-    if fixtures & SERVER_FIXTURES:
+    """Whether the test starts or reaches a server (see SERVER_FIXTURES)."""
+    if item.nodeid.split("::", 1)[0] in SERVER_MODULES:
+        return True
+    if set(getattr(item, "fixturenames", ())) & SERVER_FIXTURES:
         return True
     callspec = getattr(item, "callspec", None)
-    backend = callspec.params.get("harness") if callspec is not None else None
-    return "harness" in fixtures and backend != "memory"
+    params = callspec.params.values() if callspec is not None else ()
+    return any(isinstance(p, str) and p in SERVER_PARAMS for p in params)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without the plugin
