@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from xdist.scheduler import LoadScopeScheduling
+from xdist.workermanage import WorkerController
 
 from tests.contract.conftest import BACKENDS
 
@@ -10,6 +13,9 @@ from tests.contract.conftest import BACKENDS
 # more than a file does. Empty today: every server, database, namespace and broker a test
 # uses is private to it or to its worker (named by uuid or pid, on a port the kernel picks).
 SHARED_WORKER: dict[str, str] = {}
+# Handed out first: the folders of real fleets and faults, whose files take minutes each, so
+# that none of them starts last and runs alone while the other workers sit idle.
+LONG_FIRST = ("tests/faults/", "tests/integration/", "tests/workflows/")
 
 
 def scope_of(nodeid: str) -> str:
@@ -31,5 +37,16 @@ def scope_of(nodeid: str) -> str:
 class SuiteScheduling(LoadScopeScheduling):
     """``--dist loadscope`` with this suite's scopes (`scope_of`) instead of modules."""
 
+    _ordered = False
+
     def _split_scope(self, nodeid: str) -> str:
         return scope_of(nodeid)
+
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        if not self._ordered:  # the queue is whole by the first hand-out
+            units = sorted(
+                self.workqueue.items(), key=lambda unit: not unit[0].startswith(LONG_FIRST)
+            )
+            self.workqueue = OrderedDict(units)
+            self._ordered = True
+        super()._assign_work_unit(node)
