@@ -7,40 +7,26 @@ from collections import OrderedDict
 from xdist.scheduler import LoadScopeScheduling
 from xdist.workermanage import WorkerController
 
-from tests.contract.conftest import BACKENDS
-
-# Files whose tests run on one worker, one after the other, because they share something
-# more than a file does. Empty today: every server, database, namespace and broker a test
-# uses is private to it or to its worker (named by uuid or pid, on a port the kernel picks).
-SHARED_WORKER: dict[str, str] = {}
-# The contract's races (50 forked processes, or threads that must keep pace with a rate) on
-# every backend, one after the other: a race is a burst of load that starves a race beside it.
-RACES = "contract-races"
-# Handed out first: the files of real fleets and faults and the contract races, a minute or
+# Folders whose tests run on one worker, one after the other. The contract suite's timings
+# are tight (a 1 s leader TTL, a 40/s rate kept pace with, 50 forked racers): on 2 cores two
+# of its backends side by side starve each other (4 workers: 5 failures; serially: none).
+ONE_WORKER = {"tests/contract/": "tests/contract"}
+# Handed out first: the contract suite and the files of real fleets and faults, a minute or
 # more each, so that none of them starts last and runs alone while the other workers idle.
-LONG_FIRST = ("tests/faults/", "tests/integration/", "tests/workflows/", RACES)
+LONG_FIRST = ("tests/contract", "tests/faults/", "tests/integration/", "tests/workflows/")
 
 
 def scope_of(nodeid: str) -> str:
-    """The unit of work a test belongs to: a contract race, with the other races; a contract
-    test's backend, so that each worker starts only its backends' servers (a Sentinel
-    topology, Redlock masters, a Cluster); else its file, so that a module's private broker
-    and worker fleet start once, as in a serial run."""
-    path, _, name = nodeid.partition("::")
-    if path in SHARED_WORKER:
-        return SHARED_WORKER[path]
-    if path.startswith("tests/contract/") and "racing" in name:
-        return RACES
-    if path.startswith("tests/contract/") and name.endswith("]"):
-        params = name[name.index("[") + 1 : -1].split("-")
-        backend = next((p for p in params if p in BACKENDS), None)
-        if backend is not None:
-            return f"contract-{backend}"
-    return path
+    """The unit of work a test belongs to: its folder where ONE_WORKER names it, else its
+    file, so that a module's private broker and worker fleet start once, as in a serial
+    run. Every server, database, namespace and broker a test uses is private to it or to
+    its worker (named by uuid or pid, on a port the kernel picks): nothing else is shared."""
+    path = nodeid.partition("::")[0]
+    return next((unit for folder, unit in ONE_WORKER.items() if path.startswith(folder)), path)
 
 
 class SuiteScheduling(LoadScopeScheduling):
-    """``--dist loadscope`` with this suite's scopes (`scope_of`) instead of modules."""
+    """``--dist loadscope`` with this suite's units (`scope_of`) instead of modules."""
 
     _ordered = False
 

@@ -11,25 +11,13 @@ from tests.parallel import scope_of
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_contract_test_runs_with_the_others_of_its_backend() -> None:
-    for name in (
-        "tests/contract/test_lock_contract.py::test_release_is_owner_checked[redlock5]",
-        "tests/contract/test_leader_contract.py::test_one_leader[1.5-redlock5]",
-    ):
-        assert scope_of(name) == "contract-redlock5"
-
-
-def test_the_contract_races_run_one_after_the_other_on_one_worker() -> None:
+def test_the_contract_suite_runs_on_one_worker() -> None:
     for name in (
         "tests/contract/test_lock_contract.py::test_mutual_exclusion_across_racing_processes[etcd]",
-        "tests/contract/test_rate_contract.py::test_racing_clients_never_exceed_the_rate[cluster]",
+        "tests/contract/test_leader_contract.py::test_one_leader[1.5-redlock5]",
+        "tests/contract/test_semaphore_contract.py::test_control_overshoots",
     ):
-        assert scope_of(name) == "contract-races"
-
-
-def test_a_contract_test_without_a_backend_runs_with_its_file() -> None:
-    name = "tests/contract/test_semaphore_contract.py::test_control_overshoots"
-    assert scope_of(name) == "tests/contract/test_semaphore_contract.py"
+        assert scope_of(name) == "tests/contract"
 
 
 def test_any_other_test_runs_with_its_file() -> None:
