@@ -2,8 +2,8 @@
 # Each does its own set-up (.ci/setup); extra arguments go in ARGS="...".
 .PHONY: demo test test-fast lint bench faults
 
-# The suite runs on pytest-xdist workers, split by tests/parallel.py (a file, or the contract
-# backend, per unit of work); ARGS="-n0 ..." runs it serially, as a later -n wins.
+# The suite runs on pytest-xdist workers, split by tests/parallel.py (a file, or the whole
+# contract suite, per unit of work); ARGS="-n0 ..." runs it serially, as a later -n wins.
 PARALLEL = -n 3 --dist loadscope
 # The fast tier: no server, fleet or fault (unit tests, the contract suite on memory).
 FAST = -m "not server and not slow and not integration and not fault"
