@@ -1,6 +1,12 @@
 # The two commands of the README: `make demo` runs the main job, `make test` the suite.
 # Each does its own set-up (.ci/setup); extra arguments go in ARGS="...".
-.PHONY: demo test lint bench faults fuzz
+.PHONY: demo test test-fast lint bench faults fuzz
+
+# The suite runs on pytest-xdist workers, split by tests/parallel.py (a file, or the whole
+# contract suite, per unit of work); ARGS="-n0 ..." runs it serially, as a later -n wins.
+PARALLEL = -n 3 --dist loadscope
+# The fast tier: no server, fleet or fault (unit tests, the contract suite on memory).
+FAST = -m "not server and not slow and not integration and not fault"
 
 demo:
 	./.ci/setup --venv-only
@@ -8,7 +14,11 @@ demo:
 
 test:
 	./.ci/setup
-	.venv/bin/python -m pytest -q $(ARGS)
+	.venv/bin/python -m pytest -q $(PARALLEL) $(ARGS)
+
+test-fast:
+	./.ci/setup
+	.venv/bin/python -m pytest -q $(PARALLEL) $(FAST) $(ARGS)
 
 lint:
 	./.ci/setup --venv-only

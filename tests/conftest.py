@@ -30,6 +30,56 @@ from tests.servers import (
 # check of worker/checks.py would refuse; its own tests set it back to false.
 os.environ.setdefault("JOBFENCE_KEY_SECRET_RESET", "true")
 
+# What starts or reaches a server: these fixtures; a parameter naming a server (a backend
+# or a database fixture); the modules below, whose tests start servers, fleets or benches
+# of their own. The fast tier (`make test-fast`, -m "not server") is everything else.
+SERVER_FIXTURES = frozenset({
+    "redis_server", "redis_url", "redis_client", "fresh_redis", "etcd_server", "etcd_url",
+    "pg_url", "mariadb_url", "zookeeper_server", "zookeeper_url", "redis_cluster",
+    "process_group", "module_redis", "fleet_factory", "redlock_masters", "sentinel_topology",
+})  # fmt: skip
+SERVER_PARAMS = frozenset({
+    "redis", "postgres", "postgresql", "mariadb", "mysql", "etcd", "zookeeper", "cluster",
+    "sentinel", "redlock3", "redlock5", "pg_url", "mariadb_url",
+})  # fmt: skip
+SERVER_MODULES = frozenset({
+    "tests/worker/test_demo.py", "tests/worker/test_cli.py", "tests/worker/test_cli_sql.py",
+    "tests/worker/test_bench_report.py", "tests/worker/test_bench_cluster_rows.py",
+    "tests/worker/test_bench_etcd_rows.py", "tests/worker/test_bench_redlock_rows.py",
+    "tests/worker/test_bench_sentinel_rows.py", "tests/worker/test_bench_sql_rows.py",
+    "tests/test_sentinel_backend.py", "tests/test_redlock_backend.py",
+    "tests/test_mysql_backend.py",
+})  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if needs_server(item):
+            item.add_marker(pytest.mark.server)
+
+
+def needs_server(item: pytest.Item) -> bool:
+    """Whether the test starts or reaches a server (see SERVER_FIXTURES)."""
+    if item.nodeid.split("::", 1)[0] in SERVER_MODULES:
+        return True
+    if set(getattr(item, "fixturenames", ())) & SERVER_FIXTURES:
+        return True
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params.values() if callspec is not None else ()
+    return any(isinstance(p, str) and p in SERVER_PARAMS for p in params)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without the plugin
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` splits the suite by `tests.parallel.scope_of`; other modes are
+    pytest-xdist's own."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from tests.parallel import SuiteScheduling
+
+    return SuiteScheduling(config, log)
+
 
 def scratch_database_url(
     kind: type[PostgresDatabase] | type[MariaDBDatabase], admin_url: str
