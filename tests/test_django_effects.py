@@ -373,7 +373,9 @@ def charge(databases: list[str], redis_url: str) -> Iterator[Any]:
     runtime = install(app, Settings(lock_url=redis_url))
     runs: list[int] = []
 
-    @singleton_task(app=app, bind=True, key=["payment_id"])
+    # A name of its own: Celery shares every app's tasks with apps made later (shared=True),
+    # and a second callable under one name is refused with a DuplicateTaskNameWarning there.
+    @singleton_task(app=app, bind=True, key=["payment_id"], name=_new("charge").replace(":", "-"))
     def charge(self: Any, payment_id: str, amount: int) -> Any:
         runs.append(self.job.fence)
         with django_effects.transaction(self.job, f"payment:{payment_id}", using="pg") as tx:
