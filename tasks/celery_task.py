@@ -302,9 +302,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             if spec.claims:  # owner-checked: the claim may be a newer copy's by now
                 # lock_until="start" keeps the claim unmarked until the body starts.
                 mine = spec.task_id if spec.claim_at_body else STARTED + spec.task_id
-                rt.backend.swap_publish(key, mine, None, spec.claim_ttl)
+                self._drop_claim(key, lambda: rt.backend.swap_publish(key, mine, None,
+                                                                      spec.claim_ttl))  # fmt: skip
             elif self.dedupe_on_publish:
-                rt.backend.clear_publish(key)  # a failed job may be submitted afresh
+                # A failed job may be submitted afresh.
+                self._drop_claim(key, lambda: rt.backend.clear_publish(key))
             raise
         if out.status == "duplicate" and self._follows(req, spec, out):
             self._follow(req, spec, out, explicit, redeliveries)
@@ -319,7 +321,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._publish_again(req, countdown, _copy_headers(req, explicit, redeliveries,
                                                               deferred=True))  # fmt: skip
         if out.status == "rate_skipped" and self.dedupe_on_publish:
-            rt.backend.clear_publish(key)  # it never ran: a new submission may go out
+            # It never ran: a new submission may go out.
+            self._drop_claim(key, lambda: rt.backend.clear_publish(key))
         if out.status == "rate_limited":
             self._republish_at_turn(out, key, explicit, redeliveries, countdown)
         if out.status == "retry":
@@ -329,6 +332,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         if out.status == "redeliver":
             self._redeliver(out, key, explicit, redeliveries, countdown)
         return _result_of(rt, spec, out)
+
+    def _drop_claim(self, key: str, drop: Callable[[], object]) -> None:
+        """Drop the publish claim of a delivery that ends without running (or failed), never
+        letting the lock server's failure replace the delivery's own outcome: the claim then
+        expires by its TTL, and until then a publish of the key answers with this task's
+        (visible) result. The body's own fate is already settled (design section 7)."""
+        try:
+            drop()
+        except Exception as exc:  # the cleanup's failure, whatever it is, must not win
+            log.warning("%s: publish claim not cleared (%s); it expires by its TTL",
+                        self.name, type(exc).__name__)  # fmt: skip
 
     def _rate_spec(
         self, rt: Runtime, arguments: dict[str, Any], req: Any, headers: Any, fields: Any
