@@ -283,6 +283,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             claim_ttl=self.dedupe_ttl or s.visibility_timeout,
             supersede=self.dedupe_on_publish and self.on_duplicate_publish == "replace",
             publish_claim=self.dedupe_on_publish,
+            queues=not (req.called_directly or req.is_eager),
             concurrency=self.concurrency,
             concurrency_key=(
                 concurrency_key(rt.secret, self.name, arguments, self.concurrency_key)
