@@ -74,6 +74,8 @@ DuplicatePublishPolicy = Literal["result", "raise", "replace"]
 DUPLICATE_PUBLISH_POLICIES: tuple[str, ...] = ("result", "raise", "replace")
 #: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
 REPLACE_ATTEMPTS = 3
+#: Publish options that make a workflow wait on the published task id (chain, group, chord).
+WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
 #: Outcomes handled after the body's gate: most publish the job again (a rate-skipped one
 #: frees its publish claim). Any other outcome's value is returned as it is.
 _COME_BACK = frozenset(
@@ -180,12 +182,21 @@ class SingletonTask(Task):  # type: ignore[misc]
                     args, kwargs, task_id, *rest, headers=headers, **options
                 )
 
+            workflow = any(options.get(name) for name in WORKFLOW_OPTIONS)
             return self._publish_once(key, task_id, self._dedupe_ttl(self._runtime(), options),
-                                      publish)  # fmt: skip
+                                      publish, workflow=workflow)  # fmt: skip
         return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
 
-    def _publish_once(self, key: str, task_id: str, ttl: float, publish: Callable[[], Any]) -> Any:
-        """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`."""
+    def _publish_once(
+        self, key: str, task_id: str, ttl: float, publish: Callable[[], Any], *, workflow: bool
+    ) -> Any:
+        """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`.
+
+        A duplicate carrying a workflow (`workflow`: a chain, link, link_error, chord or
+        group) is published anyway, without the claim, where "result" or "replace" would
+        answer with the holder's AsyncResult: the workflow waits on this task id, not the
+        holder's. The gate at execution then gives it the running copy's result, or a
+        typed stop (README "Using it with Celery")."""
         backend = self._runtime().backend
         holder = ""
         for _ in range(REPLACE_ATTEMPTS):
@@ -205,11 +216,21 @@ class SingletonTask(Task):  # type: ignore[misc]
                 )
             if self.on_duplicate_publish != "replace" or started:
                 # A started copy is never replaced (two would run): its result answers.
-                return self.AsyncResult(holder)
+                return self._answer(holder, publish, workflow=workflow)
             # Take the claim from the queued copy first: it skips when it finds it gone.
             if backend.swap_publish(key, holder, task_id, ttl) is None:
                 return self._publish_claimed(key, task_id, ttl, publish, previous=holder)
             # The claim moved meanwhile (the holder started, or was replaced): look again.
+        return self._answer(holder, publish, workflow=workflow)
+
+    def _answer(self, holder: str, publish: Callable[[], Any], *, workflow: bool) -> Any:
+        """A duplicate publish's answer: the holder's AsyncResult, or, for a workflow that
+        would wait for ever on a task id never published, the publish itself."""
+        if workflow:
+            log.info("%s: a copy is queued or running as task %s; this publish carries a "
+                     "workflow, so it goes out and meets that copy at the gate",
+                     self.name, holder)  # fmt: skip
+            return publish()
         return self.AsyncResult(holder)
 
     def _publish_claimed(
