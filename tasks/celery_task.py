@@ -74,6 +74,8 @@ DuplicatePublishPolicy = Literal["result", "raise", "replace"]
 DUPLICATE_PUBLISH_POLICIES: tuple[str, ...] = ("result", "raise", "replace")
 #: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
 REPLACE_ATTEMPTS = 3
+#: Publish options that make a workflow wait on the published task id (chain, group, chord).
+WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
 #: Outcomes handled after the body's gate: most publish the job again (a rate-skipped one
 #: frees its publish claim). Any other outcome's value is returned as it is.
 _COME_BACK = frozenset(
@@ -180,12 +182,21 @@ class SingletonTask(Task):  # type: ignore[misc]
                     args, kwargs, task_id, *rest, headers=headers, **options
                 )
 
+            workflow = any(options.get(name) for name in WORKFLOW_OPTIONS)
             return self._publish_once(key, task_id, self._dedupe_ttl(self._runtime(), options),
-                                      publish)  # fmt: skip
+                                      publish, workflow=workflow)  # fmt: skip
         return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
 
-    def _publish_once(self, key: str, task_id: str, ttl: float, publish: Callable[[], Any]) -> Any:
-        """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`."""
+    def _publish_once(
+        self, key: str, task_id: str, ttl: float, publish: Callable[[], Any], *, workflow: bool
+    ) -> Any:
+        """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`.
+
+        A duplicate carrying a workflow (`workflow`: a chain, link, link_error, chord or
+        group) is published anyway, without the claim, where "result" or "replace" would
+        answer with the holder's AsyncResult: the workflow waits on this task id, not the
+        holder's. The gate at execution then gives it the running copy's result, or a
+        typed stop (README "Using it with Celery")."""
         backend = self._runtime().backend
         holder = ""
         for _ in range(REPLACE_ATTEMPTS):
@@ -205,11 +216,21 @@ class SingletonTask(Task):  # type: ignore[misc]
                 )
             if self.on_duplicate_publish != "replace" or started:
                 # A started copy is never replaced (two would run): its result answers.
-                return self.AsyncResult(holder)
+                return self._answer(holder, publish, workflow=workflow)
             # Take the claim from the queued copy first: it skips when it finds it gone.
             if backend.swap_publish(key, holder, task_id, ttl) is None:
                 return self._publish_claimed(key, task_id, ttl, publish, previous=holder)
             # The claim moved meanwhile (the holder started, or was replaced): look again.
+        return self._answer(holder, publish, workflow=workflow)
+
+    def _answer(self, holder: str, publish: Callable[[], Any], *, workflow: bool) -> Any:
+        """A duplicate publish's answer: the holder's AsyncResult, or, for a workflow that
+        would wait for ever on a task id never published, the publish itself."""
+        if workflow:
+            log.info("%s: a copy is queued or running as task %s; this publish carries a "
+                     "workflow, so it goes out and meets that copy at the gate",
+                     self.name, holder)  # fmt: skip
+            return publish()
         return self.AsyncResult(holder)
 
     def _publish_claimed(
@@ -283,6 +304,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             claim_ttl=self.dedupe_ttl or s.visibility_timeout,
             supersede=self.dedupe_on_publish and self.on_duplicate_publish == "replace",
             publish_claim=self.dedupe_on_publish,
+            queues=not (req.called_directly or req.is_eager),
             concurrency=self.concurrency,
             concurrency_key=(
                 concurrency_key(rt.secret, self.name, arguments, self.concurrency_key)
@@ -302,9 +324,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             if spec.claims:  # owner-checked: the claim may be a newer copy's by now
                 # lock_until="start" keeps the claim unmarked until the body starts.
                 mine = spec.task_id if spec.claim_at_body else STARTED + spec.task_id
-                rt.backend.swap_publish(key, mine, None, spec.claim_ttl)
+                self._drop_claim(key, lambda: rt.backend.swap_publish(key, mine, None,
+                                                                      spec.claim_ttl))  # fmt: skip
             elif self.dedupe_on_publish:
-                rt.backend.clear_publish(key)  # a failed job may be submitted afresh
+                # A failed job may be submitted afresh.
+                self._drop_claim(key, lambda: rt.backend.clear_publish(key))
             raise
         if out.status == "duplicate" and self._follows(req, spec, out):
             self._follow(req, spec, out, explicit, redeliveries)
@@ -319,7 +343,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._publish_again(req, countdown, _copy_headers(req, explicit, redeliveries,
                                                               deferred=True))  # fmt: skip
         if out.status == "rate_skipped" and self.dedupe_on_publish:
-            rt.backend.clear_publish(key)  # it never ran: a new submission may go out
+            # It never ran: a new submission may go out.
+            self._drop_claim(key, lambda: rt.backend.clear_publish(key))
         if out.status == "rate_limited":
             self._republish_at_turn(out, key, explicit, redeliveries, countdown)
         if out.status == "retry":
@@ -329,6 +354,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         if out.status == "redeliver":
             self._redeliver(out, key, explicit, redeliveries, countdown)
         return _result_of(rt, spec, out)
+
+    def _drop_claim(self, key: str, drop: Callable[[], object]) -> None:
+        """Drop the publish claim of a delivery that ends without running (or failed), never
+        letting the lock server's failure replace the delivery's own outcome: the claim then
+        expires by its TTL, and until then a publish of the key answers with this task's
+        (visible) result. The body's own fate is already settled (design section 7)."""
+        try:
+            drop()
+        except Exception as exc:  # the cleanup's failure, whatever it is, must not win
+            log.warning("%s: publish claim not cleared (%s); it expires by its TTL",
+                        self.name, type(exc).__name__)  # fmt: skip
 
     def _rate_spec(
         self, rt: Runtime, arguments: dict[str, Any], req: Any, headers: Any, fields: Any

@@ -147,6 +147,10 @@ class JobSpec:
     # was replaced before it started, so it is skipped as superseded.
     supersede: bool = False
     publish_claim: bool = False  # dedupe_on_publish: the key has a publish claim to update
+    # Delivered through a broker: a wait/retry conflict can queue behind the live holder (this
+    # message published again) under any lock_until, instead of spending Celery's retries or
+    # giving up at wait_timeout while the job it waits for still runs.
+    queues: bool = False
 
     # At most `concurrency` jobs of the group `concurrency_key` run at once (0: no limit);
     # a job waits up to `wait_timeout` for a slot, then comes back later ("requeue").
@@ -442,13 +446,14 @@ class Executor:
                 return Outcome("duplicate", DUPLICATE, holder=got.task_id or "")
             if spec.on_conflict == "raise":
                 raise DuplicateJob("job is running elsewhere", key=spec.key)
+            behind = spec.lock_until == "start" or spec.queues
             if spec.on_conflict == "retry":
-                if spec.lock_until == "start":
+                if behind:
                     return self._behind(spec, got, attempt)
                 return Outcome("retry", countdown=self._after(got, attempt))
             left = deadline - clock.monotonic()
             if left <= 0:
-                if spec.lock_until == "start":
+                if behind:
                     return self._behind(spec, got, attempt)
                 self.metrics.timeouts.labels(spec.name).inc()
                 raise AcquireTimeout(
@@ -460,9 +465,11 @@ class Executor:
             attempt += 1
 
     def _behind(self, spec: JobSpec, busy: Busy, attempt: int) -> Outcome:
-        """lock_until="start": another run of the key holds it. This run queues behind it, as
-        long as that holder lives (its lease renewed), spending neither Celery's retries nor
-        the redelivery bound; a holder that dies frees the key at its lease's expiry."""
+        """Another delivery holds the key (lock_until="start": another run of it; "finish"
+        through a broker: a copy of this job). This one queues behind it, as long as that
+        holder lives (its lease renewed), spending neither Celery's retries nor the
+        redelivery bound; it then replays the holder's DONE record ("finish") or runs. A
+        holder that dies frees the key at its lease's expiry."""
         self._note("queued", spec, None)
         return Outcome(
             "requeue",

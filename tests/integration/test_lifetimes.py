@@ -325,6 +325,30 @@ def test_lock_until_start_a_newer_run_waits_behind_a_long_run_then_runs(
 
 
 @ON_REDIS_ONLY
+@pytest.mark.parametrize("policy", ["retry", "wait"])
+def test_lock_until_finish_a_duplicate_waits_behind_a_long_run_then_gets_its_result(
+    lt: Lifetimes, policy: str
+) -> None:
+    """A duplicate delivered during a run 7x its lease TTL spends no retry and does not give
+    up while the run lives; once it ends, the duplicate answers with its DONE record."""
+    j, task = job(), lt.task(f"behind_{policy}")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    began = time.monotonic()
+    second = task.delay(j, "v1")
+    time.sleep(max(0.0, LONG_RUN - (time.monotonic() - began)))  # the run's length, by design
+    lt.ledger.release(j)
+    _succeeded(lt, j, first.id)
+    _succeeded(lt, j, second.id)
+    failed = [o for o in lt.ledger.outcomes(j, second.id) if o["state"] not in (
+        "SUCCESS", "IGNORED")]  # fmt: skip
+    assert not failed, f"the duplicate failed or spent a retry while it waited: {failed}"
+    answers = [o["value"] for o in lt.ledger.outcomes(j, second.id) if o["state"] == "SUCCESS"]
+    assert answers == ["v1"], lt.explain(j)()  # the run's result, replayed
+    assert lt.ledger.start_count(j) == 1, "the duplicate ran the job again"
+
+
+@ON_REDIS_ONLY
 def test_lock_until_start_a_run_queued_behind_a_holder_that_dies_gets_in(lt: Lifetimes) -> None:
     """The holder's pool process is killed mid-run: its lease is no longer renewed and
     expires (1 s TTL), and the run queued behind it gets in; nothing is lost."""

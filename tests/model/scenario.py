@@ -42,7 +42,11 @@ FAULTS = frozenset({"lose_leases", "blip", "flush"})
 CONFLICT_ERRORS = frozenset({"DuplicateJob", "DuplicatePublish"})
 #: Failures allowed after a fault: given up after the redelivery limit or the crash cap.
 GIVEN_UP_ERRORS = frozenset({"RedeliveryLimitReached", "PoisonMessage"})
-ACCEPTED_MARKERS = frozenset({"duplicate", "superseded"})
+#: Typed stops (``JobSkipped`` and its subclasses): a delivery with no result of its own, a
+#: recorded FAILURE its caller can tell apart from a result; the job took effect elsewhere.
+STOPS = frozenset(
+    {"JobSkipped", "DuplicateSkipped", "JobSuperseded", "JobDropped", "RateLimitSkipped"}
+)
 
 
 @dataclass(frozen=True)
@@ -257,14 +261,16 @@ class Scenario:
         modes = {p.task_id: p.job.mode for p in self.publishes if p.task_id}
         heads = {p.task_id for p in self.publishes if p.tail_id}
         for task_id, (state, value) in outcome.items():
-            if state == "SUCCESS" and isinstance(value, dict) and "jobfence" in value:
-                if value["jobfence"] not in ACCEPTED_MARKERS:
-                    found.append(Violation("unexpected-marker", f"{task_id}: {value}"))
-                elif self._runs_every_publish() and value["jobfence"] == "duplicate":
-                    found.append(Violation("lost-run", f"{task_id} answered {value}"))
+            if state == "SUCCESS" and _is_marker(value):
+                # A marker returned as a result: the typed stops replaced them all.
+                found.append(Violation("unexpected-marker", f"{task_id}: {value}"))
             elif state == "SUCCESS":
                 if not isinstance(value, dict) or value.get("key") not in keys:
                     found.append(Violation("phantom-result", f"{task_id}: {value!r} has no effect"))
+            elif state == "FAILURE" and type(value).__name__ in STOPS:
+                # A recorded terminal state; whether its job took effect is _check_jobs's.
+                if self._runs_every_publish() and type(value).__name__ == "DuplicateSkipped":
+                    found.append(Violation("lost-run", f"{task_id} stopped: {value!r}"))
             elif state == "FAILURE":
                 error = type(value).__name__
                 allowed = set(CONFLICT_ERRORS) if self.options.on_conflict == "raise" else set()
@@ -296,7 +302,8 @@ class Scenario:
     def _check_jobs(
         self, outcome: dict[str, tuple[str, Any]], effects: list[dict[str, Any]]
     ) -> list[Violation]:
-        """A job answered by a marker must have taken effect elsewhere, or failed visibly."""
+        """A job answered by a typed stop (or a marker) must have taken effect elsewhere, or
+        failed visibly (a FAILURE that is not a stop)."""
         took_effect = {e["job_id"] for e in effects}
         by_job: dict[Job, list[tuple[str, Any]]] = defaultdict(list)
         for p in self.publishes:
@@ -304,26 +311,27 @@ class Scenario:
                 by_job[p.job].append(outcome[p.task_id])
         found = []
         for job, seen in by_job.items():
-            markers = [
-                v for s, v in seen if s == "SUCCESS" and isinstance(v, dict) and "jobfence" in v
-            ]
-            failed = any(s == "FAILURE" for s, _ in seen)
-            if markers and job.job_id not in took_effect and not failed:
-                found.append(Violation("lost-job", f"{job.job_id} answered {markers} only"))
+            stops = [
+                repr(v) for s, v in seen
+                if (s == "SUCCESS" and _is_marker(v))
+                or (s == "FAILURE" and type(v).__name__ in STOPS)
+            ]  # fmt: skip
+            failed = any(s == "FAILURE" and type(v).__name__ not in STOPS for s, v in seen)
+            if stops and job.job_id not in took_effect and not failed:
+                found.append(Violation("lost-job", f"{job.job_id} answered {stops} only"))
         return found
 
     def _check_chains(self, outcome: dict[str, tuple[str, Any]]) -> list[Violation]:
         found = []
         for value in self.harness.model.tail_values(self.prefix):
-            if isinstance(value, dict) and "jobfence" in value:
+            if _is_marker(value):
                 found.append(Violation("marker-in-chain", f"a chain step received {value}"))
         app = self.harness.model.app
         for p in self.publishes:
+            # A head stopped (a typed stop, or any FAILURE) stops its chain: a documented end.
             if p.tail_id and p.task_id:
                 head_state, head_value = outcome[p.task_id]
-                real = head_state == "SUCCESS" and not (
-                    isinstance(head_value, dict) and "jobfence" in head_value
-                )
+                real = head_state == "SUCCESS" and not _is_marker(head_value)
                 tail = AsyncResult(p.tail_id, app=app)
                 if real and tail.state != "SUCCESS":
                     found.append(Violation("chain-stalled", f"{p.tail_id} {tail.state}"))
@@ -342,3 +350,8 @@ class Scenario:
                 Violation("slot-overlap", f"{most} inside a limit of {self.options.concurrency}")
             ]
         return []
+
+
+def _is_marker(value: Any) -> bool:
+    """A jobfence marker dict (``{"jobfence": ...}``), never a job's own result."""
+    return isinstance(value, dict) and "jobfence" in value

@@ -232,10 +232,31 @@ def test_lock_until_start_a_holder_that_dies_lets_the_queued_run_in(
     assert (out.status, body.calls) == ("ran", 1)
 
 
+@pytest.mark.parametrize("policy", ["retry", "wait"])
+def test_lock_until_finish_a_brokered_duplicate_queues_behind_the_live_copy(
+    run_on: Executor, memory: MemoryBackend, policy: str
+) -> None:
+    """Delivered through a broker, a duplicate of a running job queues behind it (no Celery
+    retry spent, no AcquireTimeout), then replays its DONE record once it has one."""
+    key, body = unique(), Body()
+    holder = memory.begin(key, 30, meta=default_meta(task_id="A"), record=True,
+                          fingerprint="fp-" + key)  # fmt: skip
+    assert isinstance(holder, Lease)
+    spec = spec_for(key, task_id="B", on_conflict=policy, wait_timeout=0.05, queues=True)
+    out = run_on.run(spec, body)
+    assert out.status == "requeue", out
+    assert 0 < out.countdown <= 30 + 0.05 + 1
+    assert memory.commit(holder, state="DONE", result='"v1"', fingerprint="fp-" + key,
+                         result_ttl=60)  # fmt: skip
+    out = run_on.run(spec, body)
+    assert (out.status, out.value, body.calls) == ("replayed", "v1", 0)
+
+
 def test_control_lock_until_finish_still_times_out_behind_a_copy_of_the_same_job(
     run_on: Executor, memory: MemoryBackend
 ) -> None:
-    """A copy of the same job (its DONE record answers later) keeps wait's timeout."""
+    """Called directly or eagerly (no broker to queue through), a copy of the same job
+    keeps wait's timeout and Celery's retries."""
     key = unique()
     assert isinstance(memory.begin(key, 30, meta=default_meta(task_id="A"), record=True), Lease)
     with pytest.raises(AcquireTimeout):

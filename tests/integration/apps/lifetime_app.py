@@ -100,6 +100,10 @@ def _register(app: Celery) -> None:
     singleton("lifetime.start_retried", gated_then_retried, **start, on_conflict="wait",
               wait_timeout=GATE_TIMEOUT, max_retries=2)  # fmt: skip
     singleton("lifetime.finish", gated, dedupe_on_publish=True)
+    # lock_until="finish": a duplicate delivery waits behind the long run of the same job.
+    singleton("lifetime.behind_retry", gated, on_conflict="retry", ttl=SHORT_TTL)
+    singleton("lifetime.behind_wait", gated, on_conflict="wait", ttl=SHORT_TTL,
+              wait_timeout=SHORT_TTL * 2)  # fmt: skip
     singleton("lifetime.throttle", record, dedupe_on_publish=True, unique_for=UNIQUE_FOR)
     singleton("lifetime.retried", retried, dedupe_on_publish=True, unique_for=UNIQUE_FOR,
               max_retries=1)  # fmt: skip
