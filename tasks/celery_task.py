@@ -327,8 +327,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self._drop_claim(key, lambda: rt.backend.swap_publish(key, mine, None,
                                                                       spec.claim_ttl))  # fmt: skip
             elif self.dedupe_on_publish:
-                # A failed job may be submitted afresh.
-                self._drop_claim(key, lambda: rt.backend.clear_publish(key))
+                # A failed job may be submitted afresh; owner-checked, as a copy published
+                # around the claim (a workflow's duplicate) must not free the holder's claim.
+                self._drop_claim(key, lambda: rt.backend.swap_publish(key, spec.task_id, None,
+                                                                      spec.claim_ttl))  # fmt: skip
             raise
         if out.status == "duplicate" and self._follows(req, spec, out):
             self._follow(req, spec, out, explicit, redeliveries)
@@ -344,7 +346,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                                                               deferred=True))  # fmt: skip
         if out.status == "rate_skipped" and self.dedupe_on_publish:
             # It never ran: a new submission may go out.
-            self._drop_claim(key, lambda: rt.backend.clear_publish(key))
+            self._drop_claim(key, lambda: rt.backend.swap_publish(key, spec.task_id, None,
+                                                                  spec.claim_ttl))  # fmt: skip
         if out.status == "rate_limited":
             self._republish_at_turn(out, key, explicit, redeliveries, countdown)
         if out.status == "retry":

@@ -22,7 +22,7 @@ class BodyFailed(Exception):
     "options",
     [
         # The claim dropped so that a failed job may be sent afresh.
-        pytest.param({}, id="clear_publish"),
+        pytest.param({}, id="owner-checked-clear"),
         # The started claim given back, owner-checked.
         pytest.param({"unique_for": 30.0}, id="swap_publish"),
     ],
@@ -59,3 +59,27 @@ def test_a_paused_lock_server_at_the_claim_cleanup_leaves_the_task_error(
     assert len(calls) == 1
     notes = [r for r in caplog.records if "publish claim not cleared" in r.getMessage()]
     assert len(notes) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_failed_copy_published_around_the_claim_leaves_the_holders_claim(
+    make_app: AppFactory,
+) -> None:
+    """A copy that never held the key's publish claim (a workflow's duplicate goes out
+    without it) fails: the claim stays with the task that holds it, so a publish meanwhile is
+    still answered by that task; the holder's own failure then frees it."""
+    app = make_app()
+
+    def body(x: str) -> None:
+        raise BodyFailed("fails by design")
+
+    task = define(app, body, dedupe_on_publish=True)
+    backend = runtime_for(app).backend
+    n = unique("n")
+    key, _ = task.identity((n,), {})
+    assert backend.claim_publish(key, "holder-task", 60) is None
+    with pytest.raises(BodyFailed):
+        task.apply((n,), task_id="other-task", throw=True).get()
+    assert backend.claim_publish(key, "third-task", 60) == "holder-task"
+    with pytest.raises(BodyFailed):
+        task.apply((n,), task_id="holder-task", throw=True).get()
+    assert backend.claim_publish(key, "third-task", 60) is None
