@@ -452,9 +452,10 @@ def test_dedupe_on_publish_returns_the_queued_task(
     assert other.id != first.id
     assert redis_client.llen("celery") == 2
 
-    # Execute it here (as a worker would) and fail: the queued marker is cleared ...
+    # Execute it here (as a worker would, under its task id) and fail: the queued marker is
+    # cleared ... (owner-checked: a direct call, holding no claim, would leave it)
     with pytest.raises(RuntimeError):
-        task(1)
+        task.apply((1,), task_id=first.id, throw=True)
     third = task.delay(1)
     assert third.id != first.id
     assert redis_client.llen("celery") == 3
