@@ -117,8 +117,6 @@ def test_extend_is_one_batch_and_owner_checked(stores: StorePair) -> None:
 def test_a_batch_naming_one_key_twice_extends_only_the_owners_lease(stores: StorePair) -> None:
     """A keeper may hold a lease it lost and the key's new lease side by side: the stale one
     must come back refused, not ride on the new owner's row."""
-    if stores.name == "etcd":
-        pytest.xfail("etcd refuses a txn that names one key twice (duplicate key given in txn)")
     for name, run in stores.drivers:
         lease = _grant(run, _key("twice"))
         stale = _stranger(lease)
