@@ -21,7 +21,13 @@ from devstack.local_etcd import EtcdCluster
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.config.urls import check_lock_url
 from jobfence.locks import BackendUnavailable, Backoff, Lease, acquire, open_backend
-from jobfence.locks.backends.etcd import EtcdBackend, EtcdClusterBackend, parse_endpoints
+from jobfence.locks.backends.etcd import (
+    TXN_CHUNK,
+    EtcdBackend,
+    EtcdClusterBackend,
+    _txn_chunks,
+    parse_endpoints,
+)
 from jobfence.locks.backends.etcd_gateway import b64
 from jobfence.locks.clock import ManualClock
 from tests.servers import free_port
@@ -421,3 +427,13 @@ def test_an_admin_release_spares_a_grant_made_just_before_its_delete(
         assert other.release(newer[0]) is True
     finally:
         other.close()
+
+
+def test_an_extension_batch_names_each_key_once_per_txn() -> None:
+    """etcd refuses a txn that names one key twice; a batch may hold a lost lease and the
+    key's new one, so those go in successive txns, in order, each at most TXN_CHUNK long."""
+    items = [("a", "old", 1), ("b", "x", 1), ("a", "new", 1), ("c", "y", 1)]
+    assert _txn_chunks(items) == [[0, 1], [2, 3]]
+    many = [(f"k{i}", "o", 1) for i in range(TXN_CHUNK + 1)]
+    assert [len(c) for c in _txn_chunks(many)] == [TXN_CHUNK, 1]
+    assert _txn_chunks([]) == []

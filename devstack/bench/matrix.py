@@ -7,7 +7,9 @@ client processes of its own, forked from a clean forkserver, each with its own c
   (the 1-client run also times every pair: the pair latency and its spread);
 - pairs/s with N client processes all on one key (blocking acquire, then release);
 - wake-up: a holder process and a waiter process already blocked on the key; the delay from
-  just before the holder's release to the waiter's acquire returning (CLOCK_MONOTONIC).
+  just before the holder's release to the waiter's acquire returning (CLOCK_MONOTONIC);
+- on Redis and PostgreSQL, an asyncio row (devstack/bench/async_rows.py): AsyncLocker's
+  pair latency and pairs/s of one loop of 100 coroutines.
 
 Servers are private (redis-server, 5 Redlock masters, Sentinel, Cluster, etcd, ZooKeeper)
 or, for PostgreSQL and MariaDB, a scratch database on the machine's servers; a contender
@@ -61,14 +63,18 @@ CLIENT_OPTIONS: dict[str, Any] = {
 # What each group's client processes import, loaded once into the forkserver.
 PRELOAD = {
     "memory": ["jobfence.locks.backends.memory"],
-    "redis": ["jobfence.locks.backends.redis"],
+    "redis": ["jobfence.locks.backends.redis", "jobfence.locks.backends.redis_async"],
     "redis-py": ["redis"],
     "python-redis-lock": ["redis_lock"],
     "redlock": ["jobfence.locks.backends.redlock"],
     "pottery": ["pottery"],
     "sentinel": ["jobfence.locks.backends.redis_sentinel"],
     "cluster": ["jobfence.locks.backends.redis_cluster"],
-    "postgres": ["jobfence.locks.backends.postgres", "jobfence.locks.advisory"],
+    "postgres": [
+        "jobfence.locks.backends.postgres",
+        "jobfence.locks.backends.postgres_async",
+        "jobfence.locks.advisory",
+    ],
     "mariadb": ["jobfence.locks.backends.mysql", "jobfence.locks.advisory"],
     "etcd": ["jobfence.locks.backends.etcd"],
     "zookeeper": ["jobfence.locks.backends.zookeeper"],
@@ -844,6 +850,7 @@ def run(
         ctx.set_forkserver_preload(
             [
                 "devstack.bench.matrix",
+                "devstack.bench.async_rows",
                 *(m for g in GROUPS if g in groups for m in PRELOAD[g]),
             ]
         )
@@ -864,6 +871,10 @@ def run(
                 row.wake = wake_up(ctx, row.contender, s)
             except Exception as exc:  # as above: reported in the row
                 row.wake = {"n": 0, "errors": [f"{type(exc).__name__}: {exc}"]}
+        # Imported here: the asyncio rows build on this module's contenders and settings.
+        from devstack.bench import async_rows
+
+        asyncio_rows = async_rows.run(ctx, contenders, s, say)
     return {
         "settings": {
             "clients": s.clients,
@@ -875,6 +886,7 @@ def run(
             "settle_ms": [SETTLE_MIN * 1000, (SETTLE_MIN + SETTLE_SPAN) * 1000],
         },
         "rows": [_row_report(row) for row in rows],
+        "asyncio_rows": asyncio_rows,
         "skipped": skipped,
         "seconds": round(time.monotonic() - started, 1),
     }
@@ -969,7 +981,9 @@ def format_rows(section: dict[str, Any]) -> list[str]:
             out.append(f"    {row['refused_free_key']} attempt(s) refused a free key")
     for group, why in section["skipped"].items():
         out.append(f"  skipped {group}: {why}")
-    return out
+    from devstack.bench import async_rows
+
+    return out + async_rows.format_rows(section.get("asyncio_rows", []))
 
 
 def markdown(section: dict[str, Any], machine: dict[str, Any] | None = None) -> str:

@@ -534,10 +534,9 @@ class EtcdBackend(LockBackend):
         results = [False] * len(items)
         by_lease: dict[str, list[int]] = {}
         now = repr(time.time())
-        for start in range(0, len(items), TXN_CHUNK):
-            chunk = items[start : start + TXN_CHUNK]
+        for chunk in _txn_chunks(items):
             ops = []
-            for key, owner, _ in chunk:
+            for key, owner, _ in (items[i] for i in chunk):
                 lock, beat = self._key("lock", key), self._key("beat", key)
                 ops.append({"request_txn": {
                     "compare": [_equals(lock, owner), _present(beat)],
@@ -551,7 +550,7 @@ class EtcdBackend(LockBackend):
                     continue
                 held = _kv(nested["responses"][1])
                 if held is not None and held.get("lease"):
-                    by_lease.setdefault(str(held["lease"]), []).append(start + offset)
+                    by_lease.setdefault(str(held["lease"]), []).append(chunk[offset])
         for lease_id, indexes in by_lease.items():
             sent = self.clock.monotonic()
             if self._keepalive(lease_id, None) > 0:
@@ -905,3 +904,17 @@ class EtcdClusterBackend(EtcdBackend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         native_fencing=True, durable_fence=True, ha=True, release_notify=True
     )
+
+
+def _txn_chunks(items: Sequence[tuple[str, str, int]]) -> list[list[int]]:
+    """The indexes of `items` in txns of at most TXN_CHUNK, each naming a key once: etcd
+    refuses a txn that names one key twice, and a batch may (a lost lease and the new one)."""
+    chunks: list[list[int]] = []
+    keys: set[str] = set()
+    for i, (key, _, _) in enumerate(items):
+        if not chunks or len(chunks[-1]) >= TXN_CHUNK or key in keys:
+            chunks.append([])
+            keys = set()
+        chunks[-1].append(i)
+        keys.add(key)
+    return chunks

@@ -159,7 +159,7 @@ UPDATE {TABLE} l SET expires_at = clock_timestamp() + v.ttl * interval '1 millis
 FROM unnest(%s::text[], %s::text[], %s::int[]) AS v(key, owner, ttl)
 WHERE l.prefix = %s AND l.key = v.key AND l.owner = v.owner
   AND l.expires_at > clock_timestamp()
-RETURNING l.key
+RETURNING l.key, l.owner
 """
 
 # Release and commit leave `waiters` as it was, so RETURNING shows whether a refused
@@ -323,8 +323,9 @@ def extend_params(prefix: str, items: Sequence[tuple[str, str, int]]) -> tuple[A
 
 
 def parse_extend(items: Sequence[tuple[str, str, int]], rows: list[tuple[Any, ...]]) -> list[bool]:
-    ours = {r[0] for r in rows}
-    return [k in ours for k, _, _ in items]
+    # By key and owner: a batch may name one key twice (a lost lease and the new one).
+    ours = {(r[0], r[1]) for r in rows}
+    return [(k, o) in ours for k, o, _ in items]
 
 
 def wake_params(prefix: str, key: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -64,7 +64,8 @@ POOL_WAIT = 30.0
 class AsyncRedisStore:
     """Locks on one Redis server for asyncio: each op is one awaited EVALSHA of the same
     script the sync RedisBackend sends, on the same keys, so sync and async holders of one
-    key exclude each other and share one fence space.
+    key exclude each other and share one fence space (Inspect, an admin read, runs the
+    sync backend's in a worker thread).
 
     It keeps a RedisBackend on the same server (`backend`, connected only if used) for what
     the two share: the key layout, the script digests and the fence floor; its leases name
@@ -175,8 +176,8 @@ class AsyncRedisStore:
                                                                         key))  # fmt: skip
                 return RateGrant(admitted, max(0.0, wait_us / 1e6), now_us / 1e6)
             case Inspect(key):
-                raise LockError("inspect from asyncio: use the sync backend (store.backend)",
-                                key=key)  # fmt: skip
+                # An admin read, not on the hot path: the sync backend's, in a worker thread.
+                return await asyncio.to_thread(self.backend.inspect, key)
         raise LockError(f"the asyncio redis store cannot run {type(op).__name__}")
 
     async def _acquire(self, key: str, ttl: float, owner: str, meta: Any) -> Any:

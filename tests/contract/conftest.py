@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +13,10 @@ import psycopg
 import pytest
 
 from jobfence.locks import LockBackend, MemoryBackend, RedisBackend
+from jobfence.locks.aio import ThreadStore, open_async_store
+from jobfence.locks.clock import Clock
+from jobfence.locks.drive import AsyncStore, run_async, run_sync
+from jobfence.locks.flows import Flow
 from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 
 T = TypeVar("T")
@@ -38,6 +43,10 @@ class BackendHarness:
     requests: Callable[[], Sequence[int]] | None = None
     # Restarts the server with all its data lost; None if that cannot be done.
     lose_data: Callable[[], None] | None = None
+    # The lock URL and the options `connect` opens it with, for the asyncio store on the
+    # same keys; None: the backend lives in one process (its async store wraps `backend`).
+    url: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     _opened: list[LockBackend] = field(default_factory=list)
 
     @property
@@ -61,6 +70,13 @@ class BackendHarness:
         other = self.connect()
         self._opened.append(other)
         return other
+
+    def open_async(self) -> AsyncStore:
+        """The asyncio store a user gets for this server (native where the registry says,
+        else a ThreadStore), on the same keys as `backend`."""
+        if self.url is None:
+            return ThreadStore(self.backend)
+        return open_async_store(self.url, **self.options)
 
     def close(self) -> None:
         for b in [*self._opened, self.backend]:
@@ -108,6 +124,8 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
             connect=connect,
             requests=_per_server([_redis_requests(server)]),
             lose_data=lose_data,
+            url=url,
+            options={"prefix": "contract"},
         )
     if name == "memory":
         return BackendHarness(name=name, backend=MemoryBackend(), connect=None)
@@ -154,6 +172,8 @@ def _redlock_harness(n: int, request: pytest.FixtureRequest) -> BackendHarness:
         connect=connect,
         requests=_per_server(counters),
         lose_data=masters.lose_all_data,
+        url=url,
+        options={"prefix": "contract"},
     )
 
 
@@ -189,6 +209,8 @@ def _sentinel_harness(request: pytest.FixtureRequest) -> BackendHarness:
         connect=connect,
         requests=_per_server([_redis_requests(master)]),
         lose_data=lose_data,
+        url=url,
+        options={"prefix": prefix},
     )
 
 
@@ -243,6 +265,8 @@ def _mariadb_harness(request: pytest.FixtureRequest) -> BackendHarness:
         connect=connect,
         requests=lambda: [sent[0]],
         lose_data=lose_data,
+        url=url,
+        options={"prefix": "contract"},
     )
 
 
@@ -266,7 +290,8 @@ def _etcd_harness(request: pytest.FixtureRequest) -> BackendHarness:
     def lose_data() -> None:
         server.restart(fresh=True)
 
-    return BackendHarness(name="etcd", backend=connect(), connect=connect, lose_data=lose_data)
+    return BackendHarness(name="etcd", backend=connect(), connect=connect, lose_data=lose_data,
+                          url=url, options={"prefix": prefix})  # fmt: skip
 
 
 def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
@@ -296,6 +321,8 @@ def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
         connect=connect,
         requests=lambda: [backend.statements],
         lose_data=lose_data,
+        url=url,
+        options={"prefix": "contract"},
     )
 
 
@@ -319,6 +346,8 @@ def _zookeeper_harness(request: pytest.FixtureRequest) -> BackendHarness:
         backend=connect(),
         connect=connect,
         lose_data=lambda: server.restart(fresh=True) and None,
+        url=url,
+        options={"prefix": "contract"},
     )
 
 
@@ -347,6 +376,8 @@ def _cluster_harness(request: pytest.FixtureRequest) -> BackendHarness:
         connect=connect,
         requests=_per_server(counters),
         lose_data=lose_data,
+        url=cluster.url,
+        options={"prefix": prefix},
     )
 
 
@@ -379,6 +410,46 @@ def harness(request: pytest.FixtureRequest) -> Iterator[BackendHarness]:
 def backend(harness: BackendHarness) -> LockBackend:
     """The LockBackend under test (one per parameter of BACKENDS)."""
     return harness.backend
+
+
+@dataclass
+class StorePair:
+    """One backend's two stores on the same keys: `sync` (the backend, driven by run_sync)
+    and `aio` (open_async_store's, driven by run_async on one loop kept for the test)."""
+
+    name: str
+    sync: LockBackend
+    aio: AsyncStore
+    clock: Clock
+    runner: asyncio.Runner
+
+    def run_sync(self, flow: Flow[T]) -> T:
+        return run_sync(flow, self.sync, self.clock)
+
+    def run_async(self, flow: Flow[T]) -> T:
+        return self.runner.run(run_async(flow, self.aio, self.clock))
+
+    @property
+    def drivers(self) -> tuple[tuple[str, Callable[[Flow[Any]], Any]], ...]:
+        """("sync", run) and ("async", run): a test runs the same assertions through each."""
+        return (("sync", self.run_sync), ("async", self.run_async))
+
+
+@pytest.fixture
+def stores(harness: BackendHarness) -> Iterator[StorePair]:
+    """The backend under test as a sync and an asyncio store (one per parameter of BACKENDS)."""
+    runner = asyncio.Runner()
+    aio = harness.open_async()
+    pair = StorePair(harness.name, harness.backend, aio, harness.backend.clock, runner)
+    try:
+        yield pair
+    finally:
+        try:
+            if harness.url is not None:  # a wrapped `backend` is closed by the harness
+                close: Callable[[], Any] = getattr(aio, "aclose")  # noqa: B009
+                runner.run(close())
+        finally:
+            runner.close()
 
 
 @pytest.fixture

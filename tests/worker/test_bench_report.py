@@ -51,7 +51,13 @@ def test_bench_locks_quick_writes_a_json_report_and_a_png_chart(tmp_path: Path) 
         assert redis_row[column]["median"] > 0, column
     assert redis_row["wake"]["n"] == 3 and redis_row["wake"]["median_ms"] > 0
     assert rows["jobfence memory (in-process)"]["wake"]["n"] == 0  # no wake across processes
+    (async_row,) = section["asyncio_rows"]  # beside the sync row, on the same server
+    assert async_row["name"] == "jobfence Redis, asyncio (AsyncLocker)"
+    assert async_row["errors"] == [] and async_row["coroutines"] == 100
+    assert 0 < async_row["pair_us"]["p10"] <= async_row["pair_us"]["median"]
+    assert async_row["pairs_per_s_coroutines"]["median"] > 0
     assert "jobfence Redis" in done.stdout and "PNG written" in done.stderr
+    assert "jobfence Redis, asyncio (AsyncLocker)" in done.stdout
     assert out_png.stat().st_size > 0 and report.is_png(out_png)
 
 
