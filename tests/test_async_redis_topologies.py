@@ -19,6 +19,7 @@ from jobfence.locks import open_backend
 from jobfence.locks.backends.redis_cluster_async import AsyncClusterStore
 from jobfence.locks.backends.redis_semaphore import semaphore_keys
 from jobfence.locks.backends.redis_sentinel_async import AsyncSentinelStore
+from jobfence.locks.slots import SlotLease
 
 COROUTINES = 50
 PROCESSES = 2
@@ -210,3 +211,60 @@ def test_cancellation_leaves_nothing_behind(topology: tuple[str, str, type]) -> 
 
     asyncio.run(main())
     backend.close()
+
+
+PAUSE_TTL = 2.0
+
+
+def test_a_paused_cluster_master_delays_no_other_masters_leases() -> None:
+    """The async keeper holds a lock and a semaphore slot on every master; one master is
+    SIGSTOPped for three TTLs: the leases on the others stay renewed, the server agrees."""
+    from devstack.local_cluster import LocalCluster
+
+    # No replicas and a long node timeout: the cluster stays "ok" while one master is paused.
+    with LocalCluster(masters=3, node_timeout_ms=120_000) as cluster:
+        prefix = f"aio-cp-{uuid.uuid4().hex[:6]}"
+        backend: Any = open_backend(cluster.url, prefix=prefix)
+
+        def key_on(node: int, tag: str, lock: bool) -> str:
+            for i in itertools.count():
+                key = f"{tag}:{i}"
+                name = backend.keys.lock(key) if lock else semaphore_keys(prefix, key)[0]
+                if cluster.node_of(name) == node:
+                    return key
+            raise AssertionError("unreachable")
+
+        async def main() -> None:
+            locker = AsyncLocker.from_url(cluster.url, prefix=prefix, socket_timeout=0.5)
+            assert isinstance(locker.store, AsyncClusterStore)
+            locks = [await locker.acquire(key_on(n, "lk", True), ttl=PAUSE_TTL) for n in (0, 1, 2)]
+            slots = []
+            for n in (0, 1, 2):
+                stack = contextlib.AsyncExitStack()
+                slot = locker.semaphore(key_on(n, "sm", False), limit=1, ttl=PAUSE_TTL)
+                slots.append((stack, await stack.enter_async_context(slot)))
+            healthy = [locks[0], locks[2], slots[0][1], slots[2][1]]
+            with cluster.servers[1].suspended():
+                paused_at = time.monotonic()
+                while time.monotonic() < paused_at + 3 * PAUSE_TTL:
+                    await asyncio.sleep(0.1)
+                    lost = [le.key for le in healthy if not le.held]
+                    assert not lost, f"leases on healthy masters lost while one paused: {lost}"
+            for lease in healthy:  # the server agrees: still theirs
+                if type(lease) is SlotLease:
+                    assert [s.fence for s in backend.semaphore_holders(lease.key)] == [lease.fence]
+                else:
+                    info = backend.inspect(lease.key)
+                    assert info is not None and info.fence == lease.fence
+            for lease in locks:
+                with contextlib.suppress(Exception):  # the paused one's may be lost by now
+                    await locker.release(lease)
+            for stack, _ in slots:
+                with contextlib.suppress(Exception):
+                    await stack.aclose()
+            await locker.aclose()
+
+        try:
+            asyncio.run(main())
+        finally:
+            backend.close()
