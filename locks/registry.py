@@ -203,10 +203,12 @@ register(BackendEntry(
 register(BackendEntry(
     "redis-cluster", ("redis+cluster",), _BACKENDS + "redis_cluster", "RedisClusterBackend",
     _FULL, check_url=urls.cluster_nodes, default_port=6379,
+    async_store=_BACKENDS + "redis_cluster_async:AsyncClusterStore",
 ))  # fmt: skip
 register(BackendEntry(
     "redis-sentinel", ("redis+sentinel",), _BACKENDS + "redis_sentinel", "RedisSentinelBackend",
     replace(_FULL, ha=True), check_url=urls.sentinel_target, default_port=26379,
+    async_store=_BACKENDS + "redis_sentinel_async:AsyncSentinelStore",
 ))  # fmt: skip
 register(BackendEntry(
     "zookeeper", ("zookeeper",), _BACKENDS + "zookeeper", "ZooKeeperBackend", _LEASES,

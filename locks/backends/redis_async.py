@@ -80,6 +80,9 @@ class AsyncRedisStore:
         backend: RedisBackend,
         client: redis.asyncio.Redis,
         keeper_client: redis.asyncio.Redis | None = None,
+        *,
+        max_connections: int | None = None,
+        socket_timeout: float | None = None,
     ) -> None:
         self.backend = backend
         self.client = client
@@ -89,11 +92,14 @@ class AsyncRedisStore:
         self.keys = backend.keys
         self.clock = backend.clock
         self._blocking = 0  # waiters in BLPOP now
-        self._max_blocking = max(
-            1, (getattr(client.connection_pool, "max_connections", 2) or 2) // 2
-        )
-        pool_kwargs = client.connection_pool.connection_kwargs
-        timeout = pool_kwargs.get("socket_timeout")
+        # A client without one pool (a cluster's) names its cap and timeout itself.
+        pool = getattr(client, "connection_pool", None)
+        if max_connections is None:
+            max_connections = getattr(pool, "max_connections", 2) or 2
+        self._max_blocking = max(1, max_connections // 2)
+        timeout = socket_timeout
+        if timeout is None and pool is not None:
+            timeout = pool.connection_kwargs.get("socket_timeout")
         self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
 
     @classmethod
@@ -135,10 +141,15 @@ class AsyncRedisStore:
             try:
                 return await client.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:  # a server that lost its script cache (restart, flush)
-                script.sha = await client.script_load(script.script)
+                script.sha = await self._load_script(client, script.script)
                 return await client.evalsha(script.sha, len(keys), *keys, *args)
         except RedisError as exc:
             raise BackendUnavailable(f"redis {name} failed", key=key, cause=exc) from exc
+
+    async def _load_script(self, client: redis.asyncio.Redis, source: str) -> str:
+        """Load `source` again after a NOSCRIPT (a restart, a flush); its digest."""
+        sha: str = await client.script_load(source)
+        return sha
 
     def _floor(self, fence: int) -> None:
         if fence > self.backend.fence_floor:

@@ -8,7 +8,7 @@ import functools
 import hashlib
 import itertools
 import string
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -37,8 +37,10 @@ from jobfence.locks.backends.redis import (
     _Lane,
 )
 from jobfence.locks.backends.redis_scripts import script_source
+from jobfence.locks.backends.redis_semaphore import semaphore_keys
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, NotOwner
+from jobfence.locks.keys import KeySpace
 from jobfence.locks.lease import Lease
 from jobfence.locks.slots import SlotLease
 
@@ -67,6 +69,54 @@ def slot_tags() -> tuple[str, ...]:
                 if not left:
                     return tuple(t for t in tags if t is not None)
     raise AssertionError("three characters give every slot a tag")  # pragma: no cover
+
+
+# -- the heartbeat's grouping and script arguments, shared with the asyncio store
+# (locks/backends/redis_cluster_async.py): one protocol, two transports.
+def lease_slot(keys: KeySpace, key: str, slot: bool, keyslot: Callable[[str], int]) -> int:
+    """The cluster slot a lease (`slot`: a semaphore slot, else a lock) lives in."""
+    return keyslot(semaphore_keys(keys.prefix, key)[0] if slot else keys.lock(key))
+
+
+def group_by_node(
+    keys: KeySpace,
+    items: Sequence[tuple[str, str, int]],
+    slots: Sequence[bool],
+    keyslot: Callable[[str], int],
+    node_of_slot: Callable[[int], Any],
+) -> tuple[dict[str, tuple[Any, list[int]]], list[int]]:
+    """The indexes of `items` per node name (with its node), and those no node serves now
+    (to send one by one through the client, which finds the slot's node)."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    unrouted: list[int] = []
+    for i, (key, _, _) in enumerate(items):
+        try:
+            node = node_of_slot(lease_slot(keys, key, slots[i], keyslot))
+        except (RedisClusterException, RedisError):
+            node = None
+        if node is None:
+            unrouted.append(i)
+        else:
+            groups.setdefault(node.name, (node, []))[1].append(i)
+    return groups, unrouted
+
+
+def extend_args(
+    keys: KeySpace,
+    retention_ms: int,
+    indexes: Sequence[int],
+    items: Sequence[tuple[str, str, int]],
+    slots: Sequence[bool],
+) -> list[Any]:
+    """cluster_extend_many.lua's arguments (no keys) for the items at `indexes`."""
+    args: list[Any] = [retention_ms]
+    for i in indexes:
+        key, owner, ttl_ms = items[i]
+        if slots[i]:
+            args += ("S", *semaphore_keys(keys.prefix, key), owner, ttl_ms)
+        else:
+            args += ("L", keys.lock(key), owner, ttl_ms)
+    return args
 
 
 class RedisClusterBackend(RedisBackend):
@@ -283,20 +333,9 @@ class RedisClusterBackend(RedisBackend):
     ) -> tuple[list[bool | None], BackendUnavailable | None]:
         """Each lease's answer (None: unknown), and the error that left some unknown.
         `slots[i]`: item i is a semaphore slot, not a lock."""
-        groups: dict[str, tuple[ClusterNode, list[int]]] = {}
-        manager = self.cluster.nodes_manager
-        for i, (key, _, _) in enumerate(items):
-            slot = self.cluster.keyslot(self._sem_keys(key)[0] if slots[i] else self.keys.lock(key))
-            try:
-                node = manager.get_node_from_slot(slot)
-            except (RedisClusterException, RedisError):
-                node = None
-            if node is None:
-                groups.setdefault("", (_Node("", 0), []))[1].append(i)
-            else:
-                groups.setdefault(node.name, (node, []))[1].append(i)
+        groups, retry = group_by_node(self.keys, items, slots, self.cluster.keyslot,
+                                      self.cluster.nodes_manager.get_node_from_slot)  # fmt: skip
         results: list[bool | None] = [None] * len(items)
-        retry: list[int] = list(groups.pop("", (None, []))[1])
         sent: list[tuple[Any, Any, Any, list[list[int]]]] = []
         # A node that failed (refused, timed out): its leases stay unknown this batch, and
         # are not sent again one by one, which would cost a timeout each on a hung node.
@@ -363,13 +402,7 @@ class RedisClusterBackend(RedisBackend):
     def _extend_command(
         self, indexes: list[int], items: Sequence[tuple[str, str, int]], slots: Sequence[bool]
     ) -> tuple[Any, ...]:
-        args: list[Any] = [self.semaphore_retention_ms]
-        for i in indexes:
-            key, owner, ttl_ms = items[i]
-            if slots[i]:
-                args += ("S", *self._sem_keys(key), owner, ttl_ms)
-            else:
-                args += ("L", self.keys.lock(key), owner, ttl_ms)
+        args = extend_args(self.keys, self.semaphore_retention_ms, indexes, items, slots)
         return ("EVALSHA", self._extend_sha, 0, *args)
 
     def _read_extend(

@@ -45,6 +45,34 @@ class Topology:
     error: str = ""
 
 
+def sentinel_setup(
+    url: str, socket_timeout: float, retry: Any
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """The Sentinel's arguments, the service and `master_for`'s options for `url`, for the
+    sync and the asyncio client alike (`retry`: each library's own no-retry object)."""
+    target = sentinel_target(url)
+    sentinel_args = {
+        "sentinels": list(target.sentinels),
+        # Believe a sentinel only while it sees a majority of those listed (itself
+        # included): one cut off from its peers may still name a deposed master.
+        "min_other_sentinels": len(target.sentinels) // 2,
+        "sentinel_kwargs": {
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": socket_timeout,
+            "retry": retry,
+            "decode_responses": True,
+        },
+    }
+    master_args = {
+        "db": target.db,
+        "username": target.username,
+        "password": target.password,
+        **client_options(socket_timeout),
+        "retry": retry,
+    }
+    return sentinel_args, target.service, master_args
+
+
 class RedisSentinelBackend(RedisBackend):
     """Locks on the current master of a Sentinel-managed Redis. Build with `from_url`."""
 
@@ -64,27 +92,10 @@ class RedisSentinelBackend(RedisBackend):
 
     @classmethod
     def client_for(cls, url: str, *, socket_timeout: float) -> redis.Redis:
-        target = sentinel_target(url)
-        options = client_options(socket_timeout)
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            list(target.sentinels),
-            # Believe a sentinel only while it sees a majority of those listed (itself
-            # included): one cut off from its peers may still name a deposed master.
-            min_other_sentinels=len(target.sentinels) // 2,
-            sentinel_kwargs={
-                "socket_timeout": socket_timeout,
-                "socket_connect_timeout": socket_timeout,
-                "retry": Retry(NoBackoff(), 0),
-                "decode_responses": True,
-            },
-        )
-        client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
-            target.service,
-            db=target.db,
-            username=target.username,
-            password=target.password,
-            **options,
-        )
+        retry = Retry(NoBackoff(), 0)
+        sentinel_args, service, master_args = sentinel_setup(url, socket_timeout, retry)
+        sentinel = Sentinel(**sentinel_args)  # type: ignore[no-untyped-call]
+        client: redis.Redis = sentinel.master_for(service, **master_args)  # type: ignore[no-untyped-call]
         return client
 
     def _evalsha(self, sha: str, keys: list[str], args: list[Any]) -> Any:

@@ -1,0 +1,270 @@
+"""AsyncLocker's native stores on Sentinel and Cluster, on real servers: a loop and two processes
+contend with no overlap, a holder outlives three TTLs, cancellation leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from jobfence import AsyncLocker, Locker
+from jobfence.locks import open_backend
+from jobfence.locks.backends.redis_cluster_async import AsyncClusterStore
+from jobfence.locks.backends.redis_semaphore import semaphore_keys
+from jobfence.locks.backends.redis_sentinel_async import AsyncSentinelStore
+from jobfence.locks.slots import SlotLease
+
+COROUTINES = 50
+PROCESSES = 2
+PER_PROCESS = 10
+
+
+@pytest.fixture(scope="module")
+def sentinel_url() -> Iterator[str]:
+    """A private Sentinel topology (1 master, 2 replicas, 3 sentinels) for this module."""
+    from devstack.local_sentinel import LocalSentinel
+
+    topology = LocalSentinel().start()
+    try:
+        topology.wait_ready()
+        yield topology.url
+    finally:
+        topology.stop()
+
+
+@pytest.fixture(params=["sentinel", "cluster"])
+def topology(request: pytest.FixtureRequest) -> tuple[str, str, type]:
+    """(lock URL, key prefix of this test's own, the native store expected for it)."""
+    if request.param == "sentinel":
+        url, kind = request.getfixturevalue("sentinel_url"), AsyncSentinelStore
+    else:
+        url, kind = request.getfixturevalue("redis_cluster").url, AsyncClusterStore
+    return url, f"aio-{uuid.uuid4().hex[:8]}", kind
+
+
+def _sync_contender(url: str, prefix: str, key: str, start: Any, out: Any) -> None:
+    """A sync Locker in another process: PER_PROCESS grants of `key`, each (start, end, fence)."""
+    locker = Locker(open_backend(url, prefix=prefix), ttl=10, timeout=120)
+    start.wait(60)
+    held = []
+    for _ in range(PER_PROCESS):
+        with locker.lock(key) as lease:
+            began = time.monotonic()  # one clock for every process on this host
+            time.sleep(0.001)
+            held.append((began, time.monotonic(), lease.fence))
+    locker.close()
+    out.put(held)
+
+
+def _locker(url: str, prefix: str, **options: Any) -> AsyncLocker:
+    return AsyncLocker.from_url(url, prefix=prefix, **options)
+
+
+def test_loop_and_processes_exclude_each_other(topology: tuple[str, str, type]) -> None:
+    url, prefix, kind = topology
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_sync_contender, args=(url, prefix, "one", start, out))
+             for _ in range(PROCESSES)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+
+    async def main() -> list[tuple[float, float, int]]:
+        locker = _locker(url, prefix, ttl=10, timeout=120)
+        assert isinstance(locker.store, kind)  # native, not the thread offload
+        held: list[tuple[float, float, int]] = []
+
+        async def one() -> None:
+            async with locker.lock("one") as lease:
+                began = time.monotonic()
+                await asyncio.sleep(0.001)
+                held.append((began, time.monotonic(), lease.fence))
+
+        start.set()
+        await asyncio.gather(*(one() for _ in range(COROUTINES)))
+        assert not locker.keeper.held()
+        await locker.aclose()
+        return held
+
+    try:
+        held = asyncio.run(main())
+        for _ in procs:
+            held += out.get(timeout=180)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    assert len(held) == COROUTINES + PROCESSES * PER_PROCESS
+    held.sort()
+    for (_, end, fence), (begin, _, next_fence) in itertools.pairwise(held):
+        assert begin >= end, "two holders overlapped"
+        assert next_fence > fence, "fences not strictly increasing in grant order"
+
+
+def test_holders_awaiting_three_ttls_keep_their_leases(topology: tuple[str, str, type]) -> None:
+    """Locks and slots on many keys (on a cluster: on all three masters) outlive 3 TTLs."""
+    url, prefix, _ = topology
+    backend = open_backend(url, prefix=prefix)
+    keys = [f"long-{i}" for i in range(12)]
+    if "cluster" in url:
+        nodes = backend.cluster.nodes_manager  # type: ignore[attr-defined]
+        served = {nodes.get_node_from_slot(backend.cluster.keyslot(  # type: ignore[attr-defined]
+            backend.keys.lock(k))).name for k in keys}  # fmt: skip
+        assert len(served) == 3, "the keys should spread over the three masters"
+
+    async def main() -> None:
+        locker = _locker(url, prefix)
+        async with _held_together(locker, keys) as leases:
+            await asyncio.sleep(1.9)  # more than three TTLs
+            for lease in leases:
+                lease.check()
+            for lease in leases[: len(keys)]:
+                info = backend.inspect(lease.key)
+                assert info is not None and info.fence == lease.fence
+        for key in keys:
+            assert backend.inspect(key) is None
+        await locker.aclose()
+
+    asyncio.run(main())
+    backend.close()
+
+
+@contextlib.asynccontextmanager
+async def _held_together(locker: AsyncLocker, keys: list[str]) -> AsyncIterator[list[Any]]:
+    """Every key's lock (ttl 0.6 s), then a slot of a semaphore per key, held together."""
+    async with contextlib.AsyncExitStack() as stack:
+        leases = [await stack.enter_async_context(locker.lock(k, ttl=0.6, timeout=5))
+                  for k in keys]  # fmt: skip
+        for k in keys:
+            slot = locker.semaphore(f"sem-{k}", limit=1, ttl=0.6, timeout=5)
+            leases.append(await stack.enter_async_context(slot))
+        yield leases
+
+
+async def _until(predicate: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_cancellation_leaves_nothing_behind(topology: tuple[str, str, type]) -> None:
+    url, prefix, _ = topology
+    backend: Any = open_backend(url, prefix=prefix)
+    client = backend.cluster if "cluster" in url else backend.client
+
+    async def main() -> None:
+        locker = _locker(url, prefix)
+        holder = await locker.acquire("w", ttl=30)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await locker.acquire("w", ttl=30, timeout=60)
+        took, leave = asyncio.Event(), asyncio.Event()
+
+        async def take_slot() -> None:
+            async with locker.semaphore("sem", limit=1, ttl=30):
+                took.set()
+                await leave.wait()
+
+        first = asyncio.ensure_future(take_slot())
+        await took.wait()
+        waiter = asyncio.ensure_future(take_slot())
+        queue = semaphore_keys(prefix, "sem")[1]
+        await _until(lambda: client.zcard(queue) == 1, 10)  # it waits in the queue
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert client.zcard(queue) == 0
+        assert len(locker.keeper.held()) == 2  # the lock and the first slot, no more
+        # A holder cancelled while holding releases at once.
+        entered = asyncio.Event()
+
+        async def hold() -> None:
+            async with locker.lock("h", ttl=30):
+                entered.set()
+                await asyncio.sleep(60)
+
+        task = asyncio.ensure_future(hold())
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert backend.inspect("h") is None
+        leave.set()
+        await first
+        await locker.release(holder)
+        assert not locker.keeper.held()
+        await asyncio.sleep(0.05)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert others == []  # the keeper task ended with its last lease
+        async with locker.lock("w", ttl=30, blocking=False):
+            pass  # free at once: no grant left behind
+        await locker.aclose()
+
+    asyncio.run(main())
+    backend.close()
+
+
+PAUSE_TTL = 2.0
+
+
+def test_a_paused_cluster_master_delays_no_other_masters_leases() -> None:
+    """The async keeper holds a lock and a semaphore slot on every master; one master is
+    SIGSTOPped for three TTLs: the leases on the others stay renewed, the server agrees."""
+    from devstack.local_cluster import LocalCluster
+
+    # No replicas and a long node timeout: the cluster stays "ok" while one master is paused.
+    with LocalCluster(masters=3, node_timeout_ms=120_000) as cluster:
+        prefix = f"aio-cp-{uuid.uuid4().hex[:6]}"
+        backend: Any = open_backend(cluster.url, prefix=prefix)
+
+        def key_on(node: int, tag: str, lock: bool) -> str:
+            for i in itertools.count():
+                key = f"{tag}:{i}"
+                name = backend.keys.lock(key) if lock else semaphore_keys(prefix, key)[0]
+                if cluster.node_of(name) == node:
+                    return key
+            raise AssertionError("unreachable")
+
+        async def main() -> None:
+            locker = AsyncLocker.from_url(cluster.url, prefix=prefix, socket_timeout=0.5)
+            assert isinstance(locker.store, AsyncClusterStore)
+            locks = [await locker.acquire(key_on(n, "lk", True), ttl=PAUSE_TTL) for n in (0, 1, 2)]
+            slots = []
+            for n in (0, 1, 2):
+                stack = contextlib.AsyncExitStack()
+                slot = locker.semaphore(key_on(n, "sm", False), limit=1, ttl=PAUSE_TTL)
+                slots.append((stack, await stack.enter_async_context(slot)))
+            healthy = [locks[0], locks[2], slots[0][1], slots[2][1]]
+            with cluster.servers[1].suspended():
+                paused_at = time.monotonic()
+                while time.monotonic() < paused_at + 3 * PAUSE_TTL:
+                    await asyncio.sleep(0.1)
+                    lost = [le.key for le in healthy if not le.held]
+                    assert not lost, f"leases on healthy masters lost while one paused: {lost}"
+            for lease in healthy:  # the server agrees: still theirs
+                if type(lease) is SlotLease:
+                    assert [s.fence for s in backend.semaphore_holders(lease.key)] == [lease.fence]
+                else:
+                    info = backend.inspect(lease.key)
+                    assert info is not None and info.fence == lease.fence
+            for lease in locks:
+                with contextlib.suppress(Exception):  # the paused one's may be lost by now
+                    await locker.release(lease)
+            for stack, _ in slots:
+                with contextlib.suppress(Exception):
+                    await stack.aclose()
+            await locker.aclose()
+
+        try:
+            asyncio.run(main())
+        finally:
+            backend.close()
