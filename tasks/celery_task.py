@@ -362,17 +362,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         return _result_of(d.rt, d.spec, d.out)
 
     def _follow_or_stop(self, d: _Delivery) -> Any:
-        """A duplicate: come back for the running copy's result where a workflow waits on
-        it (a chain, group, chord or link, through a broker, and that copy's DONE record
-        answers this very job); else the typed stop."""
+        """A duplicate: come back for the running copy's result where `_follows`; else the
+        typed stop."""
         req, spec, out = d.req, d.spec, d.out
-        if (
-            out.holder
-            and self.on_conflict == "skip"
-            and not (spec.per_run or spec.claims)
-            and not (req.called_directly or req.is_eager)
-            and (req.callbacks or req.chain or req.chord or req.group)
-        ):
+        if self._follows(req, spec, out):
             # Back once the running copy's lease would have ended, when its DONE record
             # answers; if that copy failed, the comeback runs the job, as a fresh publish would.
             countdown = min(spec.ttl, max(0.1, d.rt.settings.visibility_timeout / 2))
@@ -380,6 +373,18 @@ class SingletonTask(Task):  # type: ignore[misc]
                      self.name, req.id, out.holder)  # fmt: skip
             self._publish_again(req, countdown, d.headers())
         return self._stop(d)
+
+    def _follows(self, req: Any, spec: JobSpec, out: Outcome) -> bool:
+        """Whether a skipped duplicate waits for the running copy's result: only where a
+        workflow needs data from it (a chain, group, chord or link), through a broker, and
+        where that copy's DONE record will answer this very job (not a run of its own)."""
+        return bool(
+            out.holder
+            and self.on_conflict == "skip"
+            and not (spec.per_run or spec.claims)
+            and not (req.called_directly or req.is_eager)
+            and (req.callbacks or req.chain or req.chord or req.group)
+        )
 
     def _skip_rate(self, d: _Delivery) -> Any:
         """No rate turn free (on_rate_limited="skip"): it never ran, so a new submission may
