@@ -22,12 +22,15 @@ from jobfence.locks.errors import (
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 from jobfence.locks.ops import (
     Acquire,
+    ClaimPublish,
+    ClearPublish,
     Extend,
     Inspect,
     LeaveSlot,
     Release,
     ReleaseOwner,
     StoreOp,
+    SwapPublish,
     TakeRate,
     TakeSlot,
     WaitRelease,
@@ -329,6 +332,13 @@ class LockBackend(ABC):
                 return self.take_rate(key, interval, burst, max_wait)
             case Inspect(key):
                 return self.inspect(key)
+            case ClaimPublish(key, task_id, ttl):
+                return self.claim_publish(key, task_id, ttl)
+            case SwapPublish(key, expect, new, ttl):
+                return self.swap_publish(key, expect, new, ttl)
+            case ClearPublish(key):
+                self.clear_publish(key)
+                return None
         raise LockError(f"the {self.name} lock backend cannot run {type(op).__name__}")
 
     # -- semaphores: validate, then one call ----------------------------------------

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 # Replies (the store's answer to each op) are today's types: Acquire -> Lease | Busy,
 # Extend -> list[bool], Release -> bool, TakeSlot -> SlotLease | SlotWait, LeaveSlot -> bool,
 # TakeRate -> RateGrant, Inspect -> LockInfo | None, WaitRelease and Sleep -> None,
-# Now -> float (the driver's monotonic clock).
+# Now -> float (the driver's monotonic clock), ClaimPublish and SwapPublish -> str | None,
+# ClearPublish -> None.
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,35 @@ class Now:
     """Read the driver's monotonic clock (flows own no clock, so tests script time)."""
 
 
+@dataclass(frozen=True)
+class ClaimPublish:
+    """Claim `key`'s publish for `task_id` unless a claim is there; the reply is its holder."""
+
+    key: str
+    task_id: str
+    ttl: float
+
+
+@dataclass(frozen=True)
+class SwapPublish:
+    """Compare-and-set `key`'s publish claim from `expect` to `new` (None: away); the reply
+    is None if it now holds `new`, else the value that kept it."""
+
+    key: str
+    expect: str
+    new: str | None
+    ttl: float
+
+
+@dataclass(frozen=True)
+class ClearPublish:
+    """Forget `key`'s publish claim, so the next publish goes out."""
+
+    key: str
+
+
 StoreOp = (
     Acquire | Extend | Release | ReleaseOwner | TakeSlot | LeaveSlot | TakeRate | Inspect
-    | WaitRelease
+    | WaitRelease | ClaimPublish | SwapPublish | ClearPublish
 )  # fmt: skip
 Op = StoreOp | Sleep | Now

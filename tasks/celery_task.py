@@ -9,21 +9,23 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, Literal, NoReturn, overload
+from dataclasses import dataclass
+from typing import Any, ClassVar, NoReturn, overload
 
 from celery import Task, shared_task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
+from jobfence.locks.drive import run_sync
 from jobfence.locks.errors import BackendUnavailable, LockError, RateLimitUnsupported
 from jobfence.locks.lease import Lease
+from jobfence.locks.ops import SwapPublish
 from jobfence.locks.ratelimit import Rate, parse_rate
 from jobfence.locks.registry import backends_with
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
-    DuplicatePublish,
     DuplicateSkipped,
     JobDropped,
     JobSkipped,
@@ -46,6 +48,7 @@ from jobfence.tasks.executor import (
     Outcome,
     RateLimitedPolicy,
     RateSpec,
+    Status,
 )
 from jobfence.tasks.keys import (
     KeySelector,
@@ -54,6 +57,7 @@ from jobfence.tasks.keys import (
     identity,
     job_key,
 )
+from jobfence.tasks.publish import DuplicatePublishPolicy, give_back_flow, publish_flow
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
@@ -70,18 +74,9 @@ REPUBLISHED = "jobfence_republished"
 #: reserved, so the copy starts then without spending another.
 RATE_SLOT_HEADER = "jobfence_rate_slot"
 PASSTHROUGH = (Retry, Ignore, Reject)
-DuplicatePublishPolicy = Literal["result", "raise", "replace"]
 DUPLICATE_PUBLISH_POLICIES: tuple[str, ...] = ("result", "raise", "replace")
-#: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
-REPLACE_ATTEMPTS = 3
 #: Publish options that make a workflow wait on the published task id (chain, group, chord).
 WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
-#: Outcomes handled after the body's gate: most publish the job again (a rate-skipped one
-#: frees its publish claim). Any other outcome's value is returned as it is.
-_COME_BACK = frozenset(
-    {"defer", "retry", "redeliver", "requeue", "rate_limited", "rate_skipped"}
-)
-
 #: Outcomes that end a delivery with no result of its own: the typed stop each raises, so a
 #: chain, group, chord or link never takes a marker as the task's result (design §9).
 _STOPS: dict[str, type[JobSkipped]] = {
@@ -97,6 +92,29 @@ log = logging.getLogger(__name__)
 class JobNotSettled(TaskError):
     """Eager or direct call: the job's fate is unknown and there is no broker to come back
     through (lock server unavailable, lease lost, commit unanswered). Call it again."""
+
+
+@dataclass(frozen=True)
+class _Delivery:
+    """One delivery's outcome and what an action needs to answer it."""
+
+    rt: Runtime
+    spec: JobSpec
+    out: Outcome
+    req: Any
+    explicit: str | None
+    redeliveries: int
+
+    @property
+    def countdown(self) -> float:
+        """The outcome's countdown, capped: a countdown the broker would outwait redelivers
+        the message while it waits; coming back early only means deferring once more."""
+        return min(self.out.countdown, max(0.1, self.rt.settings.visibility_timeout / 2))
+
+    def headers(self, *, deferred: bool = False, redeliveries: int | None = None) -> dict[str, Any]:
+        """Headers for this message published again (_copy_headers)."""
+        count = self.redeliveries if redeliveries is None else redeliveries
+        return _copy_headers(self.req, self.explicit, count, deferred=deferred)
 
 
 class SingletonTask(Task):  # type: ignore[misc]
@@ -190,72 +208,32 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _publish_once(
         self, key: str, task_id: str, ttl: float, publish: Callable[[], Any], *, workflow: bool
     ) -> Any:
-        """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`.
-
-        A duplicate carrying a workflow (`workflow`: a chain, link, link_error, chord or
-        group) is published anyway, without the claim, where "result" or "replace" would
-        answer with the holder's AsyncResult: the workflow waits on this task id, not the
-        holder's. The gate at execution then gives it the running copy's result, or a
-        typed stop (README "Using it with Celery")."""
+        """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`
+        (tasks/publish.py decides). A workflow's duplicate goes out unclaimed and meets the
+        running copy at the gate (README "Using it with Celery")."""
         backend = self._runtime().backend
-        holder = ""
-        for _ in range(REPLACE_ATTEMPTS):
-            held = backend.claim_publish(key, task_id, ttl)
-            if held is None:
-                return self._publish_claimed(key, task_id, ttl, publish, previous=None)
-            holder, started = held.removeprefix(STARTED), held.startswith(STARTED)
-            if holder == task_id:  # our own job, started: its retry or deferred copy
-                return self._publish_claimed(key, task_id, ttl, publish, previous=None)
-            if self.on_duplicate_publish == "raise":
-                raise DuplicatePublish(
-                    f"{self.name}: a copy of this job is already "
-                    f"{'running or finished' if started else 'queued'} as task {holder} "
-                    "(on_duplicate_publish='raise')",
-                    task_id=holder,
-                    key=key,
-                )
-            if self.on_duplicate_publish != "replace" or started:
-                # A started copy is never replaced (two would run): its result answers.
-                return self._answer(holder, publish, workflow=workflow)
-            # Take the claim from the queued copy first: it skips when it finds it gone.
-            if backend.swap_publish(key, holder, task_id, ttl) is None:
-                return self._publish_claimed(key, task_id, ttl, publish, previous=holder)
-            # The claim moved meanwhile (the holder started, or was replaced): look again.
-        return self._answer(holder, publish, workflow=workflow)
-
-    def _answer(self, holder: str, publish: Callable[[], Any], *, workflow: bool) -> Any:
-        """A duplicate publish's answer: the holder's AsyncResult, or, for a workflow that
-        would wait for ever on a task id never published, the publish itself."""
-        if workflow:
+        flow = publish_flow(key, task_id, ttl, policy=self.on_duplicate_publish,
+                            workflow=workflow, name=self.name)  # fmt: skip
+        decision = run_sync(flow, backend, backend.clock)
+        if decision.action == "result":
+            return self.AsyncResult(decision.holder)
+        if decision.action == "unclaimed":
             log.info("%s: a copy is queued or running as task %s; this publish carries a "
                      "workflow, so it goes out and meets that copy at the gate",
-                     self.name, holder)  # fmt: skip
+                     self.name, decision.holder)  # fmt: skip
             return publish()
-        return self.AsyncResult(holder)
-
-    def _publish_claimed(
-        self,
-        key: str,
-        task_id: str,
-        ttl: float,
-        publish: Callable[[], Any],
-        *,
-        previous: str | None,
-    ) -> Any:
-        """Publish under a claim we hold; if that fails, the claim goes back to the copy it
-        was taken from (still queued), or away, so the next publish goes out."""
         try:
             out = publish()
         except BaseException:
-            backend = self._runtime().backend
-            if previous is None:
-                backend.clear_publish(key)  # nothing was queued: the next publish must go out
-            elif backend.swap_publish(key, task_id, previous, ttl) is not None:
+            # Nothing of ours was queued: the claim goes back, so the next publish goes out.
+            flow_back = give_back_flow(key, task_id, ttl, previous=decision.previous)
+            if not run_sync(flow_back, backend, backend.clock):
                 log.error("%s: replacing task %s failed and its claim could not be given "
-                          "back", self.name, previous)  # fmt: skip
+                          "back", self.name, decision.previous)  # fmt: skip
             raise
-        if previous is not None:
-            log.info("%s: task %s replaced queued task %s", self.name, task_id, previous)
+        if decision.previous is not None:
+            log.info("%s: task %s replaced queued task %s", self.name, task_id,
+                     decision.previous)  # fmt: skip
         return out
 
     def _dedupe_ttl(self, rt: Runtime, options: dict[str, Any]) -> float:
@@ -324,47 +302,21 @@ class SingletonTask(Task):  # type: ignore[misc]
             if spec.claims:  # owner-checked: the claim may be a newer copy's by now
                 # lock_until="start" keeps the claim unmarked until the body starts.
                 mine = spec.task_id if spec.claim_at_body else STARTED + spec.task_id
-                self._drop_claim(key, lambda: rt.backend.swap_publish(key, mine, None,
-                                                                      spec.claim_ttl))  # fmt: skip
+                self._drop_claim(rt, spec, mine)
             elif self.dedupe_on_publish:
                 # A failed job may be submitted afresh; owner-checked, as a copy published
                 # around the claim (a workflow's duplicate) must not free the holder's claim.
-                self._drop_claim(key, lambda: rt.backend.swap_publish(key, spec.task_id, None,
-                                                                      spec.claim_ttl))  # fmt: skip
+                self._drop_claim(rt, spec, spec.task_id)
             raise
-        if out.status == "duplicate" and self._follows(req, spec, out):
-            self._follow(req, spec, out, explicit, redeliveries)
-        if out.status not in _COME_BACK:
-            return _result_of(rt, spec, out)
-        # A countdown the broker would outwait redelivers the message while it waits;
-        # coming back early only means deferring once more.
-        countdown = min(out.countdown, max(0.1, s.visibility_timeout / 2))
-        if out.status == "defer":
-            # Our own earlier delivery holds the lease: come back after it ends, and let
-            # this copy go without a result (the real one is stored under the same id).
-            self._publish_again(req, countdown, _copy_headers(req, explicit, redeliveries,
-                                                              deferred=True))  # fmt: skip
-        if out.status == "rate_skipped" and self.dedupe_on_publish:
-            # It never ran: a new submission may go out.
-            self._drop_claim(key, lambda: rt.backend.swap_publish(key, spec.task_id, None,
-                                                                  spec.claim_ttl))  # fmt: skip
-        if out.status == "rate_limited":
-            self._republish_at_turn(out, key, explicit, redeliveries, countdown)
-        if out.status == "retry":
-            raise self.retry(countdown=countdown)
-        if out.status == "requeue":
-            self._requeue(out, countdown, explicit, redeliveries)
-        if out.status == "redeliver":
-            self._redeliver(out, key, explicit, redeliveries, countdown)
-        return _result_of(rt, spec, out)
+        return self.ACTIONS[out.status](self, _Delivery(rt, spec, out, req, explicit, redeliveries))
 
-    def _drop_claim(self, key: str, drop: Callable[[], object]) -> None:
+    def _drop_claim(self, rt: Runtime, spec: JobSpec, mine: str) -> None:
         """Drop the publish claim of a delivery that ends without running (or failed), never
         letting the lock server's failure replace the delivery's own outcome: the claim then
         expires by its TTL, and until then a publish of the key answers with this task's
         (visible) result. The body's own fate is already settled (design section 7)."""
         try:
-            drop()
+            rt.backend.execute(SwapPublish(spec.key, mine, None, spec.claim_ttl))
         except Exception as exc:  # the cleanup's failure, whatever it is, must not win
             log.warning("%s: publish claim not cleared (%s); it expires by its TTL",
                         self.name, type(exc).__name__)  # fmt: skip
@@ -400,17 +352,27 @@ class SingletonTask(Task):  # type: ignore[misc]
             slot=float(slot) if slot else None,
         )
 
-    def _republish_at_turn(
-        self, out: Outcome, key: str, explicit: str | None, redeliveries: int, countdown: float
-    ) -> None:
-        """Rate-limited: publish this message again for its turn (same id, counted neither
-        as a Celery retry nor as a redelivery) and ack this one. A failed publish requeues
-        the current message instead: never lost."""
-        req = self.request
-        headers = _copy_headers(req, explicit, redeliveries, deferred=False)
-        if out.slot is not None:
-            headers[RATE_SLOT_HEADER] = out.slot
-        self._publish_again(req, countdown, headers)
+    # -- the outcome table: one action per executor status ------------------------
+    def _return_value(self, d: _Delivery) -> Any:
+        """The job ran, or its DONE record answers: its result."""
+        return d.out.value
+
+    def _stop(self, d: _Delivery) -> Any:
+        """No result of its own: the typed stop (a superseded copy may answer with DONE)."""
+        return _result_of(d.rt, d.spec, d.out)
+
+    def _follow_or_stop(self, d: _Delivery) -> Any:
+        """A duplicate: come back for the running copy's result where `_follows`; else the
+        typed stop."""
+        req, spec, out = d.req, d.spec, d.out
+        if self._follows(req, spec, out):
+            # Back once the running copy's lease would have ended, when its DONE record
+            # answers; if that copy failed, the comeback runs the job, as a fresh publish would.
+            countdown = min(spec.ttl, max(0.1, d.rt.settings.visibility_timeout / 2))
+            log.info("%s[%s]: a copy runs as task %s; this one comes back for its result",
+                     self.name, req.id, out.holder)  # fmt: skip
+            self._publish_again(req, countdown, d.headers())
+        return self._stop(d)
 
     def _follows(self, req: Any, spec: JobSpec, out: Outcome) -> bool:
         """Whether a skipped duplicate waits for the running copy's result: only where a
@@ -424,53 +386,65 @@ class SingletonTask(Task):  # type: ignore[misc]
             and (req.callbacks or req.chain or req.chord or req.group)
         )
 
-    def _follow(
-        self, req: Any, spec: JobSpec, out: Outcome, explicit: str | None, redeliveries: int
-    ) -> None:
-        """Publish this message again (same id, workflow and key) to come back once the
-        running copy's lease would have ended, when its DONE record answers, then ack this
-        one (Ignore). If that copy failed, the comeback runs the job, as a fresh publish
-        would. A failed publish requeues the current message instead: never lost."""
-        countdown = min(spec.ttl, max(0.1, self._runtime().settings.visibility_timeout / 2))
-        log.info("%s[%s]: a copy runs as task %s; this one comes back for its result",
-                 self.name, req.id, out.holder)  # fmt: skip
-        self._publish_again(req, countdown, _copy_headers(req, explicit, redeliveries,
-                                                          deferred=False))  # fmt: skip
+    def _skip_rate(self, d: _Delivery) -> Any:
+        """No rate turn free (on_rate_limited="skip"): it never ran, so a new submission may
+        go out (the claim is freed), then the typed stop."""
+        if self.dedupe_on_publish:
+            self._drop_claim(d.rt, d.spec, d.spec.task_id)
+        return self._stop(d)
 
-    def _redeliver(
-        self, out: Outcome, key: str, explicit: str | None, redeliveries: int, countdown: float
-    ) -> None:
-        """Publish this message again, same id and key, counted apart from `max_retries`.
+    def _defer(self, d: _Delivery) -> NoReturn:
+        """Our own earlier delivery holds the lease: come back after it ends, and let this
+        copy go without a result (the real one is stored under the same id); a grant of the
+        copy counts towards the poison cap."""
+        self._publish_again(d.req, d.countdown, d.headers(deferred=True))
 
-        A new message survives a broker restart and carries its countdown and count; the
-        current one is then acked (Ignore). If the publish fails, the current message goes
-        back to the broker instead (Reject with requeue): never dropped.
-        """
-        req = self.request
-        if req.called_directly or req.is_eager:
-            raise JobNotSettled(f"{out.reason}; call it again", key=key, fence=out.fence)
-        headers = _copy_headers(req, explicit, redeliveries + 1, deferred=False)
-        log.warning(
-            "redelivering %s[%s] in %.2fs (redelivery %d): %s",
-            self.name,
-            req.id,
-            countdown,
-            redeliveries + 1,
-            out.reason,
-        )
-        self._publish_again(req, countdown, headers)
+    def _republish_at_turn(self, d: _Delivery) -> NoReturn:
+        """Rate-limited: publish this message again for its turn (same id, counted neither
+        as a Celery retry nor as a redelivery) and ack this one."""
+        headers = d.headers()
+        if d.out.slot is not None:
+            headers[RATE_SLOT_HEADER] = d.out.slot
+        self._publish_again(d.req, d.countdown, headers)
 
-    def _requeue(
-        self, out: Outcome, countdown: float, explicit: str | None, redeliveries: int
-    ) -> None:
+    def _celery_retry(self, d: _Delivery) -> NoReturn:
+        """on_conflict="retry": a Celery retry, counted against max_retries."""
+        raise self.retry(countdown=d.countdown)
+
+    def _requeue(self, d: _Delivery) -> NoReturn:
         """No concurrency slot came free in time, or (lock_until="start") another run of the
         key holds it: publish this message again (same id, key and counts; neither a retry
         nor a redelivery), then ack this one."""
-        req = self.request
+        if d.req.called_directly or d.req.is_eager:
+            raise JobNotSettled(f"{d.out.reason}; call it again", fence=d.out.fence)
+        self._publish_again(d.req, d.countdown, d.headers())
+
+    def _redeliver(self, d: _Delivery) -> NoReturn:
+        """The job's fate is unknown: publish this message again, same id and key, its
+        redelivery count (apart from `max_retries`) one more. A new message survives a
+        broker restart and carries its countdown and count."""
+        req, out = d.req, d.out
         if req.called_directly or req.is_eager:
-            raise JobNotSettled(f"{out.reason}; call it again", fence=out.fence)
-        self._publish_again(req, countdown, _copy_headers(req, explicit, redeliveries,
-                                                          deferred=False))  # fmt: skip
+            raise JobNotSettled(f"{out.reason}; call it again", key=d.spec.key, fence=out.fence)
+        log.warning("redelivering %s[%s] in %.2fs (redelivery %d): %s",
+                    self.name, req.id, d.countdown, d.redeliveries + 1, out.reason)  # fmt: skip
+        self._publish_again(req, d.countdown, d.headers(redeliveries=d.redeliveries + 1))
+
+    #: Every executor status to its Celery action (design §8): return the value, raise a
+    #: typed stop, publish again (which headers, when), retry, redeliver, follow a copy.
+    ACTIONS: ClassVar[dict[Status, Callable[[SingletonTask, _Delivery], Any]]] = {
+        "ran": _return_value,
+        "replayed": _return_value,
+        "duplicate": _follow_or_stop,
+        "superseded": _stop,
+        "dropped": _stop,
+        "rate_skipped": _skip_rate,
+        "defer": _defer,
+        "rate_limited": _republish_at_turn,
+        "retry": _celery_retry,
+        "requeue": _requeue,
+        "redeliver": _redeliver,
+    }
 
     def _publish_again(self, req: Any, countdown: float, headers: dict[str, Any]) -> NoReturn:
         """Publish the delivered message `req` again (same id; `headers` from _copy_headers,

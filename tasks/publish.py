@@ -1,0 +1,80 @@
+"""The publish claim as I/O-free flows: which copy of a job goes out, what a duplicate gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jobfence.locks.flows import Flow
+from jobfence.locks.ops import ClaimPublish, ClearPublish, SwapPublish
+from jobfence.tasks.errors import DuplicatePublish
+from jobfence.tasks.executor import STARTED
+
+#: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
+REPLACE_ATTEMPTS = 3
+DuplicatePublishPolicy = Literal["result", "raise", "replace"]
+
+
+@dataclass(frozen=True)
+class PublishDecision:
+    """What the shell does with one publish.
+
+    "claimed": publish under the claim this publish now holds (taken from the queued copy
+    `previous`, if any); "unclaimed": publish without the claim (a workflow's duplicate meets
+    the holder at the gate); "result": publish nothing, answer with the holder's AsyncResult.
+    """
+
+    action: Literal["claimed", "unclaimed", "result"]
+    holder: str = ""  # unclaimed, result: the task id of the copy that has the job
+    previous: str | None = None  # claimed: the queued copy replaced
+
+
+def publish_flow(
+    key: str,
+    task_id: str,
+    ttl: float,
+    *,
+    policy: DuplicatePublishPolicy,
+    workflow: bool,
+    name: str,
+) -> Flow[PublishDecision]:
+    """Claim `key` for `task_id`; a duplicate gets `policy` (DuplicatePublish for "raise").
+
+    A duplicate carrying a workflow (a chain, link, link_error, chord or group) goes out
+    unclaimed where "result" or "replace" would answer with the holder's AsyncResult: the
+    workflow waits on this task id, not the holder's.
+    """
+    holder = ""
+    for _ in range(REPLACE_ATTEMPTS):
+        held: str | None = yield ClaimPublish(key, task_id, ttl)
+        if held is None:
+            return PublishDecision("claimed")
+        holder, started = held.removeprefix(STARTED), held.startswith(STARTED)
+        if holder == task_id:  # our own job, started: its retry or deferred copy
+            return PublishDecision("claimed")
+        if policy == "raise":
+            raise DuplicatePublish(
+                f"{name}: a copy of this job is already "
+                f"{'running or finished' if started else 'queued'} as task {holder} "
+                "(on_duplicate_publish='raise')",
+                task_id=holder,
+                key=key,
+            )
+        if policy != "replace" or started:
+            break  # a started copy is never replaced (two would run): its result answers
+        # Take the claim from the queued copy first: it skips when it finds it gone.
+        if (yield SwapPublish(key, holder, task_id, ttl)) is None:
+            return PublishDecision("claimed", previous=holder)
+        # The claim moved meanwhile (the holder started, or was replaced): look again.
+    return PublishDecision("unclaimed" if workflow else "result", holder=holder)
+
+
+def give_back_flow(key: str, task_id: str, ttl: float, *, previous: str | None) -> Flow[bool]:
+    """After a failed publish under the claim: give the claim back to the queued copy it was
+    taken from, or clear it (nothing was queued), so the next publish goes out. False if the
+    claim moved meanwhile and could not be given back."""
+    if previous is None:
+        yield ClearPublish(key)
+        return True
+    kept: str | None = yield SwapPublish(key, task_id, previous, ttl)
+    return kept is None
