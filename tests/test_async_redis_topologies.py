@@ -19,6 +19,7 @@ from jobfence.locks import open_backend
 from jobfence.locks.backends.redis_cluster_async import AsyncClusterStore
 from jobfence.locks.backends.redis_semaphore import semaphore_keys
 from jobfence.locks.backends.redis_sentinel_async import AsyncSentinelStore
+from jobfence.locks.ops import Extend
 from jobfence.locks.slots import SlotLease
 
 COROUTINES = 50
@@ -268,3 +269,26 @@ def test_a_paused_cluster_master_delays_no_other_masters_leases() -> None:
             asyncio.run(main())
         finally:
             backend.close()
+
+
+def test_a_fresh_cluster_store_extends_a_sync_grant_as_its_first_call(
+    redis_cluster: Any,
+) -> None:
+    """An asyncio store whose very first operation is an extension (a lease granted by a
+    sync holder) reads the slot map first: the lease is renewed, never a KeyError from an
+    empty map."""
+    prefix = f"aio-{uuid.uuid4().hex[:8]}"
+    backend = open_backend(redis_cluster.url, prefix=prefix)
+    lease = backend.try_acquire("first-call", 5.0)
+    assert lease is not None
+
+    async def extend_first() -> list[bool]:
+        store = AsyncClusterStore.from_url(redis_cluster.url, prefix=prefix)
+        try:
+            return list(await store.execute_async(Extend([lease])))
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(extend_first()) == [True]
+    assert backend.release(lease)
+    backend.close()

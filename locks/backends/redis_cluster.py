@@ -92,7 +92,7 @@ def group_by_node(
     for i, (key, _, _) in enumerate(items):
         try:
             node = node_of_slot(lease_slot(keys, key, slots[i], keyslot))
-        except (RedisClusterException, RedisError):
+        except (RedisClusterException, RedisError, KeyError):  # KeyError: not in the map yet
             node = None
         if node is None:
             unrouted.append(i)

@@ -129,6 +129,8 @@ class AsyncClusterStore(AsyncRedisStore):
         unknown (the others are renewed or marked lost first), then BackendUnavailable."""
         if not leases:
             return []
+        if not self._loaded:  # also reads the slot map: a first call may be an extension
+            await self._load_all()
         started = self.clock.monotonic()
         items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
         slots = [type(le) is SlotLease for le in leases]
