@@ -224,37 +224,13 @@ class Settings(BaseSettings):
     @classmethod
     def _split_previous_secrets(cls, v: Any) -> Any:
         """`old1,old2` or a JSON list, as the environment spells it; refused without the value."""
-        if not isinstance(v, str):
-            return v
-        text = v.strip()
-        if text.startswith("["):
-            try:
-                return tuple(json.loads(text))
-            except (ValueError, TypeError):
-                raise UnsafeSettings(
-                    f"{ENV_PREFIX}KEY_SECRET_PREVIOUS",
-                    "is neither a comma-separated list nor a JSON list of strings",
-                    "list the earlier secrets separated by commas",
-                ) from None
-        return tuple(part.strip() for part in text.split(",") if part.strip())
+        return _split_list(v, "KEY_SECRET_PREVIOUS", "list the earlier secrets separated by commas")
 
     @field_validator("accept_content", mode="before")
     @classmethod
     def _split_content_types(cls, v: Any) -> Any:
         """`json`, `json,application/json` or a JSON list, as the environment spells them."""
-        if not isinstance(v, str):
-            return v
-        text = v.strip()
-        if text.startswith("["):
-            try:
-                return tuple(json.loads(text))
-            except (ValueError, TypeError):
-                raise UnsafeSettings(
-                    f"{ENV_PREFIX}ACCEPT_CONTENT",
-                    "is neither a comma-separated list nor a JSON list of strings",
-                    f"set {ENV_PREFIX}ACCEPT_CONTENT=json",
-                ) from None
-        return tuple(part.strip() for part in text.split(",") if part.strip())
+        return _split_list(v, "ACCEPT_CONTENT", f"set {ENV_PREFIX}ACCEPT_CONTENT=json")
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
@@ -496,3 +472,20 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[st
         out.append((name, ENV_PREFIX + close[0] if close else None))
     return out
 
+
+def _split_list(v: Any, name: str, fix: str) -> Any:
+    """A list setting as the environment spells it: `a,b` or a JSON list; refused (naming
+    the variable, never the value) when it is neither."""
+    if not isinstance(v, str):
+        return v
+    text = v.strip()
+    if text.startswith("["):
+        try:
+            return tuple(json.loads(text))
+        except (ValueError, TypeError):
+            raise UnsafeSettings(
+                f"{ENV_PREFIX}{name}",
+                "is neither a comma-separated list nor a JSON list of strings",
+                fix,
+            ) from None
+    return tuple(part.strip() for part in text.split(",") if part.strip())
