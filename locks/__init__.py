@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 from jobfence.lazy import lazy_exports
 from jobfence.locks.acquire import Backoff, acquire
 from jobfence.locks.api import Locker, open_backend
-from jobfence.locks.backend import Busy, Capabilities, Health, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backend import (
+    Busy,
+    Capabilities,
+    Health,
+    JobRecord,
+    LockBackend,
+    LockInfo,
+    Security,
+)
 from jobfence.locks.backends.memory import MemoryBackend
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock, ManualClock, SystemClock
 from jobfence.locks.errors import (
@@ -82,6 +90,7 @@ __all__ = [
     "RateLimiter",
     "RedisBackend",
     "RedisFenceGuard",
+    "Security",
     "SemaphoreUnsupported",
     "SlotInfo",
     "SlotLease",

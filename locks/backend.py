@@ -59,6 +59,18 @@ class Health:
 
 
 @dataclass(frozen=True)
+class Security:
+    """How the connection to the lock server is protected, as configured (nothing is
+    probed): for the start-up check, which warns about a downgrade or a remote server
+    reached without authentication. `LockBackend.security()` gives None where unknown."""
+
+    tls: bool  # every connection is encrypted (never a silent fall-back to plain text)
+    verified: bool  # the server's certificate chain is checked against a CA
+    hostname_checked: bool  # ... and must name the host connected to
+    auth: bool  # the client proves who it is: a password, a client certificate, a digest
+
+
+@dataclass(frozen=True)
 class LockInfo:
     """What `inspect` reports of a held lock. The owner token is never included."""
 
@@ -554,6 +566,11 @@ class LockBackend(ABC):
         """One round trip; what the server answered, in a few words. This default reads
         the server's clock: backends whose `server_time` is local override it."""
         return f"server time {self.server_time():.6f}"
+
+    def security(self) -> Security | None:
+        """TLS and authentication as configured, for the start-up check; None: unknown
+        (a backend that can say overrides it)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free connections."""

@@ -48,7 +48,7 @@ SERVER_MODULES = frozenset({
     "tests/worker/test_bench_etcd_rows.py", "tests/worker/test_bench_redlock_rows.py",
     "tests/worker/test_bench_sentinel_rows.py", "tests/worker/test_bench_sql_rows.py",
     "tests/test_sentinel_backend.py", "tests/test_redlock_backend.py",
-    "tests/test_mysql_backend.py",
+    "tests/test_mysql_backend.py", "tests/test_mysql_tls.py",
 })  # fmt: skip
 
 

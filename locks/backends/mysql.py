@@ -8,6 +8,7 @@ import hashlib
 import os
 import random
 import select
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,9 +24,10 @@ from pymysql.constants import CLIENT  # type: ignore[import-untyped]
 # `except pymysql.err.MySQLError` would stop matching what connections raise.
 from pymysql.err import Error as PyMySQLError  # type: ignore[import-untyped]
 from pymysql.err import MySQLError  # type: ignore[import-untyped]
+from pymysql.err import OperationalError as PyMySQLOperationalError  # type: ignore[import-untyped]
 
 from jobfence.locks import registry
-from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo, Security
 from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
@@ -39,7 +41,13 @@ POLL_FIRST = 0.001  # wait_for_release: first poll step, doubled up to POLL_CAP
 POLL_CAP = 0.010  # a waiter costs at most ~100 primary-key reads a second
 PURGE_EVERY = 60.0  # seconds between sweeps of expired rows (one statement per table)
 PURGE_BATCH = 500
-URL_OPTIONS = ("unix_socket", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert")
+# PyMySQL's spellings, and MySQL's own `ssl_mode` (as the mysql client and Connector/J).
+URL_OPTIONS = (
+    "unix_socket", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert", "ssl_verify_identity",
+    "ssl_mode",
+)  # fmt: skip
+SSL_MODES = ("VERIFY_IDENTITY", "VERIFY_CA", "REQUIRED", "DISABLED")
+TLS_FILES = ("ssl_ca", "ssl_cert", "ssl_key")
 
 # Server microseconds since the epoch: the session runs at time_zone '+00:00', so NOW(6) is
 # UTC and this is plain arithmetic (no time zone table, no DST gap).
@@ -178,7 +186,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
     syntax error on MariaDB), no sequences (MariaDB only; a bare NEXTVAL repeats after a
     crash), isolation set by SET SESSION TRANSACTION (MySQL 8 removed tx_isolation).
     MySQL 8's default caching_sha2_password needs the `cryptography` package on plain TCP
-    (the `mysql` extra brings it), or TLS (`ssl_ca` in the URL).
+    (the `mysql` extra brings it), or TLS (`ssl_ca` in the URL: verifies chain and host name).
     """
 
     name: ClassVar[str] = "mysql"
@@ -203,7 +211,15 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         names = {"locks": "leases", "jobs": "records", "fence": "fence", "marks": "marks"}
         self.tables = {t: _quote(f"{prefix}_lock_{n}") for t, n in names.items()}
         self.rate_table = _quote(f"{prefix}_lock_rates")
-        self._connect_args = dict(connect_args)
+        args = dict(connect_args)
+        self._security = _security_of(args)
+        ctx = tls_context(args)
+        if ctx is not None:
+            for name in (*TLS_FILES, "ssl_verify_cert", "ssl_verify_identity"):
+                args.pop(name, None)
+            args["ssl"] = ctx
+        self._tls = ctx is not None
+        self._connect_args = args
         self._pool = _Pool(self._open)
         self._ready = False
         self._ready_lock = threading.Lock()
@@ -228,6 +244,10 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
             connect_args=parse_url(url), prefix=prefix, socket_timeout=socket_timeout, clock=clock
         )
 
+    def security(self) -> Security:
+        """TLS and authentication as the URL asked for them (see `tls_options`)."""
+        return self._security
+
     def _open(self) -> pymysql.connections.Connection[Any]:
         timeout = self.socket_timeout
         conn = pymysql.connect(
@@ -241,6 +261,10 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
             # reports the rows it matched, not only those it changed.
             client_flag=CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS,
         )
+        if self._tls and not isinstance(getattr(conn, "_sock", None), ssl.SSLSocket):
+            # PyMySQL 2 refuses this itself, before the login; older ones carried on in clear.
+            _discard(conn)
+            raise PyMySQLOperationalError(2026, "SSL is required but the server doesn't support it")
         with conn.cursor() as cur:
             # READ COMMITTED: no gap locks (two acquires of absent keys deadlock under
             # REPEATABLE READ), and each statement sees what committed before it.
@@ -290,8 +314,10 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         try:
             return self._pool.get()
         except MySQLError as exc:
+            args = self._connect_args
+            hint = connect_hint(exc, args.get("host", ""), args.get("user"))
             raise BackendUnavailable(
-                f"cannot connect to the MySQL lock server: {exc}", key=key, cause=exc
+                f"cannot connect to the MySQL lock server: {hint or exc}", key=key, cause=exc
             ) from exc
 
     @staticmethod
@@ -856,7 +882,10 @@ def _discard(conn: pymysql.connections.Connection[Any]) -> None:
 
 
 def parse_url(url: str) -> dict[str, Any]:
-    """PyMySQL connect arguments from mysql://user:password@host:port/database?options."""
+    """PyMySQL connect arguments from mysql://user:password@host:port/database?options.
+
+    TLS options come out normalised (`tls_options`): asked for at all, TLS verifies the
+    server's certificate and host name unless an option turns that off."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in SCHEMES:
         raise LockError(f"not a MySQL URL: scheme {parts.scheme!r}; use mysql:// or mariadb://")
@@ -874,10 +903,166 @@ def parse_url(url: str) -> dict[str, Any]:
         args["user"] = unquote(parts.username)
     if parts.password:
         args["password"] = unquote(parts.password)
+    options: dict[str, str] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name not in URL_OPTIONS:
             raise LockError(
                 f"unknown option {name!r} in the MySQL lock URL; known: {', '.join(URL_OPTIONS)}"
             )
-        args[name] = value.lower() in ("1", "true", "yes") if name == "ssl_verify_cert" else value
+        options[name] = value
+    if "unix_socket" in options:
+        args["unix_socket"] = options.pop("unix_socket")
+    args.update(tls_options(options))
     return args
+
+
+def _flag(name: str, value: str) -> bool:
+    low = value.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise LockError(f"option {name}={value!r} in the MySQL lock URL is not true or false")
+
+
+def tls_options(options: dict[str, str]) -> dict[str, Any]:
+    """PyMySQL's TLS arguments, every one explicit, from the URL's TLS options.
+
+    Any of `ssl_ca`, `ssl_cert`, `ssl_key`, `ssl_verify_cert=true`, `ssl_verify_identity=true`
+    or `ssl_mode` (but DISABLED) asks for TLS, and TLS means VERIFY_IDENTITY: the chain
+    (against `ssl_ca`, else the system's CAs) and the host name. Less is a downgrade spelled
+    out: `ssl_verify_identity=false` / `ssl_mode=VERIFY_CA` (chain only), `ssl_verify_cert=false`
+    / `ssl_mode=REQUIRED` (encryption only). No option: no TLS asked for.
+    """
+    files = {name: options[name] for name in TLS_FILES if options.get(name)}
+    for name in TLS_FILES:
+        if name in options and not options[name]:
+            raise LockError(f"option {name}= in the MySQL lock URL is empty: give a file path")
+    cert = _flag("ssl_verify_cert", options["ssl_verify_cert"]) \
+        if "ssl_verify_cert" in options else None  # fmt: skip
+    identity = _flag("ssl_verify_identity", options["ssl_verify_identity"]) \
+        if "ssl_verify_identity" in options else None  # fmt: skip
+    if "ssl_mode" in options:
+        mode = options["ssl_mode"].strip().upper().replace("-", "_")
+        if mode not in SSL_MODES:
+            raise LockError(
+                f"ssl_mode={options['ssl_mode']!r} in the MySQL lock URL is not one of "
+                f"{', '.join(SSL_MODES)}; use ssl_mode=VERIFY_IDENTITY (PREFERRED, which may "
+                "fall back to plain text, is not offered)"
+            )
+        if cert is not None or identity is not None:
+            raise LockError(
+                "the MySQL lock URL gives both ssl_mode and ssl_verify_cert/ssl_verify_identity; "
+                "spell the TLS mode once, e.g. ssl_mode=VERIFY_IDENTITY"
+            )
+        if mode == "DISABLED":
+            if files:
+                raise LockError(
+                    f"the MySQL lock URL gives ssl_mode=DISABLED with {', '.join(files)}; "
+                    "drop one: TLS files with TLS disabled are never read"
+                )
+            return {"ssl_disabled": True}
+        cert, identity = mode != "REQUIRED", mode == "VERIFY_IDENTITY"
+    elif not files and not cert and not identity:
+        return {}  # no TLS asked for (ssl_verify_cert=false alone turns nothing on)
+    if identity and cert is False:
+        raise LockError(
+            "the MySQL lock URL gives ssl_verify_identity=true with ssl_verify_cert=false: a host "
+            "name is checked only on a verified certificate; drop ssl_verify_cert=false"
+        )
+    if "ssl_key" in files and "ssl_cert" not in files:
+        raise LockError(
+            "the MySQL lock URL gives ssl_key without ssl_cert: add ssl_cert=/path/client.pem"
+        )
+    cert = cert is not False
+    identity = cert if identity is None else identity
+    return {**files, "ssl_verify_cert": cert, "ssl_verify_identity": identity}
+
+
+def tls_context(args: dict[str, Any]) -> ssl.SSLContext | None:
+    """The SSLContext for `parse_url`'s TLS arguments (None: no TLS asked for).
+
+    Built here rather than by PyMySQL, which checks no host name for `ssl_ca` alone nor
+    without a CA file, and (before 1.1.1) no certificate at all for `ssl_ca` alone."""
+    if not _tls_asked(args):
+        return None
+    try:
+        ctx = ssl.create_default_context(cafile=args.get("ssl_ca"))
+    except (OSError, ssl.SSLError) as exc:
+        raise LockError(
+            f"ssl_ca={args.get('ssl_ca')!r} in the MySQL lock URL cannot be loaded ({exc}); "
+            "give a readable PEM file of the CA that signed the server's certificate"
+        ) from exc
+    # As PyMySQL does: MySQL's auto-generated certificates fail Python 3.13's strict checks.
+    ctx.verify_flags &= ~getattr(ssl, "VERIFY_X509_STRICT", 0)
+    ctx.check_hostname = bool(args.get("ssl_verify_identity"))  # before verify_mode
+    ctx.verify_mode = ssl.CERT_REQUIRED if args.get("ssl_verify_cert", True) else ssl.CERT_NONE
+    if args.get("ssl_cert"):
+        try:
+            ctx.load_cert_chain(args["ssl_cert"], keyfile=args.get("ssl_key"))
+        except (OSError, ssl.SSLError) as exc:
+            raise LockError(
+                f"ssl_cert={args['ssl_cert']!r} / ssl_key={args.get('ssl_key')!r} in the MySQL "
+                f"lock URL cannot be loaded ({exc}); give the client certificate and its "
+                "unencrypted key as PEM files"
+            ) from exc
+    return ctx
+
+
+def _tls_asked(args: dict[str, Any]) -> bool:
+    """`tls_options` spells out both verify flags whenever TLS is on."""
+    return any(name in args for name in ("ssl_verify_cert", "ssl_verify_identity", *TLS_FILES))
+
+
+def _security_of(args: dict[str, Any]) -> Security:
+    tls = _tls_asked(args)
+    return Security(
+        tls=tls,
+        verified=tls and bool(args.get("ssl_verify_cert", True)),
+        hostname_checked=tls and bool(args.get("ssl_verify_identity")),
+        auth=bool(args.get("password") or args.get("ssl_cert")),
+    )
+
+
+def connect_hint(exc: BaseException, host: str, user: str | None) -> str | None:
+    """What to change when a connection to the MySQL server failed, else None.
+
+    The TLS failures (untrusted certificate, wrong host name, no TLS on the server, a
+    client certificate required) and a refused login each name the URL option to fix."""
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen and len(seen) < 8:
+        seen.append(cur)
+        cur = getattr(cur, "original_exception", None) or cur.__cause__ or cur.__context__
+    text = " ".join(str(e) for e in seen)
+    verify = [e for e in seen if isinstance(e, ssl.SSLCertVerificationError)]
+    if verify or "CERTIFICATE_VERIFY_FAILED" in text:
+        why = (verify[0].verify_message if verify else "") or "untrusted"
+        if (verify and verify[0].verify_code == 62) or "mismatch" in why:
+            return (
+                f"the MySQL server's TLS certificate is not valid for host {host!r} ({why}): "
+                "connect by a name or address its certificate holds; or, a downgrade the "
+                "start-up check warns about, add ssl_verify_identity=false to the lock URL"
+            )
+        return (
+            f"the MySQL server's TLS certificate did not verify ({why}): pass the CA that "
+            "signed it as ssl_ca=/path/ca.pem in the lock URL"
+        )
+    code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
+    if code == 1045:
+        return (
+            f"the MySQL server refused the login of user {user!r}: check the user and password "
+            "in the lock URL (percent-encoded); if the account REQUIREs X509 or SSL, pass "
+            "ssl_cert=/path/client.pem&ssl_key=/path/client.key (and ssl_ca=) in the lock URL"
+        )
+    if "server doesn't support" in text.lower() and "ssl" in text.lower():
+        return (
+            "the MySQL server offers no TLS, which the lock URL's ssl_* options require: "
+            "turn TLS on at the server (ssl_cert/ssl_key in its configuration)"
+        )
+    if any(isinstance(e, ssl.SSLError) for e in seen):
+        return (
+            "TLS handshake with the MySQL server failed: if it requires a client certificate, "
+            "pass ssl_cert=/path/client.pem&ssl_key=/path/client.key in the lock URL"
+        )
+    return None

@@ -1,0 +1,244 @@
+"""MySQL/MariaDB TLS and logins on private mariadbd servers with a test CA: what connects."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pymysql  # type: ignore[import-untyped]
+import pytest
+
+from devstack import local_mariadb
+from devstack.local_mariadb import MariaDBServer
+from devstack.pki import Pki, make_pki
+from jobfence.locks import BackendUnavailable, LockError, Security
+from jobfence.locks.backends.mysql import MySQLBackend, parse_url
+
+PASSWORD = "jfTLS-pw#s3cret-77"  # the test password: no message may contain it
+CERT_PASSWORD = "jfX509-pw#s3cret-88"
+IN_URL = PASSWORD.replace("#", "%23")
+
+
+@dataclass(frozen=True)
+class Servers:
+    pki: Pki
+    good: MariaDBServer  # certificate for localhost / 127.0.0.1
+    wrong_name: MariaDBServer  # certificate from the same CA, for wrong.example
+
+
+def _set_up(server: MariaDBServer) -> None:
+    server.admin("CREATE DATABASE jobfence")
+    server.admin("CREATE USER 'jf'@'%%' IDENTIFIED BY %s REQUIRE SSL", (PASSWORD,))
+    server.admin("CREATE USER 'jfx'@'%%' IDENTIFIED BY %s REQUIRE X509", (CERT_PASSWORD,))
+    server.admin("CREATE USER 'plain'@'%%' IDENTIFIED BY %s", (PASSWORD,))
+    for user in ("jf", "jfx", "plain"):
+        server.admin(f"GRANT ALL ON jobfence.* TO '{user}'@'%'")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    reason = local_mariadb.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    with (
+        MariaDBServer(tls=(pki.ca, pki.server_cert, pki.server_key)) as good,
+        MariaDBServer(tls=(pki.ca, pki.wrong_name_cert, pki.wrong_name_key)) as wrong_name,
+    ):
+        _set_up(good)
+        _set_up(wrong_name)
+        yield Servers(pki, good, wrong_name)
+
+
+def _url(server: MariaDBServer, query: str = "", *, user: str = "jf", pw: str = PASSWORD,
+         host: str = "127.0.0.1") -> str:  # fmt: skip
+    pw = pw.replace("#", "%23")
+    return f"mysql://{user}:{pw}@{host}:{server.port}/jobfence" + (f"?{query}" if query else "")
+
+
+def _works(url: str) -> MySQLBackend:
+    backend = MySQLBackend.from_url(url, prefix="tls")
+    try:
+        lease = backend.try_acquire("tls-probe", 5)
+        assert lease is not None and lease.fence > 0
+        assert lease.release()
+        conn = backend._pool.get()
+        with conn.cursor() as cur:
+            cur.execute("SHOW SESSION STATUS LIKE 'Ssl_version'")
+            ((_, version),) = cur.fetchall()
+        backend._pool.put(conn)
+        assert version.startswith("TLS"), "the session is not encrypted"
+    finally:
+        backend.close()
+    return backend
+
+
+def _refused(url: str) -> str:
+    backend = MySQLBackend.from_url(url, prefix="tls", socket_timeout=2.0)
+    try:
+        with pytest.raises(BackendUnavailable) as failed:
+            backend.try_acquire("tls-probe", 5)
+    finally:
+        backend.close()
+    text = f"{failed.value} {failed.value!r}"
+    for secret in (PASSWORD, CERT_PASSWORD, PASSWORD.replace("#", "%23")):
+        assert secret not in text
+    return str(failed.value)
+
+
+# --------------------------------------------------------------------------- the right CA
+
+
+def test_ssl_ca_alone_verifies_chain_and_host_name_and_connects(servers: Servers) -> None:
+    backend = _works(_url(servers.good, f"ssl_ca={servers.pki.ca}"))
+    assert backend.security() == Security(tls=True, verified=True, hostname_checked=True,
+                                           auth=True)  # fmt: skip
+
+
+def test_the_certificate_names_localhost_too(servers: Servers) -> None:
+    _works(_url(servers.good, f"ssl_ca={servers.pki.ca}", host="localhost"))
+
+
+def test_ssl_mode_verify_identity_is_the_same_as_ssl_ca_alone(servers: Servers) -> None:
+    backend = _works(_url(servers.good, f"ssl_mode=VERIFY_IDENTITY&ssl_ca={servers.pki.ca}"))
+    assert backend.security().hostname_checked
+
+
+# --------------------------------------------------------------------------- the wrong CA
+
+
+def test_a_certificate_from_another_ca_is_refused_naming_ssl_ca(servers: Servers) -> None:
+    text = _refused(_url(servers.good, f"ssl_ca={servers.pki.other_ca}"))
+    assert "TLS certificate did not verify" in text
+    assert "ssl_ca=/path/ca.pem" in text
+
+
+def test_without_a_ca_file_the_system_cas_do_not_trust_a_private_ca(servers: Servers) -> None:
+    text = _refused(_url(servers.good, "ssl_mode=VERIFY_IDENTITY"))
+    assert "did not verify" in text and "ssl_ca=" in text
+
+
+# --------------------------------------------------------------------------- the wrong host name
+
+
+def test_naive_pymysql_with_ssl_ca_sends_its_login_to_a_wrong_name_certificate(
+    servers: Servers,
+) -> None:
+    """Control: what the old URL handling did with `?ssl_ca=` (PyMySQL's own TLS set-up)
+    logs in to a server whose certificate names another host."""
+    conn = pymysql.connect(
+        host="127.0.0.1", port=servers.wrong_name.port, user="jf", password=PASSWORD,
+        database="jobfence", ssl_ca=str(servers.pki.ca),
+    )  # fmt: skip
+    try:
+        assert isinstance(conn._sock, ssl.SSLSocket)
+    finally:
+        conn.close()
+
+
+def test_a_certificate_for_another_host_is_refused_naming_the_downgrade(
+    servers: Servers,
+) -> None:
+    text = _refused(_url(servers.wrong_name, f"ssl_ca={servers.pki.ca}"))
+    assert "not valid for host '127.0.0.1'" in text
+    assert "ssl_verify_identity=false" in text
+    text = _refused(_url(servers.wrong_name, f"ssl_ca={servers.pki.ca}&ssl_verify_cert=true"))
+    assert "not valid for host" in text
+
+
+def test_turning_the_host_name_check_off_is_a_visible_downgrade(servers: Servers) -> None:
+    for query in ("ssl_verify_identity=false", "ssl_mode=VERIFY_CA"):
+        backend = _works(_url(servers.wrong_name, f"ssl_ca={servers.pki.ca}&{query}"))
+        assert backend.security() == Security(tls=True, verified=True, hostname_checked=False,
+                                               auth=True)  # fmt: skip
+
+
+def test_encryption_without_verification_is_a_visible_downgrade(servers: Servers) -> None:
+    backend = _works(_url(servers.good, "ssl_mode=REQUIRED"))
+    assert backend.security() == Security(tls=True, verified=False, hostname_checked=False,
+                                           auth=True)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- logins
+
+
+def test_a_wrong_password_is_refused_naming_user_and_password(servers: Servers) -> None:
+    text = _refused(_url(servers.good, f"ssl_ca={servers.pki.ca}", pw="not-the-password"))
+    assert "refused the login of user 'jf'" in text
+    assert "check the user and password in the lock URL" in text
+    assert "not-the-password" not in text
+
+
+def test_a_user_that_requires_ssl_is_refused_without_tls(servers: Servers) -> None:
+    text = _refused(_url(servers.good, "ssl_mode=DISABLED"))
+    assert "refused the login" in text and "REQUIREs X509 or SSL" in text
+
+
+def test_a_missing_client_certificate_is_refused_naming_ssl_cert(servers: Servers) -> None:
+    pki = servers.pki
+    text = _refused(_url(servers.good, f"ssl_ca={pki.ca}", user="jfx", pw=CERT_PASSWORD))
+    assert "ssl_cert=/path/client.pem&ssl_key=/path/client.key" in text
+    backend = _works(_url(
+        servers.good, f"ssl_ca={pki.ca}&ssl_cert={pki.client_cert}&ssl_key={pki.client_key}",
+        user="jfx", pw=CERT_PASSWORD,
+    ))  # fmt: skip
+    assert backend.security().auth
+
+
+def test_tls_asked_of_a_server_without_tls_is_refused(mariadb_url: str) -> None:
+    """The shared MariaDB serves no TLS (have_ssl DISABLED): `ssl_ca` must not fall back to
+    plain text."""
+    with pymysql.connect(host="127.0.0.1", port=3306, user="root") as conn, conn.cursor() as cur:
+        cur.execute("SHOW VARIABLES LIKE 'have_ssl'")
+        ((_, have_ssl),) = cur.fetchall()
+    if have_ssl == "YES":
+        pytest.skip("the shared MariaDB serves TLS")
+    url = mariadb_url.replace("mysql+pymysql://", "mysql://")
+    ca = Path("/etc/ssl/certs/ca-certificates.crt")
+    text = _refused(f"{url}?ssl_ca={ca}" if ca.exists() else f"{url}?ssl_mode=REQUIRED")
+    assert "offers no TLS" in text
+
+
+# --------------------------------------------------------------------------- URL options
+
+
+def test_tls_options_come_out_explicit() -> None:
+    base = "mysql://u:p@h/db"
+    assert "ssl_verify_cert" not in parse_url(base)
+    ca = parse_url(f"{base}?ssl_ca=/ca.pem")
+    assert (ca["ssl_verify_cert"], ca["ssl_verify_identity"]) == (True, True)
+    assert parse_url(f"{base}?ssl_mode=verify_ca")["ssl_verify_identity"] is False
+    assert parse_url(f"{base}?ssl_mode=DISABLED") == {**parse_url(base), "ssl_disabled": True}
+    assert parse_url(f"{base}?ssl_verify_cert=false") == parse_url(base)  # asks for nothing
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("ssl_mode=PREFERRED", "is not one of VERIFY_IDENTITY"),
+        ("ssl_mode=REQUIRED&ssl_verify_identity=false", "spell the TLS mode once"),
+        ("ssl_mode=DISABLED&ssl_ca=/ca.pem", "ssl_mode=DISABLED with ssl_ca"),
+        ("ssl_verify_identity=true&ssl_verify_cert=false", "drop ssl_verify_cert=false"),
+        ("ssl_key=/k.pem", "ssl_key without ssl_cert"),
+        ("ssl_verify_identity=maybe", "not true or false"),
+        ("ssl_ca=", "is empty"),
+        ("sslmode=require", "unknown option 'sslmode'"),
+    ],
+)
+def test_contradictory_or_unknown_tls_options_are_refused(query: str, message: str) -> None:
+    with pytest.raises(LockError, match=message) as failed:
+        parse_url(f"mysql://u:{IN_URL}@h/db?{query}")
+    assert PASSWORD not in str(failed.value) and IN_URL not in str(failed.value)
+
+
+def test_an_unreadable_ca_file_is_refused_when_the_backend_is_made(tmp_path: Path) -> None:
+    with pytest.raises(LockError, match=r"ssl_ca=.* cannot be loaded") as failed:
+        MySQLBackend.from_url(f"mysql://u:{IN_URL}@h/db?ssl_ca={tmp_path / 'none.pem'}")
+    assert PASSWORD not in str(failed.value) and IN_URL not in str(failed.value)
+
+
+def test_security_without_tls_says_so() -> None:
+    assert MySQLBackend.from_url("mysql://u@h/db").security() == Security(False, False, False,
+                                                                           False)  # fmt: skip
