@@ -355,17 +355,31 @@ def check_etcd_url(url: str, variable: str) -> None:
             )
 
 
+# KazooClient's TLS arguments, as locks.backends.zookeeper.TLS_OPTIONS (kazoo not imported here)
+ZOOKEEPER_OPTIONS = ("use_ssl", "ca", "certfile", "keyfile", "verify_certs", "check_hostname")
+
+
 def check_zookeeper_url(url: str, variable: str) -> None:
     """zookeeper://host:port[,host:port...][/chroot]: every host named, every port a number."""
     fix = f"set {variable} to a URL such as zookeeper://zk1:2181,zk2:2181,zk3:2181/jobfence"
     shown = redact(url)
     userinfo, rest = _split_userinfo(url)
-    if userinfo:
+    user, colon, password = userinfo.partition(":")
+    if userinfo and (not user or not colon or not password or ":" in unquote(user)):
         raise UnsafeSettings(
-            variable, f"{shown!r} has a user or password, which zookeeper:// does not take", fix
+            variable, f"{shown!r} has user-info that is not user:password (digest auth)",
+            f"set {variable} to a URL such as zookeeper://user:password@zk1:2181/jobfence, "
+            "percent-encoded, with no ':' in the user name",
         )
-    if "?" in rest or "#" in rest:
-        raise UnsafeSettings(variable, f"{shown!r} has a query or fragment", fix)
+    if "#" in rest:
+        raise UnsafeSettings(variable, f"{shown!r} has a fragment", fix)
+    rest, _, query = rest.partition("?")
+    for name in (pair.partition("=")[0] for pair in query.split("&") if pair):
+        if name not in ZOOKEEPER_OPTIONS:
+            raise UnsafeSettings(
+                variable, f"{shown!r} has option {name!r}, which zookeeper:// does not take",
+                f"use only {', '.join(ZOOKEEPER_OPTIONS)} (TLS) in the query",
+            )
     hosts, _, chroot = rest.partition("/")
     for item in hosts.split(","):
         host, colon, port = item.rpartition(":")

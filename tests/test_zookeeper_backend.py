@@ -56,12 +56,13 @@ def _key() -> str:
 def test_url_names_hosts_and_chroot() -> None:
     assert parse_url("zookeeper://a:1,b:2,c/x/y") == ("a:1,b:2,c:2181", "/x/y")
     assert parse_url("zookeeper://a:1/") == ("a:1", "")
-    for bad in ("zookeeper://a:x", "zookeeper://u:p@a:1", "zookeeper://a:1/x//y",
-                "zookeeper://a:1?timeout=3", "redis://a:1"):  # fmt: skip
+    for bad in ("zookeeper://a:x", "zookeeper://:p@a:1", "zookeeper://u@a:1",
+                "zookeeper://a:1/x//y", "zookeeper://a:1?timeout=3", "redis://a:1"):  # fmt: skip
         with pytest.raises(ValueError):
             parse_url(bad)
-    with pytest.raises(LockError, match="user or password"):
-        open_backend("zookeeper://u:secret@a:1")
+    with pytest.raises(LockError, match="needs a user and a password") as refused:
+        open_backend("zookeeper://:secret@a:1")
+    assert "secret" not in str(refused.value)
 
 
 def test_settings_check_names_the_bad_part_of_a_zookeeper_url() -> None:
@@ -70,9 +71,11 @@ def test_settings_check_names_the_bad_part_of_a_zookeeper_url() -> None:
         check_lock_url("zookeeper://zk1:2181,zk2:x/jobfence", "JOBFENCE_LOCK_URL")
     with pytest.raises(UnsafeSettings, match="no host"):
         check_lock_url("zookeeper://:2181", "JOBFENCE_LOCK_URL")
-    with pytest.raises(UnsafeSettings) as refused:
-        check_lock_url("zookeeper://admin:hunter2@zk1:2181", "JOBFENCE_LOCK_URL")
-    assert "hunter2" not in str(refused.value)
+    check_lock_url("zookeeper://admin:hunter2@zk1:2181/x?use_ssl=true", "JOBFENCE_LOCK_URL")
+    for bad in ("zookeeper://:hunter2@zk1:2181", "zookeeper://admin:hunter2@zk1:2181?pw=1"):
+        with pytest.raises(UnsafeSettings) as refused:
+            check_lock_url(bad, "JOBFENCE_LOCK_URL")
+        assert "hunter2" not in str(refused.value)
 
 
 def test_a_prefix_that_is_no_node_name_is_refused() -> None:

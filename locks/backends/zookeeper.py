@@ -15,12 +15,13 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
     BadVersionError,
     KazooException,
+    NoAuthError,
     NodeExistsError,
     NoNodeError,
     NotEmptyError,
@@ -35,6 +36,12 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import KazooState
 from kazoo.retry import KazooRetry
+from kazoo.security import (
+    ACL,
+    Permissions,
+    make_digest_acl,
+    make_digest_acl_credential,
+)
 
 from jobfence.locks import registry
 from jobfence.locks.backend import (
@@ -44,6 +51,7 @@ from jobfence.locks.backend import (
     JobRecord,
     LockBackend,
     LockInfo,
+    Security,
     default_meta,
     validate_key,
     validate_ttl,
@@ -90,19 +98,58 @@ def owner_digest(owner: str) -> str:
     return hashlib.sha256(b"jobfence-owner\n" + owner.encode()).hexdigest()[:32]
 
 
+TLS_OPTIONS = ("use_ssl", "ca", "certfile", "keyfile", "verify_certs", "check_hostname")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a zookeeper:// URL names: the ensemble, the chroot, the digest identity, TLS."""
+
+    hosts: str  # kazoo's host list 'h1:p1,h2:p2'
+    chroot: str  # '' or '/a/b'
+    auth: tuple[str, str] | None = field(default=None, repr=False)  # (user, password)
+    tls: dict[str, Any] = field(default_factory=dict)  # KazooClient's TLS arguments
+
+    @property
+    def user(self) -> str | None:
+        return self.auth[0] if self.auth else None
+
+
 def parse_url(url: str) -> tuple[str, str]:
     """(kazoo host list 'h1:p1,h2:p2', chroot '' or '/a/b') of a zookeeper:// URL."""
+    target = parse_target(url)
+    return target.hosts, target.chroot
+
+
+def parse_target(url: str) -> Target:
+    """`zookeeper://[user:password@]host:port[,host:port...][/chroot][?TLS options]`.
+
+    The user-info (percent-encoded) is a digest identity: the client authenticates with it
+    and every node jobfence creates gets an ACL giving that identity alone any access. TLS
+    options are KazooClient's: any of `use_ssl=true`, `ca`, `certfile`, `keyfile` turns TLS on,
+    which verifies the certificate and the host name unless `verify_certs=false` /
+    `check_hostname=false` says otherwise. Errors never quote the password."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in SCHEMES:
         raise ValueError(f"not a ZooKeeper URL: {parts.scheme}://")
-    netloc = parts.netloc
-    if "@" in netloc:
-        raise ValueError(
-            "zookeeper:// URLs take no user or password: jobfence's nodes are created with "
-            "the open ACL; restrict access to the ensemble by network"
-        )
-    if parts.query or parts.fragment:
-        raise ValueError("zookeeper:// URLs take no query or fragment")
+    userinfo, at, netloc = parts.netloc.rpartition("@")
+    auth = None
+    if at:
+        user, colon, password = userinfo.partition(":")
+        user, password = unquote(user), unquote(password)
+        if not user or not colon or not password:
+            raise ValueError(
+                "zookeeper:// user-info needs a user and a password for digest authentication: "
+                "zookeeper://user:password@host:2181/chroot (percent-encoded)"
+            )
+        if ":" in user:
+            raise ValueError(
+                "the zookeeper:// user name holds a ':', which digest authentication cannot "
+                "carry; choose a user name without one"
+            )
+        auth = (user, password)
+    if parts.fragment:
+        raise ValueError("zookeeper:// URLs take no fragment")
     hosts = []
     for item in netloc.split(","):
         host, colon, port = item.rpartition(":")
@@ -114,7 +161,61 @@ def parse_url(url: str) -> tuple[str, str]:
     chroot = parts.path.rstrip("/")
     if chroot and any(p in ("", ".", "..") for p in chroot[1:].split("/")):
         raise ValueError(f"zookeeper:// chroot {parts.path!r} is not a valid node path")
-    return ",".join(hosts), chroot
+    return Target(",".join(hosts), chroot, auth, _tls_options(parts.query))
+
+
+def _flag(name: str, value: str) -> bool:
+    low = value.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"zookeeper:// option {name}={value!r} is not true or false")
+
+
+def _tls_options(query: str) -> dict[str, Any]:
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in TLS_OPTIONS:
+            raise ValueError(
+                f"unknown option {name!r} in the zookeeper:// URL; known: {', '.join(TLS_OPTIONS)}"
+            )
+        options[name] = value
+    files = {n: options[n] for n in ("ca", "certfile", "keyfile") if n in options}
+    for name, path in files.items():
+        if not path:
+            raise ValueError(f"zookeeper:// option {name}= is empty: give a PEM file path")
+    use_ssl = _flag("use_ssl", options["use_ssl"]) if "use_ssl" in options else None
+    if use_ssl is False:
+        if len(options) > 1:
+            raise ValueError(
+                "the zookeeper:// URL gives use_ssl=false with other TLS options; drop one"
+            )
+        return {}
+    if not use_ssl and not files:
+        if options:
+            raise ValueError(
+                "the zookeeper:// URL gives verify_certs/check_hostname without TLS: add "
+                "use_ssl=true (and ca=/path/ca.pem)"
+            )
+        return {}
+    if "keyfile" in files and "certfile" not in files:
+        raise ValueError("the zookeeper:// URL gives keyfile without certfile: add certfile=")
+    verify = _flag("verify_certs", options.get("verify_certs", "true"))
+    hostname = _flag("check_hostname", options.get("check_hostname", str(verify)))
+    if hostname and not verify:
+        raise ValueError(
+            "the zookeeper:// URL gives check_hostname=true with verify_certs=false: a host "
+            "name is checked only on a verified certificate; drop verify_certs=false"
+        )
+    return {"use_ssl": True, **files, "verify_certs": verify, "check_hostname": hostname}
+
+
+def _writable(acls: Sequence[ACL], scheme: str, ident: str) -> bool:
+    """Does an ACL entry give `scheme:ident` write access?"""
+    return any(
+        a.id.scheme == scheme and a.id.id == ident and a.perms & Permissions.WRITE for a in acls
+    )
 
 
 def _failure(results: Sequence[Any]) -> tuple[int, Exception] | None:
@@ -136,11 +237,19 @@ def _json(data: bytes) -> dict[str, Any]:
 class _Session:
     """One KazooClient and its session, for one TTL; the TTL is what the server granted."""
 
-    def __init__(self, hosts: str, requested_ms: int, socket_timeout: float, clock: Clock) -> None:
+    def __init__(
+        self,
+        hosts: str,
+        requested_ms: int,
+        socket_timeout: float,
+        clock: Clock,
+        options: dict[str, Any],
+    ) -> None:
         self.clock = clock
         self.negotiated_ms = requested_ms
         self.client = KazooClient(
             hosts=hosts,
+            **options,
             timeout=requested_ms / 1000,
             connection_retry=KazooRetry(
                 max_tries=-1, delay=0.05, backoff=2, max_jitter=0.3, max_delay=RECONNECT_CAP
@@ -312,6 +421,8 @@ class ZooKeeperBackend(LockBackend):
         fence_retention: float = 30 * 24 * 3600.0,
         prune_interval: float = PRUNE_INTERVAL,
         clock: Clock = SYSTEM_CLOCK,
+        auth: tuple[str, str] | None = None,
+        tls: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(clock=clock)
         if not prefix or "/" in prefix or prefix in (".", "..") or prefix == "zookeeper":
@@ -321,6 +432,16 @@ class ZooKeeperBackend(LockBackend):
             )
         self.hosts = hosts
         self.root = f"{chroot}/{prefix}"
+        self.user = auth[0] if auth else None
+        self.tls_options = dict(tls or {})
+        # Digest auth: the session authenticates as user:password, and every node made here
+        # (kazoo's default_acl covers create, ensure_path and multi) is that identity's alone.
+        self._identity = make_digest_acl_credential(*auth) if auth else None
+        self._client_options: dict[str, Any] = dict(self.tls_options)
+        if auth:
+            self._client_options["auth_data"] = [("digest", f"{auth[0]}:{auth[1]}")]
+            self._client_options["default_acl"] = [make_digest_acl(*auth, all=True)]
+        self._acl_checked: set[int] = set()  # sessions (ids) that checked the root's ACL
         self.socket_timeout = socket_timeout
         self.fence_retention = fence_retention
         self.prune_interval = prune_interval
@@ -365,14 +486,17 @@ class ZooKeeperBackend(LockBackend):
         prune_interval: float = PRUNE_INTERVAL,
         clock: Clock = SYSTEM_CLOCK,
     ) -> ZooKeeperBackend:
-        """`zookeeper://host:port[,host:port...][/chroot]`; a missing chroot is created."""
+        """`zookeeper://[user:password@]host:port[,host:port...][/chroot][?TLS options]`
+        (`parse_target`); a missing chroot is created."""
         try:
-            hosts, chroot = parse_url(url)
+            target = parse_target(url)
         except ValueError as exc:
             raise LockError(str(exc)) from exc
         return cls(
-            hosts,
-            chroot=chroot,
+            target.hosts,
+            chroot=target.chroot,
+            auth=target.auth,
+            tls=target.tls,
             prefix=prefix,
             socket_timeout=socket_timeout,
             fence_retention=fence_retention,
@@ -405,7 +529,7 @@ class ZooKeeperBackend(LockBackend):
         return session
 
     def _connect(self, ms: int) -> _Session:
-        session = _Session(self.hosts, ms, self.socket_timeout, self.clock)
+        session = _Session(self.hosts, ms, self.socket_timeout, self.clock, self._client_options)
         session.start()
         for other in list(self._sessions.values()):
             if not other.dead and other.negotiated_ms == session.negotiated_ms:
@@ -445,6 +569,9 @@ class ZooKeeperBackend(LockBackend):
             result = start().get(timeout=self.socket_timeout)
         except _TRANSPORT as exc:
             raise BackendUnavailable(f"zookeeper {what} failed", key=key, cause=exc) from exc
+        except NoAuthError as exc:
+            problem, fix = self._not_ours(what)
+            raise LockError(f"{problem}; fix: {fix}", key=key, cause=exc) from exc
         except ZookeeperError:
             raise  # the server's answer: NoNode, NodeExists, BadVersion...
         except KazooException as exc:
@@ -472,6 +599,58 @@ class ZooKeeperBackend(LockBackend):
             return tx.commit_async()
 
         return list(self._call(session, what, key, start))
+
+    def security(self) -> Security:
+        """TLS as the URL's options asked, auth: a digest identity in its user-info."""
+        tls = bool(self.tls_options)
+        return Security(
+            tls=tls,
+            verified=tls and bool(self.tls_options.get("verify_certs")),
+            hostname_checked=tls and bool(self.tls_options.get("check_hostname")),
+            auth=self._identity is not None,
+        )
+
+    def _not_ours(self, what: str) -> tuple[str, str]:
+        """(problem, fix) when the server refuses us a node under the root (NoAuth)."""
+        if self.user is None:
+            return (
+                f"ZooKeeper refused {what} under {self.root} (NoAuth): its nodes are "
+                "protected by an ACL and the lock URL names no user",
+                "put the digest user and password that made them in the lock URL: "
+                "zookeeper://user:password@host:2181/chroot (percent-encoded)",
+            )
+        return (
+            f"ZooKeeper refused {what} under {self.root} to user {self.user!r} (NoAuth): "
+            "its nodes belong to another identity (or the password is wrong)",
+            "put the user and password that made them in the lock URL, percent-encoded; or "
+            "use a chroot or JOBFENCE_KEY_PREFIX of this identity's own",
+        )
+
+    def _check_acl(self, session: _Session) -> None:
+        """Once per session: may this identity write the root, the fence base's parent?
+
+        Refused (LockError naming the fix) if the root is another identity's; a warning if
+        it is world-writable although we authenticate (made before auth was set up)."""
+        if session.sid is not None and session.sid in self._acl_checked:
+            return
+        c = session.client
+        try:
+            acls, _ = self._call(session, "setup", None, lambda: c.get_acls_async(self.root))
+        except NoNodeError:
+            return  # made by _setup, with our ACL
+        if session.sid is not None:
+            self._acl_checked.add(session.sid)
+        if _writable(acls, "world", "anyone"):
+            if self._identity is not None:
+                log.warning(
+                    "ZooKeeper nodes under %s are writable by anyone (made before the lock "
+                    "URL named a user): remove them (zkCli deleteall %s, with no job running) "
+                    "so they are made again with this user's ACL", self.root, self.root,
+                )  # fmt: skip
+            return
+        if self._identity is None or not _writable(acls, "digest", self._identity):
+            problem, fix = self._not_ours("writes")
+            raise LockError(f"{problem}; fix: {fix}")
 
     def _note_clock(self, mtime_ms: int, before: float, after: float) -> None:
         """Our estimate of the server's wall clock, from a write's mtime (inspect, expiry)."""
@@ -535,6 +714,7 @@ class ZooKeeperBackend(LockBackend):
 
     def _load_base(self, session: _Session) -> int:
         """Read the fence base (µs) once per session: a new session may meet new data."""
+        self._check_acl(session)
         c = session.client
         try:
             _, stat = self._call(
@@ -1395,6 +1575,12 @@ class ZooKeeperBackend(LockBackend):
         opened = set(self._sessions)
         try:
             granted_ttls = [(ttl, self.session_ttl(ttl)) for ttl in sorted(set(ttls))]
+            try:
+                self._check_acl(self._any_session())
+            except LockError as exc:
+                if isinstance(exc, BackendUnavailable):
+                    raise
+                problems.append(self._not_ours("writes"))
         finally:
             self._close_unused(opened)  # a prefork parent then forks with no client threads
         for ttl, granted in granted_ttls:
