@@ -242,3 +242,27 @@ def test_an_unreadable_ca_file_is_refused_when_the_backend_is_made(tmp_path: Pat
 def test_security_without_tls_says_so() -> None:
     assert MySQLBackend.from_url("mysql://u@h/db").security() == Security(False, False, False,
                                                                            False)  # fmt: skip
+
+
+def test_the_start_up_hook_reports_a_refused_login_or_certificate_as_a_problem(
+    servers: Servers,
+) -> None:
+    """Not an outage to wait out: `server_problems` (the start-up check's refusal) names it."""
+    for url, fix in (
+        (_url(servers.good, f"ssl_ca={servers.pki.ca}", pw="not-the-password"),
+         "check the user and password"),
+        (_url(servers.good, f"ssl_ca={servers.pki.other_ca}"), "ssl_ca=/path/ca.pem"),
+        (_url(servers.wrong_name, f"ssl_ca={servers.pki.ca}"), "ssl_verify_identity=false"),
+    ):  # fmt: skip
+        backend = MySQLBackend.from_url(url, prefix="tls")
+        try:
+            ((problem, hint),) = backend.server_problems()
+        finally:
+            backend.close()
+        assert problem.startswith("cannot connect to the MySQL lock server") and fix in hint
+        assert PASSWORD not in problem + hint and "not-the-password" not in problem + hint
+    backend = MySQLBackend.from_url(_url(servers.good, f"ssl_ca={servers.pki.ca}"), prefix="tls")
+    try:
+        assert backend.server_problems() == []
+    finally:
+        backend.close()

@@ -816,13 +816,22 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
     def server_problems(self) -> list[tuple[str, str]]:
         """What about the server breaks this backend, as (problem, fix) pairs; for start-up.
 
-        Raises BackendUnavailable if the server does not answer.
+        A login or TLS set-up the server refuses is a problem too (no wait would help);
+        raises BackendUnavailable if the server does not answer.
         """
-        rows = self._run(
-            "SELECT @@version, @@log_bin, @@binlog_format, @@read_only, @@innodb_read_only",
-            (),
-            None,
-        )[0]
+        try:
+            rows = self._run(
+                "SELECT @@version, @@log_bin, @@binlog_format, @@read_only, @@innodb_read_only",
+                (),
+                None,
+            )[0]
+        except BackendUnavailable as exc:
+            args = self._connect_args
+            cause = exc.cause if isinstance(exc.cause, MySQLError) else None
+            hint = cause and connect_hint(cause, args.get("host", ""), args.get("user"))
+            if not hint:
+                raise
+            return [(f"cannot connect to the MySQL lock server ({cause})", hint)]
         version, log_bin, binlog_format, read_only, innodb_read_only = rows[0]
         return server_problems(
             version=str(version),
