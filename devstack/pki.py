@@ -99,13 +99,14 @@ def make_pki(where: Path) -> Pki:
     _write(where / "other-ca.pem", other, other_key)
     server_auth = [ExtendedKeyUsageOID.SERVER_AUTH]
     made: dict[str, Path] = {}
-    for stem, subject, names, usage in (
+    cases: list[tuple[str, str, list[x509.GeneralName] | None, list[x509.ObjectIdentifier]]] = [
         ("server", "localhost",
          [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
          server_auth),
         ("wrong-name", "wrong.example", [x509.DNSName("wrong.example")], server_auth),
         ("client", "jobfence-client", None, [ExtendedKeyUsageOID.CLIENT_AUTH]),
-    ):  # fmt: skip
+    ]  # fmt: skip
+    for stem, subject, names, usage in cases:
         key = _key()
         cert = _certificate(subject, key, (ca, ca_key), names=names, usage=usage)
         made[stem] = _write(where / f"{stem}.pem", cert, key)

@@ -181,7 +181,7 @@ def _tls_options(query: str) -> dict[str, Any]:
                 f"unknown option {name!r} in the zookeeper:// URL; known: {', '.join(TLS_OPTIONS)}"
             )
         options[name] = value
-    files = {n: options[n] for n in ("ca", "certfile", "keyfile") if n in options}
+    files: dict[str, Any] = {n: options[n] for n in ("ca", "certfile", "keyfile") if n in options}
     for name, path in files.items():
         if not path:
             raise ValueError(f"zookeeper:// option {name}= is empty: give a PEM file path")
