@@ -49,6 +49,24 @@ _Node: Any = ClusterNode  # redis-py leaves it untyped
 SLOTS = 16384
 
 
+def cluster_options(url: str, socket_timeout: float, node: Any) -> dict[str, Any]:
+    """The cluster client's options for `url`, sync or asyncio (`node`: its ClusterNode).
+
+    The caller adds `retry=Retry(NoBackoff(), 0)` from its own redis-py flavour: MOVED/ASK
+    are followed inside one attempt; a timeout or a broken connection is not retried (the
+    command may have run)."""
+    nodes, username, password = cluster_nodes(url)
+    return {
+        "startup_nodes": [node(host, port) for host, port in nodes],
+        "username": username,
+        "password": password,
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": socket_timeout,
+        "decode_responses": True,
+        "health_check_interval": 0,
+    }
+
+
 @functools.cache
 def slot_tags() -> tuple[str, ...]:
     """For each cluster slot, a short hash tag (1 to 3 letters or digits) that maps to it.
@@ -173,19 +191,9 @@ class RedisClusterBackend(RedisBackend):
         clock: Clock = SYSTEM_CLOCK,
     ) -> RedisClusterBackend:
         """`redis+cluster://[user:password@]host:port[,host:port...]` (seed nodes)."""
-        nodes, username, password = cluster_nodes(url)
         try:
             client = RedisCluster(
-                startup_nodes=[_Node(host, port) for host, port in nodes],
-                username=username,
-                password=password,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=socket_timeout,
-                decode_responses=True,
-                health_check_interval=0,
-                # MOVED/ASK are followed inside one attempt; a timeout or a broken
-                # connection is not retried (the command may have run).
-                retry=Retry(NoBackoff(), 0),
+                **cluster_options(url, socket_timeout, _Node), retry=Retry(NoBackoff(), 0)
             )
         except (RedisError, RedisClusterException) as exc:
             raise BackendUnavailable(
