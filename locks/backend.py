@@ -249,8 +249,15 @@ class LockBackend(ABC):
         started = self.clock.monotonic()
         got = self._begin(key, owner, ttl_ms, meta, record, fingerprint)
         if isinstance(got, int):
-            return Lease.granted(self, key, owner, got, ttl_ms, started, meta)
+            lease = Lease.granted(self, key, owner, got, ttl_ms, started, meta)
+            self._on_grant(lease)
+            return lease
         return got
+
+    def _on_grant(self, lease: Lease) -> None:
+        """Hook: a backend whose grant lives on a clock of its own (etcd's process lease)
+        sets the new lease's deadline from it here; the default counts from the request."""
+        del lease
 
     def extend(self, lease: Lease, ttl: float | None = None) -> None:
         """Push the lease's expiry to now + ttl. Raises NotOwner (and marks it lost) if not ours."""

@@ -29,7 +29,7 @@ from redis.retry import Retry
 
 from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_nodes
-from jobfence.locks.backend import Capabilities, JobRecord, LockInfo, validate_ttl
+from jobfence.locks.backend import JobRecord, LockInfo, validate_ttl
 from jobfence.locks.backends.redis import (
     DEFAULT_FENCE_RETENTION,
     EXTEND_CHUNK,
@@ -152,11 +152,7 @@ class RedisClusterBackend(RedisBackend):
     the replies; a node that fails leaves only its own leases unknown.
     """
 
-    name: ClassVar[str] = "redis-cluster"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=True,
-        semaphore=True, rate_limit=True,
-    )
+    name: ClassVar[str] = "redis-cluster"  # capabilities: RedisBackend's, every one
 
     def __init__(
         self,
