@@ -134,7 +134,9 @@ class _ScratchDatabase(_ClosedOnExit):
         self._dropped = False
         with self._admin_engine().connect() as conn:
             self._create(conn)
-        self._finalizer = weakref.finalize(self, _drop_quietly, type(self), self.admin_url, self.name)
+        self._finalizer = weakref.finalize(
+            self, _drop_quietly, type(self), self.admin_url, self.name
+        )
 
     @property
     def url(self) -> str:
