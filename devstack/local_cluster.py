@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any
 
 import redis
 
@@ -17,7 +17,7 @@ __all__ = ["LocalCluster"]
 SLOTS = 16384
 
 
-class LocalCluster(procs.Launcher):
+class LocalCluster(procs.ServerGroup):
     """`masters` cluster-enabled redis-servers, each with `replicas` replicas, on free ports.
 
     Usage::
@@ -90,17 +90,7 @@ class LocalCluster(procs.Launcher):
         return self.servers[index].client(decode_responses=True)
 
     # -- lifecycle ------------------------------------------------------------------
-    def start(self) -> Self:
-        try:
-            for server in self.servers:
-                server.start()
-            self._form()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _form(self) -> None:
+    def _formed(self) -> None:
         clients: list[Any] = [self.client(i) for i in range(len(self.servers))]
         self.ids = [str(c.execute_command("CLUSTER", "MYID")) for c in clients]
         per = SLOTS // self.n_masters
@@ -173,12 +163,6 @@ class LocalCluster(procs.Launcher):
                         return next(k for k, s in enumerate(self.servers)
                                     if (s.host, s.port) == (host, port))
         raise LookupError(f"no running node serves {name!r}")
-
-    def stop(self) -> None:
-        for server in self.servers:
-            with contextlib.suppress(Exception):
-                server.stop()
-        self._dir.remove()
 
     def __repr__(self) -> str:
         return f"<LocalCluster {self.n_masters} masters x {self.n_replicas} replicas {self.url}>"

@@ -68,6 +68,17 @@ def _post_json(url: str, body: dict[str, Any], timeout: float) -> Any:
         return json.loads(reply.read())
 
 
+def _status(node: _Node, timeout: float) -> dict[str, Any]:
+    """A running member's /v3/maintenance/status, or {} (stopped, or no answer)."""
+    if not node.running:
+        return {}
+    try:
+        status = _post_json(f"{node.client_url}/v3/maintenance/status", {}, timeout)
+    except (OSError, ValueError, urllib.error.URLError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
 class EtcdCluster(procs.Launcher):
     """`size` etcd members on free loopback ports, as child processes of this one.
 
@@ -244,23 +255,11 @@ class EtcdCluster(procs.Launcher):
         """Index of the member that is leader now (as a running member reports it), or None."""
         nodes = self._require_nodes()
         for node in nodes:
-            if not node.running:
-                continue
-            try:
-                status = _post_json(f"{node.client_url}/v3/maintenance/status", {}, timeout)
-            except (OSError, ValueError, urllib.error.URLError):
-                continue
-            leader_id = status.get("leader")
+            leader_id = _status(node, timeout).get("leader")
             if not leader_id or leader_id == "0":
                 continue
             for i, other in enumerate(nodes):
-                if not other.running:
-                    continue
-                try:
-                    own = _post_json(f"{other.client_url}/v3/maintenance/status", {}, timeout)
-                except (OSError, ValueError, urllib.error.URLError):
-                    continue
-                if own.get("header", {}).get("member_id") == leader_id:
+                if _status(other, timeout).get("header", {}).get("member_id") == leader_id:
                     return i
         return None
 

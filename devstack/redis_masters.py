@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
-from typing import Self
 
 import redis
 
@@ -19,7 +17,7 @@ __all__ = ["RedisMasters"]
 TMPFS = Path("/dev/shm")
 
 
-class RedisMasters(procs.Launcher):
+class RedisMasters(procs.ServerGroup):
     """`n` independent private redis-servers on free ports of 127.0.0.1.
 
     ``durable=True`` runs each with ``appendonly yes`` and ``appendfsync always`` (what
@@ -33,7 +31,7 @@ class RedisMasters(procs.Launcher):
         self._dir = procs.Workdir(None, "jobfence-redlock-", parent=base)
         root = self._dir.make()
         extra = ["--appendonly", "yes", "--appendfsync", "always"] if durable else []
-        self.servers = [
+        self.servers: list[RedisServer] = [
             RedisServer(executable=executable, extra_args=extra, workdir=root / f"m{i}")
             for i in range(n)
         ]
@@ -42,21 +40,6 @@ class RedisMasters(procs.Launcher):
     def url(self) -> str:
         """``redlock://127.0.0.1:p1,127.0.0.1:p2,...``"""
         return "redlock://" + ",".join(f"{s.host}:{s.port}" for s in self.servers)
-
-    def start(self) -> Self:
-        try:
-            for server in self.servers:
-                server.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        for server in self.servers:
-            with contextlib.suppress(Exception):
-                server.stop()
-        self._dir.remove()
 
     def restart(self, index: int, *, keep_data: bool = False) -> None:
         """Crash master `index` (SIGKILL) and start it again on its port, empty unless

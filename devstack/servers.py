@@ -126,14 +126,17 @@ class _ScratchDatabase(_ClosedOnExit):
     """A uniquely named database created on construction and removed by ``drop()``."""
 
     dialect_name = ""
+    default_admin_url = ""  # the local server's, per dialect
 
-    def __init__(self, admin_url: str, *, prefix: str = "jobfence_test") -> None:
-        self.admin_url = admin_url
+    def __init__(self, admin_url: str | None = None, *, prefix: str = "jobfence_test") -> None:
+        self.admin_url = admin_url or self.default_admin_url
         self.name = unique_name(prefix)
         self._dropped = False
         with self._admin_engine().connect() as conn:
             self._create(conn)
-        self._finalizer = weakref.finalize(self, _drop_quietly, type(self), admin_url, self.name)
+        self._finalizer = weakref.finalize(
+            self, _drop_quietly, type(self), self.admin_url, self.name
+        )
 
     @property
     def url(self) -> str:
@@ -206,11 +209,7 @@ class PostgresDatabase(_ScratchDatabase):
     """A fresh database on the local PostgreSQL: ``postgresql+psycopg://postgres@.../<name>``."""
 
     dialect_name = "PostgreSQL"
-
-    def __init__(
-        self, admin_url: str = POSTGRES_ADMIN_URL, *, prefix: str = "jobfence_test"
-    ) -> None:
-        super().__init__(admin_url, prefix=prefix)
+    default_admin_url = POSTGRES_ADMIN_URL
 
     def _create(self, conn: sa.Connection) -> None:
         conn.execute(sa.text(f'CREATE DATABASE "{self.name}"'))
@@ -248,11 +247,7 @@ class MariaDBDatabase(_ScratchDatabase):
     """A fresh database on the local MariaDB: ``mysql+pymysql://root@.../<name>``."""
 
     dialect_name = "MariaDB"
-
-    def __init__(
-        self, admin_url: str = MARIADB_ADMIN_URL, *, prefix: str = "jobfence_test"
-    ) -> None:
-        super().__init__(admin_url, prefix=prefix)
+    default_admin_url = MARIADB_ADMIN_URL
 
     def _create(self, conn: sa.Connection) -> None:
         conn.execute(
@@ -279,7 +274,7 @@ class MariaDBDatabase(_ScratchDatabase):
 # --------------------------------------------------------------------------- processes
 
 
-class ProcessGroup:
+class ProcessGroup(_ClosedOnExit):
     """Spawns helper processes (e.g. Celery workers) and guarantees they are all stopped.
 
     Each process leads its own session/process group, so ``stop_all()`` also stops its
@@ -336,15 +331,7 @@ class ProcessGroup:
         if self._own_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
         self.stop_all()
 
 

@@ -261,17 +261,15 @@ class LockBackend(ABC):
         started = self.clock.monotonic()
         got = self._begin(key, owner, ttl_ms, meta, record, fingerprint)
         if isinstance(got, int):
-            return Lease(
-                key=key,
-                owner=owner,
-                fence=got,
-                ttl=ttl_ms / 1000,
-                deadline=started + ttl_ms / 1000,
-                backend=self,
-                clock=self.clock,
-                meta=meta,
-            )
+            lease = Lease.granted(self, key, owner, got, ttl_ms, started, meta)
+            self._on_grant(lease)
+            return lease
         return got
+
+    def _on_grant(self, lease: Lease) -> None:
+        """Hook: a backend whose grant lives on a clock of its own (etcd's process lease)
+        sets the new lease's deadline from it here; the default counts from the request."""
+        del lease
 
     def extend(self, lease: Lease, ttl: float | None = None) -> None:
         """Push the lease's expiry to now + ttl. Raises NotOwner (and marks it lost) if not ours."""
@@ -383,17 +381,7 @@ class LockBackend(ABC):
         got = self._sem_acquire(key, owner, limit, ttl_ms, queue_ms, meta)
         if isinstance(got, SlotWait):
             return got
-        return SlotLease(
-            key=key,
-            owner=owner,
-            fence=got,
-            ttl=ttl_ms / 1000,
-            deadline=started + ttl_ms / 1000,
-            backend=self,
-            clock=self.clock,
-            meta=meta,
-            limit=limit,
-        )
+        return SlotLease.granted(self, key, owner, got, ttl_ms, started, meta, limit=limit)
 
     def semaphore_leave(self, key: str, owner: str) -> bool:
         """Give up `owner`'s place in the queue of `key`, or its slot if it got one."""

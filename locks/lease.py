@@ -6,7 +6,7 @@ import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from jobfence.locks.errors import LeaseLost
 
@@ -52,6 +52,17 @@ class Lease:
     _released: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _on_lost: list[Callable[[Lease, BaseException], None]] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def granted(
+        cls, backend: LockBackend, key: str, owner: str, fence: int, ttl_ms: int,
+        started: float, meta: OwnerMeta, **extra: Any,
+    ) -> Self:  # fmt: skip
+        """The lease of a grant asked for at `started` (the backend clock's monotonic time):
+        its deadline counts from the request, not the reply."""
+        return cls(key=key, owner=owner, fence=fence, ttl=ttl_ms / 1000,
+                   deadline=started + ttl_ms / 1000, backend=backend, clock=backend.clock,
+                   meta=meta, **extra)  # fmt: skip
 
     # -- state -----------------------------------------------------------------
     @property

@@ -287,9 +287,28 @@ def test_the_license_and_changelog_are_in_the_repository() -> None:
 #: Test and benchmark tooling (devstack/, tests/): server launchers, the peers' benches,
 #: the fault report. The demo's own redis-server launcher and process helpers stay.
 TOOLING = (
-    "devstack/*", "tests/*", "*/bench/*", "*/local_*.py", "*/redis_masters.py",
-    "*/faults_report.py", "*/servers.py", "*conftest.py", "*/test_*.py",
+    "devstack/*", "*/devstack/*", "tests/*", "*/tests/*", "*/bench/*", "*/local_*.py",
+    "*/redis_masters.py", "*/faults_report.py", "*/servers.py", "*conftest.py", "*/test_*.py",
 )  # fmt: skip
+
+
+def _tooling(names: list[str]) -> list[str]:
+    return sorted(f for f in names if any(fnmatch.fnmatch(f, p) for p in TOOLING))
+
+
+def test_the_tooling_patterns_catch_every_devstack_and_test_module_wherever_it_lands() -> None:
+    """The control of the wheel check: were devstack/ or tests/ packaged, at the top or mapped
+    under jobfence/ as the design's folders are, every file of theirs would be caught."""
+    tracked = subprocess.run(["git", "ls-files", "devstack", "tests"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    modules = [n for n in tracked if n.endswith(".py")]
+    assert len(modules) > 50 and any(n.startswith("devstack/") for n in modules)
+    for where in ("", "jobfence/"):
+        packaged = [where + n for n in modules]
+        assert _tooling(packaged) == sorted(packaged)
+    shipped = ["jobfence/worker/cli.py", "jobfence/worker/demo.py", "jobfence/locks/api.py",
+               "jobfence/worker/redis_server.py", "jobfence/locks/backends/redis.py"]  # fmt: skip
+    assert _tooling(shipped) == []
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +338,7 @@ def checkout_wheel(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 def test_the_wheel_holds_no_test_or_benchmark_tooling(checkout_wheel: list[str]) -> None:
-    tooling = sorted(f for f in checkout_wheel if any(fnmatch.fnmatch(f, p) for p in TOOLING))
+    tooling = _tooling(checkout_wheel)
     assert tooling == [], f"tooling in the wheel (it belongs in devstack/): {tooling}"
     # What users run stays: the CLI, the demo and the private redis-server it starts.
     for module in ("cli.py", "demo.py", "redis_server.py", "procs.py", "fleet.py"):

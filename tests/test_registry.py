@@ -3,6 +3,8 @@ refusals derived from capabilities, and a backend added by one registry line."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import re
 import socket
 import subprocess
@@ -13,8 +15,10 @@ from typing import ClassVar
 
 import pytest
 
+from jobfence import AsyncLocker
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.locks import (
+    AcquireTimeout,
     LockBackend,
     Locker,
     MemoryBackend,
@@ -144,6 +148,78 @@ def test_a_backend_registered_by_one_line_is_opened_checked_and_listed(
     with Locker(backend).lock("k", ttl=5) as lease:
         assert lease.fence > 0
     assert registry.backends_with("native_fencing").endswith("or toy://")
+
+
+#: A backend as a user adds one: this module in a file of its own, and the registry line
+#: in the fixture. Nothing else names it (the fixture registers and unregisters it).
+SHELF_MODULE = """\
+\"\"\"A lock backend of one process's memory, added by one module and one registry line.\"\"\"
+
+from typing import ClassVar
+
+from jobfence.locks import MemoryBackend
+from jobfence.locks.backend import Capabilities
+
+
+class ShelfBackend(MemoryBackend):
+    name: ClassVar[str] = "shelf"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        native_fencing=True, durable_fence=False, ha=False, release_notify=True
+    )
+"""
+
+
+@pytest.fixture
+def shelf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendEntry]:
+    (tmp_path / "jf_shelf_backend.py").write_text(SHELF_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    caps = Capabilities(native_fencing=True, durable_fence=False, ha=False, release_notify=True)
+    # The registry line, as locks/registry.py would have it:
+    entry = registry.register(BackendEntry("shelf", ("shelf",), "jf_shelf_backend", "ShelfBackend",
+                                           caps))  # fmt: skip
+    assert "jf_shelf_backend" not in sys.modules  # imported on first use, not at register
+    try:
+        yield entry
+    finally:
+        registry.unregister("shelf")
+        sys.modules.pop("jf_shelf_backend", None)
+
+
+def test_a_backend_in_its_own_module_works_through_both_lockers_by_its_registry_line(
+    shelf: BackendEntry,
+) -> None:
+    locker = Locker.from_url("shelf://")
+    backend = locker.backend
+    assert type(backend).__module__ == "jf_shelf_backend" and backend.name == "shelf"
+    assert shelf.load().capabilities == shelf.capabilities
+    # The contract's basics: a grant with a fence, exclusion, release, a higher next fence.
+    with locker.lock("k", ttl=5) as first:
+        assert first.fence > 0 and backend.inspect("k") is not None
+        with pytest.raises(AcquireTimeout):
+            locker.acquire("k", ttl=5, blocking=False)
+        first.extend()
+    assert backend.inspect("k") is None
+    with locker.lock("k", ttl=5) as second:
+        assert second.fence > first.fence
+    locker.close()
+
+    async def contend() -> list[int]:
+        alocker = AsyncLocker.from_url("shelf://")
+        fences = []
+        try:
+            async with alocker.lock("k", ttl=5) as lease:
+                fences.append(lease.fence)
+                with pytest.raises(AcquireTimeout):
+                    await alocker.acquire("k", ttl=5, blocking=False)
+            async with alocker.lock("k", ttl=5) as lease:
+                fences.append(lease.fence)
+        finally:
+            await alocker.aclose()
+        return fences
+
+    fences = asyncio.run(contend())
+    assert fences[0] > 0 and fences[1] > fences[0]
+    assert importlib.import_module("jf_shelf_backend").ShelfBackend is type(backend)
 
 
 def test_registering_a_taken_scheme_is_refused(toy: BackendEntry) -> None:

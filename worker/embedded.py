@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import redis
 
@@ -18,6 +18,15 @@ __all__ = ["HOST", "EmbeddedStack", "EmbeddedStackError", "free_port"]
 
 #: The embedded redis-server could not be started (the same class as RedisServerError).
 EmbeddedStackError = RedisServerError
+
+_T = TypeVar("_T")
+
+
+def _started(part: _T | None) -> _T:
+    """A part of the stack, which exists once the stack has started."""
+    if part is None:
+        raise RuntimeError("EmbeddedStack is not started")
+    return part
 
 
 class EmbeddedStack(procs.Launcher):
@@ -53,21 +62,15 @@ class EmbeddedStack(procs.Launcher):
     # -- what it offers ------------------------------------------------------------
     @property
     def workdir(self) -> Path:
-        if self._dir is None:
-            raise RuntimeError("EmbeddedStack is not started")
-        return self._dir
+        return _started(self._dir)
 
     @property
     def server(self) -> RedisServer:
-        if self._server is None:
-            raise RuntimeError("EmbeddedStack is not started")
-        return self._server
+        return _started(self._server)
 
     @property
     def broker_server(self) -> RedisServer:
-        if self._broker is None:
-            raise RuntimeError("EmbeddedStack is not started")
-        return self._broker
+        return _started(self._broker)
 
     @property
     def port(self) -> int:

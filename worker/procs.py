@@ -226,6 +226,33 @@ class Launcher:
         self.stop()
 
 
+class ServerGroup(Launcher):
+    """Several launchers in one directory started as one: a failed start stops those that
+    started; `stop` stops every member (best effort) and removes the directory."""
+
+    servers: Sequence[Launcher]
+    _dir: Workdir
+
+    def start(self) -> Self:
+        try:
+            for server in self.servers:
+                server.start()
+            self._formed()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _formed(self) -> None:
+        """Runs once every member has started (a cluster joins its nodes here)."""
+
+    def stop(self) -> None:
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                server.stop()
+        self._dir.remove()
+
+
 class Workdir:
     """A launcher's directory: the one given (created, kept) or a temporary one that
     `remove()` deletes, as does a finalizer if the launcher is dropped without stopping."""

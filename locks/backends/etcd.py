@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 
 from jobfence.locks import registry
 from jobfence.locks.backend import (
-    BeginResult,
     Busy,
     Capabilities,
     JobRecord,
@@ -403,25 +402,11 @@ class EtcdBackend(LockBackend):
         return base
 
     # -- acquire -------------------------------------------------------------------------
-    def begin(
-        self,
-        key: str,
-        ttl: float,
-        *,
-        meta: OwnerMeta | None = None,
-        record: bool = False,
-        fingerprint: str = "",
-        owner: str | None = None,
-    ) -> BeginResult:
-        got = super().begin(
-            key, ttl, meta=meta, record=record, fingerprint=fingerprint, owner=owner
-        )
-        if isinstance(got, Lease):
-            # The key lives as long as the process lease it sits on: its deadline counts
-            # from that lease's last confirmation, with the TTL etcd granted (whole seconds).
-            since, granted = self._granted.pop(got.owner)
-            got.renewed(since, float(granted))
-        return got
+    def _on_grant(self, lease: Lease) -> None:
+        # The key lives as long as the process lease it sits on: its deadline counts from
+        # that lease's last confirmation, with the TTL etcd granted (whole seconds).
+        since, granted = self._granted.pop(lease.owner)
+        lease.renewed(since, float(granted))
 
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -119,9 +119,13 @@ class MemoryBackend(LockBackend):
         return [self._extend(k, o, t) for k, o, t in items]
 
     def _release(self, key: str, owner: str) -> bool:
+        return self._drop(key, lambda h: h.owner == owner)
+
+    def _drop(self, key: str, match: Callable[[_Held], bool]) -> bool:
+        """Release `key` if its live holder matches; wake the waiters."""
         with self._cond:
             h = self._live(key)
-            if h is None or h.owner != owner:
+            if h is None or not match(h):
                 return False
             del self._held[key]
             self._cond.notify_all()
@@ -232,13 +236,7 @@ class MemoryBackend(LockBackend):
 
     def release_grant(self, key: str, fence: int) -> bool:
         validate_key(key)
-        with self._cond:
-            h = self._live(key)
-            if h is None or h.fence != fence:
-                return False
-            del self._held[key]
-            self._cond.notify_all()
-            return True
+        return self._drop(key, lambda h: h.fence == fence)
 
     def wait_for_release(self, key: str, timeout: float) -> None:
         if self.clock is not SYSTEM_CLOCK:

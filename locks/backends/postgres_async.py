@@ -117,9 +117,7 @@ class AsyncPostgresStore:
                     return got
                 if got > self.backend.fence_floor:
                     self.backend.fence_floor = got
-                return Lease(key=key, owner=owner, fence=got, ttl=ttl_ms / 1000,
-                             deadline=started + ttl_ms / 1000, backend=self.backend,
-                             clock=self.clock, meta=meta)  # fmt: skip
+                return Lease.granted(self.backend, key, owner, got, ttl_ms, started, meta)
             case WaitRelease(_, timeout):
                 await asyncio.sleep(timeout)
                 return None

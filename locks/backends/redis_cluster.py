@@ -29,7 +29,7 @@ from redis.retry import Retry
 
 from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_nodes
-from jobfence.locks.backend import Capabilities, JobRecord, LockInfo, validate_ttl
+from jobfence.locks.backend import JobRecord, LockInfo, validate_ttl
 from jobfence.locks.backends.redis import (
     DEFAULT_FENCE_RETENTION,
     EXTEND_CHUNK,
@@ -47,6 +47,24 @@ from jobfence.locks.slots import SlotLease
 EXTEND_SCRIPT = "cluster_extend_many"
 _Node: Any = ClusterNode  # redis-py leaves it untyped
 SLOTS = 16384
+
+
+def cluster_options(url: str, socket_timeout: float, node: Any) -> dict[str, Any]:
+    """The cluster client's options for `url`, sync or asyncio (`node`: its ClusterNode).
+
+    The caller adds `retry=Retry(NoBackoff(), 0)` from its own redis-py flavour: MOVED/ASK
+    are followed inside one attempt; a timeout or a broken connection is not retried (the
+    command may have run)."""
+    nodes, username, password = cluster_nodes(url)
+    return {
+        "startup_nodes": [node(host, port) for host, port in nodes],
+        "username": username,
+        "password": password,
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": socket_timeout,
+        "decode_responses": True,
+        "health_check_interval": 0,
+    }
 
 
 @functools.cache
@@ -134,11 +152,7 @@ class RedisClusterBackend(RedisBackend):
     the replies; a node that fails leaves only its own leases unknown.
     """
 
-    name: ClassVar[str] = "redis-cluster"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        native_fencing=True, durable_fence=True, ha=False, release_notify=True,
-        semaphore=True, rate_limit=True,
-    )
+    name: ClassVar[str] = "redis-cluster"  # capabilities: RedisBackend's, every one
 
     def __init__(
         self,
@@ -173,19 +187,9 @@ class RedisClusterBackend(RedisBackend):
         clock: Clock = SYSTEM_CLOCK,
     ) -> RedisClusterBackend:
         """`redis+cluster://[user:password@]host:port[,host:port...]` (seed nodes)."""
-        nodes, username, password = cluster_nodes(url)
         try:
             client = RedisCluster(
-                startup_nodes=[_Node(host, port) for host, port in nodes],
-                username=username,
-                password=password,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=socket_timeout,
-                decode_responses=True,
-                health_check_interval=0,
-                # MOVED/ASK are followed inside one attempt; a timeout or a broken
-                # connection is not retried (the command may have run).
-                retry=Retry(NoBackoff(), 0),
+                **cluster_options(url, socket_timeout, _Node), retry=Retry(NoBackoff(), 0)
             )
         except (RedisError, RedisClusterException) as exc:
             raise BackendUnavailable(

@@ -12,11 +12,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
-from jobfence.config.urls import cluster_nodes
 from jobfence.locks.backend import Capabilities, settle_extensions, validate_ttl
 from jobfence.locks.backends.redis import EXTEND_CHUNK
 from jobfence.locks.backends.redis_async import AsyncRedisStore
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend, extend_args, group_by_node
+from jobfence.locks.backends.redis_cluster import (
+    RedisClusterBackend,
+    cluster_options,
+    extend_args,
+    group_by_node,
+)
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.backends.redis_semaphore import SEMAPHORE_SCRIPTS, sem_extend_call
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -54,18 +58,9 @@ class AsyncClusterStore(AsyncRedisStore):
         backend = RedisClusterBackend.from_url(
             url, prefix=prefix, socket_timeout=socket_timeout, clock=clock
         )
-        nodes, username, password = cluster_nodes(url)
         client = RedisCluster(
-            startup_nodes=[_Node(host, port) for host, port in nodes],
-            username=username,
-            password=password,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout,
-            decode_responses=True,
-            health_check_interval=0,
-            # MOVED/ASK are followed inside one attempt; a timeout or a broken connection
-            # is not retried (the command may have run). Per node: a waiter holds one.
-            retry=Retry(NoBackoff(), 0),
+            **cluster_options(url, socket_timeout, _Node),
+            retry=Retry(NoBackoff(), 0),  # per node: a waiter holds one connection
             # Past its cap a node refuses (MaxConnectionsError) instead of waiting: ops
             # queue on `_slots` below; the margin is the keeper's, one per node and batch.
             max_connections=max_connections + KEEPER_MARGIN,
