@@ -194,6 +194,15 @@ def settle_extensions(leases: Sequence[Lease], results: list[bool], started: flo
     return results
 
 
+def check_swap(key: str, expect: str, new: str | None, ttl: float) -> int:
+    """Refuse a bad swap_publish (see LockBackend.swap_publish); its TTL in ms."""
+    validate_key(key)
+    if not expect or new == "":
+        raise LockError("swap_publish needs a non-empty expect, and new non-empty or None",
+                        key=key)  # fmt: skip
+    return validate_ttl(ttl)
+
+
 def validate_rate(key: str, interval: float, burst: int) -> None:
     if not interval > 0 or not isinstance(burst, int) or burst < 1:
         raise LockError(
@@ -248,18 +257,16 @@ class LockBackend(ABC):
         meta = meta or default_meta()
         started = self.clock.monotonic()
         got = self._begin(key, owner, ttl_ms, meta, record, fingerprint)
-        if isinstance(got, int):
-            return Lease(
-                key=key,
-                owner=owner,
-                fence=got,
-                ttl=ttl_ms / 1000,
-                deadline=started + ttl_ms / 1000,
-                backend=self,
-                clock=self.clock,
-                meta=meta,
-            )
-        return got
+        return self.lease(key, owner, got, ttl_ms, started, meta) if isinstance(got, int) else got
+
+    def lease(
+        self, key: str, owner: str, fence: int, ttl_ms: int, started: float, meta: OwnerMeta
+    ) -> Lease:
+        """The Lease of a grant asked for at `started` (this backend's clock), naming this
+        backend (an asyncio store's grants too, so `lease.release()` works from a thread)."""
+        return Lease(key=key, owner=owner, fence=fence, ttl=ttl_ms / 1000,
+                     deadline=started + ttl_ms / 1000, backend=self, clock=self.clock,
+                     meta=meta)  # fmt: skip
 
     def extend(self, lease: Lease, ttl: float | None = None) -> None:
         """Push the lease's expiry to now + ttl. Raises NotOwner (and marks it lost) if not ours."""
@@ -485,11 +492,7 @@ class LockBackend(ABC):
         owner-checked `clear_publish`; `swap_publish(k, old, new, ttl)` hands a queued
         job's claim to its replacement.
         """
-        validate_key(key)
-        if not expect or new == "":
-            raise LockError("swap_publish needs a non-empty expect, and new non-empty or None",
-                            key=key)  # fmt: skip
-        return self._swap_publish(key, expect, new, validate_ttl(ttl))
+        return self._swap_publish(key, expect, new, check_swap(key, expect, new, ttl))
 
     @abstractmethod
     def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
