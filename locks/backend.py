@@ -194,6 +194,12 @@ def settle_extensions(leases: Sequence[Lease], results: list[bool], started: flo
     return results
 
 
+def grant_args(key: str, ttl: float, meta: OwnerMeta | None) -> tuple[int, OwnerMeta]:
+    """Refuse a bad key or TTL of a grant; (TTL in ms, the holder's meta or this process's)."""
+    validate_key(key)
+    return validate_ttl(ttl), meta or default_meta()
+
+
 def check_swap(key: str, expect: str, new: str | None, ttl: float) -> int:
     """Refuse a bad swap_publish (see LockBackend.swap_publish); its TTL in ms."""
     validate_key(key)
@@ -251,10 +257,8 @@ class LockBackend(ABC):
         conflict while the job runs, not only after DONE. `owner`: the token to hold it
         under (a flow picks it, so it can release a grant whose reply it never read).
         """
-        validate_key(key)
-        ttl_ms = validate_ttl(ttl)
+        ttl_ms, meta = grant_args(key, ttl, meta)
         owner = owner or new_owner_token()
-        meta = meta or default_meta()
         started = self.clock.monotonic()
         got = self._begin(key, owner, ttl_ms, meta, record, fingerprint)
         return self.lease(key, owner, got, ttl_ms, started, meta) if isinstance(got, int) else got

@@ -13,10 +13,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from jobfence.locks import ops
 from jobfence.locks.backend import (
     Capabilities,
     check_swap,
-    default_meta,
+    grant_args,
     settle_extensions,
     validate_key,
     validate_ttl,
@@ -25,7 +26,6 @@ from jobfence.locks.backends.redis import client_options
 from jobfence.locks.backends.redis_async import POOL_WAIT, SignalWait
 from jobfence.locks.backends.redlock import (
     _MORE,
-    DEFAULT_FENCE_RETENTION,
     NO_REPLY,
     RECONNECT_DELAY,
     Done,
@@ -38,23 +38,7 @@ from jobfence.locks.backends.redlock import (
     advance,
     is_noscript,
 )
-from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import LockError
-from jobfence.locks.ops import (
-    Acquire,
-    ClaimPublish,
-    ClearPublish,
-    Extend,
-    Inspect,
-    LeaveSlot,
-    Release,
-    ReleaseOwner,
-    StoreOp,
-    SwapPublish,
-    TakeRate,
-    TakeSlot,
-    WaitRelease,
-)
 
 T = TypeVar("T")
 
@@ -228,66 +212,52 @@ class AsyncRedlockStore:
         self._wait_on = 0  # the master waiters block on; moves on when it fails
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        fence_retention: float = DEFAULT_FENCE_RETENTION,
-        one_round: bool = True,
-        max_connections: int = 32,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> AsyncRedlockStore:
-        """`redlock://[user:password@]host:port,host:port,host:port[,...][/db]`."""
-        backend = RedlockBackend.from_url(url, prefix=prefix, socket_timeout=socket_timeout,
-                                          fence_retention=fence_retention, one_round=one_round,
-                                          clock=clock)  # fmt: skip
-        return cls(backend, max_connections=max_connections)
+    def from_url(cls, url: str, *, max_connections: int = 32, **options: Any) -> AsyncRedlockStore:
+        """`redlock://[user:password@]host:port,host:port,host:port[,...][/db]`; `options`
+        are RedlockBackend.from_url's (prefix, socket_timeout, fence_retention, clock ...)."""
+        return cls(RedlockBackend.from_url(url, **options), max_connections=max_connections)
 
-    async def execute_async(self, op: StoreOp) -> Any:
+    async def execute_async(self, op: ops.StoreOp) -> Any:
         """One op (locks/ops.py); the replies are RedlockBackend.execute's."""
         backend = self.backend
         match op:
-            case Acquire(key, ttl, owner, meta):
-                validate_key(key)
-                ttl_ms = validate_ttl(ttl)
-                meta = meta or default_meta()
+            case ops.Acquire(key, ttl, owner, meta):
+                ttl_ms, meta = grant_args(key, ttl, meta)
                 started = self.clock.monotonic()
                 got = await self._run(backend.begin_rounds(key, owner, ttl_ms, meta, False, ""))
                 if isinstance(got, int):
                     return backend.lease(key, owner, got, ttl_ms, started, meta)
                 return got
-            case WaitRelease(key, timeout):
+            case ops.WaitRelease(key, timeout):
                 return await self._wait(key, timeout)
-            case Extend(leases):
+            case ops.Extend(leases):
                 if not leases:
                     return []
                 started = self.clock.monotonic()
                 items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
                 extended = await self._run(backend.extend_many_rounds(items))
                 return settle_extensions(leases, extended, started)
-            case Release(lease):
+            case ops.Release(lease):
                 if lease.released:
                     return False
                 try:
                     return await self._run(backend.release_rounds(lease.key, lease.owner))
                 finally:
                     lease._released = True
-            case ReleaseOwner(key, owner):
+            case ops.ReleaseOwner(key, owner):
                 validate_key(key)
                 return await self._run(backend.release_rounds(key, owner))
-            case Inspect(key):
+            case ops.Inspect(key):
                 validate_key(key)
                 return await self._run(backend.inspect_rounds(key))
-            case ClaimPublish(key, task_id, ttl):
+            case ops.ClaimPublish(key, task_id, ttl):
                 return await self._run(backend.claim_publish_rounds(key, task_id, ttl))
-            case SwapPublish(key, expect, new, ttl):
+            case ops.SwapPublish(key, expect, new, ttl):
                 ttl_ms = check_swap(key, expect, new, ttl)
                 return await self._run(backend.swap_publish_rounds(key, expect, new, ttl_ms))
-            case ClearPublish(key):
+            case ops.ClearPublish(key):
                 return await self._run(backend.clear_publish_rounds(key))
-            case TakeSlot() | LeaveSlot() | TakeRate():
+            case ops.TakeSlot() | ops.LeaveSlot() | ops.TakeRate():
                 return backend.execute(op)  # refused before any I/O: Redlock keeps neither
         raise LockError(f"the asyncio redlock store cannot run {type(op).__name__}")
 
