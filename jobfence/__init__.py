@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from jobfence.locks import (
         AcquireTimeout,
         AsyncLocker,
+        AsyncSqlFenceGuard,
         BackendUnavailable,
         Lease,
         LeaseLost,
@@ -48,6 +49,7 @@ __all__ = [
     "AcquireTimeout",
     "ArgumentsNotSerializable",
     "AsyncLocker",
+    "AsyncSqlFenceGuard",
     "BackendUnavailable",
     "DuplicateSkipped",
     "IdempotencyConflict",

@@ -44,13 +44,19 @@ from jobfence.locks.slots import SlotInfo, SlotLease, SlotWait
 if TYPE_CHECKING:
     from jobfence.locks.aio import AsyncLocker
     from jobfence.locks.backends.redis import RedisBackend
-    from jobfence.locks.guards import AsyncRedisFenceGuard, RedisFenceGuard, SqlFenceGuard
+    from jobfence.locks.guards import (
+        AsyncRedisFenceGuard,
+        AsyncSqlFenceGuard,
+        RedisFenceGuard,
+        SqlFenceGuard,
+    )
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "AsyncLocker": "jobfence.locks.aio",
         "AsyncRedisFenceGuard": "jobfence.locks.guards",
+        "AsyncSqlFenceGuard": "jobfence.locks.guards",
         "RedisBackend": "jobfence.locks.backends.redis",
         "RedisFenceGuard": "jobfence.locks.guards",
         "SqlFenceGuard": "jobfence.locks.guards",
@@ -62,6 +68,7 @@ __all__ = [
     "AcquireTimeout",
     "AsyncLocker",
     "AsyncRedisFenceGuard",
+    "AsyncSqlFenceGuard",
     "BackendUnavailable",
     "Backoff",
     "Busy",

@@ -69,7 +69,7 @@ class ThreadStore:
 
 def open_async_store(url: str, **options: Any) -> AsyncStore:
     """The asyncio store for a lock URL: native where the registry names one (Redis one
-    node, Sentinel, Cluster; PostgreSQL), a ThreadStore over `open_backend(url)` else."""
+    node, Sentinel, Cluster, Redlock; PostgreSQL), a ThreadStore over `open_backend(url)` else."""
     entry = registry.entry_for(url)
     if entry.async_store is not None:
         entry.load()  # its install hint if the backend's library is missing

@@ -206,6 +206,21 @@ def settle_extensions(leases: Sequence[Lease], results: list[bool], started: flo
     return results
 
 
+def grant_args(key: str, ttl: float, meta: OwnerMeta | None) -> tuple[int, OwnerMeta]:
+    """Refuse a bad key or TTL of a grant; (TTL in ms, the holder's meta or this process's)."""
+    validate_key(key)
+    return validate_ttl(ttl), meta or default_meta()
+
+
+def check_swap(key: str, expect: str, new: str | None, ttl: float) -> int:
+    """Refuse a bad swap_publish (see LockBackend.swap_publish); its TTL in ms."""
+    validate_key(key)
+    if not expect or new == "":
+        raise LockError("swap_publish needs a non-empty expect, and new non-empty or None",
+                        key=key)  # fmt: skip
+    return validate_ttl(ttl)
+
+
 def validate_rate(key: str, interval: float, burst: int) -> None:
     if not interval > 0 or not isinstance(burst, int) or burst < 1:
         raise LockError(
@@ -254,17 +269,20 @@ class LockBackend(ABC):
         conflict while the job runs, not only after DONE. `owner`: the token to hold it
         under (a flow picks it, so it can release a grant whose reply it never read).
         """
-        validate_key(key)
-        ttl_ms = validate_ttl(ttl)
+        ttl_ms, meta = grant_args(key, ttl, meta)
         owner = owner or new_owner_token()
-        meta = meta or default_meta()
         started = self.clock.monotonic()
         got = self._begin(key, owner, ttl_ms, meta, record, fingerprint)
-        if isinstance(got, int):
-            lease = Lease.granted(self, key, owner, got, ttl_ms, started, meta)
-            self._on_grant(lease)
-            return lease
-        return got
+        return self.lease(key, owner, got, ttl_ms, started, meta) if isinstance(got, int) else got
+
+    def lease(
+        self, key: str, owner: str, fence: int, ttl_ms: int, started: float, meta: OwnerMeta
+    ) -> Lease:
+        """The Lease of a grant asked for at `started` (this backend's clock), naming this
+        backend (an asyncio store's grants too, so `lease.release()` works from a thread)."""
+        lease = Lease.granted(self, key, owner, fence, ttl_ms, started, meta)
+        self._on_grant(lease)
+        return lease
 
     def _on_grant(self, lease: Lease) -> None:
         """Hook: a backend whose grant lives on a clock of its own (etcd's process lease)
@@ -485,11 +503,7 @@ class LockBackend(ABC):
         owner-checked `clear_publish`; `swap_publish(k, old, new, ttl)` hands a queued
         job's claim to its replacement.
         """
-        validate_key(key)
-        if not expect or new == "":
-            raise LockError("swap_publish needs a non-empty expect, and new non-empty or None",
-                            key=key)  # fmt: skip
-        return self._swap_publish(key, expect, new, validate_ttl(ttl))
+        return self._swap_publish(key, expect, new, check_swap(key, expect, new, ttl))
 
     @abstractmethod
     def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:

@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any, cast
 
 from redis import ConnectionPool, Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from sqlalchemy import BigInteger, Column, Connection, Engine, MetaData, String, Table, func, select
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Engine,
+    Executable,
+    MetaData,
+    Select,
+    String,
+    Table,
+    func,
+    select,
+)
 from sqlalchemy import update as sql_update
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -34,6 +46,9 @@ from jobfence.locks.errors import (
 from jobfence.locks.keys import KeySpace
 from jobfence.locks.sql import create_tables, ensure_tables
 
+if TYPE_CHECKING:  # sqlalchemy.ext.asyncio needs greenlet at run time, the asyncio guard only
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
 metadata = MetaData()
 fences = Table(
     "jobfence_fences",
@@ -51,6 +66,39 @@ def _check_args(resource: str, fence: int) -> None:
         raise LockError(
             f"fence must be an int in [0, 2**63) (lease.fence), got {fence!r}", key=resource
         )
+
+
+UPSERT_DIALECTS = ("postgresql", "sqlite")  # one conditional upsert checks and advances
+
+
+def advance_upsert(table: Table, dialect: str, resource: str, fence: int) -> Executable:
+    """The check and the advance in one statement (PostgreSQL, SQLite): its rowcount is 1
+    if `fence` was accepted (>= the last one), 0 if stale. Sync and asyncio guards send it."""
+    ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+    stmt = ins.values(resource=resource, fence=fence).on_conflict_do_update(
+        index_elements=[table.c.resource],
+        set_={"fence": ins.excluded.fence},
+        where=table.c.fence <= ins.excluded.fence,
+    )
+    return stmt.execution_options(preserve_rowcount=True)
+
+
+def last_fence(table: Table, resource: str) -> Select[tuple[int]]:
+    """The highest fence accepted so far for `resource` (no row: none yet)."""
+    return select(table.c.fence).where(table.c.resource == resource)
+
+
+def _int(value: object) -> int | None:
+    return None if value is None else int(cast(int, value))
+
+
+def commit_unknown(resource: str, fence: int, exc: BaseException) -> CommitOutcomeUnknown:
+    """The connection was lost at a fenced transaction's COMMIT: no record here says
+    whether the writes landed, so a job comes back to see (never a plain body failure)."""
+    return CommitOutcomeUnknown(
+        "the connection was lost at the fenced transaction's COMMIT",
+        key=resource, fence=fence, reason=type(exc).__name__,
+    )  # fmt: skip
 
 
 class SqlFenceGuard:
@@ -73,14 +121,8 @@ class SqlFenceGuard:
         _check_args(resource, fence)
         ensure_tables(conn, [self.table])
         dialect = conn.dialect.name
-        if dialect in ("postgresql", "sqlite"):
-            ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(self.table)
-            stmt = ins.values(resource=resource, fence=fence).on_conflict_do_update(
-                index_elements=[self.table.c.resource],
-                set_={"fence": ins.excluded.fence},
-                where=self.table.c.fence <= ins.excluded.fence,
-            )
-            if conn.execute(stmt.execution_options(preserve_rowcount=True)).rowcount == 1:
+        if dialect in UPSERT_DIALECTS:
+            if conn.execute(advance_upsert(self.table, dialect, resource, fence)).rowcount == 1:
                 return
             self._stale(conn, resource, fence)
         if dialect in ("mysql", "mariadb"):
@@ -136,11 +178,7 @@ class SqlFenceGuard:
             try:
                 trans.commit()
             except (OperationalError, InterfaceError) as exc:
-                # No record here says whether the writes landed: the job comes back to see.
-                raise CommitOutcomeUnknown(
-                    "the connection was lost at the fenced transaction's COMMIT",
-                    key=resource, fence=fence, reason=type(exc).__name__,
-                ) from exc  # fmt: skip
+                raise commit_unknown(resource, fence, exc) from exc
 
     def _advance(self, conn: Connection, resource: str, fence: int) -> bool:
         stmt = (
@@ -151,13 +189,71 @@ class SqlFenceGuard:
         return bool(conn.execute(stmt).rowcount)
 
     def _last(self, conn: Connection, resource: str) -> int | None:
-        value = conn.execute(
-            select(self.table.c.fence).where(self.table.c.resource == resource)
-        ).scalar_one_or_none()
-        return None if value is None else int(value)
+        return _int(conn.execute(last_fence(self.table, resource)).scalar_one_or_none())
 
     def _stale(self, conn: Connection, resource: str, fence: int) -> None:
         raise StaleFence(resource=resource, fence=fence, last=self._last(conn, resource))
+
+
+class AsyncSqlFenceGuard:
+    """SqlFenceGuard on SQLAlchemy's asyncio engine (`create_async_engine`), PostgreSQL only
+    (`postgresql+psycopg://`, psycopg 3's async connection; SQLAlchemy's asyncio needs
+    greenlet: `pip install 'jobfence[asyncio-sql]'`). The same table, statement and verdict
+    as SqlFenceGuard, so sync and asyncio writers of one resource share its fence row.
+
+    Call `check_and_advance` first inside the transaction that writes the resource and let
+    StaleFence propagate, or write inside `async with guard.transaction(engine, ...)`.
+    """
+
+    table = fences
+
+    async def create_schema(self, engine: AsyncEngine) -> list[str]:
+        """Create the fence table if it is missing; the names of the tables created."""
+        async with engine.begin() as conn:
+            await conn.run_sync(ensure_tables, [self.table])
+        return [self.table.name]
+
+    async def check_and_advance(self, conn: AsyncConnection, resource: str, fence: int) -> None:
+        _check_args(resource, fence)
+        dialect = conn.dialect.name
+        if dialect != "postgresql":
+            raise LockError(
+                f"AsyncSqlFenceGuard runs on PostgreSQL only, not {dialect}: use a "
+                "postgresql+psycopg:// async engine, or SqlFenceGuard in a worker thread "
+                "(await asyncio.to_thread(...))",
+                key=resource,
+            )
+        await conn.run_sync(ensure_tables, [self.table])
+        result = await conn.execute(advance_upsert(self.table, dialect, resource, fence))
+        if result.rowcount != 1:
+            raise StaleFence(resource=resource, fence=fence, last=await self._last(conn, resource))
+
+    async def last(self, conn: AsyncConnection, resource: str) -> int | None:
+        """The highest token accepted so far for `resource`."""
+        await conn.run_sync(ensure_tables, [self.table])
+        return await self._last(conn, resource)
+
+    @asynccontextmanager
+    async def transaction(
+        self, engine: AsyncEngine, resource: str, fence: int
+    ) -> AsyncIterator[AsyncConnection]:
+        """A transaction whose token is checked first: `async with guard.transaction(...)
+        as conn:`; a connection lost at its COMMIT raises CommitOutcomeUnknown."""
+        async with engine.connect() as conn:
+            trans = await conn.begin()
+            try:
+                await self.check_and_advance(conn, resource, fence)
+                yield conn
+            except BaseException:
+                await trans.rollback()
+                raise
+            try:
+                await trans.commit()
+            except (OperationalError, InterfaceError) as exc:
+                raise commit_unknown(resource, fence, exc) from exc
+
+    async def _last(self, conn: AsyncConnection, resource: str) -> int | None:
+        return _int((await conn.execute(last_fence(self.table, resource))).scalar_one_or_none())
 
 
 class _FencedWrites:

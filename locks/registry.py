@@ -195,6 +195,7 @@ register(BackendEntry(
 register(BackendEntry(
     "redlock", ("redlock",), _BACKENDS + "redlock", "RedlockBackend",
     replace(_LEASES, durable_fence=False), check_url=urls.redlock_masters, default_port=6379,
+    async_store=_BACKENDS + "redlock_async:AsyncRedlockStore",
 ))  # fmt: skip
 register(BackendEntry(
     "etcd", ("etcd",), _BACKENDS + "etcd", "EtcdBackend", replace(_LEASES, ha=False),

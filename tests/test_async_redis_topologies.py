@@ -1,5 +1,6 @@
-"""AsyncLocker's native stores on Sentinel and Cluster, on real servers: a loop and two processes
-contend with no overlap, a holder outlives three TTLs, cancellation leaves nothing behind."""
+"""AsyncLocker's native stores on Sentinel, Cluster and Redlock, on real servers: a loop and two
+processes contend with no overlap, a holder outlives three TTLs, cancellation leaves nothing
+behind, a paused server stalls neither the loop nor the others' leases."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from jobfence.locks import open_backend
 from jobfence.locks.backends.redis_cluster_async import AsyncClusterStore
 from jobfence.locks.backends.redis_semaphore import semaphore_keys
 from jobfence.locks.backends.redis_sentinel_async import AsyncSentinelStore
+from jobfence.locks.backends.redlock_async import AsyncRedlockStore
 from jobfence.locks.ops import Extend
 from jobfence.locks.slots import SlotLease
 
@@ -40,11 +42,25 @@ def sentinel_url() -> Iterator[str]:
         topology.stop()
 
 
-@pytest.fixture(params=["sentinel", "cluster"])
+@pytest.fixture(scope="module")
+def redlock_url() -> Iterator[str]:
+    """Five private Redlock masters for this module."""
+    from devstack.redis_masters import RedisMasters
+
+    masters = RedisMasters(5).start()
+    try:
+        yield masters.url
+    finally:
+        masters.stop()
+
+
+@pytest.fixture(params=["sentinel", "cluster", "redlock"])
 def topology(request: pytest.FixtureRequest) -> tuple[str, str, type]:
     """(lock URL, key prefix of this test's own, the native store expected for it)."""
     if request.param == "sentinel":
         url, kind = request.getfixturevalue("sentinel_url"), AsyncSentinelStore
+    elif request.param == "redlock":
+        url, kind = request.getfixturevalue("redlock_url"), AsyncRedlockStore
     else:
         url, kind = request.getfixturevalue("redis_cluster").url, AsyncClusterStore
     return url, f"aio-{uuid.uuid4().hex[:8]}", kind
@@ -111,7 +127,8 @@ def test_loop_and_processes_exclude_each_other(topology: tuple[str, str, type]) 
 
 
 def test_holders_awaiting_three_ttls_keep_their_leases(topology: tuple[str, str, type]) -> None:
-    """Locks and slots on many keys (on a cluster: on all three masters) outlive 3 TTLs."""
+    """Locks and slots (where the store keeps them) on many keys (on a cluster: on all three
+    masters) outlive 3 TTLs."""
     url, prefix, _ = topology
     backend = open_backend(url, prefix=prefix)
     keys = [f"long-{i}" for i in range(12)]
@@ -123,7 +140,7 @@ def test_holders_awaiting_three_ttls_keep_their_leases(topology: tuple[str, str,
 
     async def main() -> None:
         locker = _locker(url, prefix)
-        async with _held_together(locker, keys) as leases:
+        async with _held_together(locker, keys, slots="redlock" not in url) as leases:
             await asyncio.sleep(1.9)  # more than three TTLs
             for lease in leases:
                 lease.check()
@@ -139,12 +156,15 @@ def test_holders_awaiting_three_ttls_keep_their_leases(topology: tuple[str, str,
 
 
 @contextlib.asynccontextmanager
-async def _held_together(locker: AsyncLocker, keys: list[str]) -> AsyncIterator[list[Any]]:
-    """Every key's lock (ttl 0.6 s), then a slot of a semaphore per key, held together."""
+async def _held_together(
+    locker: AsyncLocker, keys: list[str], *, slots: bool = True
+) -> AsyncIterator[list[Any]]:
+    """Every key's lock (ttl 0.6 s), then (with `slots`) a slot of a semaphore per key, held
+    together."""
     async with contextlib.AsyncExitStack() as stack:
         leases = [await stack.enter_async_context(locker.lock(k, ttl=0.6, timeout=5))
                   for k in keys]  # fmt: skip
-        for k in keys:
+        for k in keys if slots else ():
             slot = locker.semaphore(f"sem-{k}", limit=1, ttl=0.6, timeout=5)
             leases.append(await stack.enter_async_context(slot))
         yield leases
@@ -161,6 +181,8 @@ def test_cancellation_leaves_nothing_behind(
     topology: tuple[str, str, type], request: pytest.FixtureRequest
 ) -> None:
     url, prefix, _ = topology
+    if "redlock" in url:
+        pytest.skip("redlock keeps no semaphores: tests/test_async_redlock.py cancels its grants")
     # A known defect, kept visible rather than hidden (as in tests/test_async_locker.py).
     request.applymarker(pytest.mark.xfail(
         strict=False,

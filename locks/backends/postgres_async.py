@@ -117,7 +117,7 @@ class AsyncPostgresStore:
                     return got
                 if got > self.backend.fence_floor:
                     self.backend.fence_floor = got
-                return Lease.granted(self.backend, key, owner, got, ttl_ms, started, meta)
+                return self.backend.lease(key, owner, got, ttl_ms, started, meta)
             case WaitRelease(_, timeout):
                 await asyncio.sleep(timeout)
                 return None

@@ -61,6 +61,32 @@ from jobfence.locks.slots import SlotLease, validate_limit
 POOL_WAIT = 30.0
 
 
+class SignalWait:
+    """Waiting for a release on redis.asyncio: BLPOP on the key's signal list, shorter than
+    the socket timeout (a blocked read must not look like a dead server). A BLPOP holds a
+    connection: past half the pool the other waiters sleep out their backoff instead, so
+    acquires and releases always find a connection."""
+
+    def __init__(self, max_connections: int, socket_timeout: float | None) -> None:
+        self.blocking = 0  # waiters in BLPOP now
+        self.max_blocking = max(1, max_connections // 2)
+        self.max_block = max(0.01, 0.8 * socket_timeout) if socket_timeout else 5.0
+
+    async def wait(self, client: Any, signal: str, timeout: float) -> None:
+        """Up to `timeout` seconds, or until a release pushes `signal`; RedisError as is."""
+        timeout = min(timeout, self.max_block)
+        if timeout < 0.001:
+            return
+        if self.blocking >= self.max_blocking:
+            await asyncio.sleep(timeout)
+            return
+        self.blocking += 1
+        try:
+            await client.blpop([signal], timeout=timeout)
+        finally:
+            self.blocking -= 1
+
+
 class AsyncRedisStore:
     """Locks on one Redis server for asyncio: each op is one awaited EVALSHA of the same
     script the sync RedisBackend sends, on the same keys, so sync and async holders of one
@@ -91,16 +117,14 @@ class AsyncRedisStore:
         self.keeper_client = keeper_client or client
         self.keys = backend.keys
         self.clock = backend.clock
-        self._blocking = 0  # waiters in BLPOP now
         # A client without one pool (a cluster's) names its cap and timeout itself.
         pool = getattr(client, "connection_pool", None)
         if max_connections is None:
             max_connections = getattr(pool, "max_connections", 2) or 2
-        self._max_blocking = max(1, max_connections // 2)
         timeout = socket_timeout
         if timeout is None and pool is not None:
             timeout = pool.connection_kwargs.get("socket_timeout")
-        self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
+        self._signals = SignalWait(max_connections, timeout)
 
     @classmethod
     def from_url(
@@ -207,21 +231,10 @@ class AsyncRedisStore:
 
     async def _wait(self, key: str, timeout: float) -> None:
         """BLPOP the key's signal list, as RedisBackend.wait_for_release (after a Busy)."""
-        timeout = min(timeout, self._max_block)
-        if timeout < 0.001:
-            return
-        if self._blocking >= self._max_blocking:
-            # A BLPOP holds a connection: past half the pool the others sleep out their
-            # backoff instead, so acquires and releases always find a connection.
-            await asyncio.sleep(timeout)
-            return
-        self._blocking += 1
         try:
-            await self.client.blpop([self.keys.signal(key)], timeout=timeout)
+            await self._signals.wait(self.client, self.keys.signal(key), timeout)
         except RedisError as exc:
             raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
-        finally:
-            self._blocking -= 1
 
     async def _extend(self, leases: list[Lease]) -> list[bool]:
         if not leases:

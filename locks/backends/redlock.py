@@ -10,9 +10,9 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -133,22 +133,41 @@ def _pack(*args: Any) -> bytes:
     return b"".join(parts)
 
 
-class _Link:
-    """One connection to one master: its socket, what it has read, and the replies it owes.
+class Replies:
+    """What one connection to a master has read, and how many replies it still owes.
 
     Commands go out without waiting for earlier replies (a master that is slow to answer
     keeps receiving them, in order, on this one connection), so what was sent to a master
     runs there in the order sent, even when the client stopped waiting: a release sent after
-    an acquire it never saw answered still removes that acquire's key.
+    an acquire it never saw answered still removes that acquire's key. The sync backend's
+    sockets and the asyncio store's connections (redlock_async.py) both read through this.
     """
 
-    __slots__ = ("buf", "fd", "owed", "sock")
+    __slots__ = ("buf", "owed")
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.fd = sock.fileno()
+    def __init__(self) -> None:
         self.buf = bytearray()
         self.owed = 0
+
+    def take(self) -> Any:
+        """The next complete reply in the buffer, or _MORE."""
+        got = _parse(self.buf, 0)
+        if not isinstance(got, tuple):
+            return _MORE
+        del self.buf[: got[1]]
+        self.owed -= 1
+        return got[0]
+
+
+class _Link(Replies):
+    """One blocking-free socket to one master, for one sync operation at a time."""
+
+    __slots__ = ("fd", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+        self.fd = sock.fileno()
 
     def send(self, data: bytes) -> bool:
         try:
@@ -159,15 +178,6 @@ class _Link:
             return False
         self.owed += 1
         return True
-
-    def take(self) -> Any:
-        """The next complete reply in the buffer, or _MORE."""
-        got = _parse(self.buf, 0)
-        if not isinstance(got, tuple):
-            return _MORE
-        del self.buf[: got[1]]
-        self.owed -= 1
-        return got[0]
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -185,6 +195,7 @@ class _Master:
         self.username = opts.get("username")
         self.password = opts.get("password")
         self.name = f"{self.host}:{self.port}"
+        self.url = url
         self.socket_timeout = socket_timeout
         self.scripts = scripts
         self.client = redis.Redis.from_url(
@@ -229,13 +240,7 @@ class _Master:
         sock = socket.create_connection((self.host, self.port), timeout=self.socket_timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            setup: list[bytes] = []
-            if self.password:
-                auth = (self.username, self.password) if self.username else (self.password,)
-                setup.append(_pack("AUTH", *auth))
-            if self.db:
-                setup.append(_pack("SELECT", self.db))
-            setup += [_pack("SCRIPT", "LOAD", src) for src in self.scripts.values()]
+            setup = self.setup()
             sock.setblocking(False)
             link = _Link(sock)
             if not link.send(b"".join(setup)):
@@ -245,6 +250,19 @@ class _Master:
         except BaseException:
             sock.close()
             raise
+
+    def setup(self) -> list[bytes]:
+        """What a new connection sends first, without waiting: AUTH, SELECT, every script."""
+        setup: list[bytes] = []
+        if self.password:
+            auth = (self.username, self.password) if self.username else (self.password,)
+            setup.append(_pack("AUTH", *auth))
+        if self.db:
+            setup.append(_pack("SELECT", self.db))
+        return setup + self.script_loads()
+
+    def script_loads(self) -> list[bytes]:
+        return [_pack("SCRIPT", "LOAD", src) for src in self.scripts.values()]
 
     def close(self, deadline: float) -> None:
         """Read what idle links still owe (until `deadline`), then close everything."""
@@ -279,6 +297,51 @@ def _drain(link: _Link, deadline: float) -> None:
 
 
 Decide = Callable[[dict[int, Any], int], bool]
+T = TypeVar("T")
+
+
+def _never(replies: dict[int, Any], pending: int) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Round:
+    """One command sent to some masters at once, and how long their replies are awaited.
+
+    Every Redlock operation is a generator of rounds (`Rounds`): it yields a Round, gets
+    back a reply (or NO_REPLY) per target master, and returns its answer. The quorum, the
+    validity, the fence and the clean-up are decided there once; the sync backend
+    (`RedlockBackend._run`) and the asyncio store (redlock_async.py) only carry rounds.
+    """
+
+    payload: bytes
+    deadline: float  # time.monotonic(); 0: send and do not wait (a clean-up on the way out)
+    decided: Decide = _never  # stop reading once it says so, before the deadline
+    targets: Sequence[int] | None = None  # None: every master
+
+
+Rounds: TypeAlias = Generator[Round, Any, T]
+
+
+@dataclass(frozen=True)
+class Done(Generic[T]):
+    """A flow of rounds that has returned its value."""
+
+    value: T
+
+
+def advance(flow: Rounds[T], replies: Any, error: BaseException | None) -> Round | Done[T]:
+    """The next round of `flow` after `replies` (or with `error` thrown in), or its value.
+    A driver throws what its I/O raised (a cancellation, Ctrl-C) so the flow cleans up."""
+    try:
+        return flow.send(replies) if error is None else flow.throw(error)
+    except StopIteration as stop:
+        return Done(stop.value)
+
+
+def is_noscript(value: Any) -> bool:
+    """A master that lost its scripts (SCRIPT FLUSH, a restart): load them and resend."""
+    return isinstance(value, _ErrorReply) and value.startswith("NOSCRIPT")
 
 
 @dataclass
@@ -294,7 +357,7 @@ class _Tally:
 
 @dataclass
 class _Attempt:
-    """One grant attempt: who asks, its fence proposal, its validity and its connections."""
+    """One grant attempt: who asks, its fence proposal, its validity, who answered last."""
 
     key: str
     owner: str
@@ -302,11 +365,20 @@ class _Attempt:
     retention: int  # ms a fence counter is kept
     valid_until: float  # the backend's clock
     deadline: float  # time.monotonic(): stop waiting for replies
-    links: list[_Link | None]
     clock: Clock = SYSTEM_CLOCK
+    # Masters that answered the last round: they owe nothing, so a release to them is
+    # awaited; the others get it queued behind what they owe.
+    answered: set[int] = field(default_factory=set)
 
     def valid(self) -> bool:
         return self.clock.monotonic() < self.valid_until
+
+    def heard(self, replies: dict[int, Any]) -> None:
+        for i, v in replies.items():
+            if v is NO_REPLY:
+                self.answered.discard(i)
+            else:
+                self.answered.add(i)
 
 
 class RedlockBackend(LockBackend):
@@ -422,22 +494,32 @@ class RedlockBackend(LockBackend):
                 else:
                     master.checkin(link, pid)
 
-    def _round(
-        self,
-        links: list[_Link | None],
-        targets: Sequence[int],
-        payload: bytes,
-        decided: Decide,
-        deadline: float,
-    ) -> dict[int, Any]:
-        """Send `payload` to every target master, then read replies until `decided` or the
-        deadline. Returns a reply (or NO_REPLY) per target; masters still silent keep
-        owing theirs on their link."""
+    def _run(self, flow: Rounds[T]) -> T:
+        """Carry `flow`'s rounds on one link per master, in this thread."""
+        links = self._checkout()
+        try:
+            replies: Any = None
+            error: BaseException | None = None
+            while not isinstance(step := advance(flow, replies, error), Done):
+                replies = error = None
+                try:
+                    replies = self._round(links, step)
+                except BaseException as exc:  # Ctrl-C: the flow frees what it may hold
+                    error = exc
+            return step.value
+        finally:
+            self._checkin(links)
+
+    def _round(self, links: list[_Link | None], step: Round) -> dict[int, Any]:
+        """Send the round's payload to every target master, then read replies until it is
+        decided or its deadline. Returns a reply (or NO_REPLY) per target; masters still
+        silent keep owing theirs on their link."""
         self.rounds += 1
+        payload = step.payload
         replies: dict[int, Any] = {}
         waiting: dict[int, int] = {}  # fd -> master
         poller = select.poll()
-        for i in targets:
+        for i in range(len(links)) if step.targets is None else step.targets:
             link = links[i]
             if link is None or not link.send(payload):
                 if link is not None:
@@ -448,8 +530,8 @@ class RedlockBackend(LockBackend):
             waiting[link.fd] = i
             poller.register(link.fd, select.POLLIN)
         reloaded: set[int] = set()
-        while waiting and not decided(replies, len(waiting)):
-            left = deadline - time.monotonic()
+        while waiting and not step.decided(replies, len(waiting)):
+            left = step.deadline - time.monotonic()
             if left <= 0:
                 break
             for fd, _ in poller.poll(left * 1000):
@@ -488,14 +570,12 @@ class RedlockBackend(LockBackend):
                 if value is _MORE:
                     return _MORE
                 continue
-            if not (isinstance(value, _ErrorReply) and value.startswith("NOSCRIPT")):
-                return value
-            if i in reloaded:
+            if not is_noscript(value) or i in reloaded:
                 return value
             # The master lost its scripts (SCRIPT FLUSH): load them and resend, in order
             # on the same link.
             reloaded.add(i)
-            loads = [_pack("SCRIPT", "LOAD", src) for src in self.masters[i].scripts.values()]
+            loads = self.masters[i].script_loads()
             if not link.send(b"".join([*loads, payload])):
                 return self._drop(links, i)
             link.owed += len(loads)  # one send, but a reply per command
@@ -535,30 +615,25 @@ class RedlockBackend(LockBackend):
 
     def _everywhere(
         self, payload: bytes, *, ok: Callable[[Any], bool] | None = None
-    ) -> dict[int, Any]:
+    ) -> Rounds[dict[int, Any]]:
         """One round to every master. With `ok`, stop once a majority passed it or cannot."""
-        q = self.quorum
+        q, decided = self.quorum, _never
+        if ok is not None:
+            passes = ok
 
-        def decided(replies: dict[int, Any], pending: int) -> bool:
-            if ok is None:
-                return False
-            good = sum(1 for v in replies.values() if v is not NO_REPLY and ok(v))
-            return good >= q or good + pending < q
+            def majority_told(replies: dict[int, Any], pending: int) -> bool:
+                good = sum(1 for v in replies.values() if v is not NO_REPLY and passes(v))
+                return good >= q or good + pending < q
 
-        links = self._checkout()
-        try:
-            return self._round(
-                links, range(len(links)), payload, decided,
-                self._io_deadline(time.monotonic()),
-            )  # fmt: skip
-        finally:
-            self._checkin(links)
+            decided = majority_told
+        replies: dict[int, Any] = yield Round(payload, self._io_deadline(time.monotonic()), decided)
+        return replies
 
     def _majority(
         self, payload: bytes, key: str | None, what: str, ok: Callable[[Any], bool]
-    ) -> bool:
+    ) -> Rounds[bool]:
         """True if a majority passed `ok`; raises BackendUnavailable if it cannot be told."""
-        replies = self._everywhere(payload, ok=ok)
+        replies = yield from self._everywhere(payload, ok=ok)
         good, silent = self._count(replies, ok)
         if good >= self.quorum:
             return True
@@ -566,10 +641,25 @@ class RedlockBackend(LockBackend):
             raise self._unavailable(what, replies, key)
         return False
 
+    def _quorum_of(
+        self, what: str, replies: dict[int, Any], key: str | None, usable: Callable[[Any], bool]
+    ) -> list[Any]:
+        """The replies that pass `usable`; BackendUnavailable unless a majority does."""
+        answers = [v for v in replies.values() if usable(v)]
+        if len(answers) < self.quorum:
+            raise self._unavailable(what, replies, key)
+        return answers
+
     # -- grants ---------------------------------------------------------------------
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
+        return self._run(self.begin_rounds(key, owner, ttl_ms, meta, record, fingerprint))
+
+    def begin_rounds(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> Rounds[int | Busy | JobRecord]:
+        """A grant: the new fence, Busy, the job's record, or BackendUnavailable."""
         ttl = ttl_ms / 1000
         started = self.clock.monotonic()
         valid_until = started + ttl - (ttl * DRIFT_FRACTION + DRIFT_FLOOR)
@@ -600,35 +690,43 @@ class RedlockBackend(LockBackend):
             valid_until=valid_until,
             # Replies later than the validity are no use: stop waiting for them then.
             deadline=time.monotonic() + min(self.socket_timeout, ttl),
-            links=self._checkout(),
             clock=self.clock,
         )
         try:
-            return self._settle(attempt, self._phase_one(attempt, payload), ttl)
-        finally:
-            self._checkin(attempt.links)
+            tally = yield from self._phase_one(attempt, payload)
+            return (yield from self._settle(attempt, tally, ttl))
+        except (Exception, GeneratorExit):
+            raise  # decided here (released already), or a lost reply: lapses after its TTL
+        except BaseException:
+            # Cancelled or interrupted mid-grant: free the key on every master now, sent
+            # behind the grant's commands on each connection (so it runs after them), not
+            # waited for.
+            yield self._release_round(attempt, None, 0.0)
+            raise
 
-    def _settle(self, attempt: _Attempt, tally: _Tally, ttl: float) -> int | Busy | JobRecord:
+    def _settle(
+        self, attempt: _Attempt, tally: _Tally, ttl: float
+    ) -> Rounds[int | Busy | JobRecord]:
         """Turn phase one's replies into a grant (after phase two if needed), the job's
         record, Busy, or BackendUnavailable; whatever is not a grant is released at once."""
         q, n = self.quorum, len(self.masters)
         ours = [*tally.granted, *tally.silent]  # masters that hold, or may hold, our key
         if len(tally.done) >= q:
-            self._release_on(attempt, ours)
+            yield from self._release_on(attempt, ours)
             return _record(max(tally.done.values(), key=lambda r: int(r[4] or 0)))
         if len(tally.granted) >= q and attempt.valid():
-            fence = self._fence(attempt, tally)
+            fence = yield from self._fence(attempt, tally)
             if fence is not None and attempt.valid():
                 with self._lock:
                     self.fence_floor = max(self.fence_floor, fence)
                 return fence
-            self._release_on(attempt, ours)
+            yield from self._release_on(attempt, ours)
             raise BackendUnavailable(
                 f"redlock grant not confirmed by a majority within its validity ({n} masters, "
                 f"ttl {ttl:g}s)",
                 key=attempt.key,
             )
-        self._release_on(attempt, ours)
+        yield from self._release_on(attempt, ours)
         if tally.busy and len(tally.busy) + len(tally.done) > n - q:
             return self._busy(tally)
         if len(tally.granted) >= q:
@@ -643,7 +741,7 @@ class RedlockBackend(LockBackend):
             key=attempt.key,
         )
 
-    def _phase_one(self, attempt: _Attempt, payload: bytes) -> _Tally:
+    def _phase_one(self, attempt: _Attempt, payload: bytes) -> Rounds[_Tally]:
         q, n = self.quorum, len(self.masters)
 
         def decided(replies: dict[int, Any], pending: int) -> bool:
@@ -661,7 +759,8 @@ class RedlockBackend(LockBackend):
                         done += v[0] == 2
             return granted >= q or done >= q or refused > n - q or pending == 0
 
-        replies = self._round(attempt.links, range(n), payload, decided, attempt.deadline)
+        replies = yield Round(payload, attempt.deadline, decided)
+        attempt.heard(replies)
         tally = _Tally({}, {}, {}, [], [])
         for i in range(n):
             v = replies.get(i, NO_REPLY)
@@ -677,7 +776,7 @@ class RedlockBackend(LockBackend):
                 tally.done[i] = v
         return tally
 
-    def _fence(self, attempt: _Attempt, tally: _Tally) -> int | None:
+    def _fence(self, attempt: _Attempt, tally: _Tally) -> Rounds[int | None]:
         """The grant's fence once a majority carries it under our lock, else None."""
         proposal = attempt.proposal
         if proposal and all(accepted for _, accepted in tally.granted.values()):
@@ -702,25 +801,31 @@ class RedlockBackend(LockBackend):
         # Phase two goes to the silent masters too (queued behind phase one on their
         # connection): each ends in line with the grant, or without our key.
         targets = [*tally.granted, *tally.silent]
-        replies = self._round(attempt.links, targets, payload, decided, attempt.deadline)
+        replies = yield Round(payload, attempt.deadline, decided, targets)
+        attempt.heard(replies)
         accepted = sum(1 for v in replies.values() if v == 1)
         return fence if accepted >= q else None
 
-    def _release_on(self, attempt: _Attempt, masters: Sequence[int]) -> None:
-        """Owner-checked release on `masters` at once; waits for those that answer at all
-        (the others get it queued behind what they owe)."""
-        if not masters:
-            return
-        k, key, links = self.keys, attempt.key, attempt.links
+    def _release_on(self, attempt: _Attempt, masters: Sequence[int]) -> Rounds[None]:
+        """Owner-checked release on `masters` at once; waits for those that answered the
+        last round (the others get it queued behind what they owe)."""
+        if masters:
+            yield self._release_round(attempt, masters, self._io_deadline(time.monotonic()))
+
+    def _release_round(
+        self, attempt: _Attempt, masters: Sequence[int] | None, deadline: float
+    ) -> Round:
+        k, key = self.keys, attempt.key
         payload = self._evalsha(
             "release", [k.lock(key), k.signal(key)], [attempt.owner, SIGNAL_LIFETIME_MS]
         )
-        live = {i for i in masters if (link := links[i]) is not None and not link.owed}
+        live = attempt.answered.intersection(range(len(self.masters)) if masters is None
+                                             else masters)  # fmt: skip
 
         def decided(replies: dict[int, Any], pending: int) -> bool:
             return live.issubset(replies)
 
-        self._round(links, masters, payload, decided, self._io_deadline(time.monotonic()))
+        return Round(payload, deadline, decided, masters)
 
     def _busy(self, tally: _Tally) -> Busy:
         # The holder's grant ends when enough of its masters expire for a majority to be
@@ -737,16 +842,23 @@ class RedlockBackend(LockBackend):
 
     # -- keeping and ending grants ---------------------------------------------------
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:
+        return self._run(self._extend_rounds(key, owner, ttl_ms))
+
+    def _extend_rounds(self, key: str, owner: str, ttl_ms: int) -> Rounds[bool]:
         payload = self._evalsha("extend", [self.keys.lock(key)], [owner, ttl_ms])
-        replies = self._everywhere(payload, ok=lambda v: v == 1)
+        replies = yield from self._everywhere(payload, ok=lambda v: v == 1)
         extended, silent = self._count(replies, lambda v: v == 1)
         if extended >= self.quorum:
             return True
-        if len(self.masters) - silent < self.quorum:  # as in _extend_many
+        if len(self.masters) - silent < self.quorum:  # as in extend_many_rounds
             raise self._unavailable("extend", replies, key)
         return False
 
     def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        return self._run(self.extend_many_rounds(items))
+
+    def extend_many_rounds(self, items: Sequence[tuple[str, str, int]]) -> Rounds[list[bool]]:
+        """Extend every (key, owner, ttl ms) in one round; which a majority extended."""
         args: list[Any] = []
         for _, owner, ttl_ms in items:
             args += [owner, ttl_ms]
@@ -764,27 +876,23 @@ class RedlockBackend(LockBackend):
         def decided(replies: dict[int, Any], pending: int) -> bool:
             return all(c >= q or c + pending < q for c in tallies(replies))
 
-        links = self._checkout()
-        try:
-            replies = self._round(
-                links, range(len(links)), payload, decided, self._io_deadline(time.monotonic())
-            )
-        finally:
-            self._checkin(links)
+        replies = yield Round(payload, self._io_deadline(time.monotonic()), decided)
         # A lease lives while a majority holds it. With a majority of masters answering, one
         # held on fewer is lost (the silent rest cannot be extended either); with fewer
         # answering nothing can be told, and the keeper tries again.
-        answered = sum(1 for v in replies.values() if type(v) is list and len(v) == n)
-        if answered < q:
-            raise self._unavailable("extend_many", replies, None)
+        self._quorum_of("extend_many", replies, None, _row_of(n))
         return [c >= q for c in tallies(replies)]
 
     def _release(self, key: str, owner: str) -> bool:
+        return self._run(self.release_rounds(key, owner))
+
+    def release_rounds(self, key: str, owner: str) -> Rounds[bool]:
+        """Owner-checked release; True where a majority removed the key."""
         k = self.keys
         payload = self._evalsha(
             "release", [k.lock(key), k.signal(key)], [owner, SIGNAL_LIFETIME_MS]
         )
-        return self._majority(payload, key, "release", lambda v: v == 1)
+        return (yield from self._majority(payload, key, "release", lambda v: v == 1))
 
     def _commit(
         self,
@@ -803,15 +911,17 @@ class RedlockBackend(LockBackend):
             [owner, state, result, fingerprint, fence, result_ttl_ms, SIGNAL_LIFETIME_MS,
              time.time_ns() // 1_000_000],
         )  # fmt: skip
-        return self._majority(payload, key, "commit", lambda v: v == 1)
+        return self._run(self._majority(payload, key, "commit", lambda v: v == 1))
 
     # -- reading --------------------------------------------------------------------
     def _inspect(self, key: str) -> LockInfo | None:
+        return self._run(self.inspect_rounds(key))
+
+    def inspect_rounds(self, key: str) -> Rounds[LockInfo | None]:
+        """What a majority of masters shows of `key`'s holder (never the owner token)."""
         payload = self._evalsha("redlock_inspect", [self.keys.lock(key)], [])
-        replies = self._everywhere(payload)
-        views = [v for v in replies.values() if type(v) is list and len(v) == 6]
-        if len(views) < self.quorum:
-            raise self._unavailable("inspect", replies, key)
+        replies = yield from self._everywhere(payload)
+        views = self._quorum_of("inspect", replies, key, _row_of(6))
         by_fence: dict[str, list[list[Any]]] = {}
         for v in views:
             if v[0] is not None and int(v[5]) != -2:
@@ -863,26 +973,29 @@ class RedlockBackend(LockBackend):
                 yield info
 
     def job_record(self, key: str) -> JobRecord | None:
+        return self._run(self._job_record_rounds(key))
+
+    def _job_record_rounds(self, key: str) -> Rounds[JobRecord | None]:
         payload = _pack(
             "HMGET", self.keys.record(key), "state", "fingerprint", "result", "fence", "finished_ms"
         )
-        replies = self._everywhere(payload)
-        rows = [tuple(v) for v in replies.values() if type(v) is list and len(v) == 5]
-        if len(rows) < self.quorum:
-            raise self._unavailable("job_record", replies, key)
+        replies = yield from self._everywhere(payload)
+        rows = [tuple(v) for v in self._quorum_of("job_record", replies, key, _row_of(5))]
         for row, count in Counter(rows).most_common():
             if count >= self.quorum and row[0] in ("DONE", "FAILED"):
                 return _record([2, *row])
         return None
 
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
+        return self._run(self.claim_publish_rounds(key, task_id, ttl))
+
+    def claim_publish_rounds(self, key: str, task_id: str, ttl: float) -> Rounds[str | None]:
+        """Claim `key`'s publish for `task_id`; the holder a majority names, if another."""
         payload = self._evalsha(
             "claim_publish", [self.keys.queued(key)], [task_id, int(ttl * 1000)]
         )
-        replies = self._everywhere(payload)
-        answers = [v for v in replies.values() if v is not NO_REPLY and type(v) is not _ErrorReply]
-        if len(answers) < self.quorum:
-            raise self._unavailable("claim_publish", replies, key)
+        replies = yield from self._everywhere(payload)
+        answers = self._quorum_of("claim_publish", replies, key, _answer)
         held = Counter(str(v) for v in answers if v)
         if held:
             other, count = held.most_common(1)[0]
@@ -891,31 +1004,38 @@ class RedlockBackend(LockBackend):
         return None
 
     def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
+        return self._run(self.swap_publish_rounds(key, expect, new, ttl_ms))
+
+    def swap_publish_rounds(
+        self, key: str, expect: str, new: str | None, ttl_ms: int
+    ) -> Rounds[str | None]:
         """The swap on every master; done where a majority did it (a minority's swap
         expires with its TTL), else the value most of the refusing masters hold answers."""
         payload = self._evalsha(
             "swap_publish", [self.keys.queued(key)], [expect, new or "", ttl_ms]
         )
-        replies = self._everywhere(payload)
-        answers = [v for v in replies.values() if v is not NO_REPLY and type(v) is not _ErrorReply]
-        if len(answers) < self.quorum:
-            raise self._unavailable("swap_publish", replies, key)
+        replies = yield from self._everywhere(payload)
+        answers = self._quorum_of("swap_publish", replies, key, _answer)
         kept = Counter(str(v) for v in answers if v)
         if len(answers) - sum(kept.values()) >= self.quorum:
             return None
         return kept.most_common(1)[0][0]
 
     def clear_publish(self, key: str) -> None:
+        self._run(self.clear_publish_rounds(key))
+
+    def clear_publish_rounds(self, key: str) -> Rounds[None]:
         payload = self._evalsha("redlock_admin", [self.keys.queued(key)], ["delete"])
-        self._majority(payload, key, "clear_publish", lambda v: isinstance(v, int))
+        yield from self._majority(payload, key, "clear_publish", lambda v: isinstance(v, int))
 
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
+        return self._run(self._count_delivery_rounds(key, window_ms))
+
+    def _count_delivery_rounds(self, key: str, window_ms: int) -> Rounds[int]:
         payload = self._evalsha("redlock_admin", [self.keys.deliveries(key)], ["count", window_ms])
-        replies = self._everywhere(payload)
-        counts = [v for v in replies.values() if type(v) is int]
-        if len(counts) < self.quorum:
-            raise self._unavailable("count_delivery", replies, key)
-        return max(counts)  # a master that lost its count must not reset the cap
+        replies = yield from self._everywhere(payload)
+        counts = self._quorum_of("count_delivery", replies, key, lambda v: type(v) is int)
+        return int(max(counts))  # a master that lost its count must not reset the cap
 
     def forget(self, key: str) -> bool:
         payload = self._evalsha("redlock_admin", [self.keys.record(key)], ["delete"])
@@ -940,11 +1060,8 @@ class RedlockBackend(LockBackend):
 
     def _any(self, payload: bytes, key: str, what: str) -> bool:
         """Sent to every master; True if any had the key. Raises without a majority."""
-        replies = self._everywhere(payload)
-        counts = [v for v in replies.values() if type(v) is int]
-        if len(counts) < self.quorum:
-            raise self._unavailable(what, replies, key)
-        return any(counts)
+        replies = self._run(self._everywhere(payload))
+        return any(self._quorum_of(what, replies, key, lambda v: type(v) is int))
 
     # -- waiting, time, servers -------------------------------------------------------
     def wait_for_release(self, key: str, timeout: float) -> None:
@@ -1037,6 +1154,16 @@ class RedlockBackend(LockBackend):
         deadline = time.monotonic() + min(self.socket_timeout, 1.0)
         for master in self.masters:
             master.close(deadline)
+
+
+def _row_of(n: int) -> Callable[[Any], bool]:
+    """A master's reply that is a list of `n` values (a script's or HMGET's row)."""
+    return lambda v: type(v) is list and len(v) == n
+
+
+def _answer(value: Any) -> bool:
+    """A master's usable answer: neither silence nor an error reply."""
+    return value is not NO_REPLY and type(value) is not _ErrorReply
 
 
 def _record(reply: list[Any]) -> JobRecord:
