@@ -28,7 +28,6 @@ from jobfence.locks.backends.postgres import (
 )
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
-from jobfence.locks.lease import Lease
 from jobfence.locks.ops import Acquire, Extend, Release, ReleaseOwner, StoreOp, WaitRelease
 from jobfence.locks.slots import SlotLease
 
