@@ -421,6 +421,19 @@ def refuse_metrics_clash(s: Settings) -> None:
                 f"{port} is the port of {other}, a server on this host",
                 "pick a free port for the metrics endpoint, e.g. 9816",
             )
+    if (s.metrics_certfile is None) != (s.metrics_keyfile is None):
+        raise UnsafeSettings(
+            _variable("metrics_certfile"),
+            "and JOBFENCE_METRICS_KEYFILE must be set together (HTTPS needs both)",
+            "set both to PEM files, or neither for plain HTTP",
+        )
+    auth = s.metrics_basic_auth
+    if auth is not None and ":" not in auth.get_secret_value():
+        raise UnsafeSettings(
+            _variable("metrics_basic_auth"),
+            "must be user:password",
+            "set it to e.g. prometheus:<a long random password>",
+        )
     try:
         ipaddress.ip_address(s.metrics_addr)
     except ValueError:
@@ -428,7 +441,7 @@ def refuse_metrics_clash(s: Settings) -> None:
             raise UnsafeSettings(
                 _variable("metrics_addr"),
                 "must be an IP address to listen on",
-                "use 0.0.0.0 (every interface), :: or 127.0.0.1",
+                "use 127.0.0.1 (this host, the default), 0.0.0.0 (every interface) or ::",
             ) from None
 
 
