@@ -404,6 +404,28 @@ def test_metrics_tls_and_auth_settings_are_checked() -> None:
     assert shown(str(refused.value)) and "user:password" in str(refused.value)
 
 
+# --------------------------------------------------------------------------- demo
+
+
+def test_the_demo_takes_server_urls_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    from jobfence.worker.demo import build_parser, server_urls
+
+    lock = "redis://:PWsecretXYZ@127.0.0.1:6379/3"
+    env = {"JOBFENCE_LOCK_URL": lock, "JOBFENCE_BROKER_URL": "redis://127.0.0.1:6379/4"}
+    args = build_parser().parse_args(["--env", "--database", "sqlite:///x.db"])
+    assert server_urls(args, env) == {"broker": "redis://127.0.0.1:6379/4",
+                                      "lock_backend": lock, "database": "sqlite:///x.db"}
+    # Without --env the environment is not read: a production JOBFENCE_LOCK_URL stays out.
+    assert set(server_urls(build_parser().parse_args([]), env).values()) == {None}
+    file = tmp_path / "demo.env"
+    file.write_text(f"JOBFENCE_LOCK_URL={lock}\n")
+    file.chmod(0o600)
+    args = build_parser().parse_args(["--env-file", str(file)])
+    assert server_urls(args, {})["lock_backend"] == lock
+    with pytest.raises(UnsafeSettings, match="--env-file"):
+        server_urls(build_parser().parse_args(["--env-file", str(tmp_path / "none")]), {})
+
+
 # --------------------------------------------------------------------------- the leak check
 
 
