@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from jobfence.config.errors import UnsafeSettings
@@ -28,8 +29,10 @@ DEV_SECRET = "jobfence-insecure-dev-secret"
 _LOCAL_SCHEMES = frozenset({"memory", "sqlite", "rpc", "file", "cache+memory", "db+sqlite"})
 _REDIS = frozenset({"redis", "rediss", "redis+sentinel", "redis+cluster", "redlock",
                     "sentinel", "rediss+sentinel", "rediss+cluster"})  # fmt: skip
-_POSTGRES = frozenset({"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2",
-                       "db+postgresql", "db+postgresql+psycopg", "db+postgresql+psycopg2"})  # fmt: skip
+_POSTGRES = frozenset({
+    "postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2", "db+postgresql",
+    "db+postgresql+psycopg", "db+postgresql+psycopg2",
+})  # fmt: skip
 _MYSQL = frozenset({"mysql", "mariadb", "mysql+pymysql", "mariadb+pymysql", "db+mysql",
                     "db+mysql+pymysql"})  # fmt: skip
 _TLS_SCHEMES = frozenset({"rediss", "amqps", "https", "etcds", "rediss+sentinel",
@@ -44,7 +47,8 @@ _VERIFY_OPTIONS = ("ssl_cert_reqs", "ssl_check_hostname", "check_hostname", "ssl
 _TLS_OPTIONS = ("ssl", "tls", "use_ssl", "ssl_ca", "ssl_ca_certs", "ssl_cert", "ssl_certfile",
                 "ssl_ca_path", "ca_cert", "cacert", "tls_ca")  # fmt: skip
 _CLIENT_CERT = ("ssl_certfile", "ssl_cert", "sslcert", "cert", "client_cert", "tls_cert")
-#: Query options that set a lock-server timeout, which the client prefers to JOBFENCE_SOCKET_TIMEOUT.
+#: Query options that set a lock-server timeout: the client prefers them to
+#: JOBFENCE_SOCKET_TIMEOUT.
 TIMEOUT_OPTIONS = ("socket_timeout", "socket_connect_timeout", "connect_timeout",
                    "read_timeout", "write_timeout")  # fmt: skip
 
@@ -65,11 +69,11 @@ class UrlPosture:
         return self.password or self.client_cert
 
     def line(self) -> str:
+        how = " (password)" if self.password else " (client cert)" if self.client_cert else ""
+        auth = f"yes{how}" if self.auth else "no"
         return (
-            f"{self.variable} {self.shown}: TLS {self.tls}; auth "
-            f"{'yes' if self.auth else 'no'}"
-            f"{' (password)' if self.password else ''}{' (client cert)' if self.client_cert else ''}"
-            f"; loopback {'yes' if self.loopback else 'no'}"
+            f"{self.variable} {self.shown}: TLS {self.tls}; auth {auth}; "
+            f"loopback {'yes' if self.loopback else 'no'}"
         )
 
 
@@ -134,7 +138,7 @@ def url_posture(url: str | None, variable: str) -> UrlPosture | None:
         return None
     query = _query(url)
     userinfo = _split_userinfo(url)[0]
-    user, colon, password = userinfo.partition(":")
+    _, colon, password = userinfo.partition(":")
     has_password = bool(colon and unquote(password)) or any(
         k in query for k in ("password", "passwd", "pwd")
     )
@@ -172,6 +176,25 @@ def _tls(scheme: str, query: Mapping[str, str]) -> str:
         if value in _FALSE:
             return f"unverified ({name}={value})"
     return "verified"
+
+
+def with_backend_security(posture: UrlPosture, found: Any) -> UrlPosture:
+    """`posture` corrected by what the lock backend itself says of its connection
+    (`LockBackend.security()`: tls, verified, hostname_checked, auth), which knows its
+    client's defaults better than the URL's text does."""
+    if found is None:
+        return posture
+    if not found.tls:
+        tls = "off"
+    elif not found.verified:
+        tls = "unverified (the certificate is not checked)"
+    elif not found.hostname_checked:
+        tls = "unverified (the host name is not checked)"
+    else:
+        tls = "verified"
+    auth = bool(found.auth)
+    return replace(posture, tls=tls, password=posture.password and auth,
+                   client_cert=auth and not posture.password)  # fmt: skip
 
 
 def url_downgrades(posture: UrlPosture) -> Iterable[Downgrade]:
@@ -259,11 +282,21 @@ def postures(urls: Mapping[str, str | None]) -> list[UrlPosture]:
     return [p for p in found if p is not None]
 
 
+def postures_with(urls: Mapping[str, str | None], lock_variable: str,
+                  lock_security: Any = None) -> list[UrlPosture]:  # fmt: skip
+    """`postures`, the lock URL's corrected by its backend's own `security()` if given."""
+    return [
+        with_backend_security(p, lock_security) if p.variable == lock_variable else p
+        for p in postures(urls)
+    ]
+
+
 def downgrades(
-    urls: Mapping[str, str | None], secret: str, lock_variable: str, secret_variable: str
+    urls: Mapping[str, str | None], secret: str, lock_variable: str, secret_variable: str,
+    lock_security: Any = None,
 ) -> list[Downgrade]:
     """Every downgrade of these URLs and this key secret (the lock URL decides loopback)."""
-    found = postures(urls)
+    found = postures_with(urls, lock_variable, lock_security)
     lock = next((p for p in found if p.variable == lock_variable), None)
     out = [d for p in found for d in url_downgrades(p)]
     out += key_secret_downgrades(secret, secret_variable, lock is None or lock.loopback)

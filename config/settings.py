@@ -21,8 +21,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from jobfence.config.django_source import django_sources
 from jobfence.config import security
+from jobfence.config.django_source import django_sources
 from jobfence.config.errors import UnsafeSettings
 from jobfence.config.security import DEV_SECRET, is_loopback
 from jobfence.config.urls import check_lock_url, check_url, redact
@@ -266,13 +266,17 @@ class Settings(BaseSettings):
         """Each server URL by the variable that sets it (what the security checks judge)."""
         return {_variable(f): getattr(self, f) for f in URL_FIELDS}
 
-    def downgrades(self, extra: Mapping[str, str | None] | None = None) -> list[security.Downgrade]:
+    def downgrades(
+        self, extra: Mapping[str, str | None] | None = None, lock_security: Any = None
+    ) -> list[security.Downgrade]:
         """Every security downgrade of these settings (and `extra` URLs, e.g. an app's own
-        broker): README, Security. Whether each is allowed is JOBFENCE_ALLOW_INSECURE's say."""
+        broker; `lock_security`, the lock backend's own `security()`): README, Security.
+        Whether each is allowed is JOBFENCE_ALLOW_INSECURE's say."""
         urls = {**self.server_urls(), **(extra or {})}
         return security.downgrades(
-            urls, self.key_secret.get_secret_value(), _variable("lock_url"), _variable("key_secret")
-        )
+            urls, self.key_secret.get_secret_value(), _variable("lock_url"),
+            _variable("key_secret"), lock_security,
+        )  # fmt: skip
 
     def secret_bytes(self) -> bytes:
         return self.key_secret.get_secret_value().encode()

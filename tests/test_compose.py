@@ -163,7 +163,8 @@ def test_no_password_is_committed_and_the_env_file_is_not(services) -> None:
         "${POSTGRES_PASSWORD:?"
     )
     argv = words(services["redis"]["command"])
-    assert option(argv, "--requirepass") == "${REDIS_PASSWORD:?set REDIS_PASSWORD in .env (see .env.example)}"
+    required = "${REDIS_PASSWORD:?set REDIS_PASSWORD in .env (see .env.example)}"
+    assert option(argv, "--requirepass") == required
     assert services["redis"]["environment"]["REDISCLI_AUTH"].startswith("${REDIS_PASSWORD")
     example = (REPO_ROOT / ".env.example").read_text()
     for name in EXAMPLE_SECRETS:

@@ -181,6 +181,27 @@ def test_verified_and_local_setups_pass(url: str) -> None:
     assert findings(settings) == []
 
 
+def test_the_lock_backends_own_account_of_its_connection_wins_over_the_url() -> None:
+    """A backend's `security()` (tls, verified, hostname_checked, auth) knows its client's
+    defaults: MySQL's `?ssl_ca=` alone is verify-identity in jobfence, say."""
+    settings = quiet_settings(lock_url="mysql://jf:PWsecretXYZ@10.1.2.3:3306/jobfence?ssl_ca=/ca.pem",
+                              key_secret=STRONG)  # fmt: skip
+
+    def runtime(**sec: bool) -> Any:
+        return SimpleNamespace(settings=settings, backend=SimpleNamespace(
+            security=lambda: SimpleNamespace(**sec)))  # fmt: skip
+
+    conf = SimpleNamespace(broker_url=None, result_backend=None)
+    verified = runtime(tls=True, verified=True, hostname_checked=True, auth=True)
+    assert list(check_security(conf, verified)) == []
+    chain_only = runtime(tls=True, verified=True, hostname_checked=False, auth=True)
+    found = list(check_security(conf, chain_only))
+    assert [f.refuse for f in found] == [True] and "host name" in found[0].problem
+    plain = runtime(tls=False, verified=False, hostname_checked=False, auth=True)
+    found = list(check_security(conf, plain))
+    assert any("without TLS" in f.problem for f in found)
+
+
 def test_the_app_broker_and_result_backend_are_judged_too() -> None:
     settings = quiet_settings(lock_url="redis://127.0.0.1:6379/0", key_secret=STRONG)
     conf = SimpleNamespace(broker_url="amqp://app:CLEARpw123@mq.internal:5672//",
@@ -275,7 +296,8 @@ def test_a_wrong_redis_password_is_refused_not_waited_for(password_redis: RedisS
     right = f"redis://:RIGHTpw%2342x@127.0.0.1:{password_redis.port}/0"
     done = run_cli("check", env={"JOBFENCE_LOCK_URL": right})
     assert done.returncode == 0, done.stdout + done.stderr
-    wrong = run_cli("check", env={"JOBFENCE_LOCK_URL": right.replace("RIGHTpw%2342x", "WRONGpwXYZ")})
+    wrong_url = right.replace("RIGHTpw%2342x", "WRONGpwXYZ")
+    wrong = run_cli("check", env={"JOBFENCE_LOCK_URL": wrong_url})
     assert wrong.returncode == 1 and "wrong credentials" in wrong.stdout
 
 
@@ -330,16 +352,87 @@ def test_celerys_auth_serializer_is_accepted_by_settings_decorator_and_checks() 
     assert task.serializer == "auth"
 
 
+SIGNED_APP = """
+import os
+
+import redis
+from celery import Celery
+
+import jobfence
+from jobfence.tasks import singleton_task
+
+app = Celery("signed_app", broker=os.environ["SIGNED_BROKER"])
+app.conf.update(
+    task_serializer="auth", accept_content=["auth"], security_key="key.pem",
+    security_certificate="cert.pem", security_cert_store="cert*.pem",
+    worker_hijack_root_logger=False,
+)
+jobfence.setup(app)
+app.setup_security()
+
+
+@singleton_task(app=app, name="signed.mark")
+def mark(n: int) -> None:
+    redis.Redis.from_url(os.environ["SIGNED_BROKER"]).set(f"signed-done-{n}", "1")
+"""
+
+
+@pytest.mark.integration
+def test_a_real_worker_runs_signed_messages_and_drops_unsigned_ones(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Celery's message signing end to end: a worker of an app with app.setup_security()
+    passes jobfence's start-up checks and runs a signed job; an unsigned JSON message for
+    the same task (the control) is refused by Celery and never runs."""
+    import redis
+    from celery import Celery
+
+    from devstack.servers import stop_process, wait_for
+
+    _self_signed(tmp_path)  # cert.pem, key.pem: the signer's own self-signed certificate
+    (tmp_path / "signed_app.py").write_text(SIGNED_APP)
+    env = {**os.environ, "SIGNED_BROKER": redis_url, "JOBFENCE_LOCK_URL": redis_url,
+           "JOBFENCE_KEY_SECRET": STRONG,
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}  # fmt: skip
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "signed_app", "worker", "--pool", "solo",
+             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    try:
+        wait_for(lambda: "ready" in log.read_text() or worker.poll() is not None, 60,
+                 message=lambda: log.read_text())  # fmt: skip
+        assert worker.poll() is None, log.read_text()  # not refused at start-up (exit 78)
+        plain = Celery("unsigned", broker=redis_url, set_as_current=False)
+        plain.send_task("signed.mark", args=(8,), serializer="json")  # the control
+        subprocess.run(
+            [sys.executable, "-c", "import signed_app; signed_app.mark.delay(7)"],
+            cwd=tmp_path, env=env, check=True, timeout=60,
+        )  # fmt: skip
+        wait_for(lambda: client.get("signed-done-7"), 60, message=lambda: log.read_text())
+        assert client.get("signed-done-8") is None  # delivered first, refused, never run
+        text = log.read_text()
+        assert "ContentDisallowed" in text or "Refusing to deserialize" in text, text
+        assert "refusing to start" not in text
+    finally:
+        stop_process(worker)
+        client.close()
+    shown(log.read_text())
+
+
 # --------------------------------------------------------------------------- metrics
 
 
 def _self_signed(tmp_path: Path) -> tuple[str, str]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric import rsa
     from cryptography.x509.oid import NameOID
 
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)  # Celery: RSA only
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.UTC)
     import ipaddress

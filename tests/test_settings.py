@@ -321,7 +321,8 @@ def test_a_bad_lock_url_is_one_line_with_an_example(url: str, problem: str) -> N
     ],
 )
 def test_good_lock_urls_pass(url: str) -> None:
-    assert load_settings(lock_url=url, key_secret="a-real-random-secret-0123456789abcdef").lock_url == url
+    secret = "a-real-random-secret-0123456789abcdef"
+    assert load_settings(lock_url=url, key_secret=secret).lock_url == url
 
 
 @pytest.mark.parametrize(

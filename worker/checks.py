@@ -213,10 +213,9 @@ CREDENTIALS_FIX = (
 def credentials_refused(exc: BaseException) -> str | None:
     """Why a Redis server refused these credentials, or None if `exc` is something else."""
     text = str(exc)
-    if isinstance(exc, AuthenticationError) or any(
-        word in text for word in ("WRONGPASS", "NOAUTH", "NOPERM", "invalid password",
-                                  "called without any password configured")  # fmt: skip
-    ):
+    words = ("WRONGPASS", "NOAUTH", "NOPERM", "invalid password",
+             "called without any password configured")  # fmt: skip
+    if isinstance(exc, AuthenticationError) or any(word in text for word in words):
         what = "asks for a password the URL does not give" if (
             "NOAUTH" in text or "HELLO must be called" in text or "Authentication required" in text
         ) else "refused the credentials in the URL"
@@ -235,21 +234,29 @@ def check_security(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     }
     known = set(settings.server_urls().values())
     extra = {k: v for k, v in extra.items() if v and v not in known}
-    for d in settings.downgrades(extra):
+    for d in settings.downgrades(extra, lock_security(runtime)):
         if d.item in settings.allow_insecure:
             yield _warn(d.variable, f"{d.problem} ({security.allowed_note(d.item)})", d.fix)
         else:
             yield _refuse(d.variable, d.problem, security.refusal_fix(d))
 
 
-def posture_lines(conf: Any, settings: Any) -> list[str]:
+def lock_security(runtime: Any) -> Any:
+    """The lock backend's own account of its connection (`LockBackend.security()`, where a
+    backend gives one), or None: then the URL's text is judged."""
+    backend = getattr(runtime, "backend", None)
+    method = getattr(backend, "security", None)
+    return method() if callable(method) else None
+
+
+def posture_lines(conf: Any, settings: Any, lock: Any = None) -> list[str]:
     """What `check` says of the security it found: per URL TLS, auth and loopback; the key
-    secret's strength (never a secret)."""
+    secret's strength (never a secret). `lock`: the lock backend's `security()`."""
     extra = {"broker_url": str(conf.broker_url or "") or None,
              "result_backend": str(conf.result_backend or "") or None}  # fmt: skip
     known = set(settings.server_urls().values())
     urls = {**settings.server_urls(), **{k: v for k, v in extra.items() if v not in known}}
-    lines = [p.line() for p in security.postures(urls)]
+    lines = [p.line() for p in security.postures_with(urls, f"{ENV_PREFIX}LOCK_URL", lock)]
     strength = security.key_secret_strength(settings.key_secret.get_secret_value())
     lines.append(f"{ENV_PREFIX}KEY_SECRET: {strength}")
     allowed = ",".join(settings.allow_insecure) or "nothing"

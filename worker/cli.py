@@ -426,7 +426,7 @@ class AppNotFound(LookupError):
 
 def cmd_check(args: argparse.Namespace) -> int:
     from jobfence.tasks import runtime_for
-    from jobfence.worker.checks import posture_lines, run_checks
+    from jobfence.worker.checks import lock_security, posture_lines, run_checks
 
     if args.app:
         from jobfence.worker.setup import is_set_up
@@ -453,7 +453,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"health of the {runtime.backend.name} lock backend: {state} in "
               f"{health.latency * 1000:.1f} ms ({health.detail})")  # fmt: skip
         print("security posture:")
-        for line in posture_lines(app.conf, runtime.settings):
+        for line in posture_lines(app.conf, runtime.settings, lock_security(runtime)):
             print(f"  {line}")
         findings = run_checks(app, runtime)
     finally:

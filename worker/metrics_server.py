@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hmac
-import ssl
 import glob
+import hmac
 import importlib
 import logging
 import os
 import shutil
+import ssl
 import sys
 import tempfile
 import threading
@@ -32,7 +32,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from jobfence.config import UnsafeSettings
 from jobfence.config.settings import ENV_PREFIX
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _values: Any = importlib.import_module("prometheus_client.values")
 _mmap: Any = importlib.import_module("prometheus_client.mmap_dict")
 _multiprocess: Any = importlib.import_module("prometheus_client.multiprocess")
+_exposition: Any = importlib.import_module("prometheus_client.exposition")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 DIR_PREFIX = "jobfence-metrics-"
@@ -193,7 +194,7 @@ def serve(
     class Server(ThreadingWSGIServer):  # type: ignore[misc]
         """A class of its own: the address family is set on it."""
 
-    Server.address_family, addr = _get_best_family(addr, port)
+    Server.address_family, addr = _exposition._get_best_family(addr, port)
     app = _named(make_wsgi_app(registry))
     if credentials:
         app = _named(basic_auth(app, credentials))
