@@ -21,12 +21,13 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from jobfence.config import security
 from jobfence.config.django_source import django_sources
 from jobfence.config.errors import UnsafeSettings
+from jobfence.config.security import DEV_SECRET, is_loopback
 from jobfence.config.urls import check_lock_url, check_url, redact
 
 ENV_PREFIX = "JOBFENCE_"
-DEV_SECRET = "jobfence-insecure-dev-secret"
 URL_FIELDS = ("lock_url", "broker_url", "result_backend", "database_url")
 
 # JOBFENCE_* variables jobfence reads outside Settings (the demo's faults and journal, the
@@ -48,12 +49,7 @@ class InsecureSettingsWarning(UserWarning):
 
 
 def _is_loopback(host: str | None) -> bool:
-    if not host or host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(host)
 
 
 class Settings(BaseSettings):
@@ -146,8 +142,25 @@ class Settings(BaseSettings):
         "pool processes (unset: no endpoint).",
     )
     metrics_addr: str = Field(
-        default="0.0.0.0",
-        description="Address the /metrics endpoint listens on (127.0.0.1: this host only).",
+        default="127.0.0.1",
+        description="Address the /metrics endpoint listens on (0.0.0.0: every interface).",
+    )
+    metrics_basic_auth: SecretStr | None = Field(
+        default=None,
+        description="user:password the /metrics endpoint asks for (HTTP basic auth; unset: none).",
+    )
+    metrics_certfile: str | None = Field(
+        default=None,
+        description="PEM certificate (chain) file: the /metrics endpoint serves HTTPS with it.",
+    )
+    metrics_keyfile: str | None = Field(
+        default=None, description="PEM private key file of JOBFENCE_METRICS_CERTFILE."
+    )
+    # NoDecode: the environment gives `cleartext,no-auth` (a JSON list works too).
+    allow_insecure: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="Downgrades start-up allows instead of refusing (comma-separated: "
+        "unverified-tls, cleartext, no-auth, weak-key-secret); README, Security.",
     )
     # NoDecode: the environment gives `json` or `json,application/json` (a JSON list works too).
     accept_content: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -226,6 +239,13 @@ class Settings(BaseSettings):
         """`old1,old2` or a JSON list, as the environment spells it; refused without the value."""
         return _split_list(v, "KEY_SECRET_PREVIOUS", "list the earlier secrets separated by commas")
 
+    @field_validator("allow_insecure", mode="before")
+    @classmethod
+    def _split_allowed(cls, v: Any) -> Any:
+        """`cleartext,no-auth` or a JSON list; each a known downgrade name."""
+        items = _split_list(v, "ALLOW_INSECURE", "list downgrades separated by commas")
+        return security.parse_allowed(items) if isinstance(items, tuple | list) else items
+
     @field_validator("accept_content", mode="before")
     @classmethod
     def _split_content_types(cls, v: Any) -> Any:
@@ -241,6 +261,22 @@ class Settings(BaseSettings):
     @property
     def heartbeat_interval(self) -> float:
         return self.default_ttl * self.heartbeat_fraction
+
+    def server_urls(self) -> dict[str, str | None]:
+        """Each server URL by the variable that sets it (what the security checks judge)."""
+        return {_variable(f): getattr(self, f) for f in URL_FIELDS}
+
+    def downgrades(
+        self, extra: Mapping[str, str | None] | None = None, lock_security: Any = None
+    ) -> list[security.Downgrade]:
+        """Every security downgrade of these settings (and `extra` URLs, e.g. an app's own
+        broker; `lock_security`, the lock backend's own `security()`): README, Security.
+        Whether each is allowed is JOBFENCE_ALLOW_INSECURE's say."""
+        urls = {**self.server_urls(), **(extra or {})}
+        return security.downgrades(
+            urls, self.key_secret.get_secret_value(), _variable("lock_url"),
+            _variable("key_secret"), lock_security,
+        )  # fmt: skip
 
     def secret_bytes(self) -> bytes:
         return self.key_secret.get_secret_value().encode()
@@ -280,6 +316,14 @@ def refuse_unsafe(s: Settings) -> None:
             f"need 0 < base <= cap, got base={s.backoff_base} cap={s.backoff_cap}",
             "e.g. JOBFENCE_BACKOFF_BASE=0.005 JOBFENCE_BACKOFF_CAP=0.5",
         )
+    if not s.key_secret.get_secret_value().strip():
+        raise UnsafeSettings(
+            f"{p}KEY_SECRET",
+            "is empty: every deployment would hash task arguments under the same known key",
+            f"set {p}KEY_SECRET to a random string of at least {security.MIN_KEY_SECRET} "
+            "characters",
+        )
+    refuse_url_timeouts(s)
     if s.socket_timeout <= 0 or s.socket_timeout >= s.default_ttl - s.heartbeat_interval:
         raise UnsafeSettings(
             f"{p}SOCKET_TIMEOUT",
@@ -312,7 +356,7 @@ def refuse_unsafe(s: Settings) -> None:
             "use a first redelivery countdown such as 1",
         )
     refuse_metrics_clash(s)
-    bad = [c for c in s.accept_content if c not in ("json", "application/json")]
+    bad = [c for c in s.accept_content if c not in SAFE_CONTENT]
     if bad:
         raise UnsafeSettings(
             f"{p}ACCEPT_CONTENT",
@@ -326,6 +370,27 @@ def refuse_unsafe(s: Settings) -> None:
             f"({s.max_countdown:g}s): the broker redelivers every such job while it waits",
             "raise JOBFENCE_VISIBILITY_TIMEOUT above JOBFENCE_MAX_COUNTDOWN",
         )
+
+
+#: What workers may accept: JSON, and Celery's `auth` serializer (JSON signed with the
+#: app's key; app.setup_security(), README "Signed messages").
+SAFE_CONTENT = ("json", "application/json", "auth", "application/data")
+
+
+def refuse_url_timeouts(s: Settings) -> None:
+    """A timeout in the lock URL's query wins over JOBFENCE_SOCKET_TIMEOUT in the client, so
+    the effective value is the one checked against the lease."""
+    limit = s.default_ttl - s.heartbeat_interval
+    for name, value in security.query_timeouts(s.lock_url).items():
+        if value is None or not 0 < value < limit:
+            shown = "not a number" if value is None else f"{value:g}s"
+            raise UnsafeSettings(
+                f"{ENV_PREFIX}LOCK_URL",
+                f"its option {name} ({shown}) overrides {ENV_PREFIX}SOCKET_TIMEOUT "
+                f"({s.socket_timeout:g}s) and must be > 0 and shorter than TTL - heartbeat "
+                f"interval ({limit:g}s), or a hung extension outlives the lease",
+                f"remove {name} from the URL and set {ENV_PREFIX}SOCKET_TIMEOUT instead",
+            )
 
 
 def _local_ports(s: Settings) -> Iterable[tuple[str, int]]:
@@ -360,6 +425,19 @@ def refuse_metrics_clash(s: Settings) -> None:
                 f"{port} is the port of {other}, a server on this host",
                 "pick a free port for the metrics endpoint, e.g. 9816",
             )
+    if (s.metrics_certfile is None) != (s.metrics_keyfile is None):
+        raise UnsafeSettings(
+            _variable("metrics_certfile"),
+            "and JOBFENCE_METRICS_KEYFILE must be set together (HTTPS needs both)",
+            "set both to PEM files, or neither for plain HTTP",
+        )
+    auth = s.metrics_basic_auth
+    if auth is not None and ":" not in auth.get_secret_value():
+        raise UnsafeSettings(
+            _variable("metrics_basic_auth"),
+            "must be user:password",
+            "set it to e.g. prometheus:<a long random password>",
+        )
     try:
         ipaddress.ip_address(s.metrics_addr)
     except ValueError:
@@ -367,23 +445,19 @@ def refuse_metrics_clash(s: Settings) -> None:
             raise UnsafeSettings(
                 _variable("metrics_addr"),
                 "must be an IP address to listen on",
-                "use 0.0.0.0 (every interface), :: or 127.0.0.1",
+                "use 127.0.0.1 (this host, the default), 0.0.0.0 (every interface) or ::",
             ) from None
 
 
 def warn_insecure(s: Settings) -> None:
-    """Warn (not refuse) about settings that leak data or weaken security."""
-    u = urlsplit(s.lock_url)
-    if u.scheme == "redis" and not u.password and not _is_loopback(u.hostname):
+    """Warn (not refuse: the worker's start-up check does) about each security downgrade
+    JOBFENCE_ALLOW_INSECURE does not allow."""
+    for d in s.downgrades():
+        if d.item in s.allow_insecure:
+            continue
         warnings.warn(
-            f"{ENV_PREFIX}LOCK_URL points at {u.hostname} with neither password nor TLS; "
-            "use rediss:// or add a password",
-            InsecureSettingsWarning,
-            stacklevel=2,
-        )
-    if s.key_secret.get_secret_value() == DEV_SECRET and not _is_loopback(u.hostname):
-        warnings.warn(
-            f"{ENV_PREFIX}KEY_SECRET is the development default; set a random secret",
+            f"{d.variable}: {d.problem}. Fix: {d.fix} (a worker refuses to start with it "
+            f"unless {security.ALLOW_VARIABLE} includes {d.item})",
             InsecureSettingsWarning,
             stacklevel=2,
         )

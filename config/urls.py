@@ -17,17 +17,19 @@ _REDACTED = "***"
 def redact(url: str) -> str:
     """`url` without its password (userinfo and credential query parameters), fit for a log line.
 
-    Works on text that is not a valid URL too (a bad port, a password holding `/`), since
-    that is exactly what error messages show.
+    The one redaction of the package: every message, log line and `check` output that shows a
+    URL shows it through here. Works on text that is not a valid URL too (a bad port, a
+    password holding `/`, `?` or `@`), since that is exactly what error messages show:
+    everything between `://` and the last `@` is taken for the userinfo, so a password with an
+    unencoded `?` is hidden too (an `@` in a query value then hides a little more than needed,
+    never less). Any query parameter whose name holds pass, secret, token, key, auth or
+    credential has its value replaced.
     """
     if not url:
         return url
     match = _SCHEME.match(url)
     head, rest = (url[: match.end()], url[match.end() :]) if match else ("", url)
-    # The last '@' before the query: a password may hold '@', '/' or '#' (these URLs have no
-    # fragments); one holding '?' must be percent-encoded for any client to read it anyway.
-    q = rest.find("?")
-    at = rest.rfind("@", 0, q if q >= 0 else len(rest))
+    at = _userinfo_end(rest)
     if at >= 0:
         userinfo, rest = rest[:at], rest[at + 1 :]
         user, colon, _ = userinfo.partition(":")
@@ -47,11 +49,31 @@ def redact(url: str) -> str:
     return head + rest
 
 
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)(:[0-9]+)?$")
+
+
+def _plain_authority(text: str) -> bool:
+    """Whether `text` (a URL after its scheme, before its '?') is hosts and a path with no
+    userinfo: then an '@' after the '?' is in the query, not the end of a password."""
+    authority, slash, _ = text.partition("/")
+    return bool(slash) and all(_HOST_PORT.match(part) for part in authority.split(","))
+
+
+def _userinfo_end(rest: str) -> int:
+    """Index of the '@' that ends the userinfo in `rest` (a URL after `://`), or -1: the last
+    '@', unless the text before the first '?' is plainly hosts and a path (then an '@' after
+    it is in a query value)."""
+    at = rest.rfind("@")
+    q = rest.find("?")
+    if 0 <= q < at and _plain_authority(rest[:q]):
+        at = rest.rfind("@", 0, q)
+    return at
+
+
 def _split_userinfo(url: str) -> tuple[str, str]:
     """(userinfo, the rest after it) of a URL with a scheme, the way `redact` splits it."""
     rest = url.split("://", 1)[1]
-    query = rest.find("?")
-    at = rest.rfind("@", 0, query if query >= 0 else len(rest))
+    at = _userinfo_end(rest)
     return (rest[:at], rest[at + 1 :]) if at >= 0 else ("", rest)
 
 
@@ -106,12 +128,12 @@ def check_url(
             f"(use {', '.join(s + '://' for s in schemes)})",
             fix,
         )
-    if any(c in _split_userinfo(url)[0] for c in "/#"):
+    if any(c in _split_userinfo(url)[0] for c in "/#?"):
         raise UnsafeSettings(
             variable,
-            f"{shown!r} has '/' or '#' in its user name or password, which clients read "
+            f"{shown!r} has '/', '?' or '#' in its user name or password, which clients read "
             "as the end of the host part",
-            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+            "percent-encode them in the URL (/ as %2F, ? as %3F, # as %23, @ as %40)",
         )
     port = _port_problem(url)
     if port:
@@ -133,11 +155,11 @@ def _multi_host(
     if not url.lower().startswith(f"{scheme}://"):
         raise UnsafeSettings(variable, f"{shown!r} is not a {scheme}:// URL", fix)
     userinfo, rest = _split_userinfo(url)
-    if any(c in userinfo for c in "/#"):
+    if any(c in userinfo for c in "/#?"):
         raise UnsafeSettings(
             variable,
-            f"{shown!r} has '/' or '#' in its user name or password",
-            "percent-encode them in the URL (/ as %2F, # as %23, @ as %40)",
+            f"{shown!r} has '/', '?' or '#' in its user name or password",
+            "percent-encode them in the URL (/ as %2F, ? as %3F, # as %23, @ as %40)",
         )
     if "?" in rest or "#" in rest:
         raise UnsafeSettings(

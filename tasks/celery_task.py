@@ -117,6 +117,10 @@ class _Delivery:
         return _copy_headers(self.req, self.explicit, count, deferred=deferred)
 
 
+#: Serializers a singleton task may send: JSON, or JSON signed by Celery's `auth` serializer.
+SINGLETON_SERIALIZERS = ("json", "auth")
+
+
 class SingletonTask(Task):  # type: ignore[misc]
     """A Celery task that runs at most once at a time per key, and takes effect once.
 
@@ -128,7 +132,9 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     acks_late = True
     reject_on_worker_lost = True
-    serializer = "json"
+    # JSON, or Celery's `auth` (JSON signed with the app's key) when the app signs its
+    # messages (app.setup_security() before the tasks are defined): see on_bound.
+    serializer: str | None = None
     throws = (JobSkipped,)  # an expected end: logged as one line, without a traceback
     jobfence_key: KeySelector = None
     jobfence_ttl: float | None = None
@@ -146,6 +152,13 @@ class SingletonTask(Task):  # type: ignore[misc]
     global_rate_limit: Rate | None = None
     rate_key: KeySelector = None
     on_rate_limited: RateLimitedPolicy = "retry"
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Follow the app's task_serializer only where it is JSON or signed JSON (`auth`)."""
+        super().on_bound(app)
+        if cls.serializer not in SINGLETON_SERIALIZERS:
+            cls.serializer = "json"
 
     # -- what the body sees ------------------------------------------------------
     @property
@@ -817,9 +830,10 @@ def singleton_task(
     _check_seconds("wait_timeout", wait_timeout, zero=True)
     _check_seconds("result_ttl", result_ttl)
     _check_seconds("dedupe_ttl", celery_options.get("dedupe_ttl"))
-    if celery_options.get("serializer", "json") != "json":
+    if celery_options.get("serializer", "json") not in SINGLETON_SERIALIZERS:
         raise TaskDefinitionError(
-            "singleton tasks use the json serializer; pickle runs broker data"
+            "singleton tasks use the json serializer (or auth, Celery's signed JSON); pickle "
+            "runs broker data"
         )
     group = _check_concurrency(concurrency, concurrency_key)
     key = _normalise_key(key)

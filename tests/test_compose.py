@@ -148,11 +148,77 @@ def test_the_image_copies_every_folder_the_jobfence_package_maps() -> None:
     assert needed <= copied, f"Dockerfile misses {sorted(needed - copied)}"
 
 
+EXAMPLE_SECRETS = {
+    "JOBFENCE_KEY_SECRET": "compose-check-only-0123456789abcdef0123",
+    "REDIS_PASSWORD": "ComposeRedisPW0123",
+    "POSTGRES_PASSWORD": "ComposePgPW0123",
+}
+DEFAULT_SERVICES = ("redis", "postgres", "worker", "beat-a", "beat-b", "flower", "prometheus")
+
+
+def test_no_password_is_committed_and_the_env_file_is_not(services) -> None:
+    text = COMPOSE.read_text()
+    assert "POSTGRES_PASSWORD: jobfence" not in text
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith(
+        "${POSTGRES_PASSWORD:?"
+    )
+    argv = words(services["redis"]["command"])
+    required = "${REDIS_PASSWORD:?set REDIS_PASSWORD in .env (see .env.example)}"
+    assert option(argv, "--requirepass") == required
+    assert services["redis"]["environment"]["REDISCLI_AUTH"].startswith("${REDIS_PASSWORD")
+    example = (REPO_ROOT / ".env.example").read_text()
+    for name in EXAMPLE_SECRETS:
+        assert re.search(rf"(?m)^{name}=$", example), f".env.example does not list {name}"
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=REPO_ROOT)
+    assert ignored.returncode == 0, ".env must be ignored by git"
+    assert ".env" in (REPO_ROOT / ".dockerignore").read_text().split()
+
+
+def test_containers_run_without_root_on_a_read_only_file_system(services) -> None:
+    for name in DEFAULT_SERVICES:
+        service = services[name]
+        user = str(service.get("user", ""))
+        assert user and not user.startswith(("0", "root")), f"{name} runs as root"
+        assert service.get("read_only") is True, f"{name} has a writable root file system"
+        assert "/tmp" in (service.get("tmpfs") or []), name
+        assert service.get("cap_drop") == ["ALL"], name
+    assert re.search(r"(?m)^USER jobfence$", (REPO_ROOT / "Dockerfile").read_text())
+
+
+def test_the_stacks_settings_pass_the_security_start_up_check(services) -> None:
+    """The worker's environment, as compose fills it in from .env.example's names, loads
+    and passes check_security: its one downgrade (clear text on the private network) is
+    allowed by name, so it is a warning, not a refusal."""
+    from types import SimpleNamespace
+
+    from jobfence.worker.checks import check_security
+
+    values = {**EXAMPLE_SECRETS, "JOBFENCE_ALLOW_INSECURE": "cleartext"}
+
+    def filled(text: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            name, default = match[1], match[3] or ""
+            return values.get(name, default if match[2] == ":-" else "")
+
+        for _ in range(2):  # one default holds another variable
+            text = re.sub(r"\$\{(\w+)(?:(:-|:\?)((?:[^{}]|\$\{\w+\})*))?\}", one, text)
+        return text
+
+    env = {k: filled(str(v)) for k, v in services["worker"]["environment"].items()}
+    assert "ComposeRedisPW0123" in env["JOBFENCE_LOCK_URL"]
+    settings = Settings(**{k[len(ENV_PREFIX):].lower(): v for k, v in env.items()})
+    conf = SimpleNamespace(broker_url=settings.broker_url, result_backend=settings.result_backend)
+    found = list(check_security(conf, SimpleNamespace(settings=settings)))
+    assert found and not [f for f in found if f.refuse], found
+    assert all("JOBFENCE_ALLOW_INSECURE=cleartext" in f.problem for f in found)
+    assert not any(p in str(f) for f in found for p in EXAMPLE_SECRETS.values())
+
+
 def _compose(*args: str) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not installed (.ci/setup installs Debian's)")
-    env = {**os.environ, "JOBFENCE_KEY_SECRET": "compose-check-only"}
+    env = {**os.environ, **EXAMPLE_SECRETS}
     return subprocess.run(
         [exe, "-f", str(COMPOSE), *args], env=env, cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=60,

@@ -93,7 +93,7 @@ def test_the_readme_block_runs(block: Block, tmp_path: Path, redis_url: str, scr
     env.update({
         "JOBFENCE_LOCK_URL": redis_db_url(redis_url, 0),
         "JOBFENCE_DATABASE_URL": scratch_pg,
-        "JOBFENCE_KEY_SECRET": "readme-test-secret",
+        "JOBFENCE_KEY_SECRET": "readme-test-secret-0123456789abcdef",
         "JOBFENCE_KEY_SECRET_RESET": "true",  # other tests' secrets share this lock server
         "CELERY_BROKER_URL": redis_db_url(redis_url, 1),
         "CELERY_RESULT_BACKEND": redis_db_url(redis_url, 2),

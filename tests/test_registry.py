@@ -32,7 +32,7 @@ from jobfence.locks.registry import BackendEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-SECRET = "a-real-random-secret"
+SECRET = "a-real-random-secret-0123456789abcdef"
 
 
 class ToyBackend(MemoryBackend):

@@ -167,13 +167,13 @@ def test_secret_is_not_shown() -> None:
 )
 def test_plain_redis_off_host_without_password_warns(url: str) -> None:
     with pytest.warns(InsecureSettingsWarning, match="JOBFENCE_LOCK_URL") as caught:
-        load_settings(lock_url=url, key_secret="a-real-random-secret")
+        load_settings(lock_url=url, key_secret="a-real-random-secret-0123456789abcdef")
     assert len(caught) == 1
 
 
 def test_insecure_url_warning_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JOBFENCE_LOCK_URL", "redis://10.9.8.7:6379/0")
-    monkeypatch.setenv("JOBFENCE_KEY_SECRET", "a-real-random-secret")
+    monkeypatch.setenv("JOBFENCE_KEY_SECRET", "a-real-random-secret-0123456789abcdef")
     with pytest.warns(InsecureSettingsWarning, match="password"):
         load_settings()
 
@@ -189,15 +189,16 @@ def test_dev_secret_off_host_warns() -> None:
         "redis://127.0.0.1:6379/0",
         "redis://localhost:6379/0",
         "redis://[::1]:6379/0",
-        "redis://:pw@10.1.2.3:6379/0",
-        "rediss://10.1.2.3:6380/0",
+        "rediss://:pw@10.1.2.3:6380/0",
+        "rediss://10.1.2.3:6380/0?ssl_certfile=/etc/c.pem&ssl_keyfile=/etc/k.pem",
+        "postgresql://u:pw@10.1.2.3/db?sslmode=verify-full",
         "unix:///run/redis.sock",
     ],
 )
 def test_safe_urls_do_not_warn(url: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_settings(lock_url=url, key_secret="a-real-random-secret")
+        load_settings(lock_url=url, key_secret="a-real-random-secret-0123456789abcdef")
 
 
 def test_settings_are_frozen() -> None:
@@ -320,7 +321,8 @@ def test_a_bad_lock_url_is_one_line_with_an_example(url: str, problem: str) -> N
     ],
 )
 def test_good_lock_urls_pass(url: str) -> None:
-    assert load_settings(lock_url=url, key_secret="a-real-random-secret").lock_url == url
+    secret = "a-real-random-secret-0123456789abcdef"
+    assert load_settings(lock_url=url, key_secret=secret).lock_url == url
 
 
 @pytest.mark.parametrize(

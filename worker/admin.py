@@ -191,6 +191,18 @@ def advance_fence(backend: LockBackend, key: str) -> int:
 # --------------------------------------------------------------------------- rendering
 
 
+def printable(text: object) -> str:
+    """`text` fit for a terminal: control characters (ESC, BEL, CR, C1 CSI, ...) shown as
+    escapes such as \\x1b, so stored data (a key, a task id any publisher chooses, a host
+    name) cannot move the cursor, retitle the window or hide text."""
+    value = str(text)
+    if value.isprintable():
+        return value
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in value
+    )
+
+
 def info_dict(info: LockInfo, now: float) -> dict[str, Any]:
     """A LockInfo as JSON-ready data (it never holds the owner token)."""
     data = asdict(info)
@@ -222,7 +234,7 @@ def table(infos: Iterable[LockInfo], now: float, extra: dict[str, str] | None = 
         ]
         if extra is not None:
             row.append(extra.get(info.key, ""))
-        rows.append(row)
+        rows.append([printable(cell) for cell in row])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -241,7 +253,7 @@ def describe(info: LockInfo, now: float) -> str:
         f"acquired:       {_when(info.acquired_at)}",
         f"last heartbeat: {_when(info.last_heartbeat)} ({_age(d['heartbeat_age'])} ago)",
     ]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def _when(epoch: float) -> str:

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.retry import Retry
 
-from jobfence.config import UnsafeSettings
+from jobfence.config import UnsafeSettings, security
 from jobfence.config.settings import ENV_PREFIX, unknown_variables
 from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, RedisBackend, registry
@@ -40,6 +40,8 @@ SECRET_ID_KEY = "key-secret-id"
 #: It must outlive every DONE record under the secret; it is refreshed at each start.
 SECRET_ID_RETENTION = 10 * 365 * 24 * 3600.0
 JSON_TYPES = ("json", "application/json")
+#: Celery's message signing: JSON inside, signed with the app's key (app.setup_security()).
+SIGNED_TYPES = ("auth", "application/data")
 REDIS_SCHEMES = registry.entry("redis").schemes
 
 
@@ -87,15 +89,16 @@ def check_serializers(conf: Any) -> Iterator[Finding]:
     accepted = list(conf.accept_content or ())
     result_accepted = list(conf.result_accept_content or accepted)
     used = [conf.task_serializer, conf.result_serializer, conf.event_serializer]
-    bad = sorted({c for c in [*accepted, *result_accepted, *used] if c not in JSON_TYPES})
+    safe = (*JSON_TYPES, *SIGNED_TYPES)
+    bad = sorted({c for c in [*accepted, *result_accepted, *used] if c not in safe})
     if bad:
         yield _refuse(
             "accept_content / result_accept_content / task_serializer / result_serializer"
             " / event_serializer",
             f"the app accepts or sends {bad}: pickle (and yaml, msgpack extensions) run or "
             "decode arbitrary data from the broker",
-            "accept and send only json: remove the others from the app's Celery settings "
-            "(left unset, jobfence.setup makes them JSON only)",
+            "accept and send only json (or auth, Celery's signed JSON): remove the others "
+            "from the app's Celery settings (left unset, jobfence.setup makes them JSON only)",
         )
 
 
@@ -172,6 +175,11 @@ def check_lock_backend(
     try:
         backend.client.ping()
     except RedisError as exc:
+        wrong = credentials_refused(exc)
+        if wrong:  # a wrong password is a wrong setting, not an outage: waiting never helps
+            yield _refuse(setting, f"the lock server at {redact(settings.lock_url)} {wrong}",
+                          CREDENTIALS_FIX)  # fmt: skip
+            return
         tls = urlsplit(settings.lock_url).scheme == registry.entry("redis").tls_scheme
         hint = tls_hint(exc) if tls else None
         if hint:  # a TLS set-up that cannot work: no amount of waiting helps
@@ -194,6 +202,66 @@ def check_lock_backend(
         )
         return
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
+
+
+CREDENTIALS_FIX = (
+    "put the right user and password in the URL (percent-encoded), or grant the user "
+    "its commands in the server's ACL"
+)
+
+
+def credentials_refused(exc: BaseException) -> str | None:
+    """Why a Redis server refused these credentials, or None if `exc` is something else."""
+    text = str(exc)
+    words = ("WRONGPASS", "NOAUTH", "NOPERM", "invalid password",
+             "called without any password configured")  # fmt: skip
+    if isinstance(exc, AuthenticationError) or any(word in text for word in words):
+        what = "asks for a password the URL does not give" if (
+            "NOAUTH" in text or "HELLO must be called" in text or "Authentication required" in text
+        ) else "refused the credentials in the URL"
+        return f"{what} ({type(exc).__name__}): wrong credentials, not an outage"
+    return None
+
+
+def check_security(conf: Any, runtime: Runtime) -> Iterator[Finding]:
+    """Refuse each downgrade (README, Security) JOBFENCE_ALLOW_INSECURE does not allow;
+    warn about each it does. Judges the settings' URLs and the app's own broker and result
+    backend, which need not come from JOBFENCE_*."""
+    settings = runtime.settings
+    extra = {
+        "broker_url": str(conf.broker_url or "") or None,
+        "result_backend": str(conf.result_backend or "") or None,
+    }
+    known = set(settings.server_urls().values())
+    extra = {k: v for k, v in extra.items() if v and v not in known}
+    for d in settings.downgrades(extra, lock_security(runtime)):
+        if d.item in settings.allow_insecure:
+            yield _warn(d.variable, f"{d.problem} ({security.allowed_note(d.item)})", d.fix)
+        else:
+            yield _refuse(d.variable, d.problem, security.refusal_fix(d))
+
+
+def lock_security(runtime: Any) -> Any:
+    """The lock backend's own account of its connection (`LockBackend.security()`, where a
+    backend gives one), or None: then the URL's text is judged."""
+    backend = getattr(runtime, "backend", None)
+    method = getattr(backend, "security", None)
+    return method() if callable(method) else None
+
+
+def posture_lines(conf: Any, settings: Any, lock: Any = None) -> list[str]:
+    """What `check` says of the security it found: per URL TLS, auth and loopback; the key
+    secret's strength (never a secret). `lock`: the lock backend's `security()`."""
+    extra = {"broker_url": str(conf.broker_url or "") or None,
+             "result_backend": str(conf.result_backend or "") or None}  # fmt: skip
+    known = set(settings.server_urls().values())
+    urls = {**settings.server_urls(), **{k: v for k, v in extra.items() if v not in known}}
+    lines = [p.line() for p in security.postures_with(urls, f"{ENV_PREFIX}LOCK_URL", lock)]
+    strength = security.key_secret_strength(settings.key_secret.get_secret_value())
+    lines.append(f"{ENV_PREFIX}KEY_SECRET: {strength}")
+    allowed = ",".join(settings.allow_insecure) or "nothing"
+    lines.append(f"{security.ALLOW_VARIABLE}: {allowed}")
+    return lines
 
 
 def check_sentinel_lock(backend: RedisSentinelBackend, setting: str, url: str) -> Iterator[Finding]:
@@ -372,6 +440,10 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         try:
             client.ping()
         except RedisError as exc:
+            wrong = credentials_refused(exc)
+            if wrong:
+                yield _refuse(setting, f"the broker at {redact(url)} {wrong}", CREDENTIALS_FIX)
+                return
             yield _warn(
                 setting,
                 f"cannot reach the broker at {redact(url)} yet ({exc}); its eviction policy "
@@ -538,6 +610,7 @@ def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
     conf = app.conf
     return [
         *check_serializers(conf),
+        *check_security(conf, runtime),
         *check_delivery(conf),
         *check_timeouts(conf, runtime, app.tasks.values()),
         *check_lock_backend(conf, runtime, app.tasks.values()),

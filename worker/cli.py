@@ -300,9 +300,11 @@ def _locks_inspect(args: argparse.Namespace, settings: Settings, backend: LockBa
             },
         })  # fmt: skip
     else:
-        print(admin.describe(info, now) if info else f"{args.key}: not held")
+        print(admin.describe(info, now) if info else admin.printable(f"{args.key}: not held"))
         if record is not None:
-            print(f"job record:     {record.state} (fence {record.fence}) result {record.result}")
+            print(admin.printable(
+                f"job record:     {record.state} (fence {record.fence}) result {record.result}"
+            ))
     return 0 if info is not None else 1
 
 
@@ -322,12 +324,14 @@ def _locks_release(args: argparse.Namespace, settings: Settings, backend: LockBa
         backend, args.key, resources=args.fence_resource, guard_prefix=settings.key_prefix
     )
     held = done.held
+    key = admin.printable(args.key)
     if held is None:
-        print(f"{args.key}: not held")
+        print(f"{key}: not held")
     else:
-        print(f"{args.key}: released (was fence {held.fence}, host {held.host}, pid {held.pid})")
+        host = admin.printable(held.host)
+        print(f"{key}: released (was fence {held.fence}, host {host}, pid {held.pid})")
     if done.floor is not None:
-        print(f"{args.key}: fence advanced to {done.floor}; every later grant is above it")
+        print(f"{key}: fence advanced to {done.floor}; every later grant is above it")
     for resource, floor in done.advanced.items():
         print(
             f"{resource}: guard floor now {floor}: writes with an earlier grant's fence "
@@ -368,7 +372,7 @@ def _locks_orphans(args: argparse.Namespace, settings: Settings, backend: LockBa
         reasons = {o.info.key: ("DEAD: " if o.dead else "suspect: ") + o.reason for o in orphans}
         print(admin.table([o.info for o in orphans], now, reasons))
         for key in released:
-            print(f"{key}: released")
+            print(f"{admin.printable(key)}: released")
         if any(not o.dead for o in orphans):
             print("suspects are reported only: a late heartbeat or a holder elsewhere is no proof")
     else:
@@ -422,7 +426,7 @@ class AppNotFound(LookupError):
 
 def cmd_check(args: argparse.Namespace) -> int:
     from jobfence.tasks import runtime_for
-    from jobfence.worker.checks import run_checks
+    from jobfence.worker.checks import lock_security, posture_lines, run_checks
 
     if args.app:
         from jobfence.worker.setup import is_set_up
@@ -448,6 +452,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         state = "ok" if health.ok else "NOT ANSWERING"
         print(f"health of the {runtime.backend.name} lock backend: {state} in "
               f"{health.latency * 1000:.1f} ms ({health.detail})")  # fmt: skip
+        print("security posture:")
+        for line in posture_lines(app.conf, runtime.settings, lock_security(runtime)):
+            print(f"  {line}")
         findings = run_checks(app, runtime)
     finally:
         runtime.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import secrets
 import signal
@@ -12,7 +13,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
@@ -559,20 +560,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker", help="broker URL (default: embedded redis-server)")
     p.add_argument("--lock-backend", help="lock URL, e.g. redis://host:6379/0")
     p.add_argument("--database", help="ledger SQLAlchemy URL (default: embedded SQLite)")
+    p.add_argument("--env", action="store_true",
+                   help="take the server URLs not given as options from JOBFENCE_BROKER_URL, "
+                   "JOBFENCE_LOCK_URL and JOBFENCE_DATABASE_URL (passwords stay out of ps)")
+    p.add_argument("--env-file", metavar="PATH",
+                   help="as --env, reading those variables from this file (KEY=value lines)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--log", default=None, help="write the fleet's output to this file")
     return p
 
 
+#: Where `--env` / `--env-file` find each server URL: (option's attribute, variable).
+SERVER_VARIABLES = (
+    ("broker", "JOBFENCE_BROKER_URL"),
+    ("lock_backend", "JOBFENCE_LOCK_URL"),
+    ("database", "JOBFENCE_DATABASE_URL"),
+)
+
+
+def server_urls(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> dict[str, str | None]:
+    """broker, lock_backend and database: each option as given, else (with --env or
+    --env-file) its JOBFENCE_* variable, so no password need be on the command line."""
+    found: dict[str, str | None] = {name: getattr(args, name) for name, _ in SERVER_VARIABLES}
+    source: Mapping[str, str | None] = {}
+    if args.env_file:
+        from dotenv import dotenv_values
+
+        if not os.path.isfile(args.env_file):
+            raise UnsafeSettings("--env-file", f"{args.env_file!r} is not a file",
+                                 "give the path of a KEY=value file")  # fmt: skip
+        source = dotenv_values(args.env_file)
+    elif args.env:
+        source = os.environ if environ is None else environ
+    for name, variable in SERVER_VARIABLES:
+        if not found[name] and source.get(variable):
+            found[name] = source[variable]
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        servers = server_urls(args)
+    except UnsafeSettings as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     if args.workers < 1 or args.jobs < 2 or args.publishes < 1 or args.concurrency < 1:
         print("demo: --workers, --concurrency, --publishes must be >= 1 and --jobs >= 2",
               file=sys.stderr)
         return 2
     opts = DemoOptions(workers=args.workers, concurrency=args.concurrency, jobs=args.jobs,
-                       publishes=args.publishes, seed=args.seed, broker=args.broker,
-                       lock_backend=args.lock_backend, database=args.database,
+                       publishes=args.publishes, seed=args.seed, broker=servers["broker"],
+                       lock_backend=servers["lock_backend"], database=servers["database"],
                        fail_rate=args.fail_rate, timeout=args.timeout, chaos=not args.no_chaos)
     log_path = args.log
     try:

@@ -15,19 +15,24 @@ each recycled child, and Prometheus would have to sum what one worker should rep
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import glob
+import hmac
 import importlib
 import logging
 import os
 import shutil
+import ssl
 import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from jobfence.config import UnsafeSettings
 from jobfence.config.settings import ENV_PREFIX
@@ -39,6 +44,7 @@ log = logging.getLogger(__name__)
 _values: Any = importlib.import_module("prometheus_client.values")
 _mmap: Any = importlib.import_module("prometheus_client.mmap_dict")
 _multiprocess: Any = importlib.import_module("prometheus_client.multiprocess")
+_exposition: Any = importlib.import_module("prometheus_client.exposition")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 DIR_PREFIX = "jobfence-metrics-"
@@ -135,6 +141,78 @@ class _Both:
             yield from registry.collect()
 
 
+class _QuietHandler(WSGIRequestHandler):
+    """Logs no request and names no software or version in its `Server` header."""
+
+    server_version = "jobfence"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log nothing (a scrape every few seconds)."""
+
+
+def _named(app: Any) -> Any:
+    """`app` answering with `Server: jobfence` (wsgiref would name Python and its version)."""
+
+    def named(environ: dict[str, Any], start_response: Any) -> Any:
+        def start(status: str, headers: list[tuple[str, str]], *exc: Any) -> Any:
+            return start_response(status, [*headers, ("Server", "jobfence")], *exc)
+
+        return app(environ, start)
+
+    return named
+
+
+def basic_auth(app: Any, credentials: str) -> Any:
+    """`app` behind HTTP basic auth for `user:password` (compared in constant time)."""
+    expected = b"Basic " + base64.b64encode(credentials.encode())
+
+    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(given, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [
+            ("WWW-Authenticate", 'Basic realm="jobfence metrics"'),
+            ("Content-Type", "text/plain; charset=utf-8"),
+        ])  # fmt: skip
+        return [b"authentication required\n"]
+
+    return guarded
+
+
+def serve(
+    port: int,
+    addr: str,
+    registry: CollectorRegistry,
+    *,
+    credentials: str | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> tuple[Any, threading.Thread]:
+    """prometheus_client's WSGI server, with optional basic auth and TLS, in a daemon thread."""
+
+    class Server(ThreadingWSGIServer):  # type: ignore[misc]
+        """A class of its own: the address family is set on it."""
+
+    Server.address_family, addr = _exposition._get_best_family(addr, port)
+    app = _named(make_wsgi_app(registry))
+    if credentials:
+        app = _named(basic_auth(app, credentials))
+    httpd = make_server(addr, port, app, Server, handler_class=_QuietHandler)
+    if certfile:
+        try:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.load_cert_chain(certfile, keyfile)
+            httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+        except (OSError, ssl.SSLError):
+            httpd.server_close()
+            raise
+    thread = threading.Thread(target=httpd.serve_forever, name="jobfence-metrics", daemon=True)
+    thread.start()
+    return httpd, thread
+
+
 class Exporter:
     """A running /metrics endpoint for one runtime (built by `start`)."""
 
@@ -158,10 +236,20 @@ class Exporter:
         if port is None:
             raise ValueError(f"{ENV_PREFIX}METRICS_PORT is not set")
         exporter = cls(runtime, multiprocess=multiprocess)
+        auth = settings.metrics_basic_auth
         try:
-            exporter._server, exporter._thread = start_http_server(
-                port, settings.metrics_addr, exporter.registry
-            )
+            exporter._server, exporter._thread = serve(
+                port, settings.metrics_addr, exporter.registry,
+                credentials=auth.get_secret_value() if auth else None,
+                certfile=settings.metrics_certfile, keyfile=settings.metrics_keyfile,
+            )  # fmt: skip
+        except ssl.SSLError as exc:
+            raise UnsafeSettings(
+                f"{ENV_PREFIX}METRICS_CERTFILE",
+                f"cannot serve /metrics over TLS with it ({exc.reason or exc})",
+                f"point {ENV_PREFIX}METRICS_CERTFILE and {ENV_PREFIX}METRICS_KEYFILE at a PEM "
+                "certificate and its private key",
+            ) from None
         except OSError as exc:
             raise MetricsPortUnavailable(
                 f"{ENV_PREFIX}METRICS_PORT",
@@ -181,8 +269,10 @@ class Exporter:
         else:
             exporter.registry.register(_Both(runtime.metrics.registry, REGISTRY))
         log.info(
-            "jobfence metrics on http://%s:%d/metrics (%s)", settings.metrics_addr,
+            "jobfence metrics on %s://%s:%d/metrics (%s%s)",
+            "https" if settings.metrics_certfile else "http", settings.metrics_addr,
             exporter.port, "summed over pool processes" if multiprocess else "one process",
+            ", basic auth" if auth else "",
         )  # fmt: skip
         return exporter
 

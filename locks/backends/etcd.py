@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from jobfence.config.urls import redact
 from jobfence.locks import registry
 from jobfence.locks.backend import (
     Busy,
@@ -75,15 +76,15 @@ def parse_endpoints(url: str) -> list[str]:
     hosts = rest.rstrip("/")
     if any(c in hosts for c in "/?#"):
         raise ValueError(
-            f"etcd URL {url!r} has a path or options; use etcd://host:2379[,host:2379...]"
+            f"etcd URL {redact(url)!r} has a path or options; use etcd://host:2379[,host:2379...]"
         )
     endpoints = []
     for item in hosts.split(","):
         host, colon, port = item.strip().rpartition(":")
         if not colon or not host.strip("[]"):
-            raise ValueError(f"etcd URL {url!r}: member {item.strip()!r} is not host:port")
+            raise ValueError(f"etcd URL {redact(url)!r}: member {item.strip()!r} is not host:port")
         if not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"etcd URL {url!r} has port {port!r}, not a number in 1-65535")
+            raise ValueError(f"etcd URL {redact(url)!r} has port {port!r}, not a number in 1-65535")
         endpoints.append(f"{host}:{port}")
     return endpoints
 

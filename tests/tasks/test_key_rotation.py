@@ -21,7 +21,7 @@ from jobfence.worker.checks import EX_CONFIG, StartupRefused, check_key_secret, 
 from tests.servers import RedisServer
 from tests.tasks.conftest import AppFactory, unique
 
-OLD, NEW = "old-secret-Aa1", "new-secret-Bb2"
+OLD, NEW = "old-secret-Aa1-0123456789abcdefghij", "new-secret-Bb2-0123456789abcdefghij"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
