@@ -54,7 +54,7 @@ async def deliver_cancel(awaitable: Awaitable[T]) -> T:
 
     Python 3.11's asyncio.wait_for returns its inner result and drops a cancel that lands in
     the loop tick the result arrives in (CPython gh-86296, fixed in 3.12); redis.asyncio
-    wraps every socket write in one, so about one cancel in twenty was lost mid-op. A lost
+    wraps every socket write in one, so now and then a cancel was lost mid-op. A lost
     cancel leaves the task's `cancelling()` count raised: compare it before and after."""
     task = asyncio.current_task()
     before = task.cancelling() if task is not None else 0
