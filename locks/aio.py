@@ -14,7 +14,7 @@ from jobfence.locks import registry
 from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend, RateGrant, default_meta, validate_seconds
 from jobfence.locks.clock import Clock
-from jobfence.locks.drive import AsyncStore, run_async
+from jobfence.locks.drive import AsyncStore, deliver_cancel, run_async
 from jobfence.locks.errors import LeaseLost, LockError, RateLimited, RateLimitUnsupported
 from jobfence.locks.flows import Backoff, acquire_flow, campaign_flow, rate_flow, slot_flow
 from jobfence.locks.keeper import (
@@ -155,7 +155,8 @@ class AsyncKeeper:
         if not batch:
             return max(0.001, min(next_wake, wait))
         try:
-            await self.store.execute_async(Extend(tuple(batch)))  # marks refused leases lost
+            # Marks refused leases lost.
+            await deliver_cancel(self.store.execute_async(Extend(tuple(batch))))
         except Exception as exc:  # unknown outcome: the lease may still be ours; retry soon
             log.warning("asyncio lease extension failed for %d lease(s), retrying: %s",
                         len(batch), type(exc).__name__)  # fmt: skip
@@ -298,7 +299,7 @@ class AsyncLocker:
         self.keeper.drop(lease)
         if lease.released:
             return False
-        ok: bool = await self.store.execute_async(Release(lease))
+        ok: bool = await deliver_cancel(self.store.execute_async(Release(lease)))
         return ok
 
     @contextlib.asynccontextmanager

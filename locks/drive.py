@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
 from jobfence.locks.clock import Clock
@@ -47,10 +48,27 @@ def run_sync(flow: Flow[T], store: Store, clock: Clock) -> T:
             error = exc
 
 
+async def deliver_cancel(awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`; if this task was cancelled meanwhile and the CancelledError was lost
+    on the way up, raise it now, so a cancel always ends the wait.
+
+    Python 3.11's asyncio.wait_for returns its inner result and drops a cancel that lands in
+    the loop tick the result arrives in (CPython gh-86296, fixed in 3.12); redis.asyncio
+    wraps every socket write in one, so now and then a cancel was lost mid-op. A lost
+    cancel leaves the task's `cancelling()` count raised: compare it before and after."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    result = await awaitable
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError
+    return result
+
+
 async def run_async(flow: Flow[T], store: AsyncStore, clock: Clock) -> T:
     """Run `flow` to its value on the running loop: each op one awaited round trip, sleeps
     through asyncio.sleep. A cancellation is thrown into the flow, which may still send its
-    clean-up (a release, leaving a queue) before the CancelledError goes on."""
+    clean-up (a release, leaving a queue) before the CancelledError goes on; one that a
+    client library lost mid-op is raised when the op returns (deliver_cancel)."""
     reply: Any = None
     error: BaseException | None = None
     while True:
@@ -66,6 +84,6 @@ async def run_async(flow: Flow[T], store: AsyncStore, clock: Clock) -> T:
             elif kind is Sleep:
                 await asyncio.sleep(op.seconds)  # type: ignore[union-attr]
             else:
-                reply = await store.execute_async(op)  # type: ignore[arg-type]
+                reply = await deliver_cancel(store.execute_async(op))  # type: ignore[arg-type]
         except BaseException as exc:  # CancelledError too: the flow cleans up, then re-raises
             error = exc

@@ -7,13 +7,14 @@ from typing import Any, ClassVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import Connection
 from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from jobfence.config.urls import sentinel_target
 from jobfence.locks.backend import Capabilities
-from jobfence.locks.backends.redis import RedisBackend, client_options
+from jobfence.locks.backends.redis import RedisBackend, _Lane, client_options
 
 # Why the single-node backend serves unchanged: redis-py's `Sentinel.master_for` returns a
 # plain redis.Redis whose pool asks the sentinels for the master's address at every new
@@ -24,9 +25,12 @@ from jobfence.locks.backends.redis import RedisBackend, client_options
 # a ConnectionError ("The previous master is now a slave") and a disconnect: a lock server
 # that cannot be reached, never a refusal such as "not the owner". Except for EVALSHA: a
 # demoted master lost its script cache with the full resync from its new master, and
-# answers NOSCRIPT before it would answer READONLY; so a NOSCRIPT drops every connection
-# (the lane's and the pool's) before the script is loaded and sent again, and both go to
-# the master the sentinels name now.
+# answers NOSCRIPT before it would answer READONLY; so a NOSCRIPT asks the sentinels for
+# the master before the script is loaded and sent again. If it moved, the pool drops its
+# idle connections (and each busy one when it comes back), and the lane reconnects each of
+# its connections in the thread that next takes it. Nothing another thread is using is
+# closed under it: every thread's first call meets NOSCRIPT on a fresh server, and closing
+# the whole pool there broke the others' commands ("Bad file descriptor").
 #
 # The fence is the single node's, max(last + 1, server time in µs, this client's floor): a
 # promoted replica that never received the newest grant still hands out a higher fence, as
@@ -73,6 +77,19 @@ def sentinel_setup(
     return sentinel_args, target.service, master_args
 
 
+class _SentinelLane(_Lane):
+    """A lane that follows the master: a connection made to a master the sentinels no longer
+    name is reconnected (to the one they name) by the thread that takes it, the only one
+    using it then."""
+
+    def _take(self) -> Connection:
+        conn = super()._take()
+        master = self.pool.master_address  # type: ignore[attr-defined]
+        if master is not None and (conn.host, conn.port) != master:  # type: ignore[attr-defined]
+            conn.disconnect()  # type: ignore[no-untyped-call]
+        return conn
+
+
 class RedisSentinelBackend(RedisBackend):
     """Locks on the current master of a Sentinel-managed Redis. Build with `from_url`."""
 
@@ -87,6 +104,8 @@ class RedisSentinelBackend(RedisBackend):
         if not isinstance(pool, SentinelConnectionPool):
             raise TypeError("RedisSentinelBackend needs a client from Sentinel.master_for")
         super().__init__(client, **options)
+        if self._lane is not None:
+            self._lane = _SentinelLane(pool)
         self.sentinel: Sentinel = pool.sentinel_manager
         self.service: str = pool.service_name
 
@@ -102,22 +121,22 @@ class RedisSentinelBackend(RedisBackend):
         try:
             return super()._evalsha(sha, keys, args)
         except NoScriptError:
-            self._reconnect_all()
-            raise  # the caller loads the script and sends it once more, on new connections
+            self._follow_master()
+            raise  # the caller loads the script and sends it once more
 
     def _evalsha_many(self, sha: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
         try:
             return super()._evalsha_many(sha, calls)
         except NoScriptError:
-            self._reconnect_all()
+            self._follow_master()
             raise  # as _evalsha
 
-    def _reconnect_all(self) -> None:
-        """Disconnect every connection, so each reconnects to the master named now."""
-        if self._lane is not None:
-            for conn in list(self._lane.idle):
-                conn.disconnect()  # type: ignore[no-untyped-call]
-        self.client.connection_pool.disconnect()
+    def _follow_master(self) -> None:
+        """Ask the sentinels for the master now (a NOSCRIPT may come from a demoted one). If
+        it moved, redis-py's pool drops its idle connections and each busy one as it comes
+        back, and the lane reconnects its own at their next use: none is closed under the
+        thread using it."""
+        self.client.connection_pool.get_master_address()  # type: ignore[attr-defined]
 
     def master_address(self) -> tuple[str, int]:
         """The master's address as the sentinels name it now (MasterNotFoundError if none
