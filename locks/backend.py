@@ -22,11 +22,15 @@ from jobfence.locks.errors import (
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 from jobfence.locks.ops import (
     Acquire,
+    Begin,
     ClaimPublish,
     ClearPublish,
+    Commit,
+    CountDelivery,
     Extend,
     Inspect,
     LeaveSlot,
+    ReadRecord,
     Release,
     ReleaseOwner,
     StoreOp,
@@ -310,6 +314,13 @@ class LockBackend(ABC):
         """Run one op of a flow (locks/flows.py) as one round trip; its reply is the
         method's own (the table in locks/ops.py)."""
         match op:
+            case Begin(key, ttl, meta, record, fingerprint):
+                return self.begin(key, ttl, meta=meta, record=record, fingerprint=fingerprint)
+            case Commit(lease, state, result, fingerprint, result_ttl):
+                return self.commit(
+                    lease, state=state, result=result, fingerprint=fingerprint,
+                    result_ttl=result_ttl,
+                )  # fmt: skip
             case Acquire(key, ttl, owner, meta):
                 return self.attempt(key, ttl, meta=meta, owner=owner)
             case WaitRelease(key, timeout):
@@ -339,6 +350,10 @@ class LockBackend(ABC):
             case ClearPublish(key):
                 self.clear_publish(key)
                 return None
+            case ReadRecord(key):
+                return self.job_record(key)
+            case CountDelivery(key, window):
+                return self.count_delivery(key, window)
         raise LockError(f"the {self.name} lock backend cannot run {type(op).__name__}")
 
     # -- semaphores: validate, then one call ----------------------------------------
