@@ -46,6 +46,7 @@ from jobfence.tasks.lifecycle import (
     AfterOuterCommit,
     Drop,
     Job,
+    JobSpec,
     Keep,
     Note,
     Outcome,
@@ -56,6 +57,7 @@ from jobfence.tasks.lifecycle import (
     job_flow,
 )
 from jobfence.tasks.metrics import Metrics
+from tests.tasks import conftest
 
 KEY, FP, ME, TTL = "job-key", "fp-1", "task-me", 30.0
 CLOCK = ManualClock(1000.0)  # the leases' clock; the flows read time only through Now
@@ -116,12 +118,10 @@ class Script:
         return [op for op in self.ops if isinstance(op, kind)]
 
 
-def spec_for(**overrides: Any) -> Any:
-    from tests.tasks.conftest import spec_for as make
-
+def spec_for(**overrides: Any) -> JobSpec:
     fields: dict[str, Any] = {"fingerprint": FP, "task_id": ME, "ttl": TTL}
     fields.update(overrides)
-    return make(KEY, **fields)
+    return conftest.spec_for(KEY, **fields)
 
 
 def job(metrics: Metrics | None = None, limit: int = 20, **overrides: Any) -> Job:
@@ -519,6 +519,12 @@ def test_after_a_flushall_a_crash_suspect_delivery_gets_a_fresh_grant_and_is_cou
     assert out.status == "ran"
 
 
+def test_a_crash_count_at_the_cap_still_runs() -> None:
+    held = lease()
+    s = run_flow(job(suspect=True, max_crashed=2))
+    assert s.run((Begin, held), (CountDelivery, 2), *runs(held)).status == "ran"
+
+
 def test_a_crash_count_that_cannot_be_read_runs_the_body_all_the_same() -> None:
     held = lease()
     s = run_flow(job(suspect=True, max_crashed=2))
@@ -538,6 +544,15 @@ def test_past_the_crash_cap_the_job_is_poisoned_recorded_failed(
     assert not s.of(RunBody) and not s.of(Keep)
     assert any("dead-letter" in r.getMessage() for r in caplog.records)
     assert count(metrics, "jobfence_executions_total", task="tests.job", outcome="poisoned") == 1
+
+
+def test_another_copy_of_a_poisoned_job_is_refused_too(caplog: pytest.LogCaptureFixture) -> None:
+    held = lease()
+    s = run_flow(job(suspect=True, max_crashed=2))
+    with pytest.raises(PoisonMessage):
+        s.run((Begin, held), (CountDelivery, 5), (Drop(held), None), (Commit, True))
+    assert not any(r.getMessage().startswith("dead-letter:") for r in caplog.records)  # once
+    assert any("another copy" in r.getMessage() for r in caplog.records)
 
 
 # -- the concurrency slot ----------------------------------------------------------------
