@@ -314,12 +314,14 @@ class LockBackend(ABC):
         """Run one op of a flow (locks/flows.py) as one round trip; its reply is the
         method's own (the table in locks/ops.py)."""
         match op:
-            case Begin(key, ttl, meta, record, fingerprint):
-                return self.begin(key, ttl, meta=meta, record=record, fingerprint=fingerprint)
-            case Commit(lease, state, result, fingerprint, result_ttl):
+            # A job's two round trips first, read by attribute: cheaper than captures.
+            case Begin():
+                return self.begin(op.key, op.ttl, meta=op.meta, record=op.record,
+                                  fingerprint=op.fingerprint)  # fmt: skip
+            case Commit():
                 return self.commit(
-                    lease, state=state, result=result, fingerprint=fingerprint,
-                    result_ttl=result_ttl,
+                    op.lease, state=op.state, result=op.result, fingerprint=op.fingerprint,
+                    result_ttl=op.result_ttl,
                 )  # fmt: skip
             case Acquire(key, ttl, owner, meta):
                 return self.attempt(key, ttl, meta=meta, owner=owner)

@@ -128,12 +128,13 @@ class Executor:
             lease.release()
 
     def _job(self, spec: JobSpec) -> Job:
-        return Job(spec, backoff=self.backoff, redelivery=self.redelivery, metrics=self.metrics)
+        return Job(spec, backoff=self.backoff, redelivery=self.redelivery, metrics=self.metrics,
+                   noting=bool(self.observers))  # fmt: skip
 
     def _drive(self, job: Job, flow: JobFlow[T], body: Callable[[JobContext], Any] | None) -> T:
         # run_sync hands the shell's ops to `_Shell.execute` like any store op; the cast
         # widens Flow's op type to the job's (the driver only dispatches on Now and Sleep).
-        return run_sync(cast(Flow[T], flow), _Shell(self, job, body), self.backend.clock)
+        return run_sync(cast("Flow[T]", flow), _Shell(self, job, body), self.backend.clock)
 
 
 class _Shell:
@@ -151,17 +152,18 @@ class _Shell:
     def execute(self, op: StoreOp | ShellOp) -> Any:
         kind = type(op)
         if kind is Note:
-            self.note(cast(Note, op))
+            if self.executor.observers:  # none unless a journal is attached
+                self.note(op)  # type: ignore[arg-type]
         elif kind is RunBody:
-            return self.run_body(cast(RunBody, op).ctx)
+            return self.run_body(op.ctx)  # type: ignore[union-attr]
         elif kind is Keep:
-            self.keep(cast(Keep, op))
+            self.keep(op)  # type: ignore[arg-type]
         elif kind is Drop:
-            self.executor.keeper.drop(cast(Drop, op).lease)
+            self.executor.keeper.drop(op.lease)  # type: ignore[union-attr]
         elif kind is AfterOuterCommit:
-            self.after_outer_commit(cast(AfterOuterCommit, op))
+            self.after_outer_commit(op)  # type: ignore[arg-type]
         else:
-            return self.executor.backend.execute(cast(StoreOp, op))
+            return self.executor.backend.execute(op)  # type: ignore[arg-type]
         return None
 
     def note(self, op: Note) -> None:

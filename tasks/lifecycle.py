@@ -299,12 +299,21 @@ class Job:
     """
 
     def __init__(
-        self, spec: JobSpec, *, backoff: Backoff, redelivery: Redelivery, metrics: Metrics
+        self,
+        spec: JobSpec,
+        *,
+        backoff: Backoff,
+        redelivery: Redelivery,
+        metrics: Metrics,
+        noting: bool = True,
     ) -> None:
         self.spec = spec
         self.backoff = backoff
         self.redelivery = redelivery
         self.metrics = metrics
+        # False: nobody listens, so a job that runs sends no Note for "started" and "done"
+        # (two ops per job for nothing); the rarer events are always sent.
+        self.noting = noting
 
     def run(self, passthrough: tuple[type[BaseException], ...] = ()) -> JobFlow[Outcome]:
         """Begin, claim, cap, keep, rate gate, slot, body, commit."""
@@ -325,12 +334,12 @@ class Job:
             if held is not None:
                 return held
         if not spec.concurrency:
-            return (yield from self.start_body(lease, passthrough))
+            return (yield from self.run_held(lease, passthrough))
         slot = yield from self.take_slot(lease)
         if isinstance(slot, Outcome):
             return slot
         try:
-            out = yield from self.start_body(lease, passthrough, slot)
+            out = yield from self.run_held(lease, passthrough, slot)
         except GeneratorExit:
             raise  # closed unrun: nothing to send
         except BaseException:
@@ -342,78 +351,74 @@ class Job:
     # -- begin: replay, conflict, wait, or a grant ---------------------------------------
     def begin(self) -> JobFlow[Lease | Outcome]:
         """Acquire the job's lease, or say why not (replay, duplicate, defer, retry, redeliver)."""
-        try:
-            return (yield from self._begin())
-        except BackendUnavailable as exc:
-            log.warning(
-                "lock server unavailable before job %s ran: %s", self.spec.key, type(exc).__name__
-            )
-            return (yield from self.redeliver("lock server unavailable before the body ran", None))
-
-    def _begin(self) -> JobFlow[Lease | Outcome]:
         spec = self.spec
         started: float = yield Now()
         deadline = started + spec.wait_timeout
         meta = default_meta(task_id=spec.task_id, task_name=spec.name)
         fingerprint = spec.record_fingerprint
         attempt = 0
-        while True:
-            got = yield Begin(spec.key, spec.ttl, meta, record=True, fingerprint=fingerprint)
-            if isinstance(got, JobRecord) and spec.per_run and got.fingerprint != fingerprint:
-                # An earlier run's record: this publish is a run of its own (the lock still
-                # keeps it from running beside another).
-                got = yield Begin(spec.key, spec.ttl, meta, record=False, fingerprint=fingerprint)
-            if isinstance(got, Lease) and spec.previous:
-                got = yield from self.under_previous_secret(got)
-            if isinstance(got, Lease):
-                self.metrics.task(spec.name).acquire_wait.observe((yield Now()) - started)
-                return got
-            if isinstance(got, JobRecord):
-                if spec.supersede and spec.claims and got.fingerprint != fingerprint:
-                    # Replaced, and the replacement (other arguments) already finished.
-                    kept = yield from self.swap_claim()
-                    if kept is not None and kept != STARTED + spec.task_id:
-                        return (yield from self.superseded_copy(None, kept))
-                return (yield from self.replay(got))
-            busy: Busy = got
-            if (
-                not spec.per_run  # per run, another copy's arguments are another run's
-                and busy.fingerprint
-                and spec.fingerprint
-                and busy.fingerprint != spec.fingerprint
-            ):
-                raise IdempotencyConflict(
-                    "idempotency key in use by a running job with different arguments; use "
-                    "a new key or the original arguments",
-                    key=spec.key,
-                )
-            if spec.task_id and busy.task_id == spec.task_id:
-                # Our own earlier delivery holds it (redelivered or crashed): come back when
-                # its lease ends. Dropping this copy could lose the job if that holder died.
-                yield Note("defer", None)
-                return Outcome("defer", countdown=self.after(busy, attempt))
-            self.metrics.conflicts.labels(spec.name, spec.on_conflict).inc()
-            yield Note("conflict", None)
-            if spec.on_conflict == "skip":
-                return Outcome("duplicate", DUPLICATE, holder=busy.task_id or "")
-            if spec.on_conflict == "raise":
-                raise DuplicateJob("job is running elsewhere", key=spec.key)
-            behind = spec.lock_until == "start" or spec.queues
-            if spec.on_conflict == "retry":
-                if behind:
-                    return (yield from self.behind(busy, attempt))
-                return Outcome("retry", countdown=self.after(busy, attempt))
-            left = deadline - (yield Now())
-            if left <= 0:
-                if behind:
-                    return (yield from self.behind(busy, attempt))
-                self.metrics.timeouts.labels(spec.name).inc()
-                raise AcquireTimeout(
-                    f"job still running after {spec.wait_timeout:g}s", key=spec.key
-                )
-            pause = min(left, busy.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
-            yield WaitRelease(spec.key, pause)
-            attempt += 1
+        try:
+            while True:
+                got = yield Begin(spec.key, spec.ttl, meta, record=True, fingerprint=fingerprint)
+                if isinstance(got, JobRecord) and spec.per_run and got.fingerprint != fingerprint:
+                    # An earlier run's record: this publish is a run of its own (the lock still
+                    # keeps it from running beside another).
+                    got = yield Begin(spec.key, spec.ttl, meta, False, fingerprint)
+                if isinstance(got, Lease) and spec.previous:
+                    got = yield from self.under_previous_secret(got)
+                if isinstance(got, Lease):
+                    self.metrics.task(spec.name).acquire_wait.observe((yield Now()) - started)
+                    return got
+                if isinstance(got, JobRecord):
+                    if spec.supersede and spec.claims and got.fingerprint != fingerprint:
+                        # Replaced, and the replacement (other arguments) already finished.
+                        kept = yield from self.swap_claim()
+                        if kept is not None and kept != STARTED + spec.task_id:
+                            return (yield from self.superseded_copy(None, kept))
+                    return (yield from self.replay(got))
+                busy: Busy = got
+                if (
+                    not spec.per_run  # per run, another copy's arguments are another run's
+                    and busy.fingerprint
+                    and spec.fingerprint
+                    and busy.fingerprint != spec.fingerprint
+                ):
+                    raise IdempotencyConflict(
+                        "idempotency key in use by a running job with different arguments; use "
+                        "a new key or the original arguments",
+                        key=spec.key,
+                    )
+                if spec.task_id and busy.task_id == spec.task_id:
+                    # Our own earlier delivery holds it (redelivered or crashed): come back when
+                    # its lease ends. Dropping this copy could lose the job if that holder died.
+                    yield Note("defer", None)
+                    return Outcome("defer", countdown=self.after(busy, attempt))
+                self.metrics.conflicts.labels(spec.name, spec.on_conflict).inc()
+                yield Note("conflict", None)
+                if spec.on_conflict == "skip":
+                    return Outcome("duplicate", DUPLICATE, holder=busy.task_id or "")
+                if spec.on_conflict == "raise":
+                    raise DuplicateJob("job is running elsewhere", key=spec.key)
+                behind = spec.lock_until == "start" or spec.queues
+                if spec.on_conflict == "retry":
+                    if behind:
+                        return (yield from self.behind(busy, attempt))
+                    return Outcome("retry", countdown=self.after(busy, attempt))
+                left = deadline - (yield Now())
+                if left <= 0:
+                    if behind:
+                        return (yield from self.behind(busy, attempt))
+                    self.metrics.timeouts.labels(spec.name).inc()
+                    raise AcquireTimeout(
+                        f"job still running after {spec.wait_timeout:g}s", key=spec.key
+                    )
+                pause = min(left, busy.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
+                yield WaitRelease(spec.key, pause)
+                attempt += 1
+        except BackendUnavailable as exc:
+            log.warning("lock server unavailable before job %s ran: %s", spec.key,
+                        type(exc).__name__)  # fmt: skip
+            return (yield from self.redeliver("lock server unavailable before the body ran", None))
 
     def after(self, busy: Busy, attempt: int) -> float:
         """When to come back: the holder's lease left, plus a jittered step."""
@@ -687,33 +692,28 @@ class Job:
             yield Release(slot)
 
     # -- the body and its record -------------------------------------------------------
-    def start_body(
-        self,
-        lease: Lease,
-        passthrough: tuple[type[BaseException], ...],
-        slot: SlotLease | None = None,
-    ) -> JobFlow[Outcome]:
-        """lock_until="start": the claim is dropped here, past the rate turn and the slot, so
-        a publish while this job waits for them is a duplicate of it, not queued beside it."""
-        if self.spec.claims and self.spec.claim_at_body:
-            skipped = yield from self.claim_at_start(lease)
-            if skipped is not None:
-                return skipped
-        return (yield from self.run_held(lease, passthrough, slot))
-
     def run_held(
         self,
         lease: Lease,
         passthrough: tuple[type[BaseException], ...],
         slot: SlotLease | None = None,
     ) -> JobFlow[Outcome]:
-        """The body under the job's (kept) lease; its record committed, or why not."""
+        """The body under the job's (kept) lease; its record committed, or why not.
+
+        lock_until="start": the claim is dropped first, past the rate turn and the slot, so
+        a publish while this job waits for them is a duplicate of it, not queued beside it.
+        """
         spec = self.spec
+        if spec.claims and spec.claim_at_body:
+            skipped = yield from self.claim_at_start(lease)
+            if skipped is not None:
+                return skipped
         ctx = JobContext(
             key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id,
             slot=slot,
         )  # fmt: skip
-        yield Note("started", lease.fence)
+        if self.noting:
+            yield Note("started", lease.fence)
         try:
             value = yield RunBody(ctx)
             # Inside the try: an unstorable result is a failure that must release the lease.
@@ -749,7 +749,8 @@ class Job:
             # next delivery replays the record, or runs the body again (fenced, idempotent).
             return (yield from self.redeliver("commit outcome unknown", lease.fence))
         self.metrics.task(spec.name).done.inc()
-        yield Note("done", lease.fence)
+        if self.noting:
+            yield Note("done", lease.fence)
         if spec.unique_for and spec.task_id:
             yield from self.throttle()
         return Outcome("ran", value, lease.fence)
