@@ -22,11 +22,15 @@ from jobfence.locks.errors import (
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 from jobfence.locks.ops import (
     Acquire,
+    Begin,
     ClaimPublish,
     ClearPublish,
+    Commit,
+    CountDelivery,
     Extend,
     Inspect,
     LeaveSlot,
+    ReadRecord,
     Release,
     ReleaseOwner,
     StoreOp,
@@ -338,6 +342,15 @@ class LockBackend(ABC):
         """Run one op of a flow (locks/flows.py) as one round trip; its reply is the
         method's own (the table in locks/ops.py)."""
         match op:
+            # A job's two round trips first, read by attribute: cheaper than captures.
+            case Begin():
+                return self.begin(op.key, op.ttl, meta=op.meta, record=op.record,
+                                  fingerprint=op.fingerprint)  # fmt: skip
+            case Commit():
+                return self.commit(
+                    op.lease, state=op.state, result=op.result, fingerprint=op.fingerprint,
+                    result_ttl=op.result_ttl,
+                )  # fmt: skip
             case Acquire(key, ttl, owner, meta):
                 return self.attempt(key, ttl, meta=meta, owner=owner)
             case WaitRelease(key, timeout):
@@ -367,6 +380,10 @@ class LockBackend(ABC):
             case ClearPublish(key):
                 self.clear_publish(key)
                 return None
+            case ReadRecord(key):
+                return self.job_record(key)
+            case CountDelivery(key, window):
+                return self.count_delivery(key, window)
         raise LockError(f"the {self.name} lock backend cannot run {type(op).__name__}")
 
     # -- semaphores: validate, then one call ----------------------------------------

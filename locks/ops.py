@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 # Extend -> list[bool], Release -> bool, TakeSlot -> SlotLease | SlotWait, LeaveSlot -> bool,
 # TakeRate -> RateGrant, Inspect -> LockInfo | None, WaitRelease and Sleep -> None,
 # Now -> float (the driver's monotonic clock), ClaimPublish and SwapPublish -> str | None,
-# ClearPublish -> None.
+# ClearPublish -> None, Begin -> Lease | Busy | JobRecord, Commit -> bool,
+# ReadRecord -> JobRecord | None, CountDelivery -> int | None.
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,49 @@ class ClearPublish:
     key: str
 
 
+@dataclass(frozen=True)
+class Begin:
+    """Take a job's `key` unless its record says DONE (the record is the reply); `record=True`:
+    a FAILED record does not stop a new run. `fingerprint` goes with the grant (and `Busy`)."""
+
+    key: str
+    ttl: float
+    meta: OwnerMeta | None = None
+    record: bool = False
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Store the job record (DONE or FAILED) and release the lease, atomically and
+    owner-checked; the reply says whether the lease was still ours."""
+
+    lease: Lease
+    state: str
+    result: str
+    fingerprint: str
+    result_ttl: float
+
+
+@dataclass(frozen=True)
+class ReadRecord:
+    """The job record of `key` (DONE or FAILED), if any."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class CountDelivery:
+    """Count one more crash-suspect delivery on `key` (kept `window` seconds); the reply is
+    the count so far, or None where the store keeps no such count."""
+
+    key: str
+    window: float
+
+
 StoreOp = (
     Acquire | Extend | Release | ReleaseOwner | TakeSlot | LeaveSlot | TakeRate | Inspect
-    | WaitRelease | ClaimPublish | SwapPublish | ClearPublish
+    | WaitRelease | ClaimPublish | SwapPublish | ClearPublish | Begin | Commit | ReadRecord
+    | CountDelivery
 )  # fmt: skip
 Op = StoreOp | Sleep | Now

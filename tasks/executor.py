@@ -1,209 +1,85 @@
-"""The lock-gated executor: look up DONE, acquire, run with the lease, commit DONE, release."""
+"""The lock-gated executor: the sync shell that runs the job lifecycle (tasks/lifecycle.py).
+
+The flows decide; this shell runs them with `run_sync` and does what is no store round trip:
+the keeper, the body between `set_current` and `reset_current`, the observers, and the
+callers' commit hooks. The public names the task layer and users import live here too.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import hashlib
-import json
 import logging
-import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, TypeVar, cast
 
 from jobfence.locks.acquire import Backoff
-from jobfence.locks.backend import Busy, JobRecord, LockBackend, RateGrant, default_meta
-from jobfence.locks.errors import (
-    AcquireTimeout,
-    BackendUnavailable,
-    CommitOutcomeUnknown,
-    LeaseLost,
-    StaleFence,
-)
+from jobfence.locks.backend import LockBackend
+from jobfence.locks.drive import run_sync
+from jobfence.locks.errors import LeaseLost
+from jobfence.locks.flows import Flow
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
-from jobfence.locks.semaphore import acquire_slot
-from jobfence.locks.slots import SlotLease
+from jobfence.locks.ops import StoreOp
 from jobfence.tasks.context import JobContext, reset_current, set_current
-from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage, TaskError
-from jobfence.tasks.keys import canonical_json, result_json
+from jobfence.tasks.lifecycle import (
+    CONFLICT_POLICIES,
+    DROPPED,
+    DUPLICATE,
+    LEASE_LOST_POLICIES,
+    LOCK_UNTIL,
+    RATE_HORIZON,
+    RATE_LIMITED_POLICIES,
+    RATE_SKIPPED,
+    STARTED,
+    SUPERSEDED,
+    AfterOuterCommit,
+    ConflictPolicy,
+    Drop,
+    Job,
+    JobFlow,
+    JobSpec,
+    Keep,
+    LeaseLostPolicy,
+    LockUntil,
+    Note,
+    Observer,
+    Outcome,
+    RateLimitedPolicy,
+    RateSpec,
+    Redelivery,
+    RedeliveryLimitReached,
+    RunBody,
+    ShellOp,
+    Status,
+)
 from jobfence.tasks.metrics import Metrics
 
-log = logging.getLogger(__name__)
-
-ConflictPolicy = Literal["skip", "wait", "retry", "raise"]
-CONFLICT_POLICIES: tuple[str, ...] = ("skip", "wait", "retry", "raise")
-LeaseLostPolicy = Literal["redeliver", "drop"]
-LEASE_LOST_POLICIES: tuple[str, ...] = ("redeliver", "drop")
-LockUntil = Literal["finish", "start"]
-LOCK_UNTIL: tuple[str, ...] = ("finish", "start")
-#: Prefix of a publish claim whose job has started (or finished): it can no longer be replaced.
-STARTED = "!"
-Status = Literal[
-    "ran", "replayed", "duplicate", "superseded", "defer", "retry", "redeliver", "dropped",
-    "requeue",
-    "rate_limited",
-    "rate_skipped",
+__all__ = [
+    "CONFLICT_POLICIES",
+    "DROPPED",
+    "DUPLICATE",
+    "LEASE_LOST_POLICIES",
+    "LOCK_UNTIL",
+    "RATE_HORIZON",
+    "RATE_LIMITED_POLICIES",
+    "RATE_SKIPPED",
+    "STARTED",
+    "SUPERSEDED",
+    "ConflictPolicy",
+    "Executor",
+    "JobSpec",
+    "LeaseLostPolicy",
+    "LockUntil",
+    "Observer",
+    "Outcome",
+    "RateLimitedPolicy",
+    "RateSpec",
+    "Redelivery",
+    "RedeliveryLimitReached",
+    "Status",
 ]
-RateLimitedPolicy = Literal["retry", "skip", "wait"]
-RATE_LIMITED_POLICIES: tuple[str, ...] = ("retry", "skip", "wait")
-#: How far ahead a delivery may reserve its turn under a global rate limit; a job whose turn
-#: is further away comes back later and asks again (nothing reserved meanwhile).
-RATE_HORIZON = 3600.0
-#: "retry": a wait up to this is slept out in the worker rather than sent through the
-#: broker (a copy for a near turn would queue behind the backlog and start late) ...
-RATE_INLINE = 1.0
-#: ... and so is what is left when a copy arrives before its reserved turn.
-RATE_ARRIVAL_SLACK = 1.0
-#: The starts limiter (`<key>:starts`): a start may wait this long for its place; further
-#: behind, the job takes a new turn instead.
-RATE_START_SLACK = 1.0
-START_SUFFIX = ":starts"
 
-Observer = Callable[[str, "JobSpec", int | None], None]  # event, job, fence
-
-DUPLICATE = {"jobfence": "duplicate"}
-SUPERSEDED = {"jobfence": "superseded"}
-DROPPED = {"jobfence": "dropped"}
-RATE_SKIPPED = {"jobfence": "rate_limited"}
-
-#: Commit attempts (at least) when the reply to a commit is lost; more while the lease lasts.
-COMMIT_ATTEMPTS = 3
-#: A job that found no concurrency slot in time comes back after 1-2 times this (seconds).
-SLOT_REQUEUE_DELAY = 1.0
-
-
-class RedeliveryLimitReached(TaskError):
-    """A job's fate stayed unknown through every redelivery allowed; it is given up, logged."""
-
-
-@dataclass(frozen=True)
-class Redelivery:
-    """How a job whose fate is unknown comes back: doubling delays with jitter, and a bound.
-
-    `limit` redeliveries at most (then a FAILED record where it can be written, and an
-    error); delay n is uniform in [d/2, d] with d = min(cap, base * 2**n).
-    """
-
-    limit: int = 20
-    base: float = 1.0
-    cap: float = 60.0
-    rng: random.Random = field(default_factory=random.Random, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.limit < 0 or self.base <= 0 or self.cap < self.base:
-            raise ValueError(
-                f"redelivery needs limit >= 0 and 0 < base <= cap, got limit={self.limit} "
-                f"base={self.base} cap={self.cap}"
-            )
-
-    def delay(self, attempt: int) -> float:
-        step = min(self.cap, self.base * (2 ** min(attempt, 32)))
-        return float(step / 2 + self.rng.uniform(0, step / 2))
-
-
-@dataclass(frozen=True)
-class RateSpec:
-    """A job's global rate limit (locks/ratelimit.py): checked after the job's lease is
-    granted, so a replay or a duplicate never spends a turn."""
-
-    key: str  # the limiter: task name, or task name and a digest of the rate_key arguments
-    label: str  # for metrics: the task name, never arguments
-    interval: float
-    burst: int = 1
-    on_limited: RateLimitedPolicy = "retry"
-    wait_timeout: float = 10.0  # "wait": the longest the worker sleeps for a turn
-    slot: float | None = None  # server time of a turn an earlier delivery reserved
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """One delivery of a job, as the executor needs it."""
-
-    name: str
-    key: str
-    fingerprint: str
-    ttl: float
-    result_ttl: float
-    task_id: str = ""
-    on_conflict: ConflictPolicy = "skip"
-    wait_timeout: float = 10.0
-    on_lease_lost: LeaseLostPolicy = "redeliver"
-    redeliveries: int = 0  # how often this job already came back with its fate unknown
-    # This delivery may follow one that died mid-body (broker redelivery, or our deferred
-    # copy of one); such grants are counted per run, and past `max_crashed` the job is
-    # recorded FAILED instead of run again (0: no cap).
-    suspect: bool = False
-    max_crashed: int = 0
-    # Lock lifetimes (README "Lock lifetimes and duplicate publishes"). `lock_until="start"`
-    # drops the publish claim when the body starts (past its rate turn and slot); `unique_for`
-    # keeps it that many seconds after the run finished. With either, each publish is a run of
-    # its own: its DONE record answers its own redeliveries, not a later publish of the key.
-    lock_until: LockUntil = "finish"
-    unique_for: float = 0.0
-    claim_ttl: float = 60.0  # the publish claim's TTL while the job runs
-    # on_duplicate_publish="replace": a publish claim held by another copy proves this one
-    # was replaced before it started, so it is skipped as superseded.
-    supersede: bool = False
-    publish_claim: bool = False  # dedupe_on_publish: the key has a publish claim to update
-    # Delivered through a broker: a wait/retry conflict can queue behind the live holder (this
-    # message published again) under any lock_until, instead of spending Celery's retries or
-    # giving up at wait_timeout while the job it waits for still runs.
-    queues: bool = False
-
-    # At most `concurrency` jobs of the group `concurrency_key` run at once (0: no limit);
-    # a job waits up to `wait_timeout` for a slot, then comes back later ("requeue").
-    concurrency: int = 0
-    concurrency_key: str = ""
-    rate: RateSpec | None = None
-    # (key, fingerprint) of the job under each earlier key secret (a rotation): looked up
-    # for its DONE record or a live holder, never granted.
-    previous: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def per_run(self) -> bool:
-        """Each publish runs (not only the first): its record answers its own deliveries."""
-        return self.lock_until == "start" or self.unique_for > 0
-
-    @property
-    def record_fingerprint(self) -> str:
-        """The fingerprint stored with the record: per run, it names the run (task id)."""
-        return f"{self.fingerprint}#{self.task_id}" if self.per_run else self.fingerprint
-
-    @property
-    def claim_at_body(self) -> bool:
-        """The claim is dropped when the body really starts, not at the grant (lock_until)."""
-        return self.lock_until == "start"
-
-    @property
-    def claims(self) -> bool:
-        """Whether this delivery reads and updates the key's publish claim at start."""
-        return bool(self.task_id) and (
-            self.supersede
-            or self.unique_for > 0
-            or (self.lock_until == "start" and self.publish_claim)
-        )
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What happened to one delivery. `countdown` is set for `defer`, `retry`, `redeliver`
-    and `requeue` (no concurrency slot came free in time, or under lock_until="start" another
-    run of the key holds it: publish again, nothing counted).
-
-    `redeliver`: the job's fate is unknown (lock server unavailable, lease lost without
-    proof of a newer holder, commit outcome unknown); deliver it again with the same key,
-    never drop it. `reason` says why, for logs.
-    """
-
-    status: Status
-    value: Any = None
-    fence: int | None = None
-    countdown: float = 0.0
-    reason: str = ""
-    slot: float | None = None  # rate_limited: the server time of the turn reserved, if any
-    holder: str = ""  # duplicate: the task id of the copy that has the job, where known
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Executor:
@@ -237,371 +113,13 @@ class Executor:
         passthrough: tuple[type[BaseException], ...] = (),
     ) -> Outcome:
         """Run `body` once for `spec.key`. Exceptions in `passthrough` release without a record."""
-        got = self.begin(spec)
-        if isinstance(got, Outcome):
-            return got
-        lease = got
-        if spec.claims and not spec.claim_at_body:
-            skipped = self._claim_at_start(spec, lease)
-            if skipped is not None:
-                return skipped
-        if spec.suspect and spec.max_crashed:
-            self._cap_crashes(spec, lease)
-        self.keeper.keep(lease)
-        if spec.rate is not None:
-            held = self._rate_gate(spec, spec.rate, lease)
-            if held is not None:
-                return held
-        if not spec.concurrency:
-            return self._start_body(spec, lease, body, passthrough)
-        slot = self._take_slot(spec, lease)
-        if isinstance(slot, Outcome):
-            return slot
-        try:
-            return self._start_body(spec, lease, body, passthrough, slot)
-        finally:
-            self._release_slot(spec, slot)
-
-    def _start_body(
-        self,
-        spec: JobSpec,
-        lease: Lease,
-        body: Callable[[JobContext], Any],
-        passthrough: tuple[type[BaseException], ...],
-        slot: SlotLease | None = None,
-    ) -> Outcome:
-        """lock_until="start": the claim is dropped here, past the rate turn and the slot, so
-        a publish while this job waits for them is a duplicate of it, not queued beside it."""
-        if spec.claims and spec.claim_at_body:
-            skipped = self._claim_at_start(spec, lease)
-            if skipped is not None:
-                return skipped
-        return self._run_held(spec, lease, body, passthrough, slot)
-
-    def _run_held(
-        self,
-        spec: JobSpec,
-        lease: Lease,
-        body: Callable[[JobContext], Any],
-        passthrough: tuple[type[BaseException], ...],
-        slot: SlotLease | None = None,
-    ) -> Outcome:
-        """The body under the job's (kept) lease; its record committed, or why not."""
-        ctx = JobContext(
-            key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id,
-            slot=slot,
-        )  # fmt: skip
-        if self.observers:  # none unless a journal is attached: no call per job for nothing
-            self._note("started", spec, lease.fence)
-        token = set_current(ctx)
-        try:
-            value = body(ctx)
-            # Inside the try: an unstorable result is a failure that must release the lease.
-            result = result_json(value, spec.name)
-        except StaleFence as exc:  # proof: a newer holder wrote
-            self._superseded(spec, lease, exc)
-            return Outcome("superseded", SUPERSEDED, lease.fence)
-        except LeaseLost as exc:  # proof still to find
-            return self._lease_lost(spec, lease, exc)
-        except CommitOutcomeUnknown as exc:  # the effect's COMMIT went unanswered, unsettled
-            log.warning("job %s: its effect's commit outcome is unknown (fence=%s, %s): "
-                        "delivering again", spec.key, lease.fence, exc.reason)  # fmt: skip
-            self._release_quietly(lease)
-            return self._redeliver(spec, "effect commit outcome unknown", lease.fence)
-        except passthrough:
-            self.release(lease)
-            self._note("released", spec, lease.fence)
-            raise
-        except BaseException as exc:
-            self._finish(
-                spec,
-                lease,
-                "FAILED",
-                canonical_json({"error": type(exc).__name__, "message": str(exc)[:500]}),
-            )
-            self.metrics.executions.labels(spec.name, "failed").inc()
-            self._note("failed", spec, lease.fence)
-            raise
-        finally:
-            reset_current(token)
-        # An outer block the body opened and committed itself is done: commit as usual.
-        if not all(outer.committed for outer in ctx.outer):
-            return self._done_after_outer_commit(spec, lease, ctx, value, result)
-        stored = self._finish(spec, lease, "DONE", result)
-        if stored is None:
-            # The body ran; whether its DONE record exists is unknown. Deliver again: the
-            # next delivery replays the record, or runs the body again (fenced, idempotent).
-            return self._redeliver(spec, "commit outcome unknown", lease.fence)
-        self.metrics.task(spec.name).done.inc()
-        if self.observers:
-            self._note("done", spec, lease.fence)
-        if spec.unique_for and spec.task_id:
-            self._throttle(spec)
-        return Outcome("ran", value, lease.fence)
-
-    def _done_after_outer_commit(
-        self, spec: JobSpec, lease: Lease, ctx: JobContext, value: Any, result: str
-    ) -> Outcome:
-        """The effect committed into a caller's transaction, which may still roll back.
-
-        Until it commits, the database's DONE row is the record that answers: the lease goes
-        now, without a record, so a rollback leaves the job free to run again. A copy that
-        starts meanwhile blocks on the open transaction's row locks (the fence row), then
-        finds the DONE row or runs the effect; a call again inside that same transaction
-        finds its own DONE row. Once every joined transaction commits, the lock server gets
-        the DONE record too, so later deliveries are answered without a database round trip.
-        """
-        self._release_quietly(lease)
-        waiting = [len(ctx.outer)]
-
-        def committed() -> None:
-            waiting[0] -= 1
-            if not waiting[0]:
-                self._record_done(spec, result)
-
-        for outer in ctx.outer:
-            outer.then(committed)
-        self.metrics.task(spec.name).done.inc()
-        self._note("released", spec, lease.fence)
-        return Outcome("ran", value, lease.fence)
-
-    def _record_done(self, spec: JobSpec, result: str) -> None:
-        """After the caller's commit: store the DONE record under a fresh grant. Best effort:
-        this runs in the caller's commit hook, and the database's DONE row answers anyway."""
-        try:
-            got = self.backend.begin(
-                spec.key, spec.ttl, meta=default_meta(spec.task_id, spec.name), record=True,
-                fingerprint=spec.record_fingerprint,
-            )  # fmt: skip
-            if isinstance(got, Lease):  # else a record answers already, or a copy will store it
-                self.backend.commit(
-                    got, state="DONE", result=result, fingerprint=spec.record_fingerprint,
-                    result_ttl=spec.result_ttl,
-                )  # fmt: skip
-        except Exception as exc:  # never into the caller's commit: that commit has happened
-            log.warning("job %s: DONE record not stored after the caller's commit (the "
-                        "database's row answers): %s", spec.key, type(exc).__name__)  # fmt: skip
-        else:
-            if self.observers:
-                self._note("done", spec, None)
+        job = self._job(spec)
+        return self._drive(job, job.run(passthrough), body)
 
     def begin(self, spec: JobSpec) -> Lease | Outcome:
         """Acquire the job's lease, or say why not (replay, duplicate, defer, retry, redeliver)."""
-        try:
-            return self._begin(spec)
-        except BackendUnavailable as exc:
-            log.warning(
-                "lock server unavailable before job %s ran: %s", spec.key, type(exc).__name__
-            )
-            return self._redeliver(spec, "lock server unavailable before the body ran", None)
-
-    def _begin(self, spec: JobSpec) -> Lease | Outcome:
-        clock = self.backend.clock
-        started = clock.monotonic()
-        deadline = started + spec.wait_timeout
-        meta = default_meta(task_id=spec.task_id, task_name=spec.name)
-        fingerprint = spec.record_fingerprint
-        attempt = 0
-        while True:
-            got = self.backend.begin(
-                spec.key, spec.ttl, meta=meta, record=True, fingerprint=fingerprint
-            )
-            if isinstance(got, JobRecord) and spec.per_run and got.fingerprint != fingerprint:
-                # An earlier run's record: this publish is a run of its own (the lock still
-                # keeps it from running beside another).
-                got = self.backend.begin(
-                    spec.key, spec.ttl, meta=meta, record=False, fingerprint=fingerprint
-                )
-            if isinstance(got, Lease) and spec.previous:
-                got = self._under_previous_secret(spec, got)
-            if isinstance(got, Lease):
-                self.metrics.task(spec.name).acquire_wait.observe(clock.monotonic() - started)
-                return got
-            if isinstance(got, JobRecord):
-                if spec.supersede and spec.claims and got.fingerprint != fingerprint:
-                    # Replaced, and the replacement (other arguments) already finished.
-                    kept = self._swap_claim(spec)
-                    if kept is not None and kept != STARTED + spec.task_id:
-                        return self._superseded_copy(spec, None, kept)
-                return self._replay(spec, got)
-            if (
-                not spec.per_run  # per run, another copy's arguments are another run's
-                and got.fingerprint
-                and spec.fingerprint
-                and got.fingerprint != spec.fingerprint
-            ):
-                raise IdempotencyConflict(
-                    "idempotency key in use by a running job with different arguments; use "
-                    "a new key or the original arguments",
-                    key=spec.key,
-                )
-            if spec.task_id and got.task_id == spec.task_id:
-                # Our own earlier delivery holds it (redelivered or crashed): come back when
-                # its lease ends. Dropping this copy could lose the job if that holder died.
-                self._note("defer", spec, None)
-                return Outcome("defer", countdown=self._after(got, attempt))
-            self.metrics.conflicts.labels(spec.name, spec.on_conflict).inc()
-            self._note("conflict", spec, None)
-            if spec.on_conflict == "skip":
-                return Outcome("duplicate", DUPLICATE, holder=got.task_id or "")
-            if spec.on_conflict == "raise":
-                raise DuplicateJob("job is running elsewhere", key=spec.key)
-            behind = spec.lock_until == "start" or spec.queues
-            if spec.on_conflict == "retry":
-                if behind:
-                    return self._behind(spec, got, attempt)
-                return Outcome("retry", countdown=self._after(got, attempt))
-            left = deadline - clock.monotonic()
-            if left <= 0:
-                if behind:
-                    return self._behind(spec, got, attempt)
-                self.metrics.timeouts.labels(spec.name).inc()
-                raise AcquireTimeout(
-                    f"job still running after {spec.wait_timeout:g}s", key=spec.key
-                )
-            self.backend.wait_for_release(
-                spec.key, min(left, got.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
-            )
-            attempt += 1
-
-    def _behind(self, spec: JobSpec, busy: Busy, attempt: int) -> Outcome:
-        """Another delivery holds the key (lock_until="start": another run of it; "finish"
-        through a broker: a copy of this job). This one queues behind it, as long as that
-        holder lives (its lease renewed), spending neither Celery's retries nor the
-        redelivery bound; it then replays the holder's DONE record ("finish") or runs. A
-        holder that dies frees the key at its lease's expiry."""
-        self._note("queued", spec, None)
-        return Outcome(
-            "requeue",
-            countdown=self._after(busy, attempt),
-            reason="another run of the key holds it",
-        )
-
-    def _take_slot(self, spec: JobSpec, lease: Lease) -> SlotLease | Outcome:
-        """A slot of the job's concurrency group, taken while the job's lease is held (so a
-        duplicate delivery never queues for a slot); without one in time the job's lease is
-        released and the job comes back later, never lost, never run twice."""
-        clock = self.backend.clock
-        started = clock.monotonic()
-        try:
-            slot = acquire_slot(
-                self.backend,
-                spec.concurrency_key,
-                limit=spec.concurrency,
-                ttl=spec.ttl,
-                timeout=spec.wait_timeout,
-                backoff=self.backoff,
-                meta=lease.meta,
-            )
-        except AcquireTimeout:
-            self._release_quietly(lease)
-            self.metrics.semaphore_requeued(spec.name)
-            self._note("requeue", spec, lease.fence)
-            delay = SLOT_REQUEUE_DELAY * (1 + self.redelivery.rng.random())
-            return Outcome("requeue", countdown=delay, reason="no concurrency slot free")
-        except BackendUnavailable as exc:
-            log.warning(
-                "lock server unavailable before job %s took its slot: %s",
-                spec.key,
-                type(exc).__name__,
-            )
-            self._release_quietly(lease)
-            return self._redeliver(spec, "lock server unavailable before the body ran", None)
-        except BaseException:
-            self._release_quietly(lease)  # SemaphoreUnsupported, a bad limit: no job lock left
-            raise
-        self.metrics.semaphore_waited(spec.name, clock.monotonic() - started)
-        self.metrics.semaphore_acquired(spec.name, spec.concurrency)
-        self.keeper.keep(slot)
-
-        def slot_lost(_slot: Lease, cause: BaseException) -> None:
-            # Past its slot the job may be one too many: it stops as if its own lease were lost.
-            lease.mark_lost(
-                LeaseLost("concurrency slot lost", key=spec.key, fence=lease.fence, cause=cause)
-            )
-
-        slot.on_lost(slot_lost)
-        return slot
-
-    def _release_slot(self, spec: JobSpec, slot: SlotLease) -> None:
-        self.metrics.semaphore_released(spec.name)
-        self.keeper.drop(slot)
-        with contextlib.suppress(BackendUnavailable):  # else it lapses at its TTL
-            slot.release()
-
-    def _rate_gate(self, spec: JobSpec, rate: RateSpec, lease: Lease) -> Outcome | None:
-        """None: the job may start now (after a wait sat out here). Else the lease is
-        released and the outcome says: come back at the reserved turn, or skipped.
-
-        After the lease, not before: a delivery that replays a DONE record or meets a
-        duplicate spends no turn, and only the one delivery that holds the job's lease can.
-        """
-        try:
-            return self._rate_turn(spec, rate, lease)
-        except BackendUnavailable as exc:
-            self._release_quietly(lease)
-            log.warning("lock server unavailable before job %s ran: %s", spec.key,
-                        type(exc).__name__)  # fmt: skip
-            return self._redeliver(spec, "lock server unavailable before the body ran", None)
-
-    def _rate_turn(self, spec: JobSpec, rate: RateSpec, lease: Lease) -> Outcome | None:
-        """Two limiters of the same rate: `rate.key` hands out turns (a delivery whose turn is
-        far comes back for it through the broker), `<key>:starts` admits the starts
-        themselves, so a broker or pool that delivers copies late never bunches them."""
-        b, waiting = self.backend, rate.on_limited == "wait"
-        if rate.slot is not None:  # our turn was reserved: come back for it, spend no other
-            wait = rate.slot - b.take_rate(rate.key, rate.interval, 1, -1).now
-            if wait > (rate.wait_timeout if waiting else RATE_ARRIVAL_SLACK):
-                return self._come_back(spec, rate, lease, wait, rate.slot)
-        else:
-            grant = self._take_turn(rate, 0.0 if rate.on_limited == "skip" else RATE_HORIZON)
-            if not grant.admitted:
-                return self._rate_refused(spec, rate, lease, grant.wait)
-            wait = grant.wait
-            if wait > (rate.wait_timeout if waiting else RATE_INLINE):
-                return self._come_back(spec, rate, lease, wait, grant.now + wait)
-        self._sleep_for_turn(rate, wait)
-        start = b.take_rate(rate.key + START_SUFFIX, rate.interval, rate.burst, RATE_START_SLACK)
-        if start.admitted:
-            self._sleep_for_turn(rate, start.wait)
-            self.metrics.rate_limit_waited(rate.label, wait + start.wait)
-            return None
-        if rate.on_limited == "skip":
-            return self._rate_refused(spec, rate, lease, start.wait)
-        # The fleet's starts run more than RATE_START_SLACK behind its turns (copies came
-        # late and others filled their places): a new turn, at the end of the line.
-        self.metrics.rate_limit_denied(rate.label, "late")
-        grant = self._take_turn(rate, RATE_HORIZON)
-        if not grant.admitted:
-            return self._rate_refused(spec, rate, lease, grant.wait)
-        return self._come_back(spec, rate, lease, grant.wait, grant.now + grant.wait)
-
-    def _take_turn(self, rate: RateSpec, max_wait: float) -> RateGrant:
-        return self.backend.take_rate(rate.key, rate.interval, rate.burst, max_wait)
-
-    def _sleep_for_turn(self, rate: RateSpec, wait: float) -> None:
-        if wait > 0:
-            self.backend.clock.sleep(wait)
-
-    def _rate_refused(self, spec: JobSpec, rate: RateSpec, lease: Lease, wait: float) -> Outcome:
-        """No turn within reach: skipped, or (further than the horizon) back later to ask."""
-        self._release_quietly(lease)
-        if rate.on_limited == "skip":
-            self.metrics.rate_limit_denied(rate.label, "skip")
-            self._note("rate_skipped", spec, lease.fence)
-            return Outcome("rate_skipped", {**RATE_SKIPPED, "retry_after": round(wait, 3)})
-        self.metrics.rate_limit_denied(rate.label, "retry")
-        self._note("rate_limited", spec, lease.fence)
-        return Outcome("rate_limited", countdown=wait, reason="rate limit")
-
-    def _come_back(
-        self, spec: JobSpec, rate: RateSpec, lease: Lease, wait: float, slot: float
-    ) -> Outcome:
-        """Release the lease and come back at the turn, which stays reserved for us."""
-        self._release_quietly(lease)
-        self.metrics.rate_limit_denied(rate.label, "retry")
-        self._note("rate_limited", spec, lease.fence)
-        return Outcome("rate_limited", countdown=wait, reason="rate limit", slot=slot)
+        job = self._job(spec)
+        return self._drive(job, job.begin(), None)
 
     def release(self, lease: Lease) -> None:
         """Release without a record (a retry is on its way, or the body was interrupted)."""
@@ -609,287 +127,81 @@ class Executor:
         if not lease.released:
             lease.release()
 
-    # -- helpers -------------------------------------------------------------------
-    def _note(self, event: str, spec: JobSpec, fence: int | None) -> None:
-        for observe in self.observers:
-            try:
-                observe(event, spec, fence)
-            except Exception:  # an observer must never change the job's fate
-                log.exception("executor observer failed on %s", event)
+    def _job(self, spec: JobSpec) -> Job:
+        return Job(spec, backoff=self.backoff, redelivery=self.redelivery, metrics=self.metrics,
+                   noting=bool(self.observers))  # fmt: skip
 
-    def _after(self, busy: Busy, attempt: int) -> float:
-        return min(busy.ttl_left, 3600.0) + self.backoff.delay(attempt)
+    def _drive(self, job: Job, flow: JobFlow[T], body: Callable[[JobContext], Any] | None) -> T:
+        # run_sync hands the shell's ops to `_Shell.execute` like any store op; the cast
+        # widens Flow's op type to the job's (the driver only dispatches on Now and Sleep).
+        return run_sync(cast("Flow[T]", flow), _Shell(self, job, body), self.backend.clock)
 
-    def _claim_at_start(self, spec: JobSpec, lease: Lease) -> Outcome | None:
-        """Mark the publish claim started (or drop it, lock_until="start"), holding the
-        lease; None to run. A claim another copy holds proves this copy was replaced
-        (supersede), or, marked started, that the key ran within `unique_for` (throttled)."""
-        try:
-            kept = self._swap_claim(spec)
-        except BackendUnavailable as exc:
-            log.warning("lock server unavailable at job %s's start: %s", spec.key,
-                        type(exc).__name__)  # fmt: skip
-            self._release_quietly(lease)
-            return self._redeliver(spec, "lock server unavailable before the body ran", None)
-        if kept is None or kept == STARTED + spec.task_id:
-            return None
-        if spec.supersede:
-            return self._superseded_copy(spec, lease, kept)
-        if spec.unique_for and kept.startswith(STARTED):
-            self.metrics.conflicts.labels(spec.name, "unique_for").inc()
-            self._note("throttled", spec, lease.fence)
-            self._release_quietly(lease)
-            return Outcome("duplicate", DUPLICATE, lease.fence, holder=kept.removeprefix(STARTED))
-        return None
 
-    def _swap_claim(self, spec: JobSpec) -> str | None:
-        """Our claim marked started (dropped under lock_until="start"); else who holds it."""
-        new = None if spec.lock_until == "start" else STARTED + spec.task_id
-        return self.backend.swap_publish(spec.key, spec.task_id, new, spec.claim_ttl)
+class _Shell:
+    """One delivery's store for `run_sync`: the shell's ops here, round trips to the backend."""
 
-    def _superseded_copy(self, spec: JobSpec, lease: Lease | None, holder: str) -> Outcome:
-        """A newer publish replaced this copy before it started: skip, acked, never run."""
-        log.info("job %s task %s superseded by task %s, published to replace it",
-                 spec.key, spec.task_id, holder.removeprefix(STARTED))  # fmt: skip
-        self.metrics.executions.labels(spec.name, "superseded").inc()
-        self._note("superseded", spec, None if lease is None else lease.fence)
-        if lease is not None:
-            self._release_quietly(lease)
-        return Outcome("superseded", SUPERSEDED, None if lease is None else lease.fence)
+    __slots__ = ("body", "executor", "job")
 
-    def _throttle(self, spec: JobSpec) -> None:
-        """unique_for: the claim, marked started, lasts that long after the run finished."""
-        mine = STARTED + spec.task_id
-        try:
-            self.backend.swap_publish(spec.key, mine, mine, spec.unique_for)
-        except BackendUnavailable as exc:  # the job is done; only the throttle is lost
-            log.warning("job %s: unique_for window not set: %s", spec.key, type(exc).__name__)
+    def __init__(
+        self, executor: Executor, job: Job, body: Callable[[JobContext], Any] | None
+    ) -> None:
+        self.executor = executor
+        self.job = job
+        self.body = body
 
-    def _under_previous_secret(self, spec: JobSpec, lease: Lease) -> Lease | Busy | JobRecord:
-        """Our grant, unless the job's key under an earlier secret has its DONE record or a
-        live holder (then that, our grant released). Looked at after the grant, so a worker
-        on either secret of a rotation sees the other's hold: neither can miss both."""
-        for key, fingerprint in spec.previous:
-            record = self.backend.job_record(key)
-            run = f"{fingerprint}#{spec.task_id}" if spec.per_run else fingerprint
-            if record is not None and record.state == "DONE":
-                if record.fingerprint == run:  # the same job: answer with our fingerprint
-                    lease.release()
-                    return dataclasses.replace(record, fingerprint=spec.record_fingerprint)
-                if not spec.per_run:  # other arguments under the key: a conflict
-                    lease.release()
-                    return record
-            held = self.backend.inspect(key)
-            if held is not None:
-                lease.release()
-                return Busy(held.ttl_left, held.task_id)
-        return lease
-
-    def _replay(self, spec: JobSpec, record: JobRecord) -> Outcome:
-        if record.fingerprint != spec.record_fingerprint:
-            raise IdempotencyConflict(
-                "idempotency key reused with different arguments; use a new key or the "
-                "original arguments",
-                key=spec.key,
-                fence=record.fence,
-            )
-        self.metrics.replays.labels(spec.name).inc()
-        self._note("replayed", spec, record.fence)
-        return Outcome(
-            "replayed", json.loads(record.result) if record.result else None, record.fence
-        )
-
-    def _finish(self, spec: JobSpec, lease: Lease, state: str, result: str) -> bool | None:
-        """Commit the record: True if stored, False if the lease was not ours, None if unknown.
-
-        A commit whose reply is lost (timeout, connection error) may have run. It is
-        owner-checked, so it can be sent again: a repeat of one that ran finds no lock, and
-        the record then says whether it was ours.
-        """
-        self.keeper.drop(lease)
-        if lease.released:
-            return False
-        attempt = 0
-        while True:
-            try:
-                stored = self.backend.commit(
-                    lease,
-                    state=state,
-                    result=result,
-                    fingerprint=spec.record_fingerprint,
-                    result_ttl=spec.result_ttl,
-                )
-                if not stored and attempt:
-                    stored = self._stored_by(lease, state)
-                break
-            except BackendUnavailable as exc:
-                attempt += 1
-                if attempt >= COMMIT_ATTEMPTS and lease.remaining() <= 0:
-                    log.warning(
-                        "job %s: %s commit outcome unknown after %d attempts (fence=%s): %s",
-                        spec.key,
-                        state,
-                        attempt,
-                        lease.fence,
-                        type(exc).__name__,
-                    )
-                    return None
-                self.backend.clock.sleep(max(self.backoff.delay(attempt), 0.01))
-        if not stored:
-            log.warning(
-                "job %s finished after its lease was lost; %s record not stored (fence=%s)",
-                spec.key,
-                state,
-                lease.fence,
-            )
-        return stored
-
-    def _stored_by(self, lease: Lease, state: str) -> bool:
-        """After a repeated commit found no lock: did the first one store our record?"""
-        record = self.backend.job_record(lease.key)
-        return record is not None and record.state == state and record.fence == lease.fence
-
-    def _lease_lost(self, spec: JobSpec, lease: Lease, exc: LeaseLost) -> Outcome:
-        """The body stopped on a lost lease: superseded only with proof, else redeliver."""
-        self.keeper.drop(lease)
-        try:
-            proof = self._newer_holder(spec, lease)
-        except BackendUnavailable:
-            proof = None
-        if proof is not None:
-            self._superseded(spec, lease, exc)
-            return Outcome("superseded", SUPERSEDED, lease.fence)
-        self._release_quietly(lease)
-        self.metrics.executions.labels(spec.name, "lease_lost").inc()
-        self._note("lease_lost", spec, lease.fence)
-        if spec.on_lease_lost == "drop":
-            log.error(
-                "job %s dropped after its lease was lost (fence=%s, on_lease_lost='drop'): "
-                "it may have run in part and will not run again",
-                spec.key,
-                lease.fence,
-            )
-            return Outcome("dropped", DROPPED, lease.fence)
-        log.warning(
-            "job %s lost its lease with no newer holder in sight (fence=%s): delivering again",
-            spec.key,
-            lease.fence,
-        )
-        return self._redeliver(spec, "lease lost without proof of a newer holder", lease.fence)
-
-    def _newer_holder(self, spec: JobSpec, lease: Lease) -> str | None:
-        """What proves the job moved on: a DONE record, or another owner on the lock."""
-        record = self.backend.job_record(spec.key)
-        if record is not None and record.state == "DONE":
-            return "done"
-        info = self.backend.inspect(spec.key)
-        if info is not None and info.fence != lease.fence:
-            return "held"
-        return None
-
-    def _release_quietly(self, lease: Lease) -> None:
-        # Owner-checked: frees the lock if the server still has it as ours; else it expires.
-        with contextlib.suppress(BackendUnavailable):
-            self.release(lease)
-
-    def _redeliver(self, spec: JobSpec, reason: str, fence: int | None) -> Outcome:
-        """Deliver the job again later; past the bound, record FAILED if possible and raise."""
-        if spec.redeliveries >= self.redelivery.limit:
-            return self._give_up(spec, reason)
-        self._note("redeliver", spec, fence)
-        return Outcome(
-            "redeliver",
-            fence=fence,
-            countdown=self.redelivery.delay(spec.redeliveries),
-            reason=reason,
-        )
-
-    def _give_up(self, spec: JobSpec, reason: str) -> Outcome:
-        """The last look: DONE replays, a live holder is a duplicate; else FAILED and raise."""
-        message = (
-            f"job given up after {spec.redeliveries} redeliveries ({reason}); "
-            "raise JOBFENCE_REDELIVERY_LIMIT or fix the lock server, then submit it again"
-        )
-        try:  # a FAILED record where one can be written, so the job's end is on record
-            got = self.backend.begin(
-                spec.key, spec.ttl, meta=default_meta(spec.task_id, spec.name), record=True
-            )
-            if isinstance(got, JobRecord) and (
-                not spec.per_run or got.fingerprint == spec.record_fingerprint
-            ):
-                return self._replay(spec, got)
-            if isinstance(got, Busy):
-                return Outcome("duplicate", DUPLICATE, holder=got.task_id or "")
-            if isinstance(got, JobRecord):  # another run's record: ours cannot be written
-                raise BackendUnavailable("no record for this run", key=spec.key)
-            failed = {"error": "RedeliveryLimitReached", "message": message}
-            self.backend.commit(
-                got,
-                state="FAILED",
-                result=canonical_json(failed),
-                fingerprint=spec.record_fingerprint,
-                result_ttl=spec.result_ttl,
-            )
-        except BackendUnavailable:
-            pass
-        self.metrics.executions.labels(spec.name, "given_up").inc()
-        self._note("given_up", spec, None)
-        log.error("job %s %s", spec.key, message)
-        raise RedeliveryLimitReached(message, key=spec.key)
-
-    def _cap_crashes(self, spec: JobSpec, lease: Lease) -> None:
-        """Count a grant that follows a delivery which may have died; past the cap, give up.
-
-        A message that kills its worker every time would otherwise loop for ever under
-        acks_late + reject_on_worker_lost. Giving up records FAILED, logs one dead-letter
-        line (task name and key, never the arguments) and raises. The count is kept: a FAILED
-        record does not stop a new grant, so another copy of the same message (the broker's
-        and the worker's requeue can both exist) must find the job given up too. A fresh
-        submission still runs once; only crash-suspect deliveries are refused.
-
-        The count is per run: the key and a digest of the task id (every copy of one message
-        shares it; a new publish does not), so runs that share a key under per-run lifetimes
-        never add up, and a run's DONE ends its count (the next run starts at zero).
-        """
-        # A digest: a task id may be long or hold characters a key may not, and stays opaque.
-        run = hashlib.sha256(spec.task_id.encode()).hexdigest()[:16] if spec.task_id else ""
-        counter = f"{spec.key}#run:{run}" if run else spec.key
-        try:
-            count = self.backend.count_delivery(counter, spec.result_ttl)
-        except BackendUnavailable:
-            count = None  # best effort: running the body again is what no cap would do
-        if count is None or count <= spec.max_crashed:
-            return
-        crashed = min(count - 1, spec.max_crashed)
-        message = (
-            f"gave up after {crashed} deliveries that ended without a record (their worker "
-            f"was lost mid-body); limit JOBFENCE_MAX_CRASHED_DELIVERIES={spec.max_crashed}"
-        )
-        failed = canonical_json({"error": PoisonMessage.__name__, "message": message})
-        self._finish(spec, lease, "FAILED", failed)
-        self.metrics.executions.labels(spec.name, "poisoned").inc()
-        self._note("poisoned", spec, lease.fence)
-        if count == spec.max_crashed + 1:
-            log.error(
-                "dead-letter: task %s key %s recorded FAILED: %s", spec.name, spec.key, message
-            )
+    def execute(self, op: StoreOp | ShellOp) -> Any:
+        kind = type(op)
+        if kind is Note:
+            if self.executor.observers:  # none unless a journal is attached
+                self.note(op)  # type: ignore[arg-type]
+        elif kind is RunBody:
+            return self.run_body(op.ctx)  # type: ignore[union-attr]
+        elif kind is Keep:
+            self.keep(op)  # type: ignore[arg-type]
+        elif kind is Drop:
+            self.executor.keeper.drop(op.lease)  # type: ignore[union-attr]
+        elif kind is AfterOuterCommit:
+            self.after_outer_commit(op)  # type: ignore[arg-type]
         else:
-            log.warning(
-                "task %s key %s: another copy of a dead-lettered job refused (FAILED kept)",
-                spec.name,
-                spec.key,
-            )
-        raise PoisonMessage(message, key=spec.key, fence=lease.fence)
+            return self.executor.backend.execute(op)  # type: ignore[arg-type]
+        return None
 
-    def _superseded(self, spec: JobSpec, lease: Lease, exc: BaseException) -> None:
-        if isinstance(exc, StaleFence):
-            self.metrics.stale_fences.labels(spec.name).inc()
-        log.warning(
-            "job %s superseded by a newer holder (fence=%s): %s",
-            spec.key,
-            lease.fence,
-            type(exc).__name__,
-        )
-        self.metrics.executions.labels(spec.name, "superseded").inc()
-        self._note("stale" if isinstance(exc, StaleFence) else "superseded", spec, lease.fence)
-        self._release_quietly(lease)
+    def note(self, op: Note) -> None:
+        for observe in self.executor.observers:
+            try:
+                observe(op.event, self.job.spec, op.fence)
+            except Exception:  # an observer must never change the job's fate
+                log.exception("executor observer failed on %s", op.event)
+
+    def run_body(self, ctx: JobContext) -> Any:
+        assert self.body is not None, "RunBody from a flow that runs no body"
+        token = set_current(ctx)
+        try:
+            return self.body(ctx)
+        finally:
+            reset_current(token)
+
+    def keep(self, op: Keep) -> None:
+        self.executor.keeper.keep(op.lease)
+        tie = op.tie
+        if tie is None:
+            return
+
+        def tie_lost(_lease: Lease, cause: BaseException) -> None:
+            tie.mark_lost(LeaseLost("concurrency slot lost", key=tie.key, fence=tie.fence,
+                                    cause=cause))  # fmt: skip
+
+        op.lease.on_lost(tie_lost)
+
+    def after_outer_commit(self, op: AfterOuterCommit) -> None:
+        """Store the DONE record once every caller's transaction the effect joined commits."""
+        waiting = [len(op.ctx.outer)]
+        executor, job = self.executor, self.job
+
+        def committed() -> None:
+            waiting[0] -= 1
+            if not waiting[0]:
+                executor._drive(job, job.record_done(op.result), None)
+
+        for outer in op.ctx.outer:
+            outer.then(committed)

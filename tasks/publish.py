@@ -8,7 +8,7 @@ from typing import Literal
 from jobfence.locks.flows import Flow
 from jobfence.locks.ops import ClaimPublish, ClearPublish, SwapPublish
 from jobfence.tasks.errors import DuplicatePublish
-from jobfence.tasks.executor import STARTED
+from jobfence.tasks.lifecycle import STARTED
 
 #: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
 REPLACE_ATTEMPTS = 3
