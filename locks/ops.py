@@ -1,4 +1,8 @@
-"""The lock operations a flow yields: typed, frozen requests, each one round trip to a store."""
+"""The lock operations a flow yields: typed requests, each one round trip to a store.
+
+Slotted, not frozen: nothing writes an op after it is built, and a frozen dataclass costs
+about 0.5 µs more to build, seven times per job on the gate's path.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ if TYPE_CHECKING:
 # ReadRecord -> JobRecord | None, CountDelivery -> int | None.
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Acquire:
     """Take `key` for `ttl` seconds under `owner` if it is free (the store's `attempt`)."""
 
@@ -27,21 +31,21 @@ class Acquire:
     meta: OwnerMeta | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Extend:
     """Extend every lease (locks and slots) by its own TTL, in one round trip."""
 
     leases: Sequence[Lease]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Release:
     """Owner-checked release of a lease (a lock or a slot)."""
 
     lease: Lease
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReleaseOwner:
     """Owner-checked release of `key` by token, for an acquire whose reply never came."""
 
@@ -49,7 +53,7 @@ class ReleaseOwner:
     owner: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TakeSlot:
     """Take a slot of semaphore `key`, or keep `owner`'s place in its queue."""
 
@@ -61,7 +65,7 @@ class TakeSlot:
     queue_ttl: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LeaveSlot:
     """Give up `owner`'s place in the queue of semaphore `key` (or its slot)."""
 
@@ -69,7 +73,7 @@ class LeaveSlot:
     owner: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TakeRate:
     """One GCRA step on the limiter `key`, on the server's clock."""
 
@@ -79,14 +83,14 @@ class TakeRate:
     max_wait: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Inspect:
     """What the store shows of `key`'s holder (never the owner token)."""
 
     key: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WaitRelease:
     """Wait up to `timeout` seconds, or until `key` is released (the store's signal)."""
 
@@ -94,19 +98,19 @@ class WaitRelease:
     timeout: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Sleep:
     """Pause; the driver sleeps (time.sleep or asyncio.sleep), never the store."""
 
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Now:
     """Read the driver's monotonic clock (flows own no clock, so tests script time)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ClaimPublish:
     """Claim `key`'s publish for `task_id` unless a claim is there; the reply is its holder."""
 
@@ -115,7 +119,7 @@ class ClaimPublish:
     ttl: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SwapPublish:
     """Compare-and-set `key`'s publish claim from `expect` to `new` (None: away); the reply
     is None if it now holds `new`, else the value that kept it."""
@@ -126,14 +130,14 @@ class SwapPublish:
     ttl: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ClearPublish:
     """Forget `key`'s publish claim, so the next publish goes out."""
 
     key: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Begin:
     """Take a job's `key` unless its record says DONE (the record is the reply); `record=True`:
     a FAILED record does not stop a new run. `fingerprint` goes with the grant (and `Busy`)."""
@@ -145,7 +149,7 @@ class Begin:
     fingerprint: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Commit:
     """Store the job record (DONE or FAILED) and release the lease, atomically and
     owner-checked; the reply says whether the lease was still ours."""
@@ -157,14 +161,14 @@ class Commit:
     result_ttl: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReadRecord:
     """The job record of `key` (DONE or FAILED), if any."""
 
     key: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CountDelivery:
     """Count one more crash-suspect delivery on `key` (kept `window` seconds); the reply is
     the count so far, or None where the store keeps no such count."""

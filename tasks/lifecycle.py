@@ -229,7 +229,7 @@ class Outcome:
 # -- what the shell does for a flow (not store round trips) --------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Keep:
     """Have the keeper renew `lease` until dropped; a loss of it marks `tie` lost too (a
     concurrency slot: past it the job may be one too many, so it stops as if its lease went)."""
@@ -238,14 +238,14 @@ class Keep:
     tie: Lease | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Drop:
     """Stop renewing `lease` (it is released, committed or given up)."""
 
     lease: Lease
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RunBody:
     """Run the job's body with `ctx` as the current job; the reply is its value, or what it
     raised is thrown into the flow."""
@@ -253,7 +253,7 @@ class RunBody:
     ctx: JobContext
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Note:
     """Tell the observers (a journal) of `event`; an observer never changes the job's fate."""
 
@@ -261,7 +261,7 @@ class Note:
     fence: int | None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AfterOuterCommit:
     """The body's effect committed into callers' transactions (`ctx.outer`): once every one
     commits, store the DONE record (`record_done_flow`), best effort, from their hook."""
