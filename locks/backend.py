@@ -113,6 +113,19 @@ class JobRecord:
 BeginResult = Lease | Busy | JobRecord
 
 
+class CommitRecord(NamedTuple):
+    """What a commit writes: the job's record, under the lease's owner check (a backend's
+    `_commit` unpacks it; the result TTL in milliseconds)."""
+
+    key: str
+    owner: str
+    fence: int
+    state: str  # DONE or FAILED
+    result: str  # JSON text
+    fingerprint: str
+    result_ttl_ms: int
+
+
 class RateGrant(NamedTuple):
     """One answer of `take_rate`. `admitted`: the event may happen `wait` seconds from now
     (0: at once; a slot was reserved for it). Refused: `wait` is how long until one would
@@ -460,15 +473,8 @@ class LockBackend(ABC):
         """Store the job record (DONE or FAILED) and release, atomically and owner-checked."""
         if state not in ("DONE", "FAILED"):
             raise LockError(f"commit state must be DONE or FAILED, got {state!r}", key=lease.key)
-        ok = self._commit(
-            lease.key,
-            lease.owner,
-            lease.fence,
-            state,
-            result,
-            fingerprint,
-            validate_ttl(result_ttl),
-        )
+        ok = self._commit(CommitRecord(lease.key, lease.owner, lease.fence, state, result,
+                                       fingerprint, validate_ttl(result_ttl)))  # fmt: skip
         lease._released = True
         return ok
 
@@ -611,16 +617,8 @@ class LockBackend(ABC):
     def _release(self, key: str, owner: str) -> bool: ...
 
     @abstractmethod
-    def _commit(
-        self,
-        key: str,
-        owner: str,
-        fence: int,
-        state: str,
-        result: str,
-        fingerprint: str,
-        result_ttl_ms: int,
-    ) -> bool: ...
+    def _commit(self, rec: CommitRecord) -> bool:
+        """Store `rec` and release the lock, atomically, if `rec.owner` still holds it."""
 
     @abstractmethod
     def _inspect(self, key: str) -> LockInfo | None: ...

@@ -19,6 +19,7 @@ from jobfence.locks import registry
 from jobfence.locks.backend import (
     Busy,
     Capabilities,
+    CommitRecord,
     JobRecord,
     LockBackend,
     LockInfo,
@@ -579,16 +580,8 @@ class EtcdBackend(LockBackend):
         )
         return bool(reply.get("succeeded"))
 
-    def _commit(
-        self,
-        key: str,
-        owner: str,
-        fence: int,
-        state: str,
-        result: str,
-        fingerprint: str,
-        result_ttl_ms: int,
-    ) -> bool:
+    def _commit(self, rec: CommitRecord) -> bool:
+        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
         lock = self._key("lock", key)
         base, _ = self._fence_base(key)  # another base (a new cluster): no key of ours left
         text = json.dumps({"fingerprint": fingerprint, "result": result, "fence": fence,

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from jobfence.locks.backend import (
     Busy,
     Capabilities,
+    CommitRecord,
     JobRecord,
     LockBackend,
     LockInfo,
@@ -131,28 +132,20 @@ class MemoryBackend(LockBackend):
             self._cond.notify_all()
             return True
 
-    def _commit(
-        self,
-        key: str,
-        owner: str,
-        fence: int,
-        state: str,
-        result: str,
-        fingerprint: str,
-        result_ttl_ms: int,
-    ) -> bool:
+    def _commit(self, rec: CommitRecord) -> bool:
+        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
         with self._cond:
             h = self._live(key)
             if h is None or h.owner != owner:
                 return False
-            rec = JobRecord(
+            record = JobRecord(
                 state=state,
                 fingerprint=fingerprint,
                 result=result,
                 fence=fence,
                 finished_at=time.time(),
             )
-            self._records[key] = (rec, self.clock.monotonic() + result_ttl_ms / 1000)
+            self._records[key] = (record, self.clock.monotonic() + result_ttl_ms / 1000)
             del self._held[key]
             self._cond.notify_all()
             return True

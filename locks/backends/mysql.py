@@ -27,7 +27,15 @@ from pymysql.err import MySQLError  # type: ignore[import-untyped]
 from pymysql.err import OperationalError as PyMySQLOperationalError  # type: ignore[import-untyped]
 
 from jobfence.locks import registry
-from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo, Security
+from jobfence.locks.backend import (
+    Busy,
+    Capabilities,
+    CommitRecord,
+    JobRecord,
+    LockBackend,
+    LockInfo,
+    Security,
+)
 from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
@@ -659,16 +667,8 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
     def _release(self, key: str, owner: str) -> bool:
         return bool(self._run(self._sql["release"], (key_hash(key), owner), key)[0])
 
-    def _commit(
-        self,
-        key: str,
-        owner: str,
-        fence: int,
-        state: str,
-        result: str,
-        fingerprint: str,
-        result_ttl_ms: int,
-    ) -> bool:
+    def _commit(self, rec: CommitRecord) -> bool:
+        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
         params = {
             "h": key_hash(key),
             "k": key,

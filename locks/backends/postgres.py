@@ -16,7 +16,14 @@ from psycopg import errors as pgerrors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobfence.locks import registry
-from jobfence.locks.backend import Busy, Capabilities, JobRecord, LockBackend, LockInfo
+from jobfence.locks.backend import (
+    Busy,
+    Capabilities,
+    CommitRecord,
+    JobRecord,
+    LockBackend,
+    LockInfo,
+)
 from jobfence.locks.backends.postgres_semaphore import PostgresSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
@@ -610,16 +617,8 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
     def _release(self, key: str, owner: str) -> bool:
         return self._wake("release", key, _RELEASE, {"owner": owner})
 
-    def _commit(
-        self,
-        key: str,
-        owner: str,
-        fence: int,
-        state: str,
-        result: str,
-        fingerprint: str,
-        result_ttl_ms: int,
-    ) -> bool:
+    def _commit(self, rec: CommitRecord) -> bool:
+        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
         params = {"owner": owner, "state": state, "result": result, "fingerprint": fingerprint,
                   "fence": fence, "result_ttl": result_ttl_ms}  # fmt: skip
         return self._wake("commit", key, _COMMIT, params)

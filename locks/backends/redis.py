@@ -19,6 +19,7 @@ from jobfence.config.settings import Settings
 from jobfence.locks.backend import (
     Busy,
     Capabilities,
+    CommitRecord,
     JobRecord,
     LockBackend,
     LockInfo,
@@ -448,16 +449,8 @@ class RedisBackend(RedisSemaphores, LockBackend):
     def _release(self, key: str, owner: str) -> bool:
         return bool(self._call("release", *release_call(self.keys, key, owner), key))
 
-    def _commit(
-        self,
-        key: str,
-        owner: str,
-        fence: int,
-        state: str,
-        result: str,
-        fingerprint: str,
-        result_ttl_ms: int,
-    ) -> bool:
+    def _commit(self, rec: CommitRecord) -> bool:
+        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
         k = self.keys
         # The record string's head and tail (commit.lua puts the finish time between them).
         head, tail = f"{state[0]}{fence}", f"{len(fingerprint)}:{fingerprint}{result}"

@@ -25,6 +25,7 @@ from jobfence.config.urls import redlock_masters
 from jobfence.locks.backend import (
     Busy,
     Capabilities,
+    CommitRecord,
     JobRecord,
     LockBackend,
     LockInfo,
@@ -894,16 +895,8 @@ class RedlockBackend(LockBackend):
         )
         return (yield from self._majority(payload, key, "release", lambda v: v == 1))
 
-    def _commit(
-        self,
-        key: str,
-        owner: str,
-        fence: int,
-        state: str,
-        result: str,
-        fingerprint: str,
-        result_ttl_ms: int,
-    ) -> bool:
+    def _commit(self, rec: CommitRecord) -> bool:
+        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
         k = self.keys
         payload = self._evalsha(
             "redlock_commit",

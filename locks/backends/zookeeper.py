@@ -48,6 +48,7 @@ from jobfence.locks.backend import (
     BeginResult,
     Busy,
     Capabilities,
+    CommitRecord,
     JobRecord,
     LockBackend,
     LockInfo,
@@ -1093,16 +1094,8 @@ class ZooKeeperBackend(LockBackend):
             self._grants.pop((key, owner), None)
         return _failure(answer) is None
 
-    def _commit(
-        self,
-        key: str,
-        owner: str,
-        fence: int,
-        state: str,
-        result: str,
-        fingerprint: str,
-        result_ttl_ms: int,
-    ) -> bool:
+    def _commit(self, rec: CommitRecord) -> bool:
+        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
         record = json.dumps(
             {"key": key, "state": state, "fingerprint": fingerprint, "result": result,
              "fence": fence, "ttl_ms": result_ttl_ms},
