@@ -197,8 +197,8 @@ register(BackendEntry(
     replace(_LEASES, durable_fence=False), check_url=urls.redlock_masters, default_port=6379,
 ))  # fmt: skip
 register(BackendEntry(
-    "etcd", ("etcd",), _BACKENDS + "etcd", "EtcdBackend", replace(_LEASES, ha=False),
-    check_url=urls.check_etcd_url, default_port=2379,
+    "etcd", ("etcd", "etcds"), _BACKENDS + "etcd", "EtcdBackend", replace(_LEASES, ha=False),
+    check_url=urls.check_etcd_url, default_port=2379, tls_scheme="etcds",
 ))  # fmt: skip
 register(BackendEntry(
     "redis-cluster", ("redis+cluster",), _BACKENDS + "redis_cluster", "RedisClusterBackend",
