@@ -275,3 +275,26 @@ def test_control_a_plain_etcd_without_auth_reports_no_tls_and_no_auth(etcd_url: 
         assert backend.security() == Security(False, False, False, False)
     finally:
         backend.close()
+
+
+def test_a_waiter_watches_with_its_token(secured: Secured) -> None:
+    """The watch carries the token too: a refused one would sleep its whole timeout."""
+    prefix = _prefix()
+    holder = open_backend(secured.url(), prefix=prefix, socket_timeout=2.0)
+    waiter = open_backend(secured.url(), prefix=prefix, socket_timeout=2.0)
+    try:
+        lease = holder.try_acquire("payments:42", 8)
+        assert lease is not None
+        assert waiter.try_acquire("payments:42", 8) is None  # the watch starts from here
+        # A watch etcd accepted stays open while the key is held (one without the token
+        # is cancelled at once, which reads as "look again").
+        assert isinstance(waiter, EtcdBackend)
+        assert not waiter.gateway.wait_deleted(f"{prefix}/lock/payments:42".encode(), 1, 1.0)
+        assert lease.release()
+        started = time.monotonic()
+        waiter.wait_for_release("payments:42", 10.0)
+        assert time.monotonic() - started < 5.0  # woken by the delete, not the timeout
+        assert waiter.try_acquire("payments:42", 8) is not None
+    finally:
+        holder.close()
+        waiter.close()
