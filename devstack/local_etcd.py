@@ -1,11 +1,15 @@
-"""Private etcd servers on 127.0.0.1 (one node or a cluster), started, stopped and reaped by us."""
+"""Private etcd servers on 127.0.0.1 (one node or a cluster, TLS and auth optional), run by us."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import datetime
 import functools
+import ipaddress
 import json
 import shutil
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -14,10 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from devstack import pki as _pki
 from jobfence.worker import procs
 from jobfence.worker.redis_server import HOST, free_port
 
-__all__ = ["EtcdCluster", "EtcdServerError", "etcd_unavailable"]
+__all__ = ["EtcdCluster", "EtcdServerError", "EtcdTLS", "client_certificate", "etcd_unavailable",
+           "server_certificate"]
 
 EXECUTABLE = "etcd"
 
@@ -33,6 +44,70 @@ def etcd_unavailable(executable: str = EXECUTABLE) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """HTTPS on the members' client ports (peers stay on loopback HTTP), and the client
+    certificate this launcher's own calls present (/health, setting up auth)."""
+
+    ca: Path  # etcd's --trusted-ca-file, and the CA the launcher trusts
+    cert: Path  # the serving certificate: see `server_certificate`
+    key: Path
+    client_cert_auth: bool = False  # --client-cert-auth: a client certificate from `ca`
+    client_cert: Path | None = None
+    client_key: Path | None = None
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        if self.client_cert is not None:
+            context.load_cert_chain(self.client_cert, self.client_key)
+        return context
+
+
+def server_certificate(pki: _pki.Pki, where: Path) -> tuple[Path, Path]:
+    """(cert, key): a certificate from `pki`'s CA for localhost and 127.0.0.1 that etcd can
+    serve with --client-cert-auth. etcd's JSON gateway presents the serving certificate to
+    etcd's own gRPC server, so it must allow clientAuth as well as serverAuth."""
+    ca = x509.load_pem_x509_certificate(pki.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.ca.with_suffix(".key").read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = _pki._key()
+    names: list[x509.GeneralName] = [
+        x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(HOST))
+    ]
+    usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    cert = _pki._certificate("etcd-server", key, (ca, ca_key), names=names, usage=usage)
+    path = _pki._write(where / "etcd-server.pem", cert, key)
+    return path, path.with_suffix(".key")
+
+
+def client_certificate(pki: _pki.Pki, where: Path) -> tuple[Path, Path]:
+    """(cert, key): a client certificate from `pki`'s CA with no Common Name (the client
+    named in its SAN), which etcd's JSON gateway accepts with --client-cert-auth and auth
+    on: it refuses one with a CN, which it would not use as the user."""
+    ca = x509.load_pem_x509_certificate(pki.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.ca.with_suffix(".key").read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = _pki._key()
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("jobfence-client")]), critical=True
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    path = _pki._write(where / "etcd-client.pem", cert, key)
+    return path, path.with_suffix(".key")
+
+
 @dataclass
 class _Node:
     name: str
@@ -41,10 +116,11 @@ class _Node:
     data_dir: Path
     log_path: Path
     server: procs.ServerProcess = field(repr=False)
+    scheme: str = "http"
 
     @property
     def client_url(self) -> str:
-        return f"http://{HOST}:{self.client_port}"
+        return f"{self.scheme}://{HOST}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -55,28 +131,47 @@ class _Node:
         return self.server.running
 
 
-def _get_json(url: str, timeout: float) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
+def _get_json(url: str, timeout: float, context: ssl.SSLContext | None = None) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as reply:
         return json.loads(reply.read())
 
 
-def _post_json(url: str, body: dict[str, Any], timeout: float) -> Any:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as reply:
+def _post_json(
+    url: str,
+    body: dict[str, Any],
+    timeout: float,
+    context: ssl.SSLContext | None = None,
+    token: str = "",
+) -> Any:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = token
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
         return json.loads(reply.read())
 
 
-def _status(node: _Node, timeout: float) -> dict[str, Any]:
+def _status(
+    node: _Node, timeout: float, context: ssl.SSLContext | None = None
+) -> dict[str, Any]:
     """A running member's /v3/maintenance/status, or {} (stopped, or no answer)."""
     if not node.running:
         return {}
     try:
-        status = _post_json(f"{node.client_url}/v3/maintenance/status", {}, timeout)
+        status = _post_json(f"{node.client_url}/v3/maintenance/status", {}, timeout, context)
     except (OSError, ValueError, urllib.error.URLError):
         return {}
     return status if isinstance(status, dict) else {}
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode("ascii")
+
+
+def _prefix_end(prefix: str) -> str:
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1  # prefixes here end in '/', never 0xff
+    return base64.b64encode(bytes(raw)).decode("ascii")
 
 
 class EtcdCluster(procs.Launcher):
@@ -103,9 +198,16 @@ class EtcdCluster(procs.Launcher):
         heartbeat_ms: int = 100,
         startup_timeout: float = 30.0,
         extra_args: Sequence[str] = (),
+        tls: EtcdTLS | None = None,
+        also_listen: Sequence[str] = (),
     ) -> None:
+        """`tls`: HTTPS client ports (and `--client-cert-auth` if it says so); `also_listen`:
+        more loopback addresses (e.g. 127.0.0.2) each member's client port answers on."""
         if size < 1:
             raise ValueError(f"size must be at least 1, got {size}")
+        self.tls = tls
+        self.also_listen = tuple(also_listen)
+        self._context = tls.context() if tls is not None else None
         self.size = size
         self.executable = executable
         self.election_timeout_ms = election_timeout_ms
@@ -123,13 +225,18 @@ class EtcdCluster(procs.Launcher):
         return [f"{HOST}:{n.client_port}" for n in self._require_nodes()]
 
     @property
+    def scheme(self) -> str:
+        """etcds with TLS, else etcd."""
+        return "etcds" if self.tls is not None else "etcd"
+
+    @property
     def url(self) -> str:
-        """The `etcd://` lock URL listing every member."""
-        return "etcd://" + ",".join(self.endpoints)
+        """The `etcd://` lock URL listing every member (`etcds://` with TLS, no options)."""
+        return f"{self.scheme}://" + ",".join(self.endpoints)
 
     def member_url(self, index: int) -> str:
         """The `etcd://` URL of member `index` alone."""
-        return f"etcd://{self.endpoints[index]}"
+        return f"{self.scheme}://{self.endpoints[index]}"
 
     def client_url(self, index: int) -> str:
         """The member's http:// client URL (its JSON gateway)."""
@@ -199,16 +306,27 @@ class EtcdCluster(procs.Launcher):
                     server=procs.ServerProcess(
                         f"etcd member m{i} on port {ordered[2 * i]}", error=EtcdServerError
                     ),
+                    scheme="https" if self.tls is not None else "http",
                 )
             )
 
     def _command(self, node: _Node) -> list[str]:
         initial = ",".join(f"{n.name}={n.peer_url}" for n in self._nodes)
+        listen = [node.client_url] + [
+            f"{node.scheme}://{host}:{node.client_port}" for host in self.also_listen
+        ]
+        tls: list[str] = []
+        if self.tls is not None:
+            tls = ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
+                   "--trusted-ca-file", str(self.tls.ca)]  # fmt: skip
+            if self.tls.client_cert_auth:
+                tls.append("--client-cert-auth")
         return [
             self.executable,
             "--name", node.name,
             "--data-dir", str(node.data_dir),
-            "--listen-client-urls", node.client_url,
+            "--listen-client-urls", ",".join(listen),
+            *tls,
             "--advertise-client-urls", node.client_url,
             "--listen-peer-urls", node.peer_url,
             "--initial-advertise-peer-urls", node.peer_url,
@@ -235,7 +353,7 @@ class EtcdCluster(procs.Launcher):
         if not node.running:
             return False
         try:
-            reply = _get_json(f"{node.client_url}/health", timeout)
+            reply = _get_json(f"{node.client_url}/health", timeout, self._context)
         except (OSError, ValueError, urllib.error.URLError):
             return False
         return bool(reply.get("health") in ("true", True))
@@ -255,13 +373,43 @@ class EtcdCluster(procs.Launcher):
         """Index of the member that is leader now (as a running member reports it), or None."""
         nodes = self._require_nodes()
         for node in nodes:
-            leader_id = _status(node, timeout).get("leader")
+            leader_id = _status(node, timeout, self._context).get("leader")
             if not leader_id or leader_id == "0":
                 continue
             for i, other in enumerate(nodes):
-                if _status(other, timeout).get("header", {}).get("member_id") == leader_id:
+                own = _status(other, timeout, self._context)
+                if own.get("header", {}).get("member_id") == leader_id:
                     return i
         return None
+
+    # -- authentication --------------------------------------------------------------------
+    def post(self, path: str, body: dict[str, Any], *, token: str = "", index: int = 0) -> Any:
+        """POST `body` to member `index`'s JSON gateway (over TLS with the launcher's client
+        certificate where it has one), with `token` in the Authorization header."""
+        url = self._require_nodes()[index].client_url + path
+        return _post_json(url, body, 5.0, self._context, token)
+
+    def token(self, user: str, password: str, *, index: int = 0) -> str:
+        """A token for `user` from member `index` (tokens are member-local)."""
+        reply = self.post("/v3/auth/authenticate", {"name": user, "password": password},
+                          index=index)  # fmt: skip
+        return str(reply["token"])
+
+    def enable_auth(self, root_password: str, users: dict[str, tuple[str, str]]) -> None:
+        """Turn on authentication: user root (role root) with `root_password`, and for each
+        `name: (password, prefix)` a user with a role that may read and write keys under
+        `prefix` (as etcdctl user add / role grant-permission --prefix / auth enable)."""
+        self.post("/v3/auth/user/add", {"name": "root", "password": root_password})
+        self.post("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        for name, (password, prefix) in users.items():
+            role = f"{name}-rw"
+            self.post("/v3/auth/role/add", {"name": role})
+            self.post("/v3/auth/role/grant", {"name": role, "perm": {
+                "permType": "READWRITE", "key": _b64(prefix), "range_end": _prefix_end(prefix),
+            }})  # fmt: skip
+            self.post("/v3/auth/user/add", {"name": name, "password": password})
+            self.post("/v3/auth/user/grant", {"user": name, "role": role})
+        self.post("/v3/auth/enable", {})
 
     def kill_member(self, index: int) -> None:
         """SIGKILL member `index` (a crash) and reap it; its data directory is kept."""

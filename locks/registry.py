@@ -198,8 +198,8 @@ register(BackendEntry(
     async_store=_BACKENDS + "redlock_async:AsyncRedlockStore",
 ))  # fmt: skip
 register(BackendEntry(
-    "etcd", ("etcd",), _BACKENDS + "etcd", "EtcdBackend", replace(_LEASES, ha=False),
-    check_url=urls.check_etcd_url, default_port=2379,
+    "etcd", ("etcd", "etcds"), _BACKENDS + "etcd", "EtcdBackend", replace(_LEASES, ha=False),
+    check_url=urls.check_etcd_url, default_port=2379, tls_scheme="etcds",
 ))  # fmt: skip
 register(BackendEntry(
     "redis-cluster", ("redis+cluster",), _BACKENDS + "redis_cluster", "RedisClusterBackend",

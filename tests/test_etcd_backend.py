@@ -54,9 +54,10 @@ def test_lock_urls_name_every_member_and_refuse_what_etcd_cannot_use() -> None:
     check_lock_url("etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379", "JOBFENCE_LOCK_URL")
     assert parse_endpoints("etcd://a:1,b:2/") == ["a:1", "b:2"]
     bad = {
-        "etcd://root:hunter2-pw@10.0.0.1:2379": "authentication is not supported",
-        "etcd://10.0.0.1:2379/jobs": "path or options",
-        "etcd://10.0.0.1:2379?timeout=3": "path or options",
+        "etcd://root@10.0.0.1:2379": "not user:password",
+        "etcd://10.0.0.1:2379/jobs": "has a path",
+        "etcd://10.0.0.1:2379?timeout=3": "option 'timeout'",
+        "etcd://10.0.0.1:2379?password=hunter2-pw": "user-info",
         "etcd://10.0.0.1:2379,10.0.0.2": "is not host:port",
         "etcd://10.0.0.1:2379,:2380": "is not host:port",
     }

@@ -7,12 +7,15 @@ import functools
 import json
 import math
 import os
+import socket
+import ssl
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
+from urllib.parse import parse_qsl, unquote
 
 from jobfence.config.urls import redact
 from jobfence.locks import registry
@@ -23,13 +26,16 @@ from jobfence.locks.backend import (
     JobRecord,
     LockBackend,
     LockInfo,
+    Security,
     validate_key,
     validate_ttl,
 )
 from jobfence.locks.backends.etcd_gateway import (
+    AuthFailed,
     Gateway,
     GatewayError,
     OutcomeUnknown,
+    TLSFailed,
     Unreachable,
     b64,
     unb64,
@@ -39,6 +45,13 @@ from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import Lease, OwnerMeta
 
 SCHEMES = registry.entry("etcd").schemes  # the registry is the one list
+TLS_SCHEME = "etcds"  # as https:// in etcdctl's --endpoints
+#: TLS options in the URL's query, named as etcdctl's flags (--cacert, --cert, --key,
+#: --insecure-skip-tls-verify).
+TLS_OPTIONS = ("cacert", "cert", "key", "insecure_skip_tls_verify")
+_CREDENTIAL_OPTIONS = ("user", "username", "password", "pass", "passwd", "token")
+PERMISSION_DENIED = 7
+USERINFO_FIX = "etcds://user:password@host:2379 (percent-encoded)"
 #: Lease TTLs are whole seconds on etcd; shorter asks are raised to this (etcd's own floor
 #: is 1.5 election timeouts, 2 s with its defaults).
 MIN_TTL = 2
@@ -64,30 +77,142 @@ class _Session:
     since: float
 
 
-def parse_endpoints(url: str) -> list[str]:
-    """host:port of each member in `etcd://host:port[,host:port...]`; ValueError with the fix."""
+@dataclass(frozen=True)
+class TLS:
+    """HTTPS to every member: the server's certificate checked against `cacert` (else the
+    system's CAs) and the host name, unless `verify` is off (a downgrade spelled out);
+    `cert` and `key` a client certificate (etcd's --client-cert-auth)."""
+
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    verify: bool = True
+
+    def context(self) -> ssl.SSLContext:
+        """The SSLContext; LockError naming the option whose file cannot be used."""
+        try:
+            context = ssl.create_default_context(cafile=self.cacert)
+        except (OSError, ssl.SSLError) as exc:
+            raise LockError(_file_problem("cacert", self.cacert, exc)) from None
+        if self.cert:
+            try:
+                context.load_cert_chain(self.cert, self.key)
+            except (OSError, ssl.SSLError) as exc:
+                raise LockError(_file_problem("cert/key", f"{self.cert}, {self.key}", exc)) \
+                    from None
+        if not self.verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+
+def _file_problem(option: str, path: str | None, exc: BaseException) -> str:
+    why = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or type(exc).__name__
+    return (
+        f"the etcd lock URL's {option}={path} cannot be used ({why}); fix: give the path of a "
+        "readable PEM file (the key unencrypted)"
+    )
+
+
+@dataclass(frozen=True)
+class Target:
+    """What an etcd lock URL names. The password never shows in its repr."""
+
+    endpoints: list[str]
+    tls: TLS | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+
+def _flag(name: str, value: str) -> bool:
+    low = value.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"etcd lock URL option {name}={value!r} is not true or false")
+
+
+def parse_target(url: str) -> Target:
+    """`etcd[s]://[user:password@]host:port[,host:port...][?TLS options]`; ValueError with
+    the fix, never quoting the password.
+
+    `etcds://` is HTTPS (as `https://` endpoints in etcdctl), verifying the certificate
+    against `cacert=` (else the system's CAs) and the host name; `cert=`/`key=` give a client
+    certificate; `insecure_skip_tls_verify=true` turns the checks off (a downgrade). The
+    user-info (percent-encoded) is an etcd user: its token is asked for with the password.
+    """
+    shown = redact(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in SCHEMES:
-        raise ValueError(f"not an etcd URL: {url.split('://', 1)[0]}:// (use etcd://host:2379)")
-    if "@" in rest:
-        raise ValueError(
-            "etcd:// URLs take no user or password: etcd authentication is not supported, "
-            "use etcd://host:2379 on a network only the fleet can reach"
-        )
-    hosts = rest.rstrip("/")
-    if any(c in hosts for c in "/?#"):
-        raise ValueError(
-            f"etcd URL {redact(url)!r} has a path or options; use etcd://host:2379[,host:2379...]"
-        )
+        raise ValueError(f"not an etcd URL: {shown.split('://', 1)[0]}:// (use etcd://host:2379)")
+    if "#" in rest:
+        raise ValueError(f"etcd URL {shown!r} has a fragment; use etcd://host:2379[,host:2379...]")
+    rest, _, query = rest.partition("?")
+    userinfo, at, hosts = rest.rpartition("@")
+    user = password = None
+    if at:
+        name, colon, secret = userinfo.partition(":")
+        user, password = unquote(name), unquote(secret)
+        if not user or not colon or not password:
+            raise ValueError(
+                f"etcd URL {shown!r} has user-info that is not user:password; use {USERINFO_FIX}"
+            )
+    hosts = hosts.rstrip("/")
+    if "/" in hosts:
+        raise ValueError(f"etcd URL {shown!r} has a path; use etcd://host:2379[,host:2379...]")
+    options: dict[str, str] = {}
+    for option, value in parse_qsl(query, keep_blank_values=True):
+        if option.lower() in _CREDENTIAL_OPTIONS:
+            raise ValueError(
+                f"etcd URL {shown!r} has option {option!r}: credentials go in the user-info, "
+                f"never the query; use {USERINFO_FIX}"
+            )
+        if option not in TLS_OPTIONS:
+            raise ValueError(
+                f"etcd URL {shown!r} has option {option!r}, which etcd URLs do not take; "
+                f"known: {', '.join(TLS_OPTIONS)} (TLS, with etcds://)"
+            )
+        options[option] = value
     endpoints = []
     for item in hosts.split(","):
         host, colon, port = item.strip().rpartition(":")
         if not colon or not host.strip("[]"):
-            raise ValueError(f"etcd URL {redact(url)!r}: member {item.strip()!r} is not host:port")
+            raise ValueError(f"etcd URL {shown!r}: member {item.strip()!r} is not host:port")
         if not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"etcd URL {redact(url)!r} has port {port!r}, not a number in 1-65535")
+            raise ValueError(f"etcd URL {shown!r} has port {port!r}, not a number in 1-65535")
         endpoints.append(f"{host}:{port}")
-    return endpoints
+    return Target(endpoints, _tls(scheme.lower(), options, shown), user, password)
+
+
+def _tls(scheme: str, options: dict[str, str], shown: str) -> TLS | None:
+    if scheme != TLS_SCHEME:
+        if options:
+            raise ValueError(
+                f"etcd URL {shown!r} gives TLS options ({', '.join(options)}) to etcd://, which "
+                f"is plain HTTP; use {TLS_SCHEME}://host:2379?cacert=/path/ca.pem"
+            )
+        return None
+    for name in ("cacert", "cert", "key"):
+        if name in options and not options[name]:
+            raise ValueError(f"etcd URL option {name}= is empty: give a file path")
+    if ("cert" in options) != ("key" in options):
+        raise ValueError(
+            f"etcd URL {shown!r} gives only one of cert and key; a client certificate needs "
+            "both: cert=/path/client.pem&key=/path/client.key"
+        )
+    verify = not _flag("insecure_skip_tls_verify", options.get("insecure_skip_tls_verify", "0"))
+    if not verify and "cacert" in options:
+        raise ValueError(
+            f"etcd URL {shown!r} gives cacert with insecure_skip_tls_verify=true, which never "
+            "reads it; drop insecure_skip_tls_verify (the certificate is then checked)"
+        )
+    return TLS(options.get("cacert"), options.get("cert"), options.get("key"), verify)
+
+
+def parse_endpoints(url: str) -> list[str]:
+    """host:port of each member in `etcd://host:port[,host:port...]`; ValueError with the fix."""
+    return parse_target(url).endpoints
 
 
 def whole_seconds(ttl_ms: int) -> int:
@@ -197,14 +322,27 @@ class EtcdBackend(LockBackend):
         prefix: str = "jobfence",
         socket_timeout: float = 2.0,
         clock: Clock = SYSTEM_CLOCK,
+        tls: TLS | None = None,
+        user: str | None = None,
+        password: str | None = None,
     ) -> None:
         super().__init__(clock=clock)
         if not prefix or any(c in prefix for c in "\n\0"):
             raise LockError(f"etcd key prefix must be a non-empty line of text, got {prefix!r}")
+        if (user is None) != (password is None):
+            raise LockError("etcd authentication needs both a user and a password; fix: use "
+                            + USERINFO_FIX)  # fmt: skip
         self.prefix = prefix
         self.endpoints = list(endpoints)
         self.socket_timeout = socket_timeout
-        self.gateway = Gateway(self.endpoints, timeout=socket_timeout)
+        self.tls = tls
+        self.user = user
+        self.gateway = Gateway(
+            self.endpoints,
+            timeout=socket_timeout,
+            tls=tls.context() if tls is not None else None,
+            credentials=(user, password) if user is not None and password is not None else None,
+        )
         self.fence_floor = 0  # the highest fence this client was granted
         self._base: tuple[int, str] | None = None  # (fence base, its stored text)
         self._base_key = f"{prefix}/fence-base"
@@ -232,11 +370,26 @@ class EtcdBackend(LockBackend):
         fence_retention: float | None = None,  # accepted for open_backend; revisions are kept
         clock: Clock = SYSTEM_CLOCK,
     ) -> EtcdBackend:
-        """`etcd://host:port[,host:port...]`: one endpoint, or several members to fail over."""
+        """`etcd[s]://[user:password@]host:port[,host:port...][?cacert=&cert=&key=]`: one
+        endpoint, or several members to fail over (see `parse_target`)."""
         del fence_retention
-        endpoints = parse_endpoints(url)
+        target = parse_target(url)
+        endpoints = target.endpoints
         kind = cls if len(endpoints) == 1 or cls is not EtcdBackend else EtcdClusterBackend
-        return kind(endpoints, prefix=prefix, socket_timeout=socket_timeout, clock=clock)
+        return kind(endpoints, prefix=prefix, socket_timeout=socket_timeout, clock=clock,
+                    tls=target.tls, user=target.user, password=target.password)  # fmt: skip
+
+    def security(self) -> Security:
+        """TLS as the URL asked (etcds://, insecure_skip_tls_verify), auth: a user and
+        password, or a client certificate."""
+        tls = self.tls is not None
+        verified = tls and self.tls is not None and self.tls.verify
+        return Security(
+            tls=tls,
+            verified=verified,
+            hostname_checked=verified,
+            auth=self.user is not None or (self.tls is not None and self.tls.cert is not None),
+        )
 
     @staticmethod
     def granted_ttl(ttl: float) -> float:
@@ -265,23 +418,67 @@ class EtcdBackend(LockBackend):
         suspect: tuple[str, str] | None = None,
     ) -> Any:
         """One request; transport and server errors become BackendUnavailable (the server's
-        answer, a GatewayError, is its `cause`).
+        answer, a GatewayError, is its `cause`), a TLS or login set-up that cannot work
+        SetupError (a LockError naming the fix).
 
         `suspect` (key, owner): if the request may have been applied without an answer, a
         later call deletes that grant (it would otherwise live as long as the lease).
         """
         try:
             return self.gateway.call(path, body, idempotent=idempotent)
-        except Unreachable as exc:
-            raise BackendUnavailable(f"etcd {what} failed", key=key, cause=exc) from exc
-        except (OutcomeUnknown, GatewayError) as exc:
-            if suspect is not None and not (
-                isinstance(exc, GatewayError) and exc.surely_not_applied
-            ):
+        except (Unreachable, GatewayError) as exc:
+            self._refuse_setup(exc, key)
+            if isinstance(exc, Unreachable):
+                raise BackendUnavailable(f"etcd {what} failed", key=key, cause=exc) from exc
+            if suspect is not None and not exc.surely_not_applied:
                 self._suspects[suspect] = None
             raise BackendUnavailable(
                 f"etcd {what} failed on {self.gateway.endpoint}", key=key, cause=exc
             ) from exc
+        except OutcomeUnknown as exc:
+            if suspect is not None:
+                self._suspects[suspect] = None
+            raise BackendUnavailable(
+                f"etcd {what} failed on {self.gateway.endpoint}", key=key, cause=exc
+            ) from exc
+
+    def _refuse_setup(self, exc: BaseException, key: str | None) -> None:
+        """Raise SetupError if `exc` is a TLS or login set-up no wait will mend."""
+        found = self.setup_problem(exc)
+        if found is not None:
+            raise SetupError(*found, key=key, cause=exc) from exc
+
+    def setup_problem(self, exc: BaseException) -> tuple[str, str] | None:
+        """(problem, fix) if `exc` says the TLS or login set-up cannot work, else None."""
+        where = self.gateway.endpoint
+        if isinstance(exc, GatewayError) and "CommonName of client" in exc.message:
+            return (f"etcd at {where} refuses a client certificate with a Common Name on "
+                    "its JSON gateway while authentication is on (the CN would not be "
+                    "used as the user)",
+                    "issue the client certificate (cert= in the lock URL) with no CN, "
+                    "naming the client in a subject alternative name, and authenticate "
+                    "as user:password@ in the URL")  # fmt: skip
+        if isinstance(exc, AuthFailed):
+            return (f"etcd at {where} refused the login of user {self.user!r} ({exc.message})",
+                    "check the user and password in the lock URL: " + USERINFO_FIX)  # fmt: skip
+        if isinstance(exc, GatewayError):
+            no_user = "user name is empty" in exc.message or (
+                exc.code == PERMISSION_DENIED and self.user is None
+            )
+            if no_user and self.user is None:
+                return (f"etcd at {where} has authentication on and the lock URL names no user "
+                        f"({exc.message})",
+                        "put a user and password in the lock URL: " + USERINFO_FIX)  # fmt: skip
+            if exc.code == PERMISSION_DENIED:
+                return (f"etcd at {where} denies user {self.user!r} the keys under "
+                        f"'{self.prefix}/' ({exc.message})",
+                        f"grant the user a role with readwrite on that prefix: etcdctl role "
+                        f"grant-permission ROLE readwrite --prefix=true '{self.prefix}/'; etcdctl "
+                        "user grant-role USER ROLE")  # fmt: skip
+            return None
+        if isinstance(exc, TLSFailed):
+            return _tls_problem(exc, where)
+        return None
 
     def _txn(
         self,
@@ -848,7 +1045,18 @@ class EtcdBackend(LockBackend):
         """What in the server breaks this backend (start-up check): (problem, fix) pairs."""
         try:
             reply = self.gateway.get("/version")
-        except Unreachable as exc:
+            # A read under the prefix: the TLS set-up, the login and the user's permission.
+            self._read("check", None, [_range(self._base_key)])
+        except SetupError as exc:
+            return [(exc.problem, exc.fix)]
+        except (Unreachable, GatewayError) as exc:
+            found = self.setup_problem(exc)
+            if found is not None:
+                return [found]
+            if self.tls is None and (tls_at := self._serving_tls()):
+                return [(f"etcd at {tls_at} serves HTTPS and the lock URL is etcd:// (plain "
+                         "HTTP)", f"use {TLS_SCHEME}://host:port?cacert=/path/ca.pem (the CA of "
+                         "etcd's --cert-file)")]  # fmt: skip
             raise BackendUnavailable("etcd check failed", cause=exc) from exc
         version = str(reply.get("etcdserver", "0.0"))
         try:
@@ -858,17 +1066,85 @@ class EtcdBackend(LockBackend):
         if numbers < VERSION_NEEDED:
             return [(f"the etcd server is version {version}: its JSON gateway is not at /v3",
                      "run etcd 3.4 or later")]  # fmt: skip
-        alarms = self._call("alarms", None, "/v3/maintenance/alarm", {"action": "GET"},
-                            idempotent=True)  # fmt: skip
+        try:
+            alarms = self._call("alarms", None, "/v3/maintenance/alarm", {"action": "GET"},
+                                idempotent=True)  # fmt: skip
+        except SetupError:
+            return []  # a user without the root role may not list alarms
         return [
             (f"the etcd server has alarm {alarm.get('alarm', '?')} raised, so it refuses writes",
              "compact and defragment it (etcdctl compact/defrag), then etcdctl alarm disarm")
             for alarm in alarms.get("alarms") or []
         ]  # fmt: skip
 
+    def _serving_tls(self) -> str | None:
+        """The first member that answers a TLS handshake (certificate unchecked: only to
+        tell a plain etcd:// URL that its server speaks HTTPS), or None."""
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        probe.check_hostname = False
+        probe.verify_mode = ssl.CERT_NONE
+        for endpoint in self.endpoints:
+            host, _, port = endpoint.rpartition(":")
+            try:
+                address = (host.strip("[]"), int(port))
+                with (
+                    socket.create_connection(address, timeout=self.socket_timeout) as raw,
+                    probe.wrap_socket(raw, server_hostname=None),
+                ):
+                    return endpoint
+            except ssl.SSLError as exc:  # an alert: TLS after all (it wanted a client cert)
+                if "ALERT" in str(exc):
+                    return endpoint
+            except OSError:
+                continue
+        return None
+
     def close(self) -> None:
         self._sweep()  # best effort: errors wait for the leases to run out
         self.gateway.close()
+
+
+class SetupError(LockError):
+    """etcd refused the TLS session or the login: a set-up to fix, no outage to wait out.
+    The message says `problem` and `fix`; it never holds the password or a token."""
+
+    def __init__(self, problem: str, fix: str, *, key: str | None = None,
+                 cause: BaseException | None = None) -> None:  # fmt: skip
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem}; fix: {fix}", key=key, cause=cause)
+
+
+def _tls_problem(exc: TLSFailed, where: str) -> tuple[str, str]:
+    """(problem, fix) for a TLS session etcd or this client refused."""
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen and len(seen) < 8:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    text = " ".join(str(e) for e in seen)
+    verify = [e for e in seen if isinstance(e, ssl.SSLCertVerificationError)]
+    host = where.rpartition(":")[0]
+    detail = f"{type(seen[-1]).__name__}: {seen[-1]}"
+    if verify or "CERTIFICATE_VERIFY_FAILED" in text:
+        why = (verify[0].verify_message if verify else "") or "untrusted"
+        if (verify and verify[0].verify_code == 62) or "mismatch" in why:
+            return (f"etcd's TLS certificate at {where} is not valid for host {host!r} ({why})",
+                    "connect by a name or address the certificate holds; or, a downgrade the "
+                    "start-up check warns about, add insecure_skip_tls_verify=true to the "
+                    "lock URL")  # fmt: skip
+        return (f"etcd's TLS certificate at {where} did not verify ({why})",
+                "pass the CA that signed it as cacert=/path/ca.pem in the lock URL (etcdctl's "
+                "--cacert)")  # fmt: skip
+    low = text.lower()
+    if "wrong_version_number" in low or "wrong version number" in low:
+        return (f"etcd at {where} does not speak TLS on this port",
+                "use etcd:// (plain HTTP), or turn TLS on at the server (--cert-file, "
+                "--key-file)")  # fmt: skip
+    return (f"etcd at {where} refused the TLS session ({detail}): it may require a client "
+            "certificate from its CA (--client-cert-auth)",
+            "pass cert=/path/client.pem&key=/path/client.key in the lock URL (etcdctl's --cert "
+            "and --key), signed by the CA of etcd's --trusted-ca-file")  # fmt: skip
 
 
 def _after(key: str) -> bytes:

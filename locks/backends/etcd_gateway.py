@@ -1,4 +1,4 @@
-"""A small synchronous client of etcd's v3 JSON gateway: keep-alive HTTP, failover, errors, watch.
+"""A small synchronous client of etcd's v3 JSON gateway: keep-alive HTTP(S), auth, failover, watch.
 
 Built on the standard library's http.client: on the lock path (two requests per acquire and
 release) httpx 0.28 spent ~550 µs of CPU per request here against ~190 µs for http.client,
@@ -14,6 +14,8 @@ import json
 import os
 import select
 import socket
+import ssl
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -25,6 +27,12 @@ INVALID_ARGUMENT = 3
 FAILED_PRECONDITION = 9
 UNAVAILABLE = 14
 _HEADERS = {"Content-Type": "application/json"}
+# What etcd answers a request whose token it no longer knows (a simple token unused for
+# --auth-token-ttl, a member restarted, another member's token, a JWT past its expiry),
+# or that has none though auth is on: authenticate again, once, and resend (nothing was
+# applied: etcd checks the token before it proposes or applies anything).
+_TOKEN_GONE = ("invalid auth token", "user name is empty", "revision of auth store is old")
+AUTH_NOT_ENABLED = "authentication is not enabled"
 
 # Connections inherited through fork, set aside in the child and never used or closed there
 # (the parent may still be using the same sockets).
@@ -59,6 +67,15 @@ class Unreachable(Exception):
     """No endpoint could be reached; the request was never sent (nothing applied)."""
 
 
+class TLSFailed(Unreachable):
+    """The TLS handshake failed or the server refused it (no client certificate): nothing
+    was applied. The ssl error is the `__cause__`."""
+
+
+class AuthFailed(GatewayError):
+    """etcd refused the user name and password (/v3/auth/authenticate)."""
+
+
 class OutcomeUnknown(Exception):
     """The request may have reached etcd, but no answer came back (timeout, reset)."""
 
@@ -78,6 +95,11 @@ def _stale(conn: http.client.HTTPConnection) -> bool:
 class Gateway:
     """POSTs JSON to `/v3/...` on one of `endpoints` (host:port), moving on when one fails.
 
+    With `tls`, every connection is HTTPS under that context; with `credentials`, each
+    request carries a token from /v3/auth/authenticate in its Authorization header (one per
+    member, asked for on first use and again, once per request, when etcd says it has
+    expired).
+
     Keep-alive connections are made in the process that uses them (a forked child never
     touches its parent's sockets), lent to one thread at a time, and closed after any
     error, so a late reply can never be read as the answer to another request. A request
@@ -86,11 +108,25 @@ class Gateway:
     OutcomeUnknown.
     """
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float,
+        tls: ssl.SSLContext | None = None,
+        credentials: tuple[str, str] | None = None,
+    ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint (host:port) is needed")
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.tls = tls  # HTTPS with this context (its own CA, host-name and client checks)
+        self._credentials = credentials  # (user, password) for /v3/auth/authenticate
+        # Each member's token ("" where auth was off): simple tokens are member-local.
+        self._tokens: dict[int, str] = {}
+        self._auth_mutex = threading.Lock()
+        self.authentications = 0  # tokens asked for, for tests
+        self.connections = 0  # connections made, for tests and benchmarks
         self.requests = 0  # requests sent (round trips), for tests and benchmarks
         self.last_date = ""  # the Date header of the last answer (the server's clock, 1 s)
         self._current = 0
@@ -112,25 +148,35 @@ class Gateway:
     def _connect(self, index: int, timeout: float) -> http.client.HTTPConnection:
         """A connected socket to endpoint `index`; Unreachable if it cannot be made."""
         host, _, port = self.endpoints[index].rpartition(":")
-        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+        conn: http.client.HTTPConnection
+        if self.tls is not None:
+            conn = http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=timeout,
+                                               context=self.tls)  # fmt: skip
+        else:
+            conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+        self.connections += 1
         try:
             conn.connect()
             assert conn.sock is not None
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except ssl.SSLError as exc:
+            conn.close()
+            raise TLSFailed(f"{self.endpoints[index]}: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             conn.close()
             raise Unreachable(f"{self.endpoints[index]}: {type(exc).__name__}: {exc}") from exc
         return conn
 
-    def _borrow(self, index: int) -> http.client.HTTPConnection:
+    def _borrow(self, index: int) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection to endpoint `index`, and whether it is new."""
         idle = self._idle.setdefault(index, [])
         while True:
             try:
                 conn = idle.pop()  # atomic: no two threads get the same connection
             except IndexError:
-                return self._connect(index, self.timeout)
+                return self._connect(index, self.timeout), True
             if not _stale(conn):
-                return conn
+                return conn, False
             conn.close()
 
     def _give_back(self, index: int, conn: http.client.HTTPConnection) -> None:
@@ -138,7 +184,8 @@ class Gateway:
 
     # -- requests -------------------------------------------------------------------------
     def call(self, path: str, body: dict[str, Any], *, idempotent: bool = False) -> Any:
-        """The decoded JSON answer of POST `path`; GatewayError, Unreachable, OutcomeUnknown."""
+        """The decoded JSON answer of POST `path`; GatewayError (AuthFailed when the user and
+        password were refused), Unreachable (TLSFailed), OutcomeUnknown."""
         content = json.dumps(body, separators=(",", ":")).encode()
         count = len(self.endpoints)
         start = self._current
@@ -146,32 +193,20 @@ class Gateway:
         for step in range(count):
             index = (start + step) % count
             try:
-                conn = self._borrow(index)
+                status, data = self._authorized(index, path, content)
             except Unreachable as exc:
                 last = exc
                 self._current = (index + 1) % count
                 continue
-            try:
-                self.requests += 1
-                conn.request("POST", path, content, _HEADERS)
-                reply = conn.getresponse()
-                data = reply.read()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()  # never reuse: a late reply must not answer the next request
+            except OutcomeUnknown as exc:
                 self._current = (index + 1) % count
                 if idempotent and step + 1 < count:
                     last = exc
                     continue
-                raise OutcomeUnknown(f"{self.endpoints[index]}: {type(exc).__name__}: {exc}") \
-                    from exc
-            if reply.will_close:
-                conn.close()
-            else:
-                self._give_back(index, conn)
-            self.last_date = reply.getheader("Date") or ""
-            if reply.status == 200:
+                raise
+            if status == 200:
                 return json.loads(data)
-            error = _error(reply.status, data)
+            error = _error(status, data)
             # A member without a leader (an election, a minority side) may be one of
             # several: another may answer. Only for requests that are safe to repeat.
             if error.code == UNAVAILABLE and idempotent and step + 1 < count:
@@ -181,10 +216,76 @@ class Gateway:
             raise error
         if isinstance(last, GatewayError):
             raise last
+        if isinstance(last, TLSFailed):
+            raise last
         raise Unreachable(f"no etcd endpoint answered ({last})") from last
 
+    def _authorized(self, index: int, path: str, content: bytes) -> tuple[int, bytes]:
+        """POST with this member's token; if etcd says the token is gone, a new token and
+        one resend (etcd refused the first before applying anything)."""
+        token = self._token(index)
+        status, data = self._post(index, path, content, token)
+        if self._credentials is not None and status != 200 and _token_gone(data):
+            status, data = self._post(index, path, content, self._token(index, stale=token))
+        return status, data
+
+    def _token(self, index: int, *, stale: str | None = None) -> str | None:
+        """Member `index`'s token (None without credentials, "" where auth is off), asked
+        for when there is none or it is `stale`; AuthFailed if the login is refused."""
+        if self._credentials is None:
+            return None
+        token = self._tokens.get(index)
+        if token is not None and token != stale:
+            return token
+        with self._auth_mutex:
+            token = self._tokens.get(index)
+            if token is not None and token != stale:
+                return token  # another thread has just asked
+            name, password = self._credentials
+            body = json.dumps({"name": name, "password": password}).encode()
+            self.authentications += 1
+            status, data = self._post(index, "/v3/auth/authenticate", body, None)
+            if status == 200:
+                token = str(json.loads(data).get("token", ""))
+            else:
+                error = _error(status, data)
+                if AUTH_NOT_ENABLED not in error.message:
+                    raise AuthFailed(error.status, error.code, error.message)
+                token = ""  # as etcd's own client: go on without one (asked again if refused)
+            self._tokens[index] = token
+            return token
+
+    def _headers(self, token: str | None) -> dict[str, str]:
+        return {**_HEADERS, "Authorization": token} if token else _HEADERS
+
+    def _post(self, index: int, path: str, content: bytes, token: str | None) -> tuple[int, bytes]:
+        """One POST on a keep-alive connection: (status, body). Unreachable if it was never
+        sent (or TLS refused it), OutcomeUnknown if it may have reached etcd unanswered."""
+        conn, fresh = self._borrow(index)
+        try:
+            self.requests += 1
+            conn.request("POST", path, content, self._headers(token))
+            reply = conn.getresponse()
+            data = reply.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()  # never reuse: a late reply must not answer the next request
+            if fresh and isinstance(exc, ssl.SSLError):
+                # The server ended the TLS session it had just set up (TLS 1.3 reports a
+                # missing client certificate only now): the request was never read.
+                raise TLSFailed(f"{self.endpoints[index]}: {type(exc).__name__}: {exc}") \
+                    from exc
+            raise OutcomeUnknown(f"{self.endpoints[index]}: {type(exc).__name__}: {exc}") \
+                from exc
+        if reply.will_close:
+            conn.close()
+        else:
+            self._give_back(index, conn)
+        self.last_date = reply.getheader("Date") or ""
+        return reply.status, data
+
     def get(self, path: str) -> Any:
-        """GET `path` (e.g. /version) from the first endpoint that answers."""
+        """GET `path` (e.g. /version) from the first endpoint that answers; TLSFailed if
+        none did and TLS was why."""
         last: Exception | None = None
         for index in range(len(self.endpoints)):
             try:
@@ -196,10 +297,15 @@ class Gateway:
                 conn.request("GET", path)
                 reply = conn.getresponse()
                 return json.loads(reply.read())
+            except ssl.SSLError as exc:  # refused right after the handshake (no client cert)
+                last = TLSFailed(f"{self.endpoints[index]}: {type(exc).__name__}: {exc}")
+                last.__cause__ = exc
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 last = exc
             finally:
                 conn.close()
+        if isinstance(last, TLSFailed):
+            raise last
         raise Unreachable(f"no etcd endpoint answered GET {path} ({last})") from last
 
     def date_us(self) -> int:
@@ -228,6 +334,7 @@ class Gateway:
         content = json.dumps(body, separators=(",", ":")).encode()
         deadline = time.monotonic() + timeout
         index = self._current
+        token = self._token(index)
         try:
             conn = self._connect(index, self.timeout)
         except Unreachable:
@@ -235,10 +342,13 @@ class Gateway:
             raise
         try:
             self.requests += 1
-            conn.request("POST", "/v3/watch", content, _HEADERS)
+            conn.request("POST", "/v3/watch", content, self._headers(token))
             reply = conn.getresponse()
             if reply.status != 200:
-                raise _error(reply.status, reply.read())
+                data = reply.read()
+                if self._credentials is not None and _token_gone(data):
+                    self._token(index, stale=token)  # the caller looks again, then waits
+                raise _error(reply.status, data)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -271,6 +381,11 @@ class Gateway:
         for conns in idle.values():
             for conn in conns:
                 conn.close()
+
+
+def _token_gone(data: bytes) -> bool:
+    text = data[:300].decode(errors="replace")
+    return any(message in text for message in _TOKEN_GONE)
 
 
 def _error(status: int, data: bytes) -> GatewayError:
