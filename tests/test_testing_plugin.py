@@ -196,9 +196,8 @@ def plugin_args() -> list[str]:
 
 
 def test_the_declared_entry_point_names_the_plugin() -> None:
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert pyproject["project"]["entry-points"]["pytest11"] == {
