@@ -190,7 +190,7 @@ FAULT_TESTS = (
 
 def plugin_args() -> list[str]:
     """`-p jobfence.testing.plugin` unless the installed jobfence registers it (pytest11)."""
-    if any(e.name == "jobfence" for e in entry_points(group="pytest11")):
+    if any(e.name == "jobfence.testing.plugin" for e in entry_points(group="pytest11")):
         return []
     return ["-p", "jobfence.testing.plugin"]
 
@@ -201,7 +201,7 @@ def test_the_declared_entry_point_names_the_plugin() -> None:
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert pyproject["project"]["entry-points"]["pytest11"] == {
-        "jobfence": "jobfence.testing.plugin"
+        "jobfence.testing.plugin": "jobfence.testing.plugin"
     }
 
 
