@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jobfence.config.settings import Settings, load_settings
@@ -105,6 +106,18 @@ def _new_build_lock() -> None:
 os.register_at_fork(after_in_child=_new_build_lock)
 
 
+#: While a test isolates jobfence (jobfence.testing), every app's runtime comes from here.
+_substitute: Callable[[Any], Runtime] | None = None
+
+
+def substitute(provider: Callable[[Any], Runtime] | None) -> Callable[[Any], Runtime] | None:
+    """Make `provider(app)` answer every `runtime_for(app)` (None: stop); returns the one it
+    replaced, for the caller to restore. For jobfence.testing: no app's own runtime is touched."""
+    global _substitute
+    previous, _substitute = _substitute, provider
+    return previous
+
+
 def install(app: Any, settings: Settings | Runtime) -> Runtime:
     """Attach a runtime to a Celery app (replacing any); @singleton_task finds it there."""
     runtime = settings if isinstance(settings, Runtime) else Runtime(settings)
@@ -125,6 +138,9 @@ def runtime_for(app: Any) -> Runtime:
     child keeps its parent's (its keeper and connections reset after the fork).
     Raises UnsafeSettings, naming the variable, if the environment is not usable.
     """
+    provider = _substitute
+    if provider is not None:
+        return provider(app)
     runtime = installed(app)
     if runtime is not None:
         return runtime
