@@ -22,13 +22,13 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 try:  # Django 6 has the framework built in; the backport serves Django 4.2-5.x.
-    from django.tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
     from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
     from django.tasks.signals import task_enqueued, task_finished, task_started
 except ImportError:
     try:
-        from django_tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
         from django_tasks.backends.base import BaseTaskBackend
+        from django_tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
         from django_tasks.signals import task_enqueued, task_finished, task_started
     except ImportError as exc:
         raise ImportError(
@@ -329,7 +329,8 @@ def _delivery_started(sender: Any, task_result: Any, **_: Any) -> None:
     """A backend's worker starts a task result: the gate takes its id (and whether it is a
     second attempt, which may follow a crash). CeleryBackend's carrier sets it itself."""
     now = _delivery.get()
-    if isinstance(task_result.task, FencedTask) and (now is None or now.result_id != task_result.id):
+    mine = now is not None and now.result_id == task_result.id
+    if isinstance(task_result.task, FencedTask) and not mine:
         attempts = len(task_result.worker_ids)
         _delivery.set(_Delivery(str(task_result.id), suspect=attempts > 1))
 

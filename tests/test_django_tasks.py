@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("django_tasks")
 
-from django.conf import settings as django_settings  # noqa: E402
-from django.test.utils import override_settings  # noqa: E402
+from django.conf import settings as django_settings
+from django.test.utils import override_settings
 
 if not django_settings.configured:  # another test module may have configured Django already
     django_settings.configure(USE_TZ=True, INSTALLED_APPS=[])
@@ -21,16 +21,16 @@ if not django_settings.configured:  # another test module may have configured Dj
 
     django.setup()
 
-from django_tasks import TaskResultStatus, task  # noqa: E402
+from django_tasks import TaskResultStatus, task
 
-import jobfence  # noqa: E402
-from jobfence.config import Settings  # noqa: E402
-from jobfence.tasks import TaskDefinitionError, install  # noqa: E402
-from jobfence.tasks.django_tasks import FencedBackend, FencedTask, fenced  # noqa: E402
+import jobfence
+from jobfence.config import Settings
+from jobfence.tasks import TaskDefinitionError, install
+from jobfence.tasks.django_tasks import FencedBackend, FencedTask, fenced
 
 #: The holder of the tests' jobfence runtime (FencedBackend's OPTIONS "app" names it).
 LOCKS = types.SimpleNamespace()
-RUNS: Counter[Any] = Counter()
+runs: Counter[Any] = Counter()
 FENCES: list[int] = []
 IMMEDIATE = "django_tasks.backends.immediate.ImmediateBackend"
 TASKS = {
@@ -43,27 +43,27 @@ TASKS = {
 
 
 def charge(invoice_id: int, amount: int) -> dict[str, int]:
-    RUNS[invoice_id] += 1
+    runs[invoice_id] += 1
     FENCES.append(jobfence.current_job().fence)
     return {"invoice_id": invoice_id, "charged": amount}
 
 
 def charge_and_enqueue_again(invoice_id: int) -> int:
     """Enqueues its own job while it runs: that copy meets the running one at the gate."""
-    RUNS[invoice_id] += 1
+    runs[invoice_id] += 1
     inner = _tasks["again"].enqueue(invoice_id)
     _tasks["inner"] = inner
     return invoice_id
 
 
 def with_context(context: Any, invoice_id: int) -> str:
-    RUNS[invoice_id] += 1
+    runs[invoice_id] += 1
     return str(context.task_result.id)
 
 
 @fenced(key="invoice_id", ttl=5)
 def marked(invoice_id: int, note: str) -> int:
-    RUNS[invoice_id] += 1
+    runs[invoice_id] += 1
     return invoice_id
 
 
@@ -73,7 +73,7 @@ _tasks: dict[str, Any] = {}
 @pytest.fixture(autouse=True)
 def fenced_tasks() -> Iterator[None]:
     install(LOCKS, Settings(lock_url="memory://", key_secret="django-tasks-test-secret-0123456789"))
-    RUNS.clear()
+    runs.clear()
     FENCES.clear()
     with override_settings(TASKS=TASKS):
         yield
@@ -90,7 +90,7 @@ def test_a_task_defined_on_the_fenced_backend_is_a_fenced_task() -> None:
 def test_the_same_job_enqueued_twice_runs_once_and_the_copy_gets_its_result() -> None:
     gated = task(backend="fenced")(charge)
     first, second = gated.enqueue(7, 100), gated.enqueue(7, 100)
-    assert RUNS == Counter({7: 1})
+    assert runs == Counter({7: 1})
     assert first.status == second.status == TaskResultStatus.SUCCESSFUL
     assert second.return_value == first.return_value == {"invoice_id": 7, "charged": 100}
 
@@ -99,7 +99,7 @@ def test_without_the_gate_the_same_job_runs_twice() -> None:
     plain = task(charge)  # the control: ImmediateBackend alone
     plain.enqueue(7, 100)
     plain.enqueue(7, 100)
-    assert RUNS == Counter({7: 2})
+    assert runs == Counter({7: 2})
 
 
 def test_the_body_sees_its_fence() -> None:
@@ -113,19 +113,19 @@ def test_key_names_the_arguments_that_make_a_job_unique() -> None:
     gated = task(backend="fenced", key="invoice_id")(charge)
     gated.enqueue(7, 100)
     gated.enqueue(7, 250)  # another amount, the same invoice: the same job
-    assert RUNS == Counter({7: 1})
+    assert runs == Counter({7: 1})
     # Without key=, every argument counts: another amount is another job.
     everything = task(backend="fenced")(charge)
     everything.enqueue(8, 100)
     everything.enqueue(8, 250)
-    assert RUNS[8] == 2
+    assert runs[8] == 2
 
 
 def test_a_copy_enqueued_while_the_job_runs_is_skipped_as_a_duplicate() -> None:
     _tasks["again"] = task(backend="fenced")(charge_and_enqueue_again)
     outer = _tasks["again"].enqueue(3)
     inner = _tasks["inner"]
-    assert RUNS == Counter({3: 1})
+    assert runs == Counter({3: 1})
     assert outer.status == TaskResultStatus.SUCCESSFUL
     assert inner.status == TaskResultStatus.FAILED
     assert inner.errors[0].exception_class is jobfence.DuplicateSkipped
@@ -136,14 +136,14 @@ def test_options_from_fenced_under_task_as_on_django_6_0() -> None:
     assert gated.key == ("invoice_id",) and gated.ttl == 5
     gated.enqueue(4, "first")
     gated.enqueue(4, "second")
-    assert RUNS == Counter({4: 1})
+    assert runs == Counter({4: 1})
 
 
 def test_the_context_is_no_part_of_the_key_and_the_gate_sees_the_result_id() -> None:
     gated = task(backend="fenced", takes_context=True)(with_context)
     first = gated.enqueue(5)
     second = gated.enqueue(5)
-    assert RUNS == Counter({5: 1})
+    assert runs == Counter({5: 1})
     assert second.return_value == first.return_value == first.id
 
 
