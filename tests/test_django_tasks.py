@@ -112,8 +112,9 @@ def test_the_body_sees_its_fence() -> None:
 def test_key_names_the_arguments_that_make_a_job_unique() -> None:
     gated = task(backend="fenced", key="invoice_id")(charge)
     gated.enqueue(7, 100)
-    gated.enqueue(7, 250)  # another amount, the same invoice: the same job
+    other = gated.enqueue(7, 250)  # the same invoice's key with another amount: refused
     assert runs == Counter({7: 1})
+    assert other.errors[0].exception_class is jobfence.IdempotencyConflict
     # Without key=, every argument counts: another amount is another job.
     everything = task(backend="fenced")(charge)
     everything.enqueue(8, 100)
@@ -135,7 +136,7 @@ def test_options_from_fenced_under_task_as_on_django_6_0() -> None:
     gated = task(backend="fenced")(marked)
     assert gated.key == ("invoice_id",) and gated.ttl == 5
     gated.enqueue(4, "first")
-    gated.enqueue(4, "second")
+    gated.enqueue(4, "first")
     assert runs == Counter({4: 1})
 
 
