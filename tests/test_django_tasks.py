@@ -14,13 +14,7 @@ pytest.importorskip("django_tasks")
 
 from django.conf import settings as django_settings
 from django.test.utils import override_settings
-
-if not django_settings.configured:  # another test module may have configured Django already
-    django_settings.configure(USE_TZ=True, INSTALLED_APPS=[])
-    import django
-
-    django.setup()
-
+from django.utils.functional import empty
 from django_tasks import TaskResultStatus, task
 
 import jobfence
@@ -70,8 +64,20 @@ def marked(invoice_id: int, note: str) -> int:
 _tasks: dict[str, Any] = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def django_configured() -> Iterator[None]:
+    """Settings for these tests only: configured here (no django.setup(), no apps) and
+    unconfigured after, so a later module in this process configures Django its own way."""
+    mine = not django_settings.configured
+    if mine:
+        django_settings.configure(USE_TZ=True)
+    yield
+    if mine:
+        django_settings._wrapped = empty
+
+
 @pytest.fixture(autouse=True)
-def fenced_tasks() -> Iterator[None]:
+def fenced_tasks(django_configured: None) -> Iterator[None]:
     install(LOCKS, Settings(lock_url="memory://", key_secret="django-tasks-test-secret-0123456789"))
     runs.clear()
     FENCES.clear()
