@@ -1,0 +1,438 @@
+"""Django's tasks framework (`django.tasks`, or the django-tasks backport) behind jobfence's gate.
+
+`FencedBackend` wraps a real task backend (configured in `TASKS`): every `@task` defined on it
+is a `FencedTask`, whose `call()` runs the body through the executor as `@singleton_task`
+does (look up DONE, take the lease, run with the fence, commit). Options come as `@task(...)`
+keywords (the backport and Django 6.1 pass them to the backend's task class) or from
+`@fenced(...)` under `@task` (Django 6.0). `CeleryBackend` is a plain backend that carries
+tasks to Celery workers, which the gate's unsettled outcomes come back through.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from celery import shared_task
+from celery.utils import uuid
+from django.utils import timezone
+from django.utils.module_loading import import_string
+
+try:  # Django 6 has the framework built in; the backport serves Django 4.2-5.x.
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
+    from django.tasks.signals import task_enqueued, task_finished, task_started
+except ImportError:
+    try:
+        from django_tasks.backends.base import BaseTaskBackend
+        from django_tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
+        from django_tasks.signals import task_enqueued, task_finished, task_started
+    except ImportError as exc:
+        raise ImportError(
+            "jobfence's Django tasks support needs django.tasks (Django 6) or the backport: "
+            "pip install 'jobfence[django-tasks]'"
+        ) from exc
+
+from jobfence.tasks.celery_task import (
+    JobNotSettled,
+    _check_concurrency,
+    _check_key_names,
+    _check_seconds,
+    _normalise_key,
+)
+from jobfence.tasks.errors import (
+    DuplicateSkipped,
+    JobDropped,
+    JobSkipped,
+    JobSuperseded,
+    RateLimitSkipped,
+    TaskDefinitionError,
+)
+from jobfence.tasks.executor import LEASE_LOST_POLICIES, JobSpec, Outcome, Redelivery
+from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity
+from jobfence.tasks.runtime import Runtime, runtime_for
+
+__all__ = ["CARRIER", "CeleryBackend", "FencedBackend", "FencedTask", "fenced"]
+
+log = logging.getLogger(__name__)
+
+#: The Celery task that carries a Django task to a worker (CeleryBackend).
+CARRIER = "jobfence.django_task"
+#: Conflict policies a Django task may take: "retry" is a Celery retry, which it has not.
+CONFLICT_POLICIES = ("skip", "wait", "raise")
+#: Where `@fenced(...)` leaves its options on the function, for the task class to read.
+OPTIONS_ATTRIBUTE = "__jobfence_options__"
+#: The gate's options a FencedTask takes (the rest of @singleton_task's act at publish).
+OPTION_NAMES = (
+    "key", "ttl", "on_conflict", "on_lease_lost", "wait_timeout", "result_ttl", "unique_for",
+    "concurrency", "concurrency_key",
+)  # fmt: skip
+_STOPS: dict[str, tuple[type[JobSkipped], str]] = {
+    "superseded": (JobSuperseded, "a newer copy took this job over"),
+    "dropped": (JobDropped, "the lease was lost mid-body (on_lease_lost='drop')"),
+    "rate_skipped": (RateLimitSkipped, "no rate limit turn was free"),
+}
+
+
+@dataclass(frozen=True)
+class _Delivery:
+    """The task result a worker is running now: its id, and whether it may follow a crash."""
+
+    result_id: str
+    redeliveries: int = 0
+    suspect: bool = False
+
+
+_delivery: ContextVar[_Delivery | None] = ContextVar("jobfence_django_delivery", default=None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FencedTask(Task):  # type: ignore[misc]
+    """A Django task whose body runs at most once at a time per key, and takes effect once.
+
+    `key`, `ttl`, `on_conflict` (skip | wait | raise), `on_lease_lost`, `wait_timeout`,
+    `result_ttl`, `unique_for`, `concurrency` and `concurrency_key` mean what they mean for
+    `@singleton_task`; the body reads the lease and fence from `jobfence.current_job()`.
+    """
+
+    key: KeySelector = None
+    ttl: float | None = None
+    on_conflict: str = "skip"
+    on_lease_lost: str = "redeliver"
+    wait_timeout: float | None = None
+    result_ttl: float | None = None
+    unique_for: float | None = None
+    concurrency: int = 0
+    concurrency_key: KeySelector = None
+
+    def __post_init__(self) -> None:
+        for name, value in (getattr(self.func, OPTIONS_ATTRIBUTE, None) or {}).items():
+            object.__setattr__(self, name, value)
+        _check_options(self)
+        Task.__post_init__(self)  # a slots dataclass: zero-argument super() cannot work
+
+    @property
+    def job_name(self) -> str:
+        """The name keys are made of: the module path (a task's `name` is only its function's)."""
+        return str(self.module_path)
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body through the gate; a worker calls this for each delivery."""
+        backend = self.get_backend()
+        if not isinstance(backend, FencedBackend):
+            raise TaskDefinitionError(
+                f"{self.job_name} is a FencedTask on backend {self.backend!r}, which is "
+                f"{type(backend).__name__}; configure TASKS[{self.backend!r}] with "
+                "BACKEND 'jobfence.tasks.django_tasks.FencedBackend'"
+            )
+        return self._gated(backend.runtime(), args, kwargs)
+
+    async def acall(self, *args: Any, **kwargs: Any) -> Any:
+        from asgiref.sync import sync_to_async
+
+        return await sync_to_async(self.call)(*args, **kwargs)
+
+    def _gated(self, rt: Runtime, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        own = args[1:] if self.takes_context else args  # the context is never part of a key
+        arguments = bind_arguments(
+            self.func, own, kwargs, skip_first=self.takes_context, name=self.job_name
+        )
+        spec = self._spec(rt, arguments, _delivery.get() or _Delivery(""))
+        out = rt.executor.run(spec, lambda _job: Task.call(self, *args, **kwargs))
+        return _answer(spec, out)
+
+    def _spec(self, rt: Runtime, arguments: dict[str, Any], delivery: _Delivery) -> JobSpec:
+        s, name = rt.settings, self.job_name
+        key, fp = identity(rt.secret, name, arguments, selector=self.key)
+        return JobSpec(
+            name=name,
+            key=key,
+            fingerprint=fp,
+            task_id=delivery.result_id,
+            ttl=self.ttl or s.default_ttl,
+            result_ttl=self.result_ttl or s.result_ttl,
+            on_conflict=self.on_conflict,  # type: ignore[arg-type]
+            wait_timeout=s.acquire_timeout if self.wait_timeout is None else self.wait_timeout,
+            on_lease_lost=self.on_lease_lost,  # type: ignore[arg-type]
+            redeliveries=delivery.redeliveries,
+            suspect=delivery.suspect,
+            max_crashed=s.max_crashed_deliveries,
+            unique_for=self.unique_for or 0.0,
+            concurrency=self.concurrency,
+            concurrency_key=(
+                concurrency_key(rt.secret, name, arguments, self.concurrency_key)
+                if self.concurrency
+                else ""
+            ),
+            previous=tuple(
+                identity(old, name, arguments, selector=self.key) for old in rt.previous_secrets
+            ),
+        )
+
+
+def _check_options(task: FencedTask) -> None:
+    """Refuse, at decoration, options the gate cannot honour (as @singleton_task does)."""
+    if task.on_conflict not in CONFLICT_POLICIES:
+        hint = (
+            "; 'retry' is a Celery retry, which a Django task has not: use 'wait' or 'skip'"
+            if task.on_conflict == "retry"
+            else ""
+        )
+        raise TaskDefinitionError(
+            f"on_conflict must be one of {CONFLICT_POLICIES}, got {task.on_conflict!r}{hint}"
+        )
+    if task.on_lease_lost not in LEASE_LOST_POLICIES:
+        raise TaskDefinitionError(
+            f"on_lease_lost must be one of {LEASE_LOST_POLICIES}, got {task.on_lease_lost!r}"
+        )
+    _check_seconds("ttl", task.ttl)
+    _check_seconds("wait_timeout", task.wait_timeout, zero=True)
+    _check_seconds("result_ttl", task.result_ttl)
+    _check_seconds("unique_for", task.unique_for)
+    key = _normalise_key(task.key)
+    group = _check_concurrency(task.concurrency, task.concurrency_key)
+    skip = task.takes_context  # the first parameter is the TaskContext
+    _check_key_names(task.func, key, bound=skip)
+    try:
+        _check_key_names(task.func, group, bound=skip)
+    except TaskDefinitionError as exc:
+        raise TaskDefinitionError(f"concurrency_{exc}") from None
+    object.__setattr__(task, "key", key)
+    object.__setattr__(task, "concurrency_key", group)
+
+
+def _answer(spec: JobSpec, out: Outcome) -> Any:
+    """The body's result (ran, or its DONE record replayed), else a typed stop; an outcome
+    that needs the job delivered again is JobNotSettled (CeleryBackend retries on it)."""
+    if out.status in ("ran", "replayed"):
+        return out.value
+    if out.status == "duplicate":
+        held = f" (task {out.holder})" if out.holder else ""
+        raise DuplicateSkipped(
+            f"{spec.name}: a copy of this job is running, or ran within unique_for{held}",
+            out.holder,
+            key=spec.key,
+        )
+    if out.status in _STOPS:
+        stop, reason = _STOPS[out.status]
+        raise stop(f"{spec.name}: {reason}", key=spec.key)
+    raise JobNotSettled(
+        f"{spec.name}: {out.reason or out.status}; enqueue it again (same arguments, same key)",
+        key=spec.key,
+        fence=out.fence,
+    )
+
+
+def fenced(
+    *,
+    key: KeySelector = None,
+    ttl: float | None = None,
+    on_conflict: str = "skip",
+    on_lease_lost: str = "redeliver",
+    wait_timeout: float | None = None,
+    result_ttl: float | None = None,
+    unique_for: float | None = None,
+    concurrency: int = 0,
+    concurrency_key: KeySelector = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The gate's options for a Django task, under `@task` (for Django 6.0, whose `task()`
+    takes no extra keywords); checked when `@task` builds the FencedTask."""
+    options = {
+        "key": key, "ttl": ttl, "on_conflict": on_conflict, "on_lease_lost": on_lease_lost,
+        "wait_timeout": wait_timeout, "result_ttl": result_ttl, "unique_for": unique_for,
+        "concurrency": concurrency, "concurrency_key": concurrency_key,
+    }  # fmt: skip
+
+    def mark(func: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(func, OPTIONS_ATTRIBUTE, options)
+        return func
+
+    return mark
+
+
+class _Process:
+    """Holds the process's runtime when no Celery app names one (runtime_for caches on it)."""
+
+
+_PROCESS = _Process()
+
+
+class FencedBackend(BaseTaskBackend):  # type: ignore[misc]
+    """A task backend that wraps a real one and gates every task defined on it.
+
+    OPTIONS: `backend` (required): the dotted path of the real backend; `options`: its own
+    OPTIONS; `app` (optional): the dotted path of the Celery app whose jobfence runtime (lock
+    server, keeper) the gate uses; by default the wrapped backend's Celery app, else one
+    runtime per process from the JOBFENCE_* settings.
+    """
+
+    task_class = FencedTask
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        options = dict(self.options)
+        path = options.pop("backend", None)
+        if not isinstance(path, str) or not path:
+            raise TaskDefinitionError(
+                f"TASKS[{alias!r}]['OPTIONS']['backend'] must name the backend to wrap, e.g. "
+                "'jobfence.tasks.django_tasks.CeleryBackend'"
+            )
+        inner_options = options.pop("options", {})
+        self._app_path = options.pop("app", None)
+        if options:
+            raise TaskDefinitionError(
+                f"TASKS[{alias!r}]['OPTIONS'] has {sorted(options)}, which FencedBackend does "
+                "not take; the wrapped backend's own options go under 'options'"
+            )
+        cls = import_string(path)
+        if isinstance(cls, type) and issubclass(cls, FencedBackend):
+            raise TaskDefinitionError(f"TASKS[{alias!r}] wraps a FencedBackend in another")
+        inner_params = {**params, "OPTIONS": inner_options}
+        inner_params.pop("BACKEND", None)
+        self.inner: BaseTaskBackend = cls(alias=alias, params=inner_params)
+        for feature in ("supports_defer", "supports_async_task", "supports_get_result",
+                        "supports_priority"):  # fmt: skip
+            setattr(self, feature, getattr(self.inner, feature, False))
+        task_started.connect(_delivery_started, dispatch_uid="jobfence-django-tasks-started")
+        task_finished.connect(_delivery_finished, dispatch_uid="jobfence-django-tasks-finished")
+
+    def runtime(self) -> Runtime:
+        """The jobfence runtime the gate runs on, built on first use."""
+        app = import_string(self._app_path) if self._app_path else None
+        if app is None:
+            app = getattr(self.inner, "celery_app", None) or _PROCESS
+        return runtime_for(app)
+
+    def validate_task(self, task: Any) -> None:
+        self.inner.validate_task(task)
+
+    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        return self.inner.enqueue(task, args, kwargs)
+
+    async def aenqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        return await self.inner.aenqueue(task, args, kwargs)
+
+    def get_result(self, result_id: str) -> Any:
+        return self.inner.get_result(result_id)
+
+    async def aget_result(self, result_id: str) -> Any:
+        return await self.inner.aget_result(result_id)
+
+    def check(self, **kwargs: Any) -> Any:
+        return self.inner.check(**kwargs)
+
+
+def _delivery_started(sender: Any, task_result: Any, **_: Any) -> None:
+    """A backend's worker starts a task result: the gate takes its id (and whether it is a
+    second attempt, which may follow a crash). CeleryBackend's carrier sets it itself."""
+    now = _delivery.get()
+    mine = now is not None and now.result_id == task_result.id
+    if isinstance(task_result.task, FencedTask) and not mine:
+        attempts = len(task_result.worker_ids)
+        _delivery.set(_Delivery(str(task_result.id), suspect=attempts > 1))
+
+
+def _delivery_finished(sender: Any, task_result: Any, **_: Any) -> None:
+    now = _delivery.get()
+    if now is not None and now.result_id == task_result.id:
+        _delivery.set(None)
+
+
+class CeleryBackend(BaseTaskBackend):  # type: ignore[misc]
+    """A task backend that sends each task to Celery workers (OPTIONS: `app`, the dotted path
+    of the Celery app). The workers run the `jobfence.django_task` carrier: include
+    "jobfence.tasks.django_tasks" in the app. Queue "default" is Celery's default queue."""
+
+    supports_defer = True
+    supports_async_task = True
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        path = self.options.get("app")
+        if not isinstance(path, str) or not path:
+            raise TaskDefinitionError(
+                f"TASKS[{alias!r}] OPTIONS need 'app': the dotted path of your Celery app, "
+                "e.g. 'proj.celery.app'"
+            )
+        self.celery_app = import_string(path)
+
+    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        self.validate_task(task)
+        result = TaskResult(
+            task=task,
+            id=uuid(),
+            status=TaskResultStatus.READY,
+            enqueued_at=timezone.now(),
+            started_at=None,
+            last_attempted_at=None,
+            finished_at=None,
+            args=args,
+            kwargs=kwargs,
+            backend=self.alias,
+            errors=[],
+            worker_ids=[],
+        )
+        options: dict[str, Any] = {"task_id": result.id, "serializer": "json"}
+        if task.queue_name != "default":
+            options["queue"] = task.queue_name
+        if task.run_after is not None:
+            options["eta"] = task.run_after
+        self.celery_app.send_task(
+            CARRIER, args=[task.module_path, result.args, result.kwargs], **options
+        )
+        task_enqueued.send(type(self), task_result=result)
+        return result
+
+
+_REDELIVERY = Redelivery()
+
+
+@shared_task(  # type: ignore[untyped-decorator,misc]
+    name=CARRIER,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    serializer="json",
+    throws=(JobSkipped,),  # an expected end: one log line, no traceback
+    max_retries=None,  # the executor's redelivery limit bounds an unsettled job
+)
+def run_django_task(self: Any, module_path: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """Run one Django task on a Celery worker; an unsettled job comes back as a retry."""
+    task = import_string(module_path)
+    if not isinstance(task, Task):
+        raise TaskDefinitionError(f"{module_path} is no Django task (got {type(task).__name__})")
+    req = self.request
+    info = req.delivery_info or {}
+    delivery = _Delivery(req.id, req.retries, bool(info.get("redelivered")))
+    token = _delivery.set(delivery)
+    try:
+        if task.takes_context:
+            return task.call(TaskContext(task_result=_running(task, req, args, kwargs)),
+                             *args, **kwargs)  # fmt: skip
+        return task.call(*args, **kwargs)
+    except JobNotSettled as exc:
+        log.warning("%s[%s] comes back later: %s", module_path, req.id, type(exc).__name__)
+        raise self.retry(exc=exc, countdown=_REDELIVERY.delay(req.retries)) from None
+    finally:
+        _delivery.reset(token)
+
+
+def _running(task: Any, req: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    now = timezone.now()
+    return TaskResult(
+        task=task,
+        id=req.id,
+        status=TaskResultStatus.RUNNING,
+        enqueued_at=None,
+        started_at=now,
+        last_attempted_at=now,
+        finished_at=None,
+        args=args,
+        kwargs=kwargs,
+        backend=task.backend,
+        errors=[],
+        worker_ids=[str(req.hostname)] * (req.retries + 1),
+    )
