@@ -238,6 +238,16 @@ def check_swap(key: str, expect: str, new: str | None, ttl: float) -> int:
     return validate_ttl(ttl)
 
 
+def commit_record(
+    lease: Lease, state: str, result: str, fingerprint: str, result_ttl: float
+) -> CommitRecord:
+    """Refuse a bad commit (a state not DONE or FAILED, a bad result TTL); what it writes."""
+    if state not in ("DONE", "FAILED"):
+        raise LockError(f"commit state must be DONE or FAILED, got {state!r}", key=lease.key)
+    return CommitRecord(lease.key, lease.owner, lease.fence, state, result, fingerprint,
+                        validate_ttl(result_ttl))  # fmt: skip
+
+
 def validate_rate(key: str, interval: float, burst: int) -> None:
     if not interval > 0 or not isinstance(burst, int) or burst < 1:
         raise LockError(
@@ -471,10 +481,7 @@ class LockBackend(ABC):
         self, lease: Lease, *, state: str, result: str, fingerprint: str, result_ttl: float
     ) -> bool:
         """Store the job record (DONE or FAILED) and release, atomically and owner-checked."""
-        if state not in ("DONE", "FAILED"):
-            raise LockError(f"commit state must be DONE or FAILED, got {state!r}", key=lease.key)
-        ok = self._commit(CommitRecord(lease.key, lease.owner, lease.fence, state, result,
-                                       fingerprint, validate_ttl(result_ttl)))  # fmt: skip
+        ok = self._commit(commit_record(lease, state, result, fingerprint, result_ttl))
         lease._released = True
         return ok
 
@@ -622,3 +629,47 @@ class LockBackend(ABC):
 
     @abstractmethod
     def _inspect(self, key: str) -> LockInfo | None: ...
+
+
+class NativeAsyncStore(ABC):
+    """What a native asyncio store (redis.asyncio, psycopg's async connection, Redlock's
+    rounds on a loop) shares with LockBackend's begin and commit: the validation, the Lease
+    of a grant (naming the sync twin `backend`, so `lease.release()` from a thread works)
+    and the commit's bookkeeping. Each store awaits the one round trip itself (`_grant`,
+    `_commit`), as a LockBackend makes it in `_begin` and `_commit`."""
+
+    backend: LockBackend
+    clock: Clock
+
+    async def begin_op(self, op: Begin) -> BeginResult:
+        return await self._begin(op.key, op.ttl, new_owner_token(), op.meta, op.record,
+                                 op.fingerprint)  # fmt: skip
+
+    async def commit_op(self, op: Commit) -> bool:
+        ok = await self._commit(
+            commit_record(op.lease, op.state, op.result, op.fingerprint, op.result_ttl)
+        )
+        op.lease._released = True
+        return ok
+
+    async def _begin(
+        self, key: str, ttl: float, owner: str, meta: OwnerMeta | None, record: bool,
+        fingerprint: str,
+    ) -> BeginResult:  # fmt: skip
+        """As LockBackend.begin (an Acquire is a begin without a record)."""
+        ttl_ms, meta = grant_args(key, ttl, meta)
+        started = self.clock.monotonic()
+        got = await self._grant(key, owner, ttl_ms, meta, record, fingerprint)
+        if isinstance(got, int):
+            return self.backend.lease(key, owner, got, ttl_ms, started, meta)
+        return got
+
+    @abstractmethod
+    async def _grant(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
+        """One round trip: the new fence on a grant, Busy, or the job record if DONE."""
+
+    @abstractmethod
+    async def _commit(self, rec: CommitRecord) -> bool:
+        """One round trip: store `rec` and release, if `rec.owner` still holds the lock."""

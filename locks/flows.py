@@ -116,7 +116,8 @@ def slot_flow(
 
     The first attempt takes a place in the queue (a ticket); later polls keep it alive and
     take a slot once fewer than the free slots wait ahead. On timeout, cancellation or any
-    error the place is given up, so nobody waits behind a waiter that left.
+    error the place is given up, so nobody waits behind a waiter that left; so is a slot
+    whose grant was never read (the flow ended while its TakeSlot was out).
     """
     validate_seconds(timeout, "timeout")
     backoff = backoff or Backoff()
@@ -124,9 +125,12 @@ def slot_flow(
     owner = new_owner_token()
     queue = WAITER_TTL if timeout > 0 else 0.0
     attempt = 0
+    unanswered = False  # a TakeSlot is out and its reply unread: it may have granted a slot
     try:
         while True:
+            unanswered = True
             got = yield TakeSlot(key, limit, ttl, owner, meta, queue)
+            unanswered = False
             if isinstance(got, SlotLease):
                 return got
             wait_info: SlotWait = got
@@ -148,8 +152,10 @@ def slot_flow(
     except GeneratorExit:
         raise  # closed unrun: nothing to send
     except BaseException:
-        if queue:
-            with contextlib.suppress(BackendUnavailable):  # else it lapses after WAITER_TTL
+        # A ticket in the queue, or a TakeSlot whose grant we never read (a try cancelled
+        # mid-request): give it up now, else it is held until WAITER_TTL or the slot's TTL.
+        if queue or unanswered:
+            with contextlib.suppress(BackendUnavailable):
                 yield LeaveSlot(key, owner)
         raise
 

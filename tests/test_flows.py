@@ -204,6 +204,18 @@ def test_slot_try_takes_no_place_in_the_queue() -> None:
         flow.send(100.0)  # nothing queued: nothing to leave
 
 
+def test_slot_try_cancelled_mid_request_leaves_the_slot_it_may_hold() -> None:
+    """timeout=0 takes no ticket, but a cancel landing on its TakeSlot may follow a grant
+    (the reply never read): the slot is given up now, not held until its TTL."""
+    flow = slot_flow("s", limit=1, ttl=10, timeout=0)
+    flow.send(None)
+    take = flow.send(100.0)
+    assert isinstance(take, TakeSlot) and take.queue_ttl == 0
+    assert flow.throw(asyncio.CancelledError()) == LeaveSlot("s", take.owner)
+    with pytest.raises(asyncio.CancelledError):
+        flow.send(True)
+
+
 def test_rate_admitted_sleeps_out_its_turn() -> None:
     flow = rate_flow("api", Rate(100, 60), timeout=None)
     take = flow.send(None)

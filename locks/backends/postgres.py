@@ -325,6 +325,27 @@ def parse_begin(row: tuple[Any, ...]) -> int | Busy | JobRecord:
     return Busy(ttl_left=max(0.0, float(ttl_left)), task_id=task_id, fingerprint=fp)
 
 
+def commit_params(rec: CommitRecord) -> dict[str, Any]:
+    """_COMMIT's parameters but those of the wake (wake_params adds them)."""
+    _, owner, fence, state, result, fingerprint, result_ttl_ms = rec
+    return {"owner": owner, "state": state, "result": result, "fingerprint": fingerprint,
+            "fence": fence, "result_ttl": result_ttl_ms}  # fmt: skip
+
+
+def parse_job_record(rows: list[tuple[Any, ...]]) -> JobRecord | None:
+    """_JOB_RECORD's rows: the job record, if DONE or FAILED and not expired."""
+    if not rows:
+        return None
+    state, fp, result, fence, finished = rows[0]
+    return JobRecord(
+        state=state,
+        fingerprint=fp or "",
+        result=result or "",
+        fence=int(fence or 0),
+        finished_at=float(finished or 0),
+    )
+
+
 def extend_params(prefix: str, items: Sequence[tuple[str, str, int]]) -> tuple[Any, ...]:
     return ([k for k, _, _ in items], [o for _, o, _ in items], [t for _, _, t in items], prefix)
 
@@ -618,10 +639,7 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
         return self._wake("release", key, _RELEASE, {"owner": owner})
 
     def _commit(self, rec: CommitRecord) -> bool:
-        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
-        params = {"owner": owner, "state": state, "result": result, "fingerprint": fingerprint,
-                  "fence": fence, "result_ttl": result_ttl_ms}  # fmt: skip
-        return self._wake("commit", key, _COMMIT, params)
+        return self._wake("commit", rec.key, _COMMIT, commit_params(rec))
 
     def _inspect(self, key: str) -> LockInfo | None:
         rows = self._run("inspect", key, _INSPECT, (self.prefix, key))
@@ -651,17 +669,7 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
                 yield self._info(key, tuple(rest))
 
     def job_record(self, key: str) -> JobRecord | None:
-        rows = self._run("job_record", key, _JOB_RECORD, (self.prefix, key))
-        if not rows:
-            return None
-        state, fp, result, fence, finished = rows[0]
-        return JobRecord(
-            state=state,
-            fingerprint=fp or "",
-            result=result or "",
-            fence=int(fence or 0),
-            finished_at=float(finished or 0),
-        )
+        return parse_job_record(self._run("job_record", key, _JOB_RECORD, (self.prefix, key)))
 
     def forget(self, key: str) -> bool:
         return bool(self._run("forget", key, _FORGET, (self.prefix, key))[0][0])

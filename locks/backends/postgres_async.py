@@ -9,26 +9,44 @@ import psycopg
 from psycopg import errors as pgerrors
 
 from jobfence.locks.backend import (
+    Busy,
     Capabilities,
-    default_meta,
+    CommitRecord,
+    JobRecord,
+    NativeAsyncStore,
     settle_extensions,
     validate_key,
     validate_ttl,
 )
 from jobfence.locks.backends.postgres import (
     _BEGIN,
+    _COMMIT,
     _EXTEND_MANY,
+    _JOB_RECORD,
     _RELEASE,
     PostgresBackend,
     begin_params,
+    commit_params,
     extend_params,
     parse_begin,
     parse_extend,
+    parse_job_record,
     wake_params,
 )
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
-from jobfence.locks.ops import Acquire, Extend, Release, ReleaseOwner, StoreOp, WaitRelease
+from jobfence.locks.lease import OwnerMeta
+from jobfence.locks.ops import (
+    Acquire,
+    Begin,
+    Commit,
+    Extend,
+    ReadRecord,
+    Release,
+    ReleaseOwner,
+    StoreOp,
+    WaitRelease,
+)
 from jobfence.locks.slots import SlotLease
 
 #: Connections open at once: more ops in flight wait for one (a connect storm of hundreds of
@@ -36,17 +54,20 @@ from jobfence.locks.slots import SlotLease
 MAX_CONNECTIONS = 16
 
 
-class AsyncPostgresStore:
-    """Locks in the PostgreSQL lease table for asyncio: acquire, extend and release are one
-    awaited statement each on psycopg's AsyncConnection, the very statements (and the
-    parameters and answers) PostgresBackend sends, so sync and async holders of one key
-    exclude each other and share one fence sequence.
+class AsyncPostgresStore(NativeAsyncStore):
+    """Locks in the PostgreSQL lease table for asyncio: acquire, extend and release, and a
+    job's begin, commit and record read, are one awaited statement each on psycopg's
+    AsyncConnection, the very statements (and the parameters and answers) PostgresBackend
+    sends, so sync and async holders of one key exclude each other and share one fence
+    sequence and one record space.
 
-    Semaphores, rate limits and inspection run the sync backend (`backend`) in a worker
-    thread; a waiter polls with its backoff (asyncio.sleep) rather than hold a connection
-    in LISTEN. Its leases name `backend`, so `lease.release()` from a thread still works.
+    Semaphores, rate limits, inspection, the publish claim and the delivery count run the
+    sync backend (`backend`) in a worker thread; a waiter polls with its backoff
+    (asyncio.sleep) rather than hold a connection in LISTEN. Its leases name `backend`, so
+    `lease.release()` from a thread still works.
     """
 
+    backend: PostgresBackend  # the sync twin (NativeAsyncStore)
     name: ClassVar[str] = "postgres"
     capabilities: ClassVar[Capabilities] = PostgresBackend.capabilities
 
@@ -104,19 +125,16 @@ class AsyncPostgresStore:
     async def execute_async(self, op: StoreOp) -> Any:
         """One op (locks/ops.py); the replies are PostgresBackend.execute's."""
         match op:
+            case Begin():
+                return await self.begin_op(op)
+            case Commit():
+                return await self.commit_op(op)
             case Acquire(key, ttl, owner, meta):
+                return await self._begin(key, ttl, owner, meta, False, "")
+            case ReadRecord(key):
                 validate_key(key)
-                ttl_ms = validate_ttl(ttl)
-                meta = meta or default_meta()
-                started = self.clock.monotonic()
-                params = begin_params(self.prefix, key, owner, ttl_ms, meta, False, "",
-                                      self.backend.fence_floor)  # fmt: skip
-                got = parse_begin((await self._run("begin", key, _BEGIN, params))[0])
-                if not isinstance(got, int):
-                    return got
-                if got > self.backend.fence_floor:
-                    self.backend.fence_floor = got
-                return self.backend.lease(key, owner, got, ttl_ms, started, meta)
+                return parse_job_record(await self._run("job_record", key, _JOB_RECORD,
+                                                        (self.prefix, key)))  # fmt: skip
             case WaitRelease(_, timeout):
                 await asyncio.sleep(timeout)
                 return None
@@ -138,13 +156,28 @@ class AsyncPostgresStore:
             case ReleaseOwner(key, owner):
                 validate_key(key)
                 return await self._release(key, owner)
-        # Slots, rate limits, inspection: the sync backend, in a worker thread.
+        # Slots, rate limits, inspection, the publish claim, the delivery count: the sync
+        # backend, in a worker thread.
         job = asyncio.ensure_future(asyncio.to_thread(self.backend.execute, op))
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
             await asyncio.wait([job])  # its effect lands first; the flow then undoes it
             raise
+
+    async def _grant(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
+        params = begin_params(self.prefix, key, owner, ttl_ms, meta, record, fingerprint,
+                              self.backend.fence_floor)  # fmt: skip
+        got = parse_begin((await self._run("begin", key, _BEGIN, params))[0])
+        if isinstance(got, int) and got > self.backend.fence_floor:
+            self.backend.fence_floor = got
+        return got
+
+    async def _commit(self, rec: CommitRecord) -> bool:
+        params = wake_params(self.prefix, rec.key, commit_params(rec))
+        return bool((await self._run("commit", rec.key, _COMMIT, params))[0][0])
 
     async def _release(self, key: str, owner: str) -> bool:
         params = wake_params(self.prefix, key, {"owner": owner})

@@ -69,6 +69,22 @@ def parse_record(raw: str) -> JobRecord:
 _STATES = {"D": "DONE", "F": "FAILED"}
 
 
+#: The fields of a record hash written by versions before the one-string record.
+LEGACY_RECORD_FIELDS = ("state", "fingerprint", "result", "fence", "finished_ms")
+
+
+def stored_record(raw: Any) -> JobRecord | None:
+    """A GET of the record key: the job record, or None if there is none."""
+    return parse_record(_s(raw)) if raw else None
+
+
+def legacy_record_of(fields: Sequence[Any]) -> JobRecord | None:
+    """An HMGET of LEGACY_RECORD_FIELDS (the key held a record hash): its record, if any."""
+    if fields[0] is None:
+        return None
+    return _legacy_record(*(_s(f) if f is not None else "" for f in fields))
+
+
 def _legacy_record(state: str, fp: str, result: str, fence: str, finished_ms: str) -> JobRecord:
     """A record hash written by versions before the one-string record (read, never written)."""
     return JobRecord(
@@ -203,6 +219,32 @@ def rate_call(
 
 def parse_rate(reply: Any) -> tuple[bool, float, float]:
     return reply[0] == 1, float(reply[1]), float(reply[2])
+
+
+def commit_call(k: KeySpace, rec: CommitRecord) -> tuple[list[str], list[Any]]:
+    """commit.lua's keys and arguments."""
+    key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
+    # The record string's head and tail (commit.lua puts the finish time between them).
+    head, tail = f"{state[0]}{fence}", f"{len(fingerprint)}:{fingerprint}{result}"
+    return ([k.lock(key), k.record(key), k.signal(key)],
+            [owner, head, tail, result_ttl_ms, SIGNAL_LIFETIME_MS])  # fmt: skip
+
+
+def claim_call(k: KeySpace, key: str, task_id: str, ttl: float) -> tuple[list[str], list[Any]]:
+    """claim_publish.lua's keys and arguments."""
+    return [k.queued(key)], [task_id, int(ttl * 1000)]
+
+
+def swap_call(
+    k: KeySpace, key: str, expect: str, new: str | None, ttl_ms: int
+) -> tuple[list[str], list[Any]]:
+    """swap_publish.lua's keys and arguments."""
+    return [k.queued(key)], [expect, new or "", ttl_ms]
+
+
+def parse_held(reply: Any) -> str | None:
+    """claim_publish.lua's and swap_publish.lua's reply: the value that kept the claim."""
+    return _s(reply) if reply else None
 
 
 class _Lane:
@@ -450,18 +492,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
         return bool(self._call("release", *release_call(self.keys, key, owner), key))
 
     def _commit(self, rec: CommitRecord) -> bool:
-        key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
-        k = self.keys
-        # The record string's head and tail (commit.lua puts the finish time between them).
-        head, tail = f"{state[0]}{fence}", f"{len(fingerprint)}:{fingerprint}{result}"
-        return bool(
-            self._call(
-                "commit",
-                [k.lock(key), k.record(key), k.signal(key)],
-                [owner, head, tail, result_ttl_ms, SIGNAL_LIFETIME_MS],
-                key,
-            )
-        )
+        return bool(self._call("commit", *commit_call(self.keys, rec), rec.key))
 
     def _inspect(self, key: str) -> LockInfo | None:
         name = self.keys.lock(key)
@@ -525,19 +556,14 @@ class RedisBackend(RedisSemaphores, LockBackend):
             except ResponseError as exc:  # WRONGTYPE: a record hash an earlier version wrote
                 if "WRONGTYPE" not in str(exc):
                     raise
-                fields = self.client.hmget(name, "state", "fingerprint", "result", "fence",
-                                           "finished_ms")  # fmt: skip
-                if fields[0] is None:
-                    return None
-                return _legacy_record(*(_s(f) if f is not None else "" for f in fields))
+                return legacy_record_of(self.client.hmget(name, LEGACY_RECORD_FIELDS))
         except RedisError as exc:
             raise BackendUnavailable("redis job_record failed", key=key, cause=exc) from exc
-        return parse_record(_s(raw)) if raw else None
+        return stored_record(raw)
 
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:
-        held = self._call("claim_publish", [self.keys.queued(key)], [task_id, int(ttl * 1000)],
-                          key)
-        return _s(held) if held else None
+        return parse_held(self._call("claim_publish", *claim_call(self.keys, key, task_id, ttl),
+                                     key))  # fmt: skip
 
     def clear_publish(self, key: str) -> None:
         try:
@@ -546,9 +572,8 @@ class RedisBackend(RedisSemaphores, LockBackend):
             raise BackendUnavailable("redis clear_publish failed", key=key, cause=exc) from exc
 
     def _swap_publish(self, key: str, expect: str, new: str | None, ttl_ms: int) -> str | None:
-        found = self._call("swap_publish", [self.keys.queued(key)], [expect, new or "", ttl_ms],
-                           key)  # fmt: skip
-        return _s(found) if found else None
+        keys, args = swap_call(self.keys, key, expect, new, ttl_ms)
+        return parse_held(self._call("swap_publish", keys, args, key))
 
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
         name = self.keys.deliveries(key)

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, TypeVar
 
 import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from jobfence.locks.backend import (
+    Busy,
     Capabilities,
+    CommitRecord,
+    JobRecord,
+    NativeAsyncStore,
     RateGrant,
+    check_swap,
     default_meta,
     settle_extensions,
     validate_key,
@@ -21,15 +27,22 @@ from jobfence.locks.backend import (
     validate_ttl,
 )
 from jobfence.locks.backends.redis import (
+    LEGACY_RECORD_FIELDS,
     RedisBackend,
     begin_call,
+    claim_call,
     client_options,
+    commit_call,
     extend_calls,
+    legacy_record_of,
     parse_begin,
     parse_extend,
+    parse_held,
     parse_rate,
     rate_call,
     release_call,
+    stored_record,
+    swap_call,
 )
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.backends.redis_semaphore import (
@@ -42,15 +55,22 @@ from jobfence.locks.backends.redis_semaphore import (
 )
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
-from jobfence.locks.lease import Lease
+from jobfence.locks.lease import Lease, OwnerMeta
 from jobfence.locks.ops import (
     Acquire,
+    Begin,
+    ClaimPublish,
+    ClearPublish,
+    Commit,
+    CountDelivery,
     Extend,
     Inspect,
     LeaveSlot,
+    ReadRecord,
     Release,
     ReleaseOwner,
     StoreOp,
+    SwapPublish,
     TakeRate,
     TakeSlot,
     WaitRelease,
@@ -59,6 +79,7 @@ from jobfence.locks.slots import SlotLease, validate_limit
 
 #: How long an op waits for a free connection of the pool (seconds) before it fails.
 POOL_WAIT = 30.0
+T = TypeVar("T")
 
 
 class SignalWait:
@@ -87,17 +108,19 @@ class SignalWait:
             self.blocking -= 1
 
 
-class AsyncRedisStore:
+class AsyncRedisStore(NativeAsyncStore):
     """Locks on one Redis server for asyncio: each op is one awaited EVALSHA of the same
-    script the sync RedisBackend sends, on the same keys, so sync and async holders of one
-    key exclude each other and share one fence space (Inspect, an admin read, runs the
-    sync backend's in a worker thread).
+    script the sync RedisBackend sends (or its plain command: a job record's GET, the
+    delivery count's MULTI), on the same keys, so sync and async holders of one key exclude
+    each other and share one fence space and one record space (Inspect, an admin read,
+    runs the sync backend's in a worker thread).
 
     It keeps a RedisBackend on the same server (`backend`, connected only if used) for what
     the two share: the key layout, the script digests and the fence floor; its leases name
     that backend, so `lease.release()` from a thread still works.
     """
 
+    backend: RedisBackend  # the sync twin (NativeAsyncStore)
     name: ClassVar[str] = "redis"
     capabilities: ClassVar[Capabilities] = RedisBackend.capabilities
 
@@ -170,6 +193,13 @@ class AsyncRedisStore:
         except RedisError as exc:
             raise BackendUnavailable(f"redis {name} failed", key=key, cause=exc) from exc
 
+    async def _command(self, what: str, key: str, call: Callable[[Any], Awaitable[T]]) -> T:
+        """`call(client)`: plain commands (no script), RedisError as BackendUnavailable."""
+        try:
+            return await call(self.client)
+        except RedisError as exc:
+            raise BackendUnavailable(f"redis {what} failed", key=key, cause=exc) from exc
+
     async def _load_script(self, client: redis.asyncio.Redis, source: str) -> str:
         """Load `source` again after a NOSCRIPT (a restart, a flush); its digest."""
         sha: str = await client.script_load(source)
@@ -182,8 +212,13 @@ class AsyncRedisStore:
     async def execute_async(self, op: StoreOp) -> Any:
         """One op (locks/ops.py), one round trip; the replies are RedisBackend.execute's."""
         match op:
+            # A job's two round trips first, read by attribute: cheaper than captures.
+            case Begin():
+                return await self.begin_op(op)
+            case Commit():
+                return await self.commit_op(op)
             case Acquire(key, ttl, owner, meta):
-                return await self._acquire(key, ttl, owner, meta or default_meta())
+                return await self._begin(key, ttl, owner, meta, False, "")
             case WaitRelease(key, timeout):
                 return await self._wait(key, timeout)
             case Extend(leases):
@@ -213,21 +248,68 @@ class AsyncRedisStore:
             case Inspect(key):
                 # An admin read, not on the hot path: the sync backend's, in a worker thread.
                 return await asyncio.to_thread(self.backend.inspect, key)
+            case ReadRecord(key):
+                validate_key(key)
+                return await self._command("job_record", key, self._read_record(key))
+            case CountDelivery(key, window):
+                validate_key(key)
+                return await self._command("count_delivery", key,
+                                           self._count(key, validate_ttl(window)))  # fmt: skip
+            case ClaimPublish(key, task_id, ttl):
+                validate_key(key)
+                keys, args = claim_call(self.keys, key, task_id, ttl)
+                return parse_held(await self._call("claim_publish", keys, args, key))
+            case SwapPublish(key, expect, new, ttl):
+                keys, args = swap_call(self.keys, key, expect, new,
+                                       check_swap(key, expect, new, ttl))  # fmt: skip
+                return parse_held(await self._call("swap_publish", keys, args, key))
+            case ClearPublish(key):
+                validate_key(key)
+                name = self.keys.queued(key)
+                await self._command("clear_publish", key, lambda client: client.delete(name))
+                return None
         raise LockError(f"the asyncio redis store cannot run {type(op).__name__}")
 
-    async def _acquire(self, key: str, ttl: float, owner: str, meta: Any) -> Any:
-        validate_key(key)
-        ttl_ms = validate_ttl(ttl)
-        started = self.clock.monotonic()
+    async def _grant(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
         keys, args = begin_call(self.keys, self.backend.fence_source(key), key, owner, ttl_ms,
-                                meta, False, "", self.backend.fence_floor)  # fmt: skip
+                                meta, record, fingerprint, self.backend.fence_floor)  # fmt: skip
         got = parse_begin(await self._call("begin", keys, args, key))
-        if not isinstance(got, int):
-            return got
-        self._floor(got)
-        return Lease(key=key, owner=owner, fence=got, ttl=ttl_ms / 1000,
-                     deadline=started + ttl_ms / 1000, backend=self.backend, clock=self.clock,
-                     meta=meta)  # fmt: skip
+        if isinstance(got, int):
+            self._floor(got)
+        return got
+
+    async def _commit(self, rec: CommitRecord) -> bool:
+        return bool(await self._call("commit", *commit_call(self.keys, rec), rec.key))
+
+    def _read_record(self, key: str) -> Callable[[Any], Awaitable[JobRecord | None]]:
+        """The record read of RedisBackend.job_record: a GET, or an HMGET of a record hash
+        an earlier version wrote (WRONGTYPE)."""
+        name = self.keys.record(key)
+
+        async def read(client: Any) -> JobRecord | None:
+            try:
+                return stored_record(await client.get(name))
+            except ResponseError as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                return legacy_record_of(await client.hmget(name, LEGACY_RECORD_FIELDS))
+
+        return read
+
+    def _count(self, key: str, window_ms: int) -> Callable[[Any], Awaitable[int]]:
+        """RedisBackend._count_delivery's INCR and PEXPIRE, in one MULTI."""
+        name = self.keys.deliveries(key)
+
+        async def count(client: Any) -> int:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.incr(name)
+                pipe.pexpire(name, window_ms)
+                counted, _ = await pipe.execute()
+            return int(counted)
+
+        return count
 
     async def _wait(self, key: str, timeout: float) -> None:
         """BLPOP the key's signal list, as RedisBackend.wait_for_release (after a Busy)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -29,6 +29,7 @@ from jobfence.locks.lease import Lease
 from jobfence.locks.slots import SlotLease
 
 _Node: Any = ClusterNode  # redis-py leaves it untyped
+T = TypeVar("T")
 KEEPER_MARGIN = 4
 
 
@@ -84,6 +85,13 @@ class AsyncClusterStore(AsyncRedisStore):
                 return await super()._call(name, keys, args, key, client)
         except RedisClusterException as exc:  # no node for the slot (cluster down), say
             raise BackendUnavailable(f"redis cluster {name} failed", key=key, cause=exc) from exc
+
+    async def _command(self, what: str, key: str, call: Callable[[Any], Awaitable[T]]) -> T:
+        try:
+            async with self._slots:
+                return await super()._command(what, key, call)
+        except RedisClusterException as exc:  # no node for the slot (cluster down), say
+            raise BackendUnavailable(f"redis cluster {what} failed", key=key, cause=exc) from exc
 
     async def _load_script(self, client: Any, source: str) -> str:
         # Once at a time: SCRIPT LOAD goes to every primary, and many at once (every

@@ -896,6 +896,10 @@ class RedlockBackend(LockBackend):
         return (yield from self._majority(payload, key, "release", lambda v: v == 1))
 
     def _commit(self, rec: CommitRecord) -> bool:
+        return self._run(self.commit_rounds(rec))
+
+    def commit_rounds(self, rec: CommitRecord) -> Rounds[bool]:
+        """Store the record and release where the owner still holds; True on a majority."""
         key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
         k = self.keys
         payload = self._evalsha(
@@ -904,7 +908,7 @@ class RedlockBackend(LockBackend):
             [owner, state, result, fingerprint, fence, result_ttl_ms, SIGNAL_LIFETIME_MS,
              time.time_ns() // 1_000_000],
         )  # fmt: skip
-        return self._run(self._majority(payload, key, "commit", lambda v: v == 1))
+        return (yield from self._majority(payload, key, "commit", lambda v: v == 1))
 
     # -- reading --------------------------------------------------------------------
     def _inspect(self, key: str) -> LockInfo | None:
@@ -966,9 +970,9 @@ class RedlockBackend(LockBackend):
                 yield info
 
     def job_record(self, key: str) -> JobRecord | None:
-        return self._run(self._job_record_rounds(key))
+        return self._run(self.job_record_rounds(key))
 
-    def _job_record_rounds(self, key: str) -> Rounds[JobRecord | None]:
+    def job_record_rounds(self, key: str) -> Rounds[JobRecord | None]:
         payload = _pack(
             "HMGET", self.keys.record(key), "state", "fingerprint", "result", "fence", "finished_ms"
         )
@@ -1022,9 +1026,9 @@ class RedlockBackend(LockBackend):
         yield from self._majority(payload, key, "clear_publish", lambda v: isinstance(v, int))
 
     def _count_delivery(self, key: str, window_ms: int) -> int | None:
-        return self._run(self._count_delivery_rounds(key, window_ms))
+        return self._run(self.count_delivery_rounds(key, window_ms))
 
-    def _count_delivery_rounds(self, key: str, window_ms: int) -> Rounds[int]:
+    def count_delivery_rounds(self, key: str, window_ms: int) -> Rounds[int]:
         payload = self._evalsha("redlock_admin", [self.keys.deliveries(key)], ["count", window_ms])
         replies = yield from self._everywhere(payload)
         counts = self._quorum_of("count_delivery", replies, key, lambda v: type(v) is int)

@@ -15,9 +15,12 @@ from redis.exceptions import RedisError
 
 from jobfence.locks import ops
 from jobfence.locks.backend import (
+    Busy,
     Capabilities,
+    CommitRecord,
+    JobRecord,
+    NativeAsyncStore,
     check_swap,
-    grant_args,
     settle_extensions,
     validate_key,
     validate_ttl,
@@ -39,6 +42,7 @@ from jobfence.locks.backends.redlock import (
     is_noscript,
 )
 from jobfence.locks.errors import LockError
+from jobfence.locks.lease import OwnerMeta
 
 T = TypeVar("T")
 
@@ -182,7 +186,7 @@ class _AsyncMaster:
         await self.client.aclose()
 
 
-class AsyncRedlockStore:
+class AsyncRedlockStore(NativeAsyncStore):
     """Redlock for asyncio: every op is one of RedlockBackend's flows of rounds (the same
     scripts, keys, quorum, validity and fence), each round sent to the N masters at once
     on one pipelined connection per master and awaited until decided or its deadline. So
@@ -198,6 +202,7 @@ class AsyncRedlockStore:
     `lease.release()` from a thread still works.
     """
 
+    backend: RedlockBackend  # the sync twin (NativeAsyncStore)
     name: ClassVar[str] = "redlock"
     capabilities: ClassVar[Capabilities] = RedlockBackend.capabilities
 
@@ -221,13 +226,12 @@ class AsyncRedlockStore:
         """One op (locks/ops.py); the replies are RedlockBackend.execute's."""
         backend = self.backend
         match op:
+            case ops.Begin():
+                return await self.begin_op(op)
+            case ops.Commit():
+                return await self.commit_op(op)
             case ops.Acquire(key, ttl, owner, meta):
-                ttl_ms, meta = grant_args(key, ttl, meta)
-                started = self.clock.monotonic()
-                got = await self._run(backend.begin_rounds(key, owner, ttl_ms, meta, False, ""))
-                if isinstance(got, int):
-                    return backend.lease(key, owner, got, ttl_ms, started, meta)
-                return got
+                return await self._begin(key, ttl, owner, meta, False, "")
             case ops.WaitRelease(key, timeout):
                 return await self._wait(key, timeout)
             case ops.Extend(leases):
@@ -257,9 +261,25 @@ class AsyncRedlockStore:
                 return await self._run(backend.swap_publish_rounds(key, expect, new, ttl_ms))
             case ops.ClearPublish(key):
                 return await self._run(backend.clear_publish_rounds(key))
+            case ops.ReadRecord(key):
+                validate_key(key)
+                return await self._run(backend.job_record_rounds(key))
+            case ops.CountDelivery(key, window):
+                validate_key(key)
+                return await self._run(backend.count_delivery_rounds(key, validate_ttl(window)))
             case ops.TakeSlot() | ops.LeaveSlot() | ops.TakeRate():
                 return backend.execute(op)  # refused before any I/O: Redlock keeps neither
         raise LockError(f"the asyncio redlock store cannot run {type(op).__name__}")
+
+    async def _grant(
+        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
+    ) -> int | Busy | JobRecord:
+        return await self._run(
+            self.backend.begin_rounds(key, owner, ttl_ms, meta, record, fingerprint)
+        )
+
+    async def _commit(self, rec: CommitRecord) -> bool:
+        return await self._run(self.backend.commit_rounds(rec))
 
     async def _run(self, flow: Rounds[T]) -> T:
         """Carry `flow`'s rounds on the loop; a cancellation is thrown into it to clean up."""

@@ -12,21 +12,28 @@ from typing import Any
 import pytest
 
 from jobfence.locks import AcquireTimeout, Busy, Lease, LockInfo
-from jobfence.locks.backend import RateGrant
+from jobfence.locks.backend import JobRecord, RateGrant
 from jobfence.locks.drive import AsyncStore, Store, run_async, run_sync
 from jobfence.locks.flows import Flow, acquire_flow
 from jobfence.locks.lease import new_owner_token
 from jobfence.locks.ops import (
     Acquire,
+    Begin,
+    ClaimPublish,
+    ClearPublish,
+    Commit,
+    CountDelivery,
     Extend,
     Inspect,
     LeaveSlot,
     Now,
     Op,
+    ReadRecord,
     Release,
     ReleaseOwner,
     Sleep,
     StoreOp,
+    SwapPublish,
     TakeRate,
     TakeSlot,
     WaitRelease,
@@ -273,3 +280,87 @@ def test_inspect_shows_the_holder_to_both_kinds(stores: StorePair) -> None:
         assert lease.owner not in repr(info), where  # never the owner token
         assert run(one(Release(lease))) is True, where
         assert other_run(one(Inspect(key))) is None, where
+
+
+def _begin(run: Run, key: str, fingerprint: str = "fp-1", *, record: bool = True) -> Lease:
+    got = run(one(Begin(key, TTL, record=record, fingerprint=fingerprint)))
+    assert isinstance(got, Lease), f"{key} not begun: {got!r}"
+    return got
+
+
+def _commit(run: Run, lease: Lease, state: str = "DONE", result: str = '{"paid": 42}') -> bool:
+    ok: bool = run(one(Commit(lease, state, result, "fp-1", TTL)))
+    return ok
+
+
+def test_a_job_begun_on_one_kind_is_committed_and_replayed_on_the_other(
+    stores: StorePair,
+) -> None:
+    """begin, busy for another run, commit DONE, then the record is the answer to a begin
+    and a read, whichever store asks: sync and async share one record space."""
+    for holder, run, other, other_run in _pairs(stores, by_token=True):
+        where = f"{stores.name}: {holder} begins, {other} commits"
+        key = _key("job")
+        lease = _begin(run, key)
+        busy = other_run(one(Begin(key, TTL, record=True, fingerprint="fp-2")))
+        assert isinstance(busy, Busy) and 0 < busy.ttl_left <= TTL, where
+        assert busy.fingerprint == "fp-1", where  # the holder's, to spot a conflict
+        assert other_run(one(ReadRecord(key))) is None, where  # running is no record
+        assert _commit(other_run, _stranger(lease), result='"forged"') is False, where
+        assert _commit(other_run, lease) is True, where
+        assert lease.released, where
+        assert run(one(Inspect(key))) is None, f"{where}: commit did not release"
+        for name, reader in stores.drivers:
+            replay = reader(one(Begin(key, TTL, record=True, fingerprint="fp-1")))
+            seen = (replay.state, replay.result, replay.fingerprint, replay.fence)
+            assert seen == ("DONE", '{"paid": 42}', "fp-1", lease.fence), f"{where}; {name}"
+            assert reader(one(ReadRecord(key))) == replay, f"{where}; {name} reads"
+        assert run(one(Inspect(key))) is None, f"{where}: a replay took the lock"
+
+
+def test_a_plain_begin_after_a_record_and_a_begin_after_failed_are_fresh_grants(
+    stores: StorePair,
+) -> None:
+    for (first, run), (second, other_run) in [stores.drivers, stores.drivers[::-1]]:
+        where = f"{stores.name}: {first} then {second}"
+        done_key, failed_key = _key("plain"), _key("failed")
+        done = _begin(run, done_key)
+        assert _commit(run, done) is True, where
+        plain = _begin(other_run, done_key, "", record=False)  # a lock ignores job records
+        assert plain.fence > done.fence, where
+        assert other_run(one(Release(plain))) is True, where
+        failed = _begin(run, failed_key)
+        assert _commit(run, failed, "FAILED", '"boom"') is True, where
+        record = other_run(one(ReadRecord(failed_key)))
+        assert isinstance(record, JobRecord) and record.state == "FAILED", where
+        retry = _begin(other_run, failed_key)  # FAILED does not stop a new run
+        assert retry.fence > failed.fence, where
+        assert _commit(other_run, retry) is True, where
+        record = other_run(one(ReadRecord(failed_key)))
+        assert isinstance(record, JobRecord), where
+        assert (record.state, record.fence) == ("DONE", retry.fence), where
+
+
+def test_deliveries_are_counted_by_both_kinds_on_one_count(stores: StorePair) -> None:
+    key = _key("deliveries")
+    runs = [run for _, run in stores.drivers]
+    counts = [runs[i % 2](one(CountDelivery(key, TTL))) for i in range(4)]
+    assert counts == [1, 2, 3, 4], f"{stores.name}: {counts}"
+
+
+def test_the_publish_claim_is_one_claim_for_both_kinds(stores: StorePair) -> None:
+    for (first, run), (second, other_run) in [stores.drivers, stores.drivers[::-1]]:
+        where = f"{stores.name}: {first} then {second}"
+        key = _key("claim")
+        assert run(one(ClaimPublish(key, "t1", TTL))) is None, where
+        assert other_run(one(ClaimPublish(key, "t1", TTL))) is None, where  # the same task
+        assert other_run(one(ClaimPublish(key, "t2", TTL))) == "t1", where  # the holder
+        assert other_run(one(SwapPublish(key, "t1", "t2", TTL))) is None, where  # handed over
+        assert run(one(ClaimPublish(key, "t9", TTL))) == "t2", where
+        assert run(one(SwapPublish(key, "t1", "t3", TTL))) == "t2", where  # t1 holds no more
+        assert other_run(one(SwapPublish(key, "t1", None, TTL))) == "t2", where  # not its own
+        assert other_run(one(SwapPublish(key, "t2", None, TTL))) is None, where  # cleared
+        assert run(one(ClaimPublish(key, "t4", TTL))) is None, where
+        assert other_run(one(ClearPublish(key))) is None, where
+        assert run(one(ClaimPublish(key, "t5", TTL))) is None, f"{where}: not cleared"
+        assert run(one(ClearPublish(key))) is None, where
