@@ -17,6 +17,9 @@ from jobfence.locks.registry import MissingExtra
 from jobfence.tasks.runtime import installed
 
 
+_running: list[Any] = []  # the app whose checks run now, if any (no re-entry)
+
+
 def register(app: Any) -> None:
     """Add the start-up checks of `app` to Django's check framework (once per app)."""
     from django.core import checks
@@ -39,11 +42,16 @@ def django_findings(app: Any) -> list[Any]:
             return [message(2, f"{ENV_PREFIX}LOCK_URL: {error}", "install the extra, or use "
                             "another lock URL", refuse=True)]  # fmt: skip
         return []
-    app.loader.import_default_modules()  # the task modules, as a worker imports them
+    if _running:  # Celery's Django fixup runs the system checks while importing tasks
+        return []
+    _running.append(app)
     try:
+        app.loader.import_default_modules()  # the task modules, as a worker imports them
         findings = run_checks(app, runtime, servers=check_command_running())
     except (UnsafeSettings, MissingExtra) as exc:
         return [message(2, str(exc), "see the README's Settings", refuse=True)]
+    finally:
+        _running.clear()
     return [
         message(2 if f.refuse else 4, f"{f.setting}: {f.problem}", f.fix, refuse=f.refuse)
         for f in findings
