@@ -16,7 +16,6 @@ from jobfence.config.settings import ENV_PREFIX
 from jobfence.locks.registry import MissingExtra
 from jobfence.tasks.runtime import installed
 
-
 _running: list[Any] = []  # the app whose checks run now, if any (no re-entry)
 
 

@@ -1,9 +1,8 @@
 """The billing app's tasks: one payment charged once, whatever the duplicates."""
 
+from billing.models import Payment
 from jobfence import singleton_task
 from jobfence.tasks.django import django_effects
-
-from billing.models import Payment
 
 
 @singleton_task(bind=True, key=["payment_id"])
