@@ -70,26 +70,36 @@ class DjangoSettingsSource(PydanticBaseSettingsSource):
         if conf is None:
             return {}
         values: dict[str, Any] = {}
-        known = set()
         for field_name, field in self.settings_cls.model_fields.items():
             value, name, _ = self.get_field_value(field, field_name)
-            known.add(name)
             if hasattr(conf, name):  # None in settings.py is a value too
                 values[field_name] = value
-        unknown = sorted(
-            n for n in dir(conf) if n.startswith(self.prefix.upper()) and n not in known
-        )
-        if self.prefix and unknown:
-            warnings.warn(
-                f"Django settings define {', '.join(unknown)}, which jobfence does not know; "
-                f"known names: {', '.join(sorted(known))}",
-                UnknownDjangoSetting,
-                stacklevel=2,
-            )
+        if self.prefix:
+            from jobfence.config.settings import unknown_django_settings
+
+            for name, close in unknown_django_settings():
+                fix = f"did you mean {close}?" if close else "remove it (README, Settings)"
+                warnings.warn(
+                    f"{name} (in Django settings): is not a jobfence setting, so it is "
+                    f"ignored. Fix: {fix}",
+                    UnknownDjangoSetting,
+                    stacklevel=_outside_pydantic(),
+                )
         return values
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(prefix={self.prefix!r})"
+
+
+def _outside_pydantic() -> int:
+    """The stack level of the first caller outside pydantic and this package's settings
+    modules, so a warning names the line that built the Settings, not pydantic's."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(
+        ("pydantic", "jobfence.config")
+    ):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def django_sources(settings_cls: type[BaseSettings]) -> tuple[PydanticBaseSettingsSource, ...]:

@@ -539,12 +539,52 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[st
     for name in sorted({n for n in names if n.upper().startswith(ENV_PREFIX)}):
         if name.upper() in known:
             continue
-        # Compared without the shared prefix, which would make every name look close.
-        tails = sorted(k.removeprefix(ENV_PREFIX) for k in known)
-        tail = name.upper().removeprefix(ENV_PREFIX)
-        close = difflib.get_close_matches(tail, tails, n=1, cutoff=0.6)
-        out.append((name, ENV_PREFIX + close[0] if close else None))
+        out.append((name, closest_name(name, known)))
     return out
+
+
+def closest_name(name: str, known: Iterable[str] | None = None) -> str | None:
+    """The known JOBFENCE_* name `name` is most likely a typo of, or None: the one "did you
+    mean" of the environment, `.env` and Django settings alike."""
+    names = known_variables() if known is None else known
+    # Compared without the shared prefix, which would make every name look close.
+    tails = sorted(k.removeprefix(ENV_PREFIX) for k in names)
+    tail = name.upper().removeprefix(ENV_PREFIX)
+    close = difflib.get_close_matches(tail, tails, n=1, cutoff=0.6)
+    return ENV_PREFIX + close[0] if close else None
+
+
+def unknown_django_settings() -> list[tuple[str, str | None]]:
+    """(name, closest known name or None) for each JOBFENCE_* name in Django settings that
+    jobfence never reads; empty when this process uses no Django settings."""
+    from jobfence.config.django_source import django_settings
+
+    conf = django_settings()
+    if conf is None:
+        return []
+    known = known_variables()
+    return [(n, closest_name(n, known)) for n in sorted(dir(conf))
+            if n.startswith(ENV_PREFIX) and n not in known]  # fmt: skip
+
+
+def setting_source(field: str, overrides: Mapping[str, Any] | None = None) -> str:
+    """Where the value of `field` came from, in the precedence Settings reads them: an
+    explicit value, the environment, `.env`, Django settings (naming the module) or the
+    default. Says so without the value."""
+    variable = _variable(field)
+    if overrides and overrides.get(field) is not None:
+        return "given explicitly"
+    if variable in os.environ:
+        return f"the environment ({variable})"
+    if variable in _env_file_names():
+        return f"the .env file ({variable})"
+    from jobfence.config.django_source import django_settings
+
+    conf = django_settings()
+    if conf is not None and hasattr(conf, variable):
+        module = os.environ.get("DJANGO_SETTINGS_MODULE") or "settings.configure()"
+        return f"Django settings {module} ({variable})"
+    return f"the default: {variable} is set nowhere"
 
 
 def _split_list(v: Any, name: str, fix: str) -> Any:

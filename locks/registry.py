@@ -71,7 +71,7 @@ class BackendEntry:
             missing = exc.name or ""
             if not self.requires or missing.split(".")[0] != self.requires:
                 raise  # not the optional library: a real error, shown as it is
-            raise ModuleNotFoundError(
+            raise MissingExtra(
                 f"the {scheme or self.schemes[0]}:// lock backend needs {self.requires}: "
                 f"{self.install_hint}",
                 name=exc.name,
@@ -85,6 +85,10 @@ class BackendEntry:
         else:
             urls.check_url(url, variable=variable, schemes=None, example=urls.LOCK_EXAMPLE,
                            what="lock backend")  # fmt: skip
+
+
+class MissingExtra(ModuleNotFoundError):
+    """A lock URL's backend needs an optional library that is not installed; names the extra."""
 
 
 _ENTRIES: dict[str, BackendEntry] = {}  # by name, in registration order

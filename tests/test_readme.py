@@ -2,7 +2,9 @@
 PostgreSQL database, and it links nowhere outside the repository.
 
 A block is skipped only if the line right above its fence is an HTML comment such as
-`<!-- readme-test: skip (needs docker) -->`; the reason is required.
+`<!-- readme-test: skip (needs docker) -->`; the reason is required. A block marked
+`<!-- readme-test: in (tests/django_example/proj/settings.py) -->` is a fragment of that
+file, which a test runs as a whole project: it must appear there verbatim.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = REPO_ROOT / "README.md"
 SKIP_MARK = re.compile(r"^<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->$")
+IN_MARK = re.compile(r"^<!--\s*readme-test:\s*in\s*\((?P<path>[^)]+)\)\s*-->$")
 LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)[^)]*\)")
 
 
@@ -32,6 +35,7 @@ class Block:
     line: int  # of the opening fence, 1-based
     code: str
     skip: str | None  # the reason given in the skip comment
+    within: str | None = None  # the project file this fragment is part of
 
     @property
     def id(self) -> str:
@@ -55,8 +59,10 @@ def python_blocks(text: str) -> list[Block]:
                 raise AssertionError(f"README line {start + 1}: python block never closed")
             above = lines[start - 1].strip() if start > 0 else ""
             mark = SKIP_MARK.match(above)
-            reason = mark["reason"] if mark else None
-            blocks.append(Block(start + 1, "\n".join(body) + "\n", reason))
+            part = IN_MARK.match(above)
+            reason = mark["reason"] if mark else f"a fragment of {part['path']}" if part else None
+            within = part["path"] if part else None
+            blocks.append(Block(start + 1, "\n".join(body) + "\n", reason, within))
         i += 1
     return blocks
 
@@ -75,6 +81,15 @@ def test_the_block_finder_reads_skip_marks() -> None:
         Block(3, "x = 1\n", "needs docker"),
         Block(7, "y = 2\n", None),
     ]
+
+
+FRAGMENTS = [b for b in BLOCKS if b.within]
+
+
+@pytest.mark.parametrize("block", FRAGMENTS, ids=[b.id for b in FRAGMENTS])
+def test_the_readme_fragment_is_in_the_project_a_test_runs(block: Block) -> None:
+    source = (REPO_ROOT / block.within).read_text() if block.within else ""
+    assert block.code.strip() in source, f"README line {block.line}: not in {block.within}"
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings, security
-from jobfence.config.settings import ENV_PREFIX, unknown_variables
+from jobfence.config.settings import ENV_PREFIX, unknown_django_settings, unknown_variables
 from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, RedisBackend, registry
 from jobfence.locks.backends.redis import tls_hint
@@ -35,6 +35,7 @@ EX_CONFIG = 78  # sysexits.h: configuration error
 #: Longest pause between two probes of a lock server that was down at start-up.
 LOCK_PROBE_CAP = 30.0
 LOCK_SERVER_DOWN = "lock-server-down"
+UNKNOWN_NAME = "unknown-name"  # a JOBFENCE_* name jobfence never reads (a typo, usually)
 #: Where the lock server keeps the key secret's id (no job key: those hold a ':').
 SECRET_ID_KEY = "key-secret-id"
 #: It must outlive every DONE record under the secret; it is refreshed at each start.
@@ -189,6 +190,12 @@ def check_lock_backend(
                 hint,
             )
             return
+        foreign = _foreign_lock_server(settings.lock_url, settings.socket_timeout)
+        if foreign:  # it answers, as something else: a wrong URL, not an outage
+            yield _refuse(setting, f"{redact(settings.lock_url)} answers, but as {foreign}, "
+                          f"not a Redis server ({type(exc).__name__}: {exc})",
+                          _foreign_fix(foreign))  # fmt: skip
+            return
         # Not a refusal: a fleet restarted during a lock-server outage must come up and
         # wait, not crash-loop. Jobs delivered meanwhile are redelivered until it answers.
         yield Finding(
@@ -202,6 +209,24 @@ def check_lock_backend(
         )
         return
     yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
+
+
+def _foreign_lock_server(url: str, timeout: float) -> str | None:
+    """What other server answers at a plain redis:// URL's address, if one positively does."""
+    from jobfence.worker.probe import foreign_server
+
+    parts = urlsplit(url)
+    if parts.scheme != "redis" or not parts.hostname:
+        return None
+    return foreign_server(parts.hostname, parts.port or 6379, timeout)
+
+
+def _foreign_fix(foreign: str) -> str:
+    from jobfence.worker.probe import SCHEME_FOR
+
+    fix = f"point {ENV_PREFIX}LOCK_URL at your Redis server's address and port (6379 by default)"
+    scheme = SCHEME_FOR.get(foreign)
+    return fix + (f", or use a {scheme} URL to keep locks in {foreign}" if scheme else "")
 
 
 CREDENTIALS_FIX = (
@@ -596,30 +621,63 @@ def check_delivery(conf: Any) -> Iterator[Finding]:
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> Iterator[Finding]:
-    """Warn about JOBFENCE_* variables jobfence never reads: a typo leaves a default in force."""
-    for name, close in unknown_variables(environ):
-        yield _warn(
+    """Warn about JOBFENCE_* names jobfence never reads, in the environment (or `.env`) and
+    in Django settings: a typo leaves a default in force."""
+    found = [(name, close) for name, close in unknown_variables(environ)]
+    if environ is None:
+        found += [(f"{name} (in Django settings)", close)
+                  for name, close in unknown_django_settings()]  # fmt: skip
+    for name, close in found:
+        yield Finding(
+            False,
             name,
             "is not a jobfence setting, so it is ignored",
             f"did you mean {close}?" if close else "remove it, or see the README's Settings table",
+            code=UNKNOWN_NAME,
         )
 
 
-def run_checks(app: Any, runtime: Runtime) -> list[Finding]:
-    """Every finding for `app` (talks to the lock server and a Redis broker)."""
+#: What each start-up check judges, in the order they run: `check` lists them. The ones
+#: marked True talk to a server (the lock server, a Redis broker).
+CHECKED: tuple[tuple[str, str, bool], ...] = (
+    ("serialisers", "JSON (or signed JSON) only: accept_content, task/result/event serializer",
+     False),
+    ("security", "TLS, authentication and the key secret's strength, per server URL", False),
+    ("delivery", "task_acks_late and task_reject_on_worker_lost", False),
+    ("timeouts", "every lease TTL below the broker's visibility timeout, and the longest "
+     "countdown below it", False),
+    ("semaphores", "tasks with concurrency= on a lock backend that keeps semaphores", False),
+    ("rate limits", "tasks with global_rate_limit= on a lock backend that keeps them", False),
+    ("names", "JOBFENCE_* names in the environment, .env and Django settings that jobfence "
+     "never reads (typos)", False),
+    ("lock server", "it answers as the server its URL names, with credentials that work, "
+     "and cannot evict keys", True),
+    ("key secret", "the secret the lock server's records were written under", True),
+    ("broker", "a Redis broker cannot evict messages", True),
+)  # fmt: skip
+
+
+def run_checks(app: Any, runtime: Runtime, *, servers: bool = True) -> list[Finding]:
+    """Every finding for `app`; with `servers` (a worker's start, `check`) also those that
+    talk to the lock server and a Redis broker (CHECKED says which)."""
     conf = app.conf
-    return [
+    tasks = list(app.tasks.values())
+    findings = [
         *check_serializers(conf),
         *check_security(conf, runtime),
         *check_delivery(conf),
-        *check_timeouts(conf, runtime, app.tasks.values()),
-        *check_lock_backend(conf, runtime, app.tasks.values()),
-        *check_semaphores(runtime, app.tasks.values()),
-        *check_rate_limits(runtime, app.tasks.values()),
-        *check_key_secret(runtime),
-        *check_broker(conf, runtime),
+        *check_timeouts(conf, runtime, tasks),
+        *check_semaphores(runtime, tasks),
+        *check_rate_limits(runtime, tasks),
         *check_environment(),
     ]
+    if servers:
+        findings += [
+            *check_lock_backend(conf, runtime, tasks),
+            *check_key_secret(runtime),
+            *check_broker(conf, runtime),
+        ]
+    return findings
 
 
 def enforce(app: Any, runtime: Runtime) -> list[Finding]:
@@ -635,13 +693,23 @@ def enforce(app: Any, runtime: Runtime) -> list[Finding]:
     return findings
 
 
+def refusal_text(exc: BaseException) -> str:
+    """The lines a refused start shows (the worker, beat, `check`, `manage.py check`)."""
+    if isinstance(exc, StartupRefused):
+        return str(exc)
+    return "\n".join(f"  - {line.strip().removeprefix('also ')}" for line in str(exc).splitlines())
+
+
 def enforce_or_exit(app: Any, runtime: Runtime, what: str) -> None:
-    """`enforce`, turning a refusal into a clear message on stderr and exit status 78."""
+    """`enforce`, turning a refusal into a clear message on stderr and exit status 78.
+
+    `runtime` may be the stand-in `jobfence.setup` returns when the settings could not be
+    read at import (worker/setup.py): reading them again here raises the same error."""
     try:
         findings = enforce(app, runtime)
-    except StartupRefused as exc:
+    except (UnsafeSettings, ImportError) as exc:  # StartupRefused; or unusable settings
         print(
-            f"jobfence: refusing to start the {what}: unsafe settings\n{exc}",
+            f"jobfence: refusing to start the {what}: unsafe settings\n{refusal_text(exc)}",
             file=sys.stderr,
             flush=True,
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.locks import LockBackend, LockError
+from jobfence.locks.registry import MissingExtra
 from jobfence.worker.fleet import BUNDLED_APP
 
 PASSTHROUGH = ("bench", "demo", "faults")  # commands whose arguments belong to another program
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     locks = sub.add_parser("locks", help="list, inspect, release locks; find orphans")
+    add_app_option(locks)
     locks.add_argument(
         "--lock-url",
         "--lock-backend",
@@ -137,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     orph.add_argument("--json", action="store_true")
 
+    for action in lsub.choices.values():
+        add_app_option(action, inner=True)
+
     check = sub.add_parser(
         "check",
         help="run the start-up checks against the configured servers",
@@ -144,13 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "policy of the lock server and a Redis broker, TTLs against the visibility timeout) "
         "and list every finding. Exit status 1 if any refuses.",
     )
-    check.add_argument(
-        "--app",
-        "-A",
-        metavar="MODULE[:ATTR]",
-        help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app), imported from "
-        "the current directory (default: the bundled app)",
-    )
+    add_app_option(check, default="the bundled app")
     sub.add_parser(
         "bench",
         help="benchmarks: bench locks|celery|gate|leader|memory|keeper [ARGS...]",
@@ -177,6 +176,7 @@ def _add_migrate_parser(sub: Any) -> None:
         "when a DBA or a deploy step owns the schema and the workers' role may not create "
         "tables.",
     )
+    add_app_option(migrate)
     migrate.add_argument(
         "--database", metavar="URL", help="SQLAlchemy URL (default: JOBFENCE_DATABASE_URL)"
     )
@@ -190,6 +190,27 @@ def _add_migrate_parser(sub: Any) -> None:
         "--sql",
         action="store_true",
         help="print the DDL for the URL's dialect instead of running it (connects to nothing)",
+    )
+
+
+def add_app_option(
+    parser: argparse.ArgumentParser,
+    default: str = "JOBFENCE_* from the environment, and Django settings when "
+    "DJANGO_SETTINGS_MODULE names them",
+    *,
+    inner: bool = False,
+) -> None:
+    """`--app`: the project whose settings a command reads (every command; fleet's own --app
+    also picks the workers to run). `inner`: on a sub-action, so `locks list --app X` and
+    `locks --app X list` both work (argparse would reset the outer value otherwise)."""
+    parser.add_argument(
+        "--app",
+        "-A",
+        metavar="MODULE[:ATTR]",
+        default=argparse.SUPPRESS if inner else None,
+        help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app, or a Django "
+        "project's proj), imported from the current directory; jobfence's settings are then "
+        f"the ones its workers read (default: {default})",
     )
 
 
@@ -246,8 +267,37 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     return run_fleet(options)
 
 
-def _settings(lock_url: str | None) -> Settings:
+def project_settings(args: argparse.Namespace, lock_url: str | None = None) -> Settings:
+    """The settings a command uses: those of `--app`'s workers (its runtime, or JOBFENCE_*
+    read once the app, and so its Django settings, are loaded), else JOBFENCE_* and, when
+    DJANGO_SETTINGS_MODULE is set, Django settings; `lock_url` (--lock-url) wins."""
+    if getattr(args, "app", None):
+        from jobfence.tasks.runtime import installed
+
+        runtime = installed(load_app(args.app))
+        if runtime is not None and not lock_url:
+            return runtime.settings
     return load_settings(lock_url=lock_url) if lock_url else load_settings()
+
+
+def describe_source(args: argparse.Namespace, settings: Settings, lock_url: str | None) -> str:
+    """Which lock server a command talks to and where that came from, without a secret."""
+    from jobfence.config.settings import setting_source
+    from jobfence.config.urls import redact
+
+    source = "--lock-url" if lock_url else setting_source("lock_url")
+    module = os.environ.get("DJANGO_SETTINGS_MODULE")
+    app = getattr(args, "app", None)
+    read = (f"--app {app}" if app else "no --app") + (
+        f", Django settings {module}" if module else ", no DJANGO_SETTINGS_MODULE"
+    )
+    return f"lock server: {redact(settings.lock_url)} (from {source}; {read})"
+
+
+def _say_source(args: argparse.Namespace, settings: Settings, lock_url: str | None) -> None:
+    # On stderr under --json, so the JSON on stdout stays parseable.
+    line = describe_source(args, settings, lock_url)
+    print(line, file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
 
 
 def _emit(data: Any) -> None:
@@ -257,7 +307,12 @@ def _emit(data: Any) -> None:
 def cmd_locks(args: argparse.Namespace) -> int:
     from jobfence.worker import admin
 
-    settings = _settings(args.lock_url)
+    try:
+        settings = project_settings(args, args.lock_url)
+    except AppNotFound as exc:
+        print(f"jobfence: {exc}", file=sys.stderr)
+        return 2
+    _say_source(args, settings, args.lock_url)
     backend = admin.open_admin_backend(settings)
     try:
         action: Callable[[argparse.Namespace, Settings, LockBackend], int] = {
@@ -416,7 +471,14 @@ def load_app(spec: str) -> Any:
         raise AppNotFound(missing)
     try:
         return find_app(spec)
-    except (AttributeError, ImportError) as exc:
+    except MissingExtra as exc:  # the app's own set-up needs a library: that first
+        raise AppNotFound(f"--app {spec}: {exc}") from None
+    except ImportError as exc:
+        if exc.name and not app_module(spec).startswith(exc.name):
+            raise AppNotFound(f"--app {spec}: importing it failed: {type(exc).__name__}: "
+                              f"{exc}") from None  # fmt: skip
+        raise AppNotFound(f"--app {spec}: no Celery app found there ({exc})") from None
+    except AttributeError as exc:
         raise AppNotFound(f"--app {spec}: no Celery app found there ({exc})") from None
 
 
@@ -436,6 +498,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         except AppNotFound as exc:
             print(f"jobfence: {exc}", file=sys.stderr)
             return 2
+        print(f"app: {args.app}")
         if not is_set_up(app):
             print(
                 f"note: {args.app} is not set up with jobfence.setup(app): its workers do not "
@@ -444,9 +507,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         from jobfence.worker.app import create_app
 
+        print(f"app: the bundled {BUNDLED_APP} (no --app given)")
         app = create_app(load_settings())
     app.loader.import_default_modules()  # the task modules, as a worker imports them
-    runtime = runtime_for(app)  # built from JOBFENCE_* if the app has none yet
+    try:
+        runtime = runtime_for(app)  # built from JOBFENCE_* if the app has none yet
+    except (UnsafeSettings, MissingExtra) as exc:
+        from jobfence.worker.checks import refusal_text
+
+        print(f"REFUSED: jobfence's settings cannot be read:\n{refusal_text(exc)}")
+        print("start-up checks: refused")
+        return 1
+    print(describe_source(args, runtime.settings, None))
     try:
         health = runtime.backend.health()
         state = "ok" if health.ok else "NOT ANSWERING"
@@ -458,6 +530,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         findings = run_checks(app, runtime)
     finally:
         runtime.close()
+    from jobfence.worker.checks import CHECKED
+
+    print("checked:")
+    for name, what, _ in CHECKED:
+        print(f"  {name}: {what}")
     for f in findings:
         print(f"{'REFUSED' if f.refuse else 'warning'}: {f}")
     refused = any(f.refuse for f in findings)
@@ -472,6 +549,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     raw = args.database or os.environ.get(f"{ENV_PREFIX}DATABASE_URL")
     lock_url = args.lock_url or os.environ.get(f"{ENV_PREFIX}LOCK_URL")
+    if args.app:  # the project's own settings, as its workers read them
+        try:
+            settings = project_settings(args, args.lock_url)
+        except AppNotFound as exc:
+            print(f"jobfence migrate: {exc}", file=sys.stderr)
+            return 2
+        raw, lock_url = args.database or settings.database_url, settings.lock_url
+        _say_source(args, settings, args.lock_url)
     sql_locks = lock_url is not None and _lock_scheme(lock_url) is not None
     if not raw and not sql_locks:
         print(
@@ -668,6 +753,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UnsafeSettings as exc:
         print(f"jobfence: unsafe settings: {exc}", file=sys.stderr)
         return 2
-    except LockError as exc:
+    except (LockError, MissingExtra) as exc:
         print(f"jobfence: {exc}", file=sys.stderr)
         return 2

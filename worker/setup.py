@@ -20,11 +20,13 @@ concerns; `tasks` (the decorator and its lazily built runtime) must not import `
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
-from jobfence.config import Settings, load_settings
-from jobfence.tasks.runtime import Runtime, install, installed
+from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.locks.registry import MissingExtra
+from jobfence.tasks.runtime import Runtime, install, installed, runtime_for
 from jobfence.worker import checks, custody, metrics_server, signals
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 BEAT_SCHEDULER = "jobfence.worker.beat:LeaderScheduler"
 JSON_ONLY = ["json"]
 SETUP_ATTRIBUTE = "jobfence_setup"  # the SafeConfig applied to an app, once set up
+UNSETTLED_ATTRIBUTE = "jobfence_unsettled"  # why setup could not read the settings
 TRANSPORT_OPTIONS = "broker_transport_options"
 
 
@@ -129,8 +132,17 @@ def setup(app: Any, settings: Settings | None = None) -> Runtime:
             )
         return runtime
     if settings is not None or runtime is None:
-        runtime = install(app, settings if settings is not None else load_settings())
-    config = SafeConfig(safe_config(runtime.settings))
+        try:
+            runtime = install(app, settings if settings is not None else load_settings())
+        except (UnsafeSettings, MissingExtra) as exc:
+            if settings is not None:
+                raise
+            return _set_up_unsettled(app, exc)
+    _wire(app, runtime, SafeConfig(safe_config(runtime.settings)))
+    return runtime
+
+
+def _wire(app: Any, runtime: Runtime, config: SafeConfig) -> None:
     setattr(app, SETUP_ATTRIBUTE, config)
     # Celery reads its configuration lazily (config_from_object, Django settings): fill in
     # whenever it is (re)loaded, and now if it already was.
@@ -141,7 +153,52 @@ def setup(app: Any, settings: Settings | None = None) -> Runtime:
     checks.connect(app, runtime)
     metrics_server.connect(app, runtime)  # /metrics when JOBFENCE_METRICS_PORT is set
     custody.connect(app)  # a killed worker's jobs back in ~2 TTLs on the Redis broker
-    return runtime
+    _register_django_check(app)
+
+
+def _register_django_check(app: Any) -> None:
+    if "django.conf" in sys.modules:  # a Django project: `manage.py check` runs them too
+        from jobfence.worker import django_check
+
+        django_check.register(app)
+
+
+class UnsettledRuntime:
+    """What `setup` returns when JOBFENCE_* could not be read where the app is built.
+
+    An import must not fail for it: a Django project imports its Celery app in every
+    `manage.py` command, `migrate` included. Every use reads the settings again (and so
+    raises the same error, naming the variable and the fix); a worker or beat of the app
+    refuses to start with it (exit 78); `manage.py check` and `jobfence check` report it.
+    """
+
+    def __init__(self, app: Any, error: Exception) -> None:
+        self.app = app
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(runtime_for(self.app), name)
+
+
+def _set_up_unsettled(app: Any, error: Exception) -> Runtime:
+    """The safe Celery configuration (from the defaults) and the start-up refusal, without
+    a runtime: nothing raises now, and nothing runs with these settings later."""
+    stand_in = UnsettledRuntime(app, error)
+    config = SafeConfig(safe_config(Settings.model_construct()))
+    setattr(app, SETUP_ATTRIBUTE, config)
+    setattr(app, UNSETTLED_ATTRIBUTE, error)
+    app.on_after_configure.connect(config.on_after_configure, weak=False)
+    if app.configured:
+        config.apply(app.conf)
+    checks.connect(app, cast(Runtime, stand_in))  # reads them again at start: refused
+    _register_django_check(app)
+    return cast(Runtime, stand_in)
+
+
+def unsettled(app: Any) -> Exception | None:
+    """Why `setup` could not read the settings of `app` (it then refuses its workers)."""
+    error = getattr(app, UNSETTLED_ATTRIBUTE, None)
+    return error if isinstance(error, Exception) and installed(app) is None else None
 
 
 def is_set_up(app: Any) -> bool:

@@ -11,9 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jobfence.tasks.django.effects import DjangoEffects, DjangoEffectTx, django_effects
-    from jobfence.tasks.django.guard import DjangoFenceGuard, fence_guard
+    from jobfence.tasks.django.guard import DjangoFenceGuard, NotMigrated, fence_guard
 
-__all__ = ["DjangoEffectTx", "DjangoEffects", "DjangoFenceGuard", "django_effects", "fence_guard"]
+__all__ = [
+    "DjangoEffectTx",
+    "DjangoEffects",
+    "DjangoFenceGuard",
+    "NotMigrated",
+    "django_effects",
+    "fence_guard",
+]
 
 _EXPORTS = {
     "DjangoEffectTx": "jobfence.tasks.django.effects",
@@ -21,6 +28,7 @@ _EXPORTS = {
     "django_effects": "jobfence.tasks.django.effects",
     "DjangoFenceGuard": "jobfence.tasks.django.guard",
     "fence_guard": "jobfence.tasks.django.guard",
+    "NotMigrated": "jobfence.tasks.django.guard",
 }
 
 

@@ -14,7 +14,7 @@ from django.db import transaction as db_transaction
 
 from jobfence.locks.errors import CommitOutcomeUnknown
 from jobfence.tasks.context import JobContext
-from jobfence.tasks.django.guard import DjangoFenceGuard
+from jobfence.tasks.django.guard import DjangoFenceGuard, migrated
 from jobfence.tasks.errors import IdempotencyConflict
 from jobfence.tasks.keys import canonical_json
 
@@ -71,7 +71,8 @@ class DjangoEffects:
             with db_transaction.atomic(using=alias):
                 for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
                     self.guard.check_and_advance(resource, job.fence, using=alias)
-                tx = self._lookup(alias, job)
+                with migrated(alias, JOBS_TABLE):
+                    tx = self._lookup(alias, job)
                 yield tx
                 if not tx.done:
                     result = canonical_json(tx.result, what="the job result")

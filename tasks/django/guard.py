@@ -8,6 +8,7 @@ from typing import Any
 
 from django.db import (
     DEFAULT_DB_ALIAS,
+    DatabaseError,
     IntegrityError,
     InterfaceError,
     OperationalError,
@@ -15,10 +16,37 @@ from django.db import (
     transaction,
 )
 
+from jobfence.config.errors import JobfenceError
 from jobfence.locks.errors import CommitOutcomeUnknown, LockError, StaleFence
 from jobfence.locks.guards import _check_args
 
 FENCES_TABLE = "jobfence_fences"
+
+
+class NotMigrated(JobfenceError):
+    """jobfence's tables are missing from a Django database: ``migrate`` has not run for it."""
+
+
+#: How each database says a table is missing (PostgreSQL, SQLite, MySQL/MariaDB).
+_MISSING = ("does not exist", "no such table", "doesn't exist")
+
+
+@contextmanager
+def migrated(alias: str, *tables: str) -> Iterator[None]:
+    """Turn "relation jobfence_fences does not exist" into the fix: run the migration."""
+    try:
+        yield
+    except DatabaseError as exc:
+        text = str(exc)
+        missing = next((t for t in tables if t in text), None)
+        if missing is None or not any(m in text for m in _MISSING):
+            raise
+        database = "" if alias == DEFAULT_DB_ALIAS else f" --database {alias}"
+        raise NotMigrated(
+            f"the table {missing} is missing from the Django database {alias!r}: run "
+            f"`python manage.py migrate jobfence{database}` (with \"jobfence.tasks.django\" "
+            "in INSTALLED_APPS)"
+        ) from exc
 
 
 class DjangoFenceGuard:
@@ -45,6 +73,10 @@ class DjangoFenceGuard:
                 "wrap it in `with transaction.atomic():` (or use guard.transaction(...))",
                 key=resource,
             )
+        with migrated(conn.alias, self.table):
+            self._check_and_advance(conn, resource, fence)
+
+    def _check_and_advance(self, conn: Any, resource: str, fence: int) -> None:
         qn = conn.ops.quote_name
         table, res, col = qn(self.table), qn("resource"), qn("fence")
         with conn.cursor() as cur:

@@ -137,3 +137,61 @@ def test_fleet_runs_real_workers_of_the_user_app(project, tmp_path):
         if not procs.exited(fleet):
             procs.stop([fleet], timeout=10, group=True)
     assert "fleet: stopped" in log.read_text()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(("port", "server"), [(5672, "RabbitMQ"), (5432, "PostgreSQL")])
+def test_a_redis_url_answered_by_another_server_is_refused(project, port, server):
+    if not _listening(port):
+        pytest.skip(f"nothing listens on {port}")
+    root, env = project
+    env = {**env, "USER_SETUP": "1", "JOBFENCE_LOCK_URL": f"redis://127.0.0.1:{port}/0"}
+    done = _jobfence(root, env, "check", "--app", "tasks")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"REFUSED: JOBFENCE_LOCK_URL: redis://127.0.0.1:{port}/0 answers, but as" in done.stdout
+    assert server in done.stdout and "starting anyway" not in done.stdout
+
+
+def test_control_a_redis_url_where_nothing_listens_is_an_outage_not_a_refusal(project):
+    from jobfence.worker.redis_server import free_port
+
+    root, env = project
+    env = {**env, "USER_SETUP": "1", "JOBFENCE_LOCK_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    done = _jobfence(root, env, "check", "--app", "tasks")
+    assert "starting anyway" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0
+
+
+def test_a_missing_extra_is_named_first(project, tmp_path):
+    root, env = project
+    blocker = tmp_path / "no_pymysql" / "pymysql"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'pymysql'\", name='pymysql')\n"
+    )
+    path = os.pathsep.join([str(blocker.parent), env.get("PYTHONPATH", "")])
+    env = {**env, "USER_SETUP": "1", "PYTHONPATH": path,
+           "JOBFENCE_LOCK_URL": "mysql://root@127.0.0.1:3306/jobfence"}  # fmt: skip
+    done = _jobfence(root, env, "check", "--app", "tasks")
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "pip install 'jobfence[mysql]'" in out
+    assert "no Celery app found there" not in out
+
+
+def test_check_says_which_app_and_server_and_what_it_checked(project):
+    root, env = project
+    done = _jobfence(root, {**env, "USER_SETUP": "1"}, "check", "--app", "tasks")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "app: tasks" in done.stdout
+    assert "(from the environment (JOBFENCE_LOCK_URL)" in done.stdout
+    assert "checked:\n  serialisers:" in done.stdout and "  lock server:" in done.stdout

@@ -135,10 +135,29 @@ def test_setup_without_settings_reads_the_environment(user_app, redis_url, monke
     assert jobfence.setup(app).settings.default_ttl == 12.0
 
 
-def test_setup_names_an_unusable_variable(user_app, monkeypatch):
+def test_setup_defers_an_unusable_variable_to_each_use_and_the_workers_start(
+    user_app, monkeypatch, capsys
+):
+    """An import must not fail (a Django project imports its Celery app in every manage.py
+    command); every use, and a worker's start, names the variable."""
+    from jobfence.worker.checks import EX_CONFIG, enforce_or_exit
+    from jobfence.worker.setup import is_set_up, unsettled
+
     monkeypatch.setenv("JOBFENCE_HEARTBEAT_FRACTION", "0.9")
+    app = user_app()
+    runtime = jobfence.setup(app)
+    assert is_set_up(app) and isinstance(unsettled(app), UnsafeSettings)
     with pytest.raises(UnsafeSettings, match="JOBFENCE_HEARTBEAT_FRACTION"):
-        jobfence.setup(user_app())
+        runtime.settings  # noqa: B018
+    with pytest.raises(SystemExit) as exited:
+        enforce_or_exit(app, runtime, "worker")
+    assert exited.value.code == EX_CONFIG
+    assert "JOBFENCE_HEARTBEAT_FRACTION" in capsys.readouterr().err
+
+
+def test_setup_with_explicit_settings_still_raises(user_app):
+    with pytest.raises(UnsafeSettings, match="JOBFENCE_HEARTBEAT_FRACTION"):
+        jobfence.setup(user_app(), Settings(heartbeat_fraction=0.9))
 
 
 def test_setup_twice_is_one_setup(user_app, redis_url):

@@ -1,0 +1,64 @@
+"""Which server answers at a Redis lock URL's address, when it does not answer as Redis.
+
+A `redis://` URL pointed at RabbitMQ's or PostgreSQL's port is a wrong setting, not an
+outage: waiting never helps. Only a server positively known to be something else is named
+(its own greeting or reply to a probe); a connection closed without a word stays an outage.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+#: PostgreSQL's SSLRequest: length 8, code 80877103; a PostgreSQL server answers b"S" or b"N".
+PG_SSL_REQUEST = struct.pack("!II", 8, 80877103)
+
+
+def _exchange(host: str, port: int, payload: bytes | None, timeout: float) -> bytes | None:
+    """What the server at host:port says first (payload None) or to `payload`; None if it
+    cannot be reached, b"" if it says nothing before closing or the timeout."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            if payload is not None:
+                sock.sendall(payload)
+            try:
+                return sock.recv(64)
+            except (TimeoutError, ConnectionResetError):
+                return b""
+    except OSError:
+        return None
+
+
+def foreign_server(host: str, port: int, timeout: float = 1.0) -> str | None:
+    """A description of the non-Redis server listening at host:port, or None if none is
+    known to be there (Redis itself, nothing listening, or a server that says nothing)."""
+    greeting = _exchange(host, port, None, min(timeout, 0.3))  # Redis speaks only when asked
+    if greeting is None:
+        return None
+    if greeting:
+        return _named(greeting) or "a server that greets first, as Redis never does"
+    reply = _exchange(host, port, b"*1\r\n$4\r\nPING\r\n", timeout)
+    if reply and reply[:1] in b"+-$*:_,#!=(%~>|":
+        return None  # RESP: Redis (or a Redis-speaking proxy) answered
+    if reply:
+        return _named(reply) or f"a server that does not speak Redis's protocol ({reply[:1]!r})"
+    if _exchange(host, port, PG_SSL_REQUEST, timeout) in (b"S", b"N"):
+        return "PostgreSQL"
+    return None
+
+
+def _named(data: bytes) -> str | None:
+    if data.startswith(b"AMQP"):
+        return "an AMQP broker (RabbitMQ)"
+    if data.startswith((b"HTTP/", b"<")):
+        return "an HTTP server"
+    if data.startswith(b"SSH-"):
+        return "an SSH server"
+    if len(data) > 5 and data[4] == 10:  # MySQL's handshake v10 after a 4-byte header
+        return "MySQL/MariaDB"
+    return None
+
+
+#: The scheme to use for each server named above, where jobfence has one.
+SCHEME_FOR = {"PostgreSQL": "postgresql://", "MySQL/MariaDB": "mysql://"}
