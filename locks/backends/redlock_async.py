@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from jobfence.locks import ops
 from jobfence.locks.backend import (
     Capabilities,
+    Security,
     check_swap,
     grant_args,
     settle_extensions,
@@ -24,6 +25,7 @@ from jobfence.locks.backend import (
 )
 from jobfence.locks.backends.redis import client_options
 from jobfence.locks.backends.redis_async import POOL_WAIT, SignalWait
+from jobfence.locks.backends.redis_url import tls_kwargs
 from jobfence.locks.backends.redlock import (
     _MORE,
     NO_REPLY,
@@ -65,6 +67,7 @@ class _Conn(Replies, asyncio.Protocol):
         self.futures: deque[asyncio.Future[Any] | None] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.master: _Master | None = None  # told why the connection was lost, if by an error
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -86,6 +89,8 @@ class _Conn(Replies, asyncio.Protocol):
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None and self.master is not None:
+            self.master.last_error = exc  # a TLS alert, say: for BackendUnavailable's hint
         self.lost = True
         self.owed = 0
         futures, self.futures = self.futures, deque()
@@ -133,6 +138,7 @@ class _AsyncMaster:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.down_until = 0.0
         options = {**client_options(socket_timeout), "retry": Retry(NoBackoff(), 0)}
+        options.update((k, v) for k, v in tls_kwargs(master.tls).items() if k != "ssl")
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             master.url, max_connections=max_connections, timeout=POOL_WAIT, **options
         )
@@ -157,14 +163,19 @@ class _AsyncMaster:
         """Connect, and send the set-up (AUTH, SELECT, every script) without waiting for
         it, as the sync backend does: a frozen master costs an op no more than a slow one."""
         m = self.master
+        tls: dict[str, Any] = {}
+        if m.ssl_context is not None:  # rediss://: the checks of the sync backend's sockets
+            tls = {"ssl": m.ssl_context, "server_hostname": m.host}
         try:
             async with asyncio.timeout(self.socket_timeout):
                 _, conn = await asyncio.get_running_loop().create_connection(
-                    _Conn, m.host, m.port
+                    _Conn, m.host, m.port, **tls
                 )
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError) as exc:
+            m.last_error = exc
             self.down_until = time.monotonic() + RECONNECT_DELAY
             return
+        conn.master = m
         setup = m.setup()
         if setup:
             conn.send(b"".join(setup), dropped=len(setup) - 1)
@@ -330,6 +341,10 @@ class AsyncRedlockStore:
         except RedisError:
             self._wait_on = index + 1
             await asyncio.sleep(min(timeout, self._signals.max_block))
+
+    def security(self) -> Security:
+        """The sync backend's: the same masters, URLs and TLS."""
+        return self.backend.security()
 
     async def aclose(self) -> None:
         """Wait briefly for the replies still owed (so what was sent has run), then close."""
