@@ -133,8 +133,8 @@ def tls_hint(exc: BaseException) -> str | None:
     """
     seen = _chain(exc)
     texts = [str(e).lower() for e in seen]
-    if any(m in t for t in texts for m in ("wrongpass", "invalid username-password",
-                                           "noauth", "invalid password")):  # fmt: skip
+    if any(m in t for t in texts for m in ("wrongpass", "invalid username-password", "noauth",
+                                           "invalid password", "unauthenticated")):  # fmt: skip
         return (
             "the lock server refused the login: check the user and password in the URL "
             "(redis://user:password@host..., percent-encoded; for the sentinels themselves, "
@@ -159,6 +159,16 @@ def tls_hint(exc: BaseException) -> str | None:
         return (
             "TLS: the lock server asks for a client certificate and got none it accepts; "
             "pass one in the URL: ssl_certfile=/path/client.crt&ssl_keyfile=/path/client.key"
+        )
+    eof = any(isinstance(e, ssl.SSLEOFError) or "eof occurred in violation" in t
+              for e, t in zip(seen, texts, strict=True))  # fmt: skip
+    if eof and any("writing" in t or "set-up" in t for t in texts):
+        # Closed by the server right after the handshake, at our first write: what a
+        # server that asks for client certificates does to a client without one (TLS 1.3).
+        return (
+            "TLS: the lock server closed the connection right after the handshake; if it "
+            "asks for client certificates (tls-auth-clients yes), pass one in the URL: "
+            "ssl_certfile=/path/client.crt&ssl_keyfile=/path/client.key"
         )
     if any("unknown ca" in t or "bad certificate" in t for t in texts):
         return (

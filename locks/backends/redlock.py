@@ -201,7 +201,8 @@ class _Link(Replies):
     def send(self, data: bytes) -> bool:
         try:
             sent = self.sock.send(data)
-        except OSError:
+        except OSError as exc:
+            self.error = exc
             return False
         if sent != len(data):  # the master is so far behind its buffers are full
             return False
@@ -285,7 +286,8 @@ class _Master:
             sock.setblocking(False)
             link = _Link(sock)
             if not link.send(b"".join(setup)):
-                raise ConnectionError(f"redlock master {self.name}: set-up not sent")
+                raise ConnectionError(f"redlock master {self.name}: set-up not sent "
+                                      f"({link.error})") from link.error  # fmt: skip
             link.owed = len(setup)
             return link
         except BaseException:
@@ -641,16 +643,20 @@ class RedlockBackend(LockBackend):
         errors = [v for v in replies.values() if isinstance(v, _ErrorReply)]
         answered = sum(1 for v in replies.values() if v is not NO_REPLY)
         detail = f" (a master said: {errors[0]})" if errors else ""
-        # Why the silent ones failed to connect (TLS, login), and what to do about it.
-        causes = [*(Exception(e) for e in errors),
-                  *(m.last_error for i, m in enumerate(self.masters)
-                    if replies.get(i) is NO_REPLY and m.last_error is not None)]  # fmt: skip
-        hint = next((h for c in causes if (h := tls_hint(c)) is not None), None)
+        silent = [i for i, v in replies.items() if v is NO_REPLY]
         return BackendUnavailable(
             f"redlock {what}: {answered} of {len(self.masters)} masters answered, "
-            f"a majority of {self.quorum} is needed{detail}" + (f"; {hint}" if hint else ""),
+            f"a majority of {self.quorum} is needed{detail}{self._why(errors, silent)}",
             key=key,
         )
+
+    def _why(self, errors: Sequence[str], silent: Sequence[int]) -> str:
+        """'; <what to fix>' when the masters' error replies or the failed connections of
+        the silent ones say (TLS, a login: waiting will not help), else ''."""
+        causes = [*(Exception(e) for e in errors),
+                  *(e for i in silent if (e := self.masters[i].last_error) is not None)]
+        hint = next((h for c in causes if (h := tls_hint(c)) is not None), None)
+        return f"; {hint}" if hint else ""
 
     def _count(self, replies: dict[int, Any], ok: Callable[[Any], bool]) -> tuple[int, int]:
         """(masters whose reply passes `ok`, masters that gave no usable reply)."""
@@ -782,7 +788,7 @@ class RedlockBackend(LockBackend):
         detail = f" (a master said: {tally.errors[0]})" if tally.errors else ""
         raise BackendUnavailable(
             f"redlock acquire: {n - len(tally.silent)} of {n} masters answered, a majority "
-            f"of {q} is needed{detail}",
+            f"of {q} is needed{detail}{self._why(tally.errors, tally.silent)}",
             key=attempt.key,
         )
 
