@@ -334,6 +334,10 @@ class RedisBackend(RedisSemaphores, LockBackend):
         pool: Any = self.client.connection_pool
         return security_of_kwargs(pool.connection_kwargs, self._tls)
 
+    def _hint(self, exc: BaseException) -> str | None:
+        """What to fix when `exc` says the TLS set-up or the login cannot work, else None."""
+        return tls_hint(exc)
+
     def _ping(self) -> str:
         self.client.ping()  # the master a Sentinel names; any node of a cluster
         return "PONG"
@@ -355,7 +359,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
                 script.sha = self.client.script_load(script.script)
                 return self._evalsha(script.sha, keys, args)
         except RedisError as exc:
-            hint = tls_hint(exc)
+            hint = self._hint(exc)
             message = f"redis {name} failed" + (f" ({hint})" if hint else "")
             raise BackendUnavailable(message, key=key, cause=exc) from exc
 
@@ -385,7 +389,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
                 script.sha = self.client.script_load(script.script)
                 return self._evalsha_many(script.sha, calls)
         except RedisError as exc:
-            hint = tls_hint(exc)
+            hint = self._hint(exc)
             message = f"redis {name} failed" + (f" ({hint})" if hint else "")
             raise BackendUnavailable(message, cause=exc) from exc
 

@@ -218,7 +218,8 @@ class RedisClusterBackend(RedisBackend):
     def security(self) -> Security:
         """TLS and login of every node's connections, as the cluster client was built."""
         kwargs = self.cluster.nodes_manager.connection_kwargs
-        tls = issubclass(kwargs.get("connection_class", object), SSLConnection)
+        tls = bool(kwargs.get("ssl")) or issubclass(kwargs.get("connection_class", object),
+                                                    SSLConnection)  # fmt: skip
         return security_of_kwargs(kwargs, tls)
 
     def fence_source(self, key: str) -> str:

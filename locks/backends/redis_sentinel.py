@@ -128,6 +128,23 @@ class RedisSentinelBackend(RedisBackend):
         client: redis.Redis = sentinel.master_for(service, **master_args)  # type: ignore[no-untyped-call]
         return client
 
+    def _hint(self, exc: BaseException) -> str | None:
+        """As the single node's; when no sentinel answered (redis-py keeps only the kind of
+        each one's error), one sentinel is asked again to learn why."""
+        hint = tls_hint(exc)
+        if hint is not None or "No master found" not in str(exc):
+            return hint
+        for client in self.sentinel.sentinels:
+            try:
+                client.ping()
+            except RedisError as failed:
+                found = tls_hint(failed)
+                if found is not None:
+                    return f"the sentinels: {found}".replace(
+                        "check the user and password in the URL",
+                        "check ?sentinel_password= (and sentinel_username=) in the URL")
+        return None
+
     def _evalsha(self, sha: str, keys: list[str], args: list[Any]) -> Any:
         try:
             return super()._evalsha(sha, keys, args)
@@ -161,7 +178,7 @@ class RedisSentinelBackend(RedisBackend):
             master = self.master_address()
         except RedisError as exc:
             return Topology(master=None, error=f"{type(exc).__name__}: {exc}",
-                            hint=tls_hint(exc) or "")  # fmt: skip
+                            hint=self._hint(exc) or "")  # fmt: skip
         known = 0
         for client in self.sentinel.sentinels:
             try:

@@ -134,7 +134,9 @@ def tls_hint(exc: BaseException) -> str | None:
     seen = _chain(exc)
     texts = [str(e).lower() for e in seen]
     if any(m in t for t in texts for m in ("wrongpass", "invalid username-password", "noauth",
-                                           "invalid password", "unauthenticated")):  # fmt: skip
+                                           "invalid password", "unauthenticated",
+                                           "authentication required",
+                                           "already authenticated")):  # fmt: skip
         return (
             "the lock server refused the login: check the user and password in the URL "
             "(redis://user:password@host..., percent-encoded; for the sentinels themselves, "
