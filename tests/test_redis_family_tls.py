@@ -106,7 +106,9 @@ def test_the_right_ca_client_certificate_and_password_take_locks_with_rising_fen
         assert backend.security() == Security(tls=True, verified=True, hostname_checked=True,
                                               auth=True)  # fmt: skip
         first = backend.try_acquire("tls-job", 5)
-        assert first is not None and first.extend() is None and first.release()
+        assert first is not None
+        first.extend()
+        assert first.release()
         second = backend.try_acquire("tls-job", 5)
         assert second is not None and second.fence > first.fence
         assert second.release()
@@ -165,13 +167,15 @@ def test_a_certificate_for_another_host_name_is_refused(family: Family, pki: Pki
     @contextlib.contextmanager
     def certificate(cert: Path, key: Path) -> Iterator[None]:
         for server in family.servers:
-            server.client().execute_command("CONFIG", "SET", "tls-cert-file", str(cert),
-                                            "tls-key-file", str(key))  # fmt: skip
+            admin: Any = server.client()
+            admin.execute_command("CONFIG", "SET", "tls-cert-file", str(cert),
+                                  "tls-key-file", str(key))  # fmt: skip
         try:
             yield
         finally:
             for server in family.servers:
-                server.client().execute_command(
+                restore: Any = server.client()
+                restore.execute_command(
                     "CONFIG", "SET", "tls-cert-file", str(pki.server_cert),
                     "tls-key-file", str(pki.server_key),
                 )

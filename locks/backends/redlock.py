@@ -565,8 +565,7 @@ class RedlockBackend(LockBackend):
             link = links[i]
             if link is None or not link.send(payload):
                 if link is not None:
-                    link.close()
-                    links[i] = None
+                    self._drop(links, i)
                 replies[i] = NO_REPLY
                 continue
             waiting[link.fd] = i
@@ -598,8 +597,6 @@ class RedlockBackend(LockBackend):
         if data is None:
             return _MORE
         if not data:  # closed or reset: whatever it owed is lost
-            if link.error is not None:
-                self.masters[i].last_error = link.error
             return self._drop(links, i)
         link.buf += data
         while link.owed:
@@ -623,10 +620,11 @@ class RedlockBackend(LockBackend):
             link.owed += len(loads)  # one send, but a reply per command
         return _MORE
 
-    @staticmethod
-    def _drop(links: list[_Link | None], i: int) -> Any:
+    def _drop(self, links: list[_Link | None], i: int) -> Any:
         link = links[i]
         if link is not None:
+            if link.error is not None:  # why, for BackendUnavailable's hint
+                self.masters[i].last_error = link.error
             link.close()
         links[i] = None
         return NO_REPLY
