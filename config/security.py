@@ -28,7 +28,7 @@ DEV_SECRET = "jobfence-insecure-dev-secret"
 # Schemes whose server lives in this process or on this host's file system: nothing to check.
 _LOCAL_SCHEMES = frozenset({"memory", "sqlite", "rpc", "file", "cache+memory", "db+sqlite"})
 _REDIS = frozenset({"redis", "rediss", "redis+sentinel", "redis+cluster", "redlock",
-                    "sentinel", "rediss+sentinel", "rediss+cluster"})  # fmt: skip
+                    "sentinel", "rediss+sentinel", "rediss+cluster", "redlocks"})  # fmt: skip
 _POSTGRES = frozenset({
     "postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2", "db+postgresql",
     "db+postgresql+psycopg", "db+postgresql+psycopg2",
@@ -36,7 +36,7 @@ _POSTGRES = frozenset({
 _MYSQL = frozenset({"mysql", "mariadb", "mysql+pymysql", "mariadb+pymysql", "db+mysql",
                     "db+mysql+pymysql"})  # fmt: skip
 _TLS_SCHEMES = frozenset({"rediss", "amqps", "https", "etcds", "rediss+sentinel",
-                          "rediss+cluster", "sqs"})  # fmt: skip
+                          "rediss+cluster", "redlocks", "sqs"})  # fmt: skip
 _FALSE = frozenset({"false", "0", "no", "off", "none", "cert_none", "optional",
                     "cert_optional"})  # fmt: skip
 _TRUE = frozenset({"true", "1", "yes", "on", "required", "cert_required"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, unquote, urlencode
+from urllib.parse import parse_qsl, quote, unquote, urlencode
 
 from jobfence.config.errors import UnsafeSettings
 
@@ -147,12 +147,14 @@ REDLOCK_EXAMPLE = "redlock://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
 
 
 def _multi_host(
-    url: str, scheme: str, variable: str, fix: str
-) -> tuple[str, str, str]:
-    """(shown, userinfo, rest) of a `scheme://[user:password@]host:port[,...]...` URL,
-    refused with one line naming `variable` if the scheme, credentials or options are wrong."""
+    url: str, scheme: str, variable: str, fix: str, options: tuple[str, ...] = ()
+) -> tuple[str, str, str, dict[str, str]]:
+    """(shown, userinfo, rest, query options) of a `scheme://[user:password@]host:port[,...]`
+    URL (or its TLS spelling, REDIS_TLS_SCHEMES), refused with one line naming `variable` if
+    the scheme, credentials or options are wrong; `options`: the query options it takes."""
     shown = redact(url)
-    if not url.lower().startswith(f"{scheme}://"):
+    spellings = [scheme, *(s for s, plain in REDIS_TLS_SCHEMES.items() if plain == scheme)]
+    if not any(url.lower().startswith(f"{s}://") for s in spellings):
         raise UnsafeSettings(variable, f"{shown!r} is not a {scheme}:// URL", fix)
     userinfo, rest = _split_userinfo(url)
     if any(c in userinfo for c in "/#?"):
@@ -161,11 +163,121 @@ def _multi_host(
             f"{shown!r} has '/', '?' or '#' in its user name or password",
             "percent-encode them in the URL (/ as %2F, ? as %3F, # as %23, @ as %40)",
         )
-    if "?" in rest or "#" in rest:
+    if "#" in rest:
+        raise UnsafeSettings(variable, f"{shown!r} has a fragment ('#'), which {scheme}:// "
+                             "does not take", "percent-encode '#' as %23")  # fmt: skip
+    rest, _, query = rest.partition("?")
+    found: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in options:
+            raise UnsafeSettings(
+                variable, f"{shown!r} has option {name!r}, which {scheme}:// does not take",
+                f"{fix}, with only {', '.join(options)} as query options" if options else fix,
+            )
+        found[name] = value
+    return shown, userinfo, rest, found
+
+
+#: TLS spellings of the Redis family's schemes, and the plain scheme of each.
+REDIS_TLS_SCHEMES = {"rediss": "redis", "rediss+sentinel": "redis+sentinel",
+                     "rediss+cluster": "redis+cluster", "redlocks": "redlock"}  # fmt: skip
+#: The TLS options every Redis-family URL takes, named as redis-py's keyword arguments.
+REDIS_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+                     "ssl_check_hostname")  # fmt: skip
+_CERT_REQS = {"none": "none", "cert_none": "none", "optional": "optional",
+              "cert_optional": "optional", "required": "required", "cert_required": "required"}
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True,
+          "false": False, "0": False, "no": False, "off": False}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RedisTls:
+    """The TLS a Redis-family URL asks for (`on` False: plain TCP). Verification and the
+    host-name check are on unless the URL turns them off (ssl_cert_reqs=none or optional,
+    ssl_check_hostname=false): jobfence sets them itself, whatever the redis-py version."""
+
+    on: bool = False
+    ca_certs: str | None = None  # None: the system's trusted CAs
+    certfile: str | None = None  # a client certificate (with keyfile)
+    keyfile: str | None = None
+    cert_reqs: str = "required"  # required | optional | none
+    check_hostname: bool = True
+
+    @property
+    def verified(self) -> bool:
+        return self.on and self.cert_reqs == "required"
+
+    @property
+    def hostname_checked(self) -> bool:
+        return self.verified and self.check_hostname
+
+    def query(self) -> dict[str, str]:
+        """The options as a URL's query, for one master's rediss:// URL (Redlock)."""
+        if not self.on:
+            return {}
+        out = {"ssl_cert_reqs": self.cert_reqs,
+               "ssl_check_hostname": "true" if self.check_hostname else "false"}  # fmt: skip
+        for name, value in (("ssl_ca_certs", self.ca_certs), ("ssl_certfile", self.certfile),
+                            ("ssl_keyfile", self.keyfile)):  # fmt: skip
+            if value:
+                out[name] = value
+        return out
+
+
+def redis_tls(url: str, options: dict[str, str], variable: str = "JOBFENCE_LOCK_URL") -> RedisTls:
+    """The TLS of a Redis-family URL: its scheme (rediss, rediss+sentinel, rediss+cluster,
+    redlocks) turns TLS on, and `options` (its query) may name a CA, a client certificate, or
+    turn a check off. The one parsing of these options for every Redis store, sync and async;
+    refused, naming the option and the fix, if an option is unknown, has a bad value, or
+    asks for TLS on a plain scheme."""
+    scheme = url.split("://", 1)[0].lower()
+    shown = redact(url)
+    given = {k: v for k, v in options.items() if k in REDIS_TLS_OPTIONS}
+    on = scheme in REDIS_TLS_SCHEMES
+    if not on:
+        if given:
+            tls = next((s for s, plain in REDIS_TLS_SCHEMES.items() if plain == scheme), "")
+            raise UnsafeSettings(
+                variable, f"{shown!r} has {next(iter(given))}= but {scheme}:// is plain TCP: "
+                "the option would be ignored and nothing encrypted",
+                f"use {tls or 'a TLS scheme'}:// for TLS, or drop the ssl_ options",
+            )
+        return RedisTls()
+    reqs = given.get("ssl_cert_reqs", "required").lower()
+    if reqs not in _CERT_REQS:
+        raise UnsafeSettings(variable, f"{shown!r} has ssl_cert_reqs={reqs!r}",
+                             "use ssl_cert_reqs=required (the default), optional or none")
+    reqs = _CERT_REQS[reqs]
+    raw = given.get("ssl_check_hostname")
+    if raw is not None and raw.lower() not in _BOOLS:
+        raise UnsafeSettings(variable, f"{shown!r} has ssl_check_hostname={raw!r}",
+                             "use ssl_check_hostname=true (the default) or false")
+    # A host name cannot be checked on a certificate nobody verified: ssl_cert_reqs=none
+    # turns the check off with it (one downgrade, which the start-up check reports).
+    check = _BOOLS[raw.lower()] if raw is not None else reqs != "none"
+    if check and reqs == "none":
         raise UnsafeSettings(
-            variable, f"{shown!r} has query options, which {scheme}:// does not take", fix
+            variable, f"{shown!r} has ssl_check_hostname=true with ssl_cert_reqs=none: a host "
+            "name cannot be checked on a certificate that is not verified",
+            "drop ssl_cert_reqs=none (verification is the default)",
         )
-    return shown, userinfo, rest
+    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        if name in given and not given[name]:
+            raise UnsafeSettings(variable, f"{shown!r} has an empty {name}=",
+                                 f"give {name} a file path, or drop it")  # fmt: skip
+    if "ssl_keyfile" in given and "ssl_certfile" not in given:
+        raise UnsafeSettings(
+            variable, f"{shown!r} has ssl_keyfile= without ssl_certfile=",
+            "give the client certificate as ssl_certfile=/path/client.crt with its key",
+        )
+    return RedisTls(
+        on=True,
+        ca_certs=given.get("ssl_ca_certs"),
+        certfile=given.get("ssl_certfile"),
+        keyfile=given.get("ssl_keyfile"),
+        cert_reqs=reqs,
+        check_hostname=check,
+    )
 
 
 def _host_list(
@@ -191,15 +303,20 @@ def _host_list(
 
 
 def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
-    """The redis:// URL of each master a redlock:// URL names, in its order.
+    """The redis:// URL of each master a redlock:// URL names, in its order (rediss:// with
+    the TLS options, for redlocks://).
 
-    `redlock://[user:password@]host:port,host:port,host:port[,...][/db]`: an odd number of
+    `redlock[s]://[user:password@]host:port,host:port,host:port[,...][/db][?ssl_...]`: an
+    odd number of
     at least three distinct masters, so a majority outlives the loss of any minority (an
     even count tolerates no more failures than the odd count below it, and splits votes).
-    The user, password and db apply to every master.
+    The user, password, db and TLS options apply to every master (masters with passwords
+    of their own: RedlockBackend takes a list of redis:// or rediss:// URLs).
     """
     fix = f"set {variable} to a URL such as {REDLOCK_EXAMPLE}"
-    shown, userinfo, rest = _multi_host(url, "redlock", variable, fix)
+    shown, userinfo, rest, options = _multi_host(url, "redlock", variable, fix,
+                                                 REDIS_TLS_OPTIONS)  # fmt: skip
+    tls = redis_tls(url, options, variable)
     hosts, _, tail = rest.partition("/")
     db = tail.strip("/")
     if db and not db.isdigit():
@@ -222,22 +339,35 @@ def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
             fix,
         )
     auth = f"{userinfo}@" if userinfo else ""
-    return [f"redis://{auth}{m}/{db or 0}" for m in masters]
+    query = f"?{urlencode(tls.query(), safe='/', quote_via=quote)}" if tls.on else ""
+    scheme = "rediss" if tls.on else "redis"
+    return [f"{scheme}://{auth}{m}/{db or 0}{query}" for m in masters]
 
 
 CLUSTER_EXAMPLE = "redis+cluster://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
 
 
-def cluster_nodes(
-    url: str, variable: str = "JOBFENCE_LOCK_URL"
-) -> tuple[list[tuple[str, int]], str | None, str | None]:
-    """(seed nodes, user, password) of `redis+cluster://[user:password@]host:port[,...]`.
+@dataclass(frozen=True)
+class ClusterTarget:
+    """What a redis+cluster:// URL names: seed nodes, the credentials and TLS of every node."""
+
+    nodes: list[tuple[str, int]]
+    username: str | None
+    password: str | None = field(repr=False)
+    tls: RedisTls = field(default_factory=RedisTls)
+
+
+def cluster_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> ClusterTarget:
+    """Parse `redis+cluster://[user:password@]host:port[,...]` (`rediss+cluster://` and the
+    ssl_ options for TLS to every node).
 
     The seeds are where the client first asks for the cluster's map; any one that answers
     will do, so list several. A cluster has database 0 only: no path but '/' or '/0'.
     """
     fix = f"set {variable} to a URL such as {CLUSTER_EXAMPLE}"
-    shown, userinfo, rest = _multi_host(url, "redis+cluster", variable, fix)
+    shown, userinfo, rest, options = _multi_host(url, "redis+cluster", variable, fix,
+                                                 REDIS_TLS_OPTIONS)  # fmt: skip
+    tls = redis_tls(url, options, variable)
     hosts, _, tail = rest.partition("/")
     if tail.strip("/") not in ("", "0"):
         raise UnsafeSettings(
@@ -247,11 +377,18 @@ def cluster_nodes(
         )
     nodes = [(h.strip("[]"), p) for h, p in _host_list(hosts, "node", 6379, shown, variable, fix)]
     user, colon, password = userinfo.partition(":")
-    return (
-        list(dict.fromkeys(nodes)),
-        unquote(user) or None,
-        unquote(password) if colon else None,
+    return ClusterTarget(
+        list(dict.fromkeys(nodes)), unquote(user) or None, unquote(password) if colon else None,
+        tls,
     )
+
+
+def cluster_nodes(
+    url: str, variable: str = "JOBFENCE_LOCK_URL"
+) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """(seed nodes, user, password) of a redis+cluster:// URL (`cluster_target`)."""
+    target = cluster_target(url, variable)
+    return target.nodes, target.username, target.password
 
 
 SENTINEL_EXAMPLE = "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379/mymaster/0"
@@ -259,24 +396,41 @@ SENTINEL_EXAMPLE = "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:2637
 
 @dataclass(frozen=True)
 class SentinelTarget:
-    """What a redis+sentinel:// URL names: the sentinels, the master's name, its database
-    and the credentials of the master (and its replicas; the sentinels are asked without)."""
+    """What a redis+sentinel:// URL names: the sentinels, the master's name, its database,
+    the credentials of the master (and its replicas), the sentinels' own credentials
+    (`sentinel_username`, `sentinel_password`: none unless given) and the TLS of both."""
 
     sentinels: tuple[tuple[str, int], ...]
     service: str
     db: int
     username: str | None
     password: str | None = field(repr=False)
+    tls: RedisTls = field(default_factory=RedisTls)
+    sentinel_username: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
+
+
+#: The options of a redis+sentinel:// URL: TLS, and the sentinels' own credentials.
+SENTINEL_OPTIONS = (*REDIS_TLS_OPTIONS, "sentinel_username", "sentinel_password")
 
 
 def sentinel_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> SentinelTarget:
-    """Parse `redis+sentinel://[user:password@]host:port[,host:port...]/<master-name>[/db]`.
+    """Parse `redis+sentinel://[user:password@]host:port[,host:port...]/<master-name>[/db]`
+    (`rediss+sentinel://` for TLS to the sentinels and the master, with the ssl_ options;
+    `?sentinel_password=` for sentinels that ask for one).
 
     Each host is a sentinel (port 26379 if left out), the path names the master the
     sentinels monitor (`sentinel monitor <master-name> ...`) and optionally its database.
     """
     fix = f"set {variable} to a URL such as {SENTINEL_EXAMPLE}"
-    shown, userinfo, rest = _multi_host(url, "redis+sentinel", variable, fix)
+    shown, userinfo, rest, options = _multi_host(url, "redis+sentinel", variable, fix,
+                                                 SENTINEL_OPTIONS)  # fmt: skip
+    tls = redis_tls(url, options, variable)
+    if "sentinel_username" in options and not options.get("sentinel_password"):
+        raise UnsafeSettings(
+            variable, f"{shown!r} has sentinel_username= without sentinel_password=",
+            "give the sentinels' password too: ?sentinel_username=u&sentinel_password=p",
+        )
     hosts, _, path = rest.partition("/")
     sentinels = [
         (h.strip("[]"), p) for h, p in _host_list(hosts, "sentinel", 26379, shown, variable, fix)
@@ -304,6 +458,9 @@ def sentinel_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> SentinelTa
         db=int(db or 0),
         username=unquote(user) or None,
         password=unquote(password) if colon else None,
+        tls=tls,
+        sentinel_username=options.get("sentinel_username") or None,
+        sentinel_password=options.get("sentinel_password") or None,
     )
 
 

@@ -6,9 +6,11 @@ import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import redis
 
+from devstack.pki import Pki, redis_tls_args, tls_query
 from jobfence.worker import procs
 from jobfence.worker.redis_server import RedisServer, RedisServerError, free_port
 
@@ -40,6 +42,8 @@ class LocalCluster(procs.ServerGroup):
         node_timeout_ms: int = 2000,
         executable: str = "redis-server",
         startup_timeout: float = 30.0,
+        tls: Pki | None = None,
+        password: str | None = None,
     ) -> None:
         if masters < 1 or replicas < 0:
             raise ValueError(f"need masters >= 1 and replicas >= 0, got {masters}, {replicas}")
@@ -49,6 +53,10 @@ class LocalCluster(procs.ServerGroup):
         root = self._dir.make()
         self.servers: list[RedisServer] = []
         self.bus_ports: list[int] = []
+        #: With `tls`: each node's TLS port, the one the cluster announces (tls-cluster yes),
+        #: and the bus in TLS; the plain port serves the harness.
+        self.tls = tls
+        self.tls_ports: list[int] = []
         for i in range(masters * (1 + replicas)):
             workdir = root / f"n{i}"
             args = [
@@ -61,8 +69,11 @@ class LocalCluster(procs.ServerGroup):
                 # right after start-up, and loopback replication never lags long.
                 "--cluster-replica-validity-factor", "0",
             ]  # fmt: skip
+            if tls is not None:
+                self.tls_ports.append(free_port())
+                args += redis_tls_args(tls, self.tls_ports[-1], cluster=True)
             self.servers.append(RedisServer(executable=executable, extra_args=args,
-                                            workdir=workdir))
+                                            workdir=workdir, password=password))  # fmt: skip
         self.n_masters = masters
         self.n_replicas = replicas
         self.ids: list[str] = []
@@ -82,8 +93,14 @@ class LocalCluster(procs.ServerGroup):
 
     @property
     def url(self) -> str:
-        """``redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...`` (every node, as seeds)."""
-        return "redis+cluster://" + ",".join(f"{s.host}:{s.port}" for s in self.servers)
+        """``redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...`` (every node, as seeds; with TLS
+        ``rediss+cluster://`` to the TLS ports, the password, the CA and client options)."""
+        if self.tls is None:
+            return "redis+cluster://" + ",".join(f"{s.host}:{s.port}" for s in self.servers)
+        password = self.servers[0].password
+        auth = f":{quote(password, safe='')}@" if password else ""
+        hosts = ",".join(f"{s.host}:{p}" for s, p in zip(self.servers, self.tls_ports, strict=True))
+        return f"rediss+cluster://{auth}{hosts}?{tls_query(self.tls)}"
 
     def client(self, index: int) -> redis.Redis:
         """A plain client of node `index` (not cluster-aware)."""
@@ -99,8 +116,10 @@ class LocalCluster(procs.ServerGroup):
             c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
             # Distinct epochs up front, as redis-cli does: no collision to resolve later.
             c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
-        for server, bus in zip(self.servers[1:], self.bus_ports[1:], strict=True):
-            clients[0].execute_command("CLUSTER", "MEET", server.host, server.port, bus)
+        ports = self.tls_ports or [s.port for s in self.servers]  # the port nodes announce
+        for server, port, bus in zip(self.servers[1:], ports[1:], self.bus_ports[1:],
+                                     strict=True):  # fmt: skip
+            clients[0].execute_command("CLUSTER", "MEET", server.host, port, bus)
         everyone = len(self.servers)
         self._wait(lambda: all(self._known(c) == everyone for c in clients),
                    "every node to know every other")

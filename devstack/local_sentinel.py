@@ -9,11 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
+from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from devstack.pki import Pki, redis_tls_args, tls_query
 from jobfence.worker import procs
 from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
 
@@ -34,11 +36,14 @@ class _Sentinel:
     log: Path
     myid: str
     server: procs.ServerProcess = field(repr=False)
+    password: str | None = field(default=None, repr=False)  # its own requirepass
+    tls_port: int = 0  # with TLS: what clients and the other sentinels use
 
     def client(self, timeout: float = 1.0) -> redis.Redis:
+        """A client of its plain port (the harness's)."""
         return redis.Redis(host=HOST, port=self.port, socket_timeout=timeout,
                            socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
-                           decode_responses=True)  # fmt: skip
+                           decode_responses=True, password=self.password)  # fmt: skip
 
 
 class LocalSentinel(procs.Launcher):
@@ -63,6 +68,9 @@ class LocalSentinel(procs.Launcher):
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 3000,
         executable: str = "redis-server",
+        tls: Pki | None = None,
+        password: str | None = None,
+        sentinel_password: str | None = None,
     ) -> None:
         if sentinels < 1 or replicas < 0:
             raise ValueError("need at least one sentinel and a non-negative replica count")
@@ -74,14 +82,25 @@ class LocalSentinel(procs.Launcher):
         self._dir = procs.Workdir(None, "jobfence-sentinel-")
         root = self._dir.make()
         master_port = free_port()
+        # With `tls`: every node and sentinel serves TLS on a port of its own (what the
+        # sentinels name and the URL lists; replication and the sentinels' links in TLS too),
+        # the plain ports serve the harness. `password`: the nodes' requirepass (the
+        # sentinels are told it); `sentinel_password`: the sentinels' own.
+        self.tls = tls
+        self.password = password
+        self.sentinel_password = sentinel_password
+        self.tls_ports = [free_port() for _ in range(replicas + 1)] if tls else []
+        upstream = self.tls_ports[0] if tls else master_port
         self.nodes = [
             RedisServer(
                 master_port if i == 0 else None,
                 executable=executable,
                 workdir=root / f"node{i}",
+                password=password,
                 # A replica syncs at once (7.0 waits 5 s for more replicas to share a sync).
                 extra_args=("--repl-diskless-sync-delay", "0",
-                            *(() if i == 0 else ("--replicaof", HOST, str(master_port)))),
+                            *(() if i == 0 else ("--replicaof", HOST, str(upstream))),
+                            *(redis_tls_args(tls, self.tls_ports[i]) if tls else ())),
             )
             for i in range(replicas + 1)
         ]
@@ -92,6 +111,7 @@ class LocalSentinel(procs.Launcher):
                 log=root / f"sentinel{i}.log",
                 myid=secrets.token_hex(20),
                 server=procs.ServerProcess(f"sentinel {i}", error=SentinelError),
+                password=sentinel_password,
             )
             for i in range(sentinels)
         ]
@@ -100,9 +120,20 @@ class LocalSentinel(procs.Launcher):
 
     @property
     def url(self) -> str:
-        """``redis+sentinel://127.0.0.1:s1,127.0.0.1:s2,.../<service>``"""
-        hosts = ",".join(f"{HOST}:{s.port}" for s in self.sentinels)
-        return f"redis+sentinel://{hosts}/{self.service}"
+        """``redis+sentinel://127.0.0.1:s1,127.0.0.1:s2,.../<service>`` (with TLS,
+        ``rediss+sentinel://`` to the TLS ports with the CA and client options; the
+        passwords in it when set)."""
+        if self.tls is None and not self.password and not self.sentinel_password:
+            hosts = ",".join(f"{HOST}:{s.port}" for s in self.sentinels)
+            return f"redis+sentinel://{hosts}/{self.service}"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        hosts = ",".join(f"{HOST}:{s.tls_port or s.port}" for s in self.sentinels)
+        query = [tls_query(self.tls)] if self.tls else []
+        if self.sentinel_password:
+            query.append(f"sentinel_password={quote(self.sentinel_password, safe='')}")
+        scheme = "rediss+sentinel" if self.tls else "redis+sentinel"
+        return f"{scheme}://{auth}{hosts}/{self.service}" + (f"?{'&'.join(query)}" if query
+                                                              else "")  # fmt: skip
 
     def master_address(self) -> tuple[str, int] | None:
         """The master the first answering sentinel names, or None if none answers."""
@@ -121,8 +152,9 @@ class LocalSentinel(procs.Launcher):
         return None
 
     def node_at(self, port: int) -> RedisServer:
-        for node in self.nodes:
-            if node.port == port:
+        """The node listening on `port` (its plain or its TLS port)."""
+        for i, node in enumerate(self.nodes):
+            if node.port == port or (self.tls_ports and self.tls_ports[i] == port):
                 return node
         raise SentinelError(f"no node of this topology listens on port {port}")
 
@@ -143,7 +175,7 @@ class LocalSentinel(procs.Launcher):
         try:
             for node in self.nodes:
                 node.start()
-            self._start_sentinels(self.nodes[0].port)
+            self._start_sentinels(self.tls_ports[0] if self.tls else self.nodes[0].port)
             self.wait_ready(timeout)
         except BaseException:
             self.stop()
@@ -153,6 +185,7 @@ class LocalSentinel(procs.Launcher):
     def _start_sentinels(self, master_port: int) -> None:
         for sentinel in self.sentinels:
             sentinel.port = free_port()
+            sentinel.tls_port = free_port() if self.tls else 0
         for sentinel in self.sentinels:
             self._write_conf(sentinel, master_port)
             sentinel.server.what = f"sentinel on port {sentinel.port}"
@@ -172,10 +205,17 @@ class LocalSentinel(procs.Launcher):
             f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
             f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
             f"sentinel parallel-syncs {name} 1",
-            *(f"sentinel known-replica {name} {HOST} {n.port}" for n in self.nodes[1:]),
-            *(f"sentinel known-sentinel {name} {HOST} {o.port} {o.myid}"
+            *(f"sentinel known-replica {name} {HOST} {p}"
+              for p in (self.tls_ports or [n.port for n in self.nodes])[1:]),
+            *(f"sentinel known-sentinel {name} {HOST} {o.tls_port or o.port} {o.myid}"
               for o in self.sentinels if o is not sentinel),
+            *([f"sentinel auth-pass {name} {self.password}"] if self.password else []),
+            *([f"requirepass {self.sentinel_password}"] if self.sentinel_password else []),
         ]  # fmt: skip
+        if self.tls is not None:  # redis-server's TLS arguments, as config lines
+            args = redis_tls_args(self.tls, sentinel.tls_port)
+            lines += [f"{k.removeprefix('--')} {v}" for k, v in zip(args[::2], args[1::2],
+                                                                     strict=True)]  # fmt: skip
         sentinel.conf.write_text("\n".join(lines) + "\n")
 
     def wait_ready(self, timeout: float = 20.0) -> None:
@@ -320,7 +360,8 @@ class LocalSentinel(procs.Launcher):
             raise SentinelError(f"node {node.port} did not come back: {exc}") from exc
         client = node.client(socket_timeout=2.0)
         try:
-            client.replicaof(HOST, master.port)
+            port = self.tls_ports[self.nodes.index(master)] if self.tls else master.port
+            client.replicaof(HOST, port)
         finally:
             client.close()
         self.wait_ready(timeout)

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["Pki", "make_pki"]
+__all__ = ["Pki", "make_pki", "redis_tls_args", "tls_query"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +120,30 @@ def make_pki(where: Path) -> Pki:
         client_cert=made["client"],
         client_key=made["client"].with_suffix(".key"),
     )
+
+
+def redis_tls_args(pki: Pki, tls_port: int, *, cluster: bool = False) -> list[str]:
+    """redis-server's arguments to serve TLS on `tls_port` with `pki`'s server certificate,
+    asking every client for a certificate of `pki`'s CA, and speaking TLS (with the client
+    certificate) to its master, its sentinels' peers and, with `cluster`, on the cluster bus.
+    The plain port stays open for the test harness on loopback."""
+    return [
+        "--tls-port", str(tls_port),
+        "--tls-cert-file", str(pki.server_cert),
+        "--tls-key-file", str(pki.server_key),
+        "--tls-ca-cert-file", str(pki.ca),
+        "--tls-auth-clients", "yes",
+        "--tls-client-cert-file", str(pki.client_cert),
+        "--tls-client-key-file", str(pki.client_key),
+        "--tls-replication", "yes",
+        *(["--tls-cluster", "yes"] if cluster else []),
+    ]  # fmt: skip
+
+
+def tls_query(pki: Pki, *, ca: Path | None = None, client_cert: bool = True) -> str:
+    """A Redis-family URL's TLS query for `pki`: its CA (or `ca`), and its client
+    certificate unless `client_cert` is false."""
+    parts = [f"ssl_ca_certs={ca or pki.ca}"]
+    if client_cert:
+        parts += [f"ssl_certfile={pki.client_cert}", f"ssl_keyfile={pki.client_key}"]
+    return "&".join(parts)

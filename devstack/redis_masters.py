@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
+from devstack.pki import Pki, redis_tls_args, tls_query
 from jobfence.worker import procs
-from jobfence.worker.redis_server import RedisServer
+from jobfence.worker.redis_server import RedisServer, free_port
 
 __all__ = ["RedisMasters"]
 
@@ -25,21 +27,35 @@ class RedisMasters(procs.ServerGroup):
     ``restart(i, keep_data=False)`` wipes it first.
     """
 
-    def __init__(self, n: int, *, durable: bool = False, executable: str = "redis-server") -> None:
+    def __init__(
+        self, n: int, *, durable: bool = False, executable: str = "redis-server",
+        tls: Pki | None = None, password: str | None = None,
+    ) -> None:  # fmt: skip
         self.durable = durable
+        self.tls = tls
         base = str(TMPFS) if durable and TMPFS.is_dir() else None
         self._dir = procs.Workdir(None, "jobfence-redlock-", parent=base)
         root = self._dir.make()
         extra = ["--appendonly", "yes", "--appendfsync", "always"] if durable else []
+        #: Each master's TLS port (with `tls`: its certificate from that test CA, a client
+        #: certificate asked of every client); the plain port serves the harness.
+        self.tls_ports = [free_port() for _ in range(n)] if tls else []
         self.servers: list[RedisServer] = [
-            RedisServer(executable=executable, extra_args=extra, workdir=root / f"m{i}")
+            RedisServer(executable=executable, workdir=root / f"m{i}", password=password,
+                        extra_args=[*extra, *(redis_tls_args(tls, self.tls_ports[i])
+                                              if tls else [])])
             for i in range(n)
         ]
 
     @property
     def url(self) -> str:
-        """``redlock://127.0.0.1:p1,127.0.0.1:p2,...``"""
-        return "redlock://" + ",".join(f"{s.host}:{s.port}" for s in self.servers)
+        """``redlock://127.0.0.1:p1,127.0.0.1:p2,...`` (with TLS: ``redlocks://`` to the TLS
+        ports, the password and the CA and client certificate options)."""
+        if self.tls is None:
+            return "redlock://" + ",".join(f"{s.host}:{s.port}" for s in self.servers)
+        auth = f":{quote(self.servers[0].password, safe='')}@" if self.servers[0].password else ""
+        hosts = ",".join(f"{s.host}:{p}" for s, p in zip(self.servers, self.tls_ports, strict=True))
+        return f"redlocks://{auth}{hosts}?{tls_query(self.tls)}"
 
     def restart(self, index: int, *, keep_data: bool = False) -> None:
         """Crash master `index` (SIGKILL) and start it again on its port, empty unless

@@ -197,8 +197,9 @@ register(BackendEntry(
     check_url=urls.check_mysql_url, default_port=3306,
 ))  # fmt: skip
 register(BackendEntry(
-    "redlock", ("redlock",), _BACKENDS + "redlock", "RedlockBackend",
+    "redlock", ("redlock", "redlocks"), _BACKENDS + "redlock", "RedlockBackend",
     replace(_LEASES, durable_fence=False), check_url=urls.redlock_masters, default_port=6379,
+    tls_scheme="redlocks",
     async_store=_BACKENDS + "redlock_async:AsyncRedlockStore",
 ))  # fmt: skip
 register(BackendEntry(
@@ -206,13 +207,15 @@ register(BackendEntry(
     check_url=urls.check_etcd_url, default_port=2379, tls_scheme="etcds",
 ))  # fmt: skip
 register(BackendEntry(
-    "redis-cluster", ("redis+cluster",), _BACKENDS + "redis_cluster", "RedisClusterBackend",
-    _FULL, check_url=urls.cluster_nodes, default_port=6379,
+    "redis-cluster", ("redis+cluster", "rediss+cluster"), _BACKENDS + "redis_cluster",
+    "RedisClusterBackend", _FULL, check_url=urls.cluster_target, default_port=6379,
+    tls_scheme="rediss+cluster",
     async_store=_BACKENDS + "redis_cluster_async:AsyncClusterStore",
 ))  # fmt: skip
 register(BackendEntry(
-    "redis-sentinel", ("redis+sentinel",), _BACKENDS + "redis_sentinel", "RedisSentinelBackend",
-    replace(_FULL, ha=True), check_url=urls.sentinel_target, default_port=26379,
+    "redis-sentinel", ("redis+sentinel", "rediss+sentinel"), _BACKENDS + "redis_sentinel",
+    "RedisSentinelBackend", replace(_FULL, ha=True), check_url=urls.sentinel_target,
+    default_port=26379, tls_scheme="rediss+sentinel",
     async_store=_BACKENDS + "redis_sentinel_async:AsyncSentinelStore",
 ))  # fmt: skip
 register(BackendEntry(

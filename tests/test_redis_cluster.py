@@ -225,7 +225,7 @@ def test_cluster_url_parsing() -> None:
         ("redis+cluster://h:1/3", "database 0 only"),
         ("redis+cluster://h:1,,h:2", "names no host"),
         ("redis+cluster://h:x", "not a number"),
-        ("redis+cluster://h:1?ssl=true", "query options"),
+        ("redis+cluster://h:1?ssl=true", "does not take"),
     ],
 )
 def test_bad_cluster_urls_are_refused_naming_the_variable(url: str, problem: str) -> None:

@@ -75,7 +75,7 @@ def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
         ("redlock://a:1,,b:2", "empty master"),
         ("redlock://a:1,b:x,c:3", "port 'x'"),
         ("redlock://a:1,b:2,c:3/zero", "database 'zero'"),
-        ("redlock://a:1,b:2,c:3?socket_timeout=1", "query options"),
+        ("redlock://a:1,b:2,c:3?socket_timeout=1", "does not take"),
     ],
 )
 def test_an_unusable_redlock_url_is_refused_naming_the_variable(url: str, problem: str) -> None:

@@ -67,7 +67,7 @@ def startup_findings(url: str) -> list[Finding]:
         ("redis+sentinel://h1:x/m", "port 'x'"),
         ("redis+sentinel://h1:26379,h1:26379/m", "more than once"),
         ("redis+sentinel://h1:26379/m/zero", "database 'zero'"),
-        ("redis+sentinel://h1:26379/m?socket_timeout=1", "query options"),
+        ("redis+sentinel://h1:26379/m?socket_timeout=1", "does not take"),
     ],
 )
 def test_an_unusable_sentinel_url_is_refused_naming_the_variable(url: str, problem: str) -> None:

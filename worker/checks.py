@@ -294,6 +294,10 @@ def check_sentinel_lock(backend: RedisSentinelBackend, setting: str, url: str) -
     promoted on failover, with its own policy); warn of a master with no replica to fail
     over to, or fewer than 3 sentinels (a quorum that survives the loss of one)."""
     topo = backend.topology()
+    if topo.master is None and topo.hint:  # TLS or a login that cannot work: no outage
+        yield _refuse(setting, f"the sentinels of {redact(url)} cannot be used: "
+                      f"{topo.error}", topo.hint)  # fmt: skip
+        return
     if topo.master is None:
         # As for one server: come up and wait rather than crash-loop during an outage.
         yield _warn(
@@ -308,6 +312,11 @@ def check_sentinel_lock(backend: RedisSentinelBackend, setting: str, url: str) -
     try:
         yield from check_eviction(backend.client, "Sentinel master", setting, url)
     except RedisError as exc:
+        hint = tls_hint(exc)
+        if hint:  # the sentinels answer, the master's TLS or login cannot work
+            yield _refuse(setting, f"the Sentinel master of {redact(url)} cannot be used "
+                          f"({exc})", hint)  # fmt: skip
+            return
         yield _warn(setting, f"the Sentinel master of {redact(url)} does not answer ({exc}); "
                     "its eviction policy is unchecked",
                     "make sure it runs with maxmemory-policy noeviction")  # fmt: skip
@@ -432,7 +441,7 @@ def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threa
 
 def _same_server(a: str, b: str) -> bool:
     """Whether Redis URL `a` names the server (or a Redlock master) of lock URL `b`."""
-    if urlsplit(b).scheme == "redlock":  # one of its masters (each checked as the lock server)
+    if urlsplit(b).scheme in ("redlock", "redlocks"):  # each master checked as the lock server
         return any(_same_server(a, master) for master in redlock_masters(b))
     pa, pb = urlsplit(a), urlsplit(b)
     if pb.scheme not in REDIS_SCHEMES:  # a database, etcd, ZooKeeper: never the Redis broker

@@ -69,6 +69,7 @@ class RedisServer(procs.SingleServer):
         bind: Sequence[str] = (HOST,),
         prefix_command: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        password: str | None = None,
     ) -> None:
         if not bind:
             raise ValueError("bind must list at least one address, e.g. ('127.0.0.1',)")
@@ -82,6 +83,8 @@ class RedisServer(procs.SingleServer):
         self._dir = procs.Workdir(workdir, "jobfence-redis-")
         self._server = procs.ServerProcess("redis-server", error=RedisServerError)
         self._clients: list[redis.Redis] = []
+        #: requirepass (and masterauth, for a replica); the probe and `client()` log in with it
+        self.password = password
 
     # -- properties -----------------------------------------------------------------
 
@@ -172,6 +175,8 @@ class RedisServer(procs.SingleServer):
             # Protected mode refuses clients from any address but loopback; a server bound
             # to another address (a test's private veth link) is meant to serve them.
             *(["--protected-mode", "no"] if self._bind != (HOST,) else []),
+            *(["--requirepass", self.password, "--masterauth", self.password]
+              if self.password else []),
             *self._extra_args,
         ]  # fmt: skip
 
@@ -186,6 +191,7 @@ class RedisServer(procs.SingleServer):
             socket_timeout=1.0,
             socket_connect_timeout=1.0,
             retry=Retry(NoBackoff(), 0),
+            password=self.password,
         )
         try:
             self._server.wait_ready(lambda: _answers(probe), self._startup_timeout)
@@ -221,6 +227,7 @@ class RedisServer(procs.SingleServer):
             "socket_connect_timeout": 2.0,
             "socket_timeout": 5.0,
             "retry": Retry(NoBackoff(), 0),
+            "password": self.password,
         }
         options.update(kwargs)
         client = redis.Redis(host=self.host, port=self.port, **options)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import ssl
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -23,10 +22,14 @@ from jobfence.locks.backend import (
     JobRecord,
     LockBackend,
     LockInfo,
+    Security,
     validate_key,
 )
 from jobfence.locks.backends.redis_scripts import load_scripts
 from jobfence.locks.backends.redis_semaphore import RedisSemaphores
+from jobfence.locks.backends.redis_url import CA_FILE_HINT as CA_FILE_HINT
+from jobfence.locks.backends.redis_url import security_of_kwargs, tls_kwargs, url_tls
+from jobfence.locks.backends.redis_url import tls_hint as tls_hint
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.keys import KeySpace
@@ -94,44 +97,6 @@ def _legacy_record(state: str, fp: str, result: str, fence: str, finished_ms: st
         fence=int(fence or 0),
         finished_at=int(finished_ms or 0) / 1000,
     )
-
-
-CA_FILE_HINT = (
-    "if its certificate comes from a private CA, pass the CA file in the URL: "
-    "rediss://host:6380/0?ssl_ca_certs=/path/ca.pem (a client certificate: "
-    "&ssl_certfile=/path/client.crt&ssl_keyfile=/path/client.key)"
-)
-
-
-def tls_hint(exc: BaseException) -> str | None:
-    """What to try when a rediss:// connection failed in its TLS handshake, else None.
-
-    redis-py wraps the cause: a certificate that did not verify is an ssl.SSLError in the
-    chain; a server speaking plain Redis on the port never answers the handshake (timeout)
-    or drops it.
-    """
-    seen: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in seen and len(seen) < 8:
-        seen.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    for e in seen:
-        if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
-            return (
-                "TLS handshake with the lock server failed: its certificate did not verify "
-                f"({getattr(e, 'verify_message', None) or 'untrusted'}); {CA_FILE_HINT}"
-            )
-    texts = [str(e).lower() for e in seen]
-    # Only failures while connecting: an SSL error on an open connection (a server that
-    # went away mid-reply) is no handshake problem.
-    connecting = any("connecting to" in t or "handshake" in t for t in texts)
-    if connecting and any(isinstance(e, ssl.SSLError) or "handshake" in t
-                          for e, t in zip(seen, texts, strict=True)):
-        return (
-            "TLS handshake with the lock server failed: is it serving TLS on this port? "
-            f"A plain Redis port needs redis://, not rediss://; {CA_FILE_HINT}"
-        )
-    return None
 
 
 def client_options(socket_timeout: float) -> dict[str, Any]:
@@ -392,7 +357,10 @@ class RedisBackend(RedisSemaphores, LockBackend):
     def client_for(cls, url: str, *, socket_timeout: float) -> redis.Redis:
         """The client `from_url` builds on: a subclass for another topology (Sentinel)
         overrides this alone and keeps every script, the lane and the admin calls."""
-        return redis.Redis.from_url(url, **client_options(socket_timeout))
+        # The ssl_ options as the URL gives them, parsed once for the whole family; the
+        # host-name check is set explicitly (redis-py before 6 left it off).
+        tls = {k: v for k, v in tls_kwargs(url_tls(url)).items() if k != "ssl"}
+        return redis.Redis.from_url(url, **client_options(socket_timeout), **tls)
 
     @classmethod
     def from_settings(cls, settings: Settings, *, clock: Clock = SYSTEM_CLOCK) -> RedisBackend:
@@ -403,6 +371,15 @@ class RedisBackend(RedisSemaphores, LockBackend):
             fence_retention=settings.fence_retention,
             clock=clock,
         )
+
+    def security(self) -> Security:
+        """TLS and login as the client's connections are configured (the pool's options)."""
+        pool: Any = self.client.connection_pool
+        return security_of_kwargs(pool.connection_kwargs, self._tls)
+
+    def _hint(self, exc: BaseException) -> str | None:
+        """What to fix when `exc` says the TLS set-up or the login cannot work, else None."""
+        return tls_hint(exc)
 
     def _ping(self) -> str:
         self.client.ping()  # the master a Sentinel names; any node of a cluster
@@ -425,7 +402,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
                 script.sha = self.client.script_load(script.script)
                 return self._evalsha(script.sha, keys, args)
         except RedisError as exc:
-            hint = tls_hint(exc) if self._tls else None
+            hint = self._hint(exc)
             message = f"redis {name} failed" + (f" ({hint})" if hint else "")
             raise BackendUnavailable(message, key=key, cause=exc) from exc
 
@@ -455,7 +432,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
                 script.sha = self.client.script_load(script.script)
                 return self._evalsha_many(script.sha, calls)
         except RedisError as exc:
-            hint = tls_hint(exc) if self._tls else None
+            hint = self._hint(exc)
             message = f"redis {name} failed" + (f" ({hint})" if hint else "")
             raise BackendUnavailable(message, cause=exc) from exc
 

@@ -19,6 +19,7 @@ from jobfence.locks.backend import (
     JobRecord,
     NativeAsyncStore,
     RateGrant,
+    Security,
     check_swap,
     default_meta,
     settle_extensions,
@@ -53,6 +54,7 @@ from jobfence.locks.backends.redis_semaphore import (
     sem_release_call,
     semaphore_keys,
 )
+from jobfence.locks.backends.redis_url import tls_kwargs, url_tls
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import Lease, OwnerMeta
@@ -165,6 +167,8 @@ class AsyncRedisStore(NativeAsyncStore):
         # holds a connection in BLPOP, so many coroutines need many: past the cap an op
         # waits for a free one rather than fail.
         options = {**client_options(socket_timeout), "retry": Retry(NoBackoff(), 0)}
+        # The same ssl_ options as the sync client's (one parsing for the Redis family).
+        options.update((k, v) for k, v in tls_kwargs(url_tls(url)).items() if k != "ssl")
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=POOL_WAIT, **options
         )
@@ -173,6 +177,10 @@ class AsyncRedisStore(NativeAsyncStore):
         )
         return cls(backend, redis.asyncio.Redis(connection_pool=pool),
                    redis.asyncio.Redis(connection_pool=keeper_pool))  # fmt: skip
+
+    def security(self) -> Security:
+        """The sync backend's: the same URL, TLS and login."""
+        return self.backend.security()
 
     async def _call(
         self, name: str, keys: list[str], args: list[Any], key: str | None,

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import SSLConnection
 from redis.exceptions import (
     AskError,
     ClusterDownError,
@@ -28,8 +29,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from jobfence.config.settings import Settings
-from jobfence.config.urls import cluster_nodes
-from jobfence.locks.backend import JobRecord, LockInfo, validate_ttl
+from jobfence.config.urls import cluster_target
+from jobfence.locks.backend import JobRecord, LockInfo, Security, validate_ttl
 from jobfence.locks.backends.redis import (
     DEFAULT_FENCE_RETENTION,
     EXTEND_CHUNK,
@@ -38,6 +39,7 @@ from jobfence.locks.backends.redis import (
 )
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.backends.redis_semaphore import semaphore_keys
+from jobfence.locks.backends.redis_url import security_of_kwargs, tls_hint, tls_kwargs
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, NotOwner
 from jobfence.locks.keys import KeySpace
@@ -55,15 +57,16 @@ def cluster_options(url: str, socket_timeout: float, node: Any) -> dict[str, Any
     The caller adds `retry=Retry(NoBackoff(), 0)` from its own redis-py flavour: MOVED/ASK
     are followed inside one attempt; a timeout or a broken connection is not retried (the
     command may have run)."""
-    nodes, username, password = cluster_nodes(url)
+    target = cluster_target(url)
     return {
-        "startup_nodes": [node(host, port) for host, port in nodes],
-        "username": username,
-        "password": password,
+        "startup_nodes": [node(host, port) for host, port in target.nodes],
+        "username": target.username,
+        "password": target.password,
         "socket_timeout": socket_timeout,
         "socket_connect_timeout": socket_timeout,
         "decode_responses": True,
         "health_check_interval": 0,
+        **tls_kwargs(target.tls),  # TLS, the same options, to every node
     }
 
 
@@ -192,9 +195,10 @@ class RedisClusterBackend(RedisBackend):
                 **cluster_options(url, socket_timeout, _Node), retry=Retry(NoBackoff(), 0)
             )
         except (RedisError, RedisClusterException) as exc:
+            hint = tls_hint(exc)
             raise BackendUnavailable(
-                f"no seed node of the cluster answered ({type(exc).__name__}); check "
-                "JOBFENCE_LOCK_URL lists reachable cluster nodes", cause=exc,
+                f"no seed node of the cluster answered ({type(exc).__name__}); "
+                + (hint or "check JOBFENCE_LOCK_URL lists reachable cluster nodes"), cause=exc,
             ) from exc  # fmt: skip
         return cls(client, prefix=prefix, fence_retention=fence_retention,
                    socket_timeout=socket_timeout, clock=clock)  # fmt: skip
@@ -210,6 +214,13 @@ class RedisClusterBackend(RedisBackend):
             fence_retention=settings.fence_retention,
             clock=clock,
         )
+
+    def security(self) -> Security:
+        """TLS and login of every node's connections, as the cluster client was built."""
+        kwargs = self.cluster.nodes_manager.connection_kwargs
+        tls = bool(kwargs.get("ssl")) or issubclass(kwargs.get("connection_class", object),
+                                                    SSLConnection)  # fmt: skip
+        return security_of_kwargs(kwargs, tls)
 
     def fence_source(self, key: str) -> str:
         """The fence source of the slot `key` lives in: one key per slot, never per lock key."""
@@ -454,6 +465,9 @@ class RedisClusterBackend(RedisBackend):
         try:
             self.cluster.nodes_manager.initialize()
         except (RedisError, RedisClusterException) as exc:
+            hint = tls_hint(exc)
+            if hint:  # TLS or a login that cannot work: waiting never helps
+                return [(True, f"the cluster cannot be used ({type(exc).__name__})", hint)]
             return [(False, f"the cluster does not answer ({type(exc).__name__}: {exc}); "
                      "starting anyway: jobs wait and are redelivered until it does",
                      "start the cluster, or fix the URL if it is wrong")]  # fmt: skip

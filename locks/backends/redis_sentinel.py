@@ -15,6 +15,7 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 from jobfence.config.urls import sentinel_target
 from jobfence.locks.backend import Capabilities
 from jobfence.locks.backends.redis import RedisBackend, _Lane, client_options
+from jobfence.locks.backends.redis_url import tls_hint, tls_kwargs
 
 # Why the single-node backend serves unchanged: redis-py's `Sentinel.master_for` returns a
 # plain redis.Redis whose pool asks the sentinels for the master's address at every new
@@ -47,6 +48,8 @@ class Topology:
     sentinels: int = 0
     #: Why no master was found, when none was.
     error: str = ""
+    #: What to fix when that was a TLS set-up or a login that cannot work (waiting won't help).
+    hint: str = ""
 
 
 def sentinel_setup(
@@ -55,6 +58,11 @@ def sentinel_setup(
     """The Sentinel's arguments, the service and `master_for`'s options for `url`, for the
     sync and the asyncio client alike (`retry`: each library's own no-retry object)."""
     target = sentinel_target(url)
+    tls = tls_kwargs(target.tls)  # TLS to the sentinels and to the master alike
+    login = (
+        {"username": target.sentinel_username, "password": target.sentinel_password}
+        if target.sentinel_password else {}
+    )
     sentinel_args = {
         "sentinels": list(target.sentinels),
         # Believe a sentinel only while it sees a majority of those listed (itself
@@ -65,6 +73,8 @@ def sentinel_setup(
             "socket_connect_timeout": socket_timeout,
             "retry": retry,
             "decode_responses": True,
+            **login,  # the sentinels' own password, not the master's
+            **tls,
         },
     }
     master_args = {
@@ -73,6 +83,7 @@ def sentinel_setup(
         "password": target.password,
         **client_options(socket_timeout),
         "retry": retry,
+        **tls,
     }
     return sentinel_args, target.service, master_args
 
@@ -117,6 +128,23 @@ class RedisSentinelBackend(RedisBackend):
         client: redis.Redis = sentinel.master_for(service, **master_args)  # type: ignore[no-untyped-call]
         return client
 
+    def _hint(self, exc: BaseException) -> str | None:
+        """As the single node's; when no sentinel answered (redis-py keeps only the kind of
+        each one's error), one sentinel is asked again to learn why."""
+        hint = tls_hint(exc)
+        if hint is not None or "No master found" not in str(exc):
+            return hint
+        for client in self.sentinel.sentinels:
+            try:
+                client.ping()
+            except RedisError as failed:
+                found = tls_hint(failed)
+                if found is not None:
+                    return f"the sentinels: {found}".replace(
+                        "check the user and password in the URL",
+                        "check ?sentinel_password= (and sentinel_username=) in the URL")
+        return None
+
     def _evalsha(self, sha: str, keys: list[str], args: list[Any]) -> Any:
         try:
             return super()._evalsha(sha, keys, args)
@@ -149,7 +177,8 @@ class RedisSentinelBackend(RedisBackend):
         try:
             master = self.master_address()
         except RedisError as exc:
-            return Topology(master=None, error=f"{type(exc).__name__}: {exc}")
+            return Topology(master=None, error=f"{type(exc).__name__}: {exc}",
+                            hint=self._hint(exc) or "")  # fmt: skip
         known = 0
         for client in self.sentinel.sentinels:
             try:
@@ -168,6 +197,7 @@ class RedisSentinelBackend(RedisBackend):
         """A client of one node (a replica, say) with the master's credentials and timeouts;
         the caller closes it."""
         kwargs = self.client.connection_pool.connection_kwargs
+        tls = {k: v for k, v in kwargs.items() if k.startswith("ssl")}
         return redis.Redis(
             host=address[0],
             port=address[1],
@@ -177,6 +207,7 @@ class RedisSentinelBackend(RedisBackend):
             socket_connect_timeout=kwargs.get("socket_connect_timeout"),
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
+            **tls,
         )
 
     def close(self) -> None:

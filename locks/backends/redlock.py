@@ -7,6 +7,7 @@ import hashlib
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from collections import Counter
@@ -29,9 +30,17 @@ from jobfence.locks.backend import (
     JobRecord,
     LockBackend,
     LockInfo,
+    Security,
     validate_key,
 )
 from jobfence.locks.backends.redis_scripts import script_source
+from jobfence.locks.backends.redis_url import (
+    security,
+    tls_context,
+    tls_hint,
+    tls_kwargs,
+    url_tls,
+)
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.keys import KeySpace
@@ -161,19 +170,40 @@ class Replies:
 
 
 class _Link(Replies):
-    """One blocking-free socket to one master, for one sync operation at a time."""
+    """One blocking-free socket to one master (TLS-wrapped for rediss://), for one sync
+    operation at a time."""
 
-    __slots__ = ("fd", "sock")
+    __slots__ = ("error", "fd", "sock", "tls")
 
     def __init__(self, sock: socket.socket) -> None:
         super().__init__()
         self.sock = sock
         self.fd = sock.fileno()
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.error: OSError | None = None  # why the last read failed
+
+    def recv(self) -> bytes | None:
+        """What the socket has now: None if nothing yet (for TLS, a record still partial,
+        or a protocol message such as a session ticket with no data), b"" if it closed."""
+        try:
+            data = self.sock.recv(65536)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return None
+        except OSError as exc:  # reset, or a TLS alert (a client certificate refused)
+            self.error = exc
+            return b""
+        if self.tls and data:
+            # Decrypted bytes the TLS layer holds already: poll() would not report them.
+            sock: Any = self.sock
+            while pending := sock.pending():
+                data += sock.recv(pending)
+        return data
 
     def send(self, data: bytes) -> bool:
         try:
             sent = self.sock.send(data)
-        except OSError:
+        except OSError as exc:
+            self.error = exc
             return False
         if sent != len(data):  # the master is so far behind its buffers are full
             return False
@@ -199,6 +229,11 @@ class _Master:
         self.url = url
         self.socket_timeout = socket_timeout
         self.scripts = scripts
+        # rediss://: our sockets wrapped in TLS, the certificate and the host name checked
+        # (unless the URL turns a check off), as redis-py's client below does.
+        self.tls = url_tls(url)
+        self.ssl_context = tls_context(self.tls)
+        tls = {k: v for k, v in tls_kwargs(self.tls).items() if k != "ssl"}
         self.client = redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout,
@@ -206,7 +241,11 @@ class _Master:
             decode_responses=True,
             health_check_interval=0,
             retry=Retry(NoBackoff(), 0),
+            **tls,
         )
+        #: Why the last connection to this master failed (a TLS handshake, say), for the
+        #: hint of BackendUnavailable; None once it answers again.
+        self.last_error: BaseException | None = None
         self.idle: list[_Link] = []
         self.pid = os.getpid()
         self.down_until = 0.0
@@ -223,7 +262,8 @@ class _Master:
             return None
         try:
             return self.connect()
-        except OSError:
+        except OSError as exc:
+            self.last_error = exc
             self.down_until = time.monotonic() + RECONNECT_DELAY
             return None
 
@@ -241,11 +281,14 @@ class _Master:
         sock = socket.create_connection((self.host, self.port), timeout=self.socket_timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.ssl_context is not None:  # the handshake, blocking, within the timeout
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.host)
             setup = self.setup()
             sock.setblocking(False)
             link = _Link(sock)
             if not link.send(b"".join(setup)):
-                raise ConnectionError(f"redlock master {self.name}: set-up not sent")
+                raise ConnectionError(f"redlock master {self.name}: set-up not sent "
+                                      f"({link.error})") from link.error  # fmt: skip
             link.owed = len(setup)
             return link
         except BaseException:
@@ -288,13 +331,10 @@ def _drain(link: _Link, deadline: float) -> None:
         poller.register(link.fd, select.POLLIN)
         if left <= 0 or not poller.poll(left * 1000):
             return
-        try:
-            data = link.sock.recv(65536)
-        except OSError:
+        data = link.recv()
+        if data == b"":
             return
-        if not data:
-            return
-        link.buf += data
+        link.buf += data or b""
 
 
 Decide = Callable[[dict[int, Any], int], bool]
@@ -478,6 +518,8 @@ class RedlockBackend(LockBackend):
             i = next(j for j, lk in enumerate(links) if lk is not None and lk.fd == fd)
             stale = links[i]
             assert stale is not None
+            if stale.tls and stale.recv() is None:
+                continue  # a TLS message with no data for us (a session ticket): not stale
             stale.close()
             links[i] = None
             try:
@@ -524,8 +566,7 @@ class RedlockBackend(LockBackend):
             link = links[i]
             if link is None or not link.send(payload):
                 if link is not None:
-                    link.close()
-                    links[i] = None
+                    self._drop(links, i)
                 replies[i] = NO_REPLY
                 continue
             waiting[link.fd] = i
@@ -553,12 +594,9 @@ class RedlockBackend(LockBackend):
         broke, or _MORE if it is still on its way (earlier replies are read and dropped)."""
         link = links[i]
         assert link is not None
-        try:
-            data = link.sock.recv(65536)
-        except BlockingIOError:
+        data = link.recv()
+        if data is None:
             return _MORE
-        except OSError:
-            data = b""
         if not data:  # closed or reset: whatever it owed is lost
             return self._drop(links, i)
         link.buf += data
@@ -572,6 +610,7 @@ class RedlockBackend(LockBackend):
                     return _MORE
                 continue
             if not is_noscript(value) or i in reloaded:
+                self.masters[i].last_error = None
                 return value
             # The master lost its scripts (SCRIPT FLUSH): load them and resend, in order
             # on the same link.
@@ -582,10 +621,11 @@ class RedlockBackend(LockBackend):
             link.owed += len(loads)  # one send, but a reply per command
         return _MORE
 
-    @staticmethod
-    def _drop(links: list[_Link | None], i: int) -> Any:
+    def _drop(self, links: list[_Link | None], i: int) -> Any:
         link = links[i]
         if link is not None:
+            if link.error is not None:  # why, for BackendUnavailable's hint
+                self.masters[i].last_error = link.error
             link.close()
         links[i] = None
         return NO_REPLY
@@ -602,11 +642,20 @@ class RedlockBackend(LockBackend):
         errors = [v for v in replies.values() if isinstance(v, _ErrorReply)]
         answered = sum(1 for v in replies.values() if v is not NO_REPLY)
         detail = f" (a master said: {errors[0]})" if errors else ""
+        silent = [i for i, v in replies.items() if v is NO_REPLY]
         return BackendUnavailable(
             f"redlock {what}: {answered} of {len(self.masters)} masters answered, "
-            f"a majority of {self.quorum} is needed{detail}",
+            f"a majority of {self.quorum} is needed{detail}{self._why(errors, silent)}",
             key=key,
         )
+
+    def _why(self, errors: Sequence[str], silent: Sequence[int]) -> str:
+        """'; <what to fix>' when the masters' error replies or the failed connections of
+        the silent ones say (TLS, a login: waiting will not help), else ''."""
+        causes = [*(Exception(e) for e in errors),
+                  *(e for i in silent if (e := self.masters[i].last_error) is not None)]
+        hint = next((h for c in causes if (h := tls_hint(c)) is not None), None)
+        return f"; {hint}" if hint else ""
 
     def _count(self, replies: dict[int, Any], ok: Callable[[Any], bool]) -> tuple[int, int]:
         """(masters whose reply passes `ok`, masters that gave no usable reply)."""
@@ -738,7 +787,7 @@ class RedlockBackend(LockBackend):
         detail = f" (a master said: {tally.errors[0]})" if tally.errors else ""
         raise BackendUnavailable(
             f"redlock acquire: {n - len(tally.silent)} of {n} masters answered, a majority "
-            f"of {q} is needed{detail}",
+            f"of {q} is needed{detail}{self._why(tally.errors, tally.silent)}",
             key=attempt.key,
         )
 
@@ -1090,13 +1139,28 @@ class RedlockBackend(LockBackend):
     def _ping(self) -> str:
         """PING each master: healthy while a majority answers (grants need one)."""
         answered = 0
+        hint = None
         for master in self.masters:
-            with contextlib.suppress(RedisError):
+            try:
                 answered += bool(master.client.ping())
+            except RedisError as exc:
+                hint = hint or tls_hint(exc)
         detail = f"{answered} of {len(self.masters)} masters answered"
         if answered < self.quorum:
-            raise BackendUnavailable(f"{detail}; a majority of {self.quorum} is needed")
+            raise BackendUnavailable(f"{detail}; a majority of {self.quorum} is needed"
+                                     + (f"; {hint}" if hint else ""))  # fmt: skip
         return detail
+
+    def security(self) -> Security:
+        """TLS and login as configured, the weakest master's: TLS only if every master's
+        sockets are wrapped, auth only if every master gets a password or certificate."""
+        each = [security(m.tls, password=bool(m.password)) for m in self.masters]
+        return Security(
+            tls=all(s.tls for s in each),
+            verified=all(s.verified for s in each),
+            hostname_checked=all(s.hostname_checked for s in each),
+            auth=all(s.auth for s in each),
+        )
 
     def check_servers(self) -> list[tuple[bool, str, str]]:
         """What about the masters is unsafe (refuse) or weakens a guarantee (warn).
@@ -1119,10 +1183,12 @@ class RedlockBackend(LockBackend):
                               "yes and appendfsync always"))  # fmt: skip
                 continue
             except RedisError as exc:
-                found.append((False, f"redlock master {master.name} does not answer "
-                              f"({type(exc).__name__}: {exc}); grants go on while a majority "
-                              f"of {self.quorum} answers",
-                              "start it, or fix the URL if it is wrong"))  # fmt: skip
+                found.append((tls_hint(exc) is not None,  # TLS or login: no outage
+                              f"redlock master {master.name} does not answer "
+                              f"({type(exc).__name__}: {exc})" + ("" if tls_hint(exc) else
+                              f"; grants go on while a majority of {self.quorum} answers"),
+                              tls_hint(exc)
+                              or "start it, or fix the URL if it is wrong"))  # fmt: skip
                 continue
             policy = conf.get("maxmemory-policy", "")
             if policy != "noeviction":

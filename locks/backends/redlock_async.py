@@ -20,6 +20,7 @@ from jobfence.locks.backend import (
     CommitRecord,
     JobRecord,
     NativeAsyncStore,
+    Security,
     check_swap,
     settle_extensions,
     validate_key,
@@ -27,6 +28,7 @@ from jobfence.locks.backend import (
 )
 from jobfence.locks.backends.redis import client_options
 from jobfence.locks.backends.redis_async import POOL_WAIT, SignalWait
+from jobfence.locks.backends.redis_url import tls_kwargs
 from jobfence.locks.backends.redlock import (
     _MORE,
     NO_REPLY,
@@ -69,6 +71,7 @@ class _Conn(Replies, asyncio.Protocol):
         self.futures: deque[asyncio.Future[Any] | None] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.master: _Master | None = None  # told why the connection was lost, if by an error
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -90,6 +93,8 @@ class _Conn(Replies, asyncio.Protocol):
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None and self.master is not None:
+            self.master.last_error = exc  # a TLS alert, say: for BackendUnavailable's hint
         self.lost = True
         self.owed = 0
         futures, self.futures = self.futures, deque()
@@ -137,6 +142,7 @@ class _AsyncMaster:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.down_until = 0.0
         options = {**client_options(socket_timeout), "retry": Retry(NoBackoff(), 0)}
+        options.update((k, v) for k, v in tls_kwargs(master.tls).items() if k != "ssl")
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             master.url, max_connections=max_connections, timeout=POOL_WAIT, **options
         )
@@ -161,14 +167,19 @@ class _AsyncMaster:
         """Connect, and send the set-up (AUTH, SELECT, every script) without waiting for
         it, as the sync backend does: a frozen master costs an op no more than a slow one."""
         m = self.master
+        tls: dict[str, Any] = {}
+        if m.ssl_context is not None:  # rediss://: the checks of the sync backend's sockets
+            tls = {"ssl": m.ssl_context, "server_hostname": m.host}
         try:
             async with asyncio.timeout(self.socket_timeout):
                 _, conn = await asyncio.get_running_loop().create_connection(
-                    _Conn, m.host, m.port
+                    _Conn, m.host, m.port, **tls
                 )
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError) as exc:
+            m.last_error = exc
             self.down_until = time.monotonic() + RECONNECT_DELAY
             return
+        conn.master = m
         setup = m.setup()
         if setup:
             conn.send(b"".join(setup), dropped=len(setup) - 1)
@@ -350,6 +361,10 @@ class AsyncRedlockStore(NativeAsyncStore):
         except RedisError:
             self._wait_on = index + 1
             await asyncio.sleep(min(timeout, self._signals.max_block))
+
+    def security(self) -> Security:
+        """The sync backend's: the same masters, URLs and TLS."""
+        return self.backend.security()
 
     async def aclose(self) -> None:
         """Wait briefly for the replies still owed (so what was sent has run), then close."""
