@@ -23,7 +23,7 @@ from jobfence.tasks import Runtime
 from jobfence.tasks.executor import JobSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SECRET = "a-real-random-secret"
+SECRET = "a-real-random-secret-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")

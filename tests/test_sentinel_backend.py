@@ -24,7 +24,7 @@ from jobfence.worker.redis_server import free_port
 from tests.servers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SECRET = "a-real-random-secret"
+SECRET = "a-real-random-secret-0123456789abcdef"
 EXAMPLE = "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379/mymaster/0"
 
 
