@@ -13,6 +13,7 @@ import redis
 
 from devstack import local_zookeeper
 from devstack.local_zookeeper import ZooKeeperServer
+from tests import leakwatch
 from tests.servers import (
     ETCD_TIMING,
     MARIADB_ADMIN_URL,
@@ -25,6 +26,10 @@ from tests.servers import (
     RedisServer,
     etcd_unavailable,
 )
+
+# Every test fails if a log line, its output or its error shows a test password.
+pytest_plugins = ["tests.leakwatch"]
+leakwatch.install()
 
 # The suite runs many key secrets against shared lock servers on purpose, which the start-up
 # check of worker/checks.py would refuse; its own tests set it back to false.
