@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("starlette", reason="the dashboard extra: pip install 'jobfence[dashboard]'")
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+pytest.importorskip("selenium", reason="selenium is not installed (it is in the dev extra)")
+from selenium import webdriver
 from selenium.webdriver.common.by import By
 
 from jobfence.locks import RedisBackend, open_backend
@@ -28,15 +29,18 @@ from tests.servers import free_port, stop_process, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
+MISSING = [name for name, at in [("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER)] if not at]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not (CHROMIUM and CHROMEDRIVER),
-        reason="needs Debian's chromium and chromium-driver (.ci/setup installs them): "
-        f"missing {' and '.join(n for n, p in [('chromium', CHROMIUM), ('chromedriver', CHROMEDRIVER)] if not p)}",
+        bool(MISSING),
+        reason=f"missing {' and '.join(MISSING)}: Debian's chromium and chromium-driver "
+        "(.ci/setup installs them)",
     ),
 ]
-SHOTS = Path(__file__).resolve().parent.parent / "docs" / "img" / "dashboard"
+# The README's screenshots: rewritten only when asked (JOBFENCE_SAVE_SCREENSHOTS=1), so a test
+# run leaves the tree clean; otherwise they go to a temporary folder.
+DOCS_SHOTS = Path(__file__).resolve().parent.parent / "docs" / "img" / "dashboard"
 PREFIX = "dashb"
 HOLDER = textwrap.dedent(
     """
@@ -119,10 +123,21 @@ def browser() -> Iterator[Any]:
         options.add_argument(arg)
     driver = webdriver.Chrome(service=webdriver.ChromeService(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)
+    driver.implicitly_wait(10)  # find_element polls until the page a click submitted is drawn
     try:
         yield driver
     finally:
         driver.quit()
+
+
+@pytest.fixture(autouse=True)
+def shots(tmp_path_factory: pytest.TempPathFactory) -> None:
+    global SHOTS
+    save = os.environ.get("JOBFENCE_SAVE_SCREENSHOTS") == "1"
+    SHOTS = DOCS_SHOTS if save else tmp_path_factory.mktemp("dashboard-shots")
+
+
+SHOTS = DOCS_SHOTS
 
 
 def shot(browser: Any, name: str) -> None:

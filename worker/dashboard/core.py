@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import jinja2
+import markupsafe
 
 from jobfence.locks import LockBackend, LockError
 from jobfence.worker.admin import advance_fence, printable, release_grant
@@ -142,7 +143,7 @@ class Dashboard:
     def render(self, req: Request, template: str, status: int = 200, **ctx: Any) -> Response:
         html = self.env.get_template(template).render(
             root=req.root, backend=self.backend.name, actions=self.actions, req=req,
-            refresh=self.refresh, csrf_input=jinja2.filters.Markup(req.csrf_input), **ctx,
+            refresh=self.refresh, csrf_input=markupsafe.Markup(req.csrf_input), **ctx,
         )  # fmt: skip
         return Response(status, html)
 

@@ -266,6 +266,7 @@ _HIDDEN = re.compile(r"owner|token|secret|arg|kwarg|password|payload", re.IGNORE
 
 def _safe_fields(entry: Any) -> dict[str, str]:
     """A decision-log entry's fields as text, without owner tokens, arguments or secrets."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(entry, dict):
         items = entry.items()
     elif hasattr(entry, "__dataclass_fields__"):

@@ -54,8 +54,6 @@ def dashboard_urls(
             built.append(dashboard() if callable(dashboard) else dashboard)
         return built[0]
 
-    @staff_member_required
-    @csrf_protect
     def view(request: HttpRequest, rest: str = "") -> HttpResponse:
         resp = get().handle(to_request(request, rest, root.rstrip("/")))
         out = HttpResponse(resp.body, status=resp.status, content_type=resp.content_type)
@@ -65,7 +63,9 @@ def dashboard_urls(
             out.set_cookie(name, value, httponly=True, samesite="Strict", path=root or "/")
         return out
 
+    # The login first (anonymous users go to the admin login), then the permission (403).
     guarded: Any = view
     if permission is not None:
-        guarded = permission_required(permission, raise_exception=True)(view)
+        guarded = permission_required(permission, raise_exception=True)(guarded)
+    guarded = staff_member_required(csrf_protect(guarded))
     return [re_path(r"^(?P<rest>[a-z]*)$", guarded, name="jobfence-dashboard")]
