@@ -152,8 +152,11 @@ EXAMPLE_SECRETS = {
     "JOBFENCE_KEY_SECRET": "compose-check-only-0123456789abcdef0123",
     "REDIS_PASSWORD": "ComposeRedisPW0123",
     "POSTGRES_PASSWORD": "ComposePgPW0123",
+    "GRAFANA_ADMIN_PASSWORD": "ComposeGrafanaPW0123",
 }
-DEFAULT_SERVICES = ("redis", "postgres", "worker", "beat-a", "beat-b", "flower", "prometheus")
+DEFAULT_SERVICES = (
+    "redis", "postgres", "worker", "beat-a", "beat-b", "flower", "prometheus", "grafana",
+)  # fmt: skip
 
 
 def test_no_password_is_committed_and_the_env_file_is_not(services) -> None:
@@ -355,3 +358,76 @@ def test_prometheus_scrapes_every_worker_on_its_metrics_port(services):
     ]
     # An A lookup of the service name lists every replica: --scale needs no change.
     assert (["worker"], "A", port) in targets, targets
+
+
+GRAFANA = REPO_ROOT / "deploy" / "grafana"
+
+
+def exported_metrics() -> set[str]:
+    """Every series name jobfence exports, read from tasks/metrics.py's registry itself."""
+    from jobfence.tasks.metrics import Metrics
+
+    names: set[str] = set()
+    for family in Metrics().registry.collect():
+        names.add(family.name)
+        suffixes = {
+            "histogram": ("_bucket", "_count", "_sum"),
+            "counter": ("_total",),
+        }.get(family.type, ())
+        names |= {family.name + s for s in suffixes}
+    return names
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_jobfence_dashboard(services):
+    grafana = services["grafana"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"] if v.startswith("./")}
+    provisioning = REPO_ROOT / mounts["/etc/grafana/provisioning"]
+    dashboards = REPO_ROOT / mounts["/var/lib/grafana/dashboards"]
+    assert provisioning.resolve() == (GRAFANA / "provisioning").resolve()
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith(
+        "${GRAFANA_ADMIN_PASSWORD:?"
+    )
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"]
+
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    (source,) = sources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    assert "prometheus" in services
+
+    providers = yaml.safe_load((provisioning / "dashboards" / "jobfence.yml").read_text())
+    (provider,) = providers["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    files = sorted(dashboards.glob("*.json"))
+    assert [f.name for f in files] == ["jobfence.json"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == "/var/lib/grafana/dashboards/jobfence.json"
+
+
+def test_every_grafana_panel_queries_metrics_jobfence_exports() -> None:
+    dashboard = json.loads((GRAFANA / "dashboards" / "jobfence.json").read_text())
+    source_uid = yaml.safe_load(
+        (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"][0]["uid"]
+    exported = exported_metrics()
+    used: set[str] = set()
+    assert dashboard["panels"]
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == source_uid, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = set(re.findall(r"\bjobfence_[a-z_]+", target["expr"]))
+            assert names, f"{panel['title']}: no jobfence metric in {target['expr']!r}"
+            assert names <= exported, f"{panel['title']}: not exported: {names - exported}"
+            used |= names
+    # What the issue asks the dashboard to show, each by the metric that counts it.
+    for wanted in [
+        "jobfence_acquire_wait_seconds_count", "jobfence_conflicts_total",
+        "jobfence_lost_leases_total", "jobfence_stale_fence_total",
+        "jobfence_idempotent_replays_total", "jobfence_heartbeat_seconds_bucket",
+        "jobfence_semaphore_slots_held", "jobfence_rate_limit_wait_seconds_bucket",
+    ]:  # fmt: skip
+        assert wanted in used, wanted
+    titles = [p["title"] for p in dashboard["panels"]]
+    assert len(titles) == len(set(titles))
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))

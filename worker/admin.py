@@ -59,6 +59,9 @@ class Orphan:
     dead: bool = True
     heartbeat_age: float | None = None
     ttl: float | None = None  # the lock's own TTL: heartbeat age + TTL left
+    #: dead, stopped (a SIGSTOPped holder), suspect (alive, heartbeat late) or unknowable
+    #: (another host or pid namespace, with a late heartbeat)
+    verdict: str = "dead"
 
 
 def _heartbeat(info: LockInfo, now: float) -> tuple[float | None, float | None, str]:
@@ -86,8 +89,10 @@ def orphan_reason(
     recorded = info.process_start.rsplit("/", 1)[0] if info.process_start else ""
     recorded_boot = recorded.split("/", 1)[0]
 
-    def found(reason: str, dead: bool) -> Orphan:
-        return Orphan(info, f"{reason}; {beat}", dead=dead, heartbeat_age=age, ttl=ttl)
+    def found(reason: str, dead: bool, verdict: str = "dead") -> Orphan:
+        return Orphan(
+            info, f"{reason}; {beat}", dead=dead, heartbeat_age=age, ttl=ttl, verdict=verdict
+        )
 
     unknowable = ""  # why this holder's liveness cannot be checked from here
     if info.host != hostname:
@@ -99,17 +104,46 @@ def orphan_reason(
             return found(f"this host rebooted since pid {pid} took it", True)
         unknowable = f"pid {pid} is in another pid namespace: cannot check it here"
     if unknowable:
-        return found(unknowable, False) if late else None
+        return found(unknowable, False, "unknowable") if late else None
     state = proc_state(pid)
     if not pid_alive(pid):
         return found(f"pid {pid} is not running on {hostname}", True)
     if info.process_start and procinfo.process_start(pid) not in ("", info.process_start):
         return found(f"pid {pid} now belongs to a process started after the grant", True)
     if state in ("T", "t"):
-        return found(f"pid {pid} is stopped (alive: it may resume)", False)
+        return found(f"pid {pid} is stopped (alive: it may resume)", False, "stopped")
     if late:
-        return found(f"pid {pid} is alive but its heartbeat is late", False)
+        return found(f"pid {pid} is alive but its heartbeat is late", False, "suspect")
     return None
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What can be said from here of a lock holder: a verdict and the reason for it.
+
+    `verdict` is alive, stopped, suspect, dead (proven) or unknowable (another host or pid
+    namespace, no pid recorded). Only a dead holder's lock may be released by an operator.
+    """
+
+    verdict: str
+    reason: str
+
+
+def liveness(info: LockInfo, *, now: float, hostname: str, here: str | None = None) -> Liveness:
+    """The orphan finder's judgement of one holder, with a verdict for a healthy one too."""
+    orphan = orphan_reason(info, now=now, hostname=hostname, here=here)
+    if orphan is not None:
+        return Liveness(orphan.verdict, orphan.reason)
+    _, _, beat = _heartbeat(info, now)
+    here = procinfo.namespace() if here is None else here
+    recorded = info.process_start.rsplit("/", 1)[0] if info.process_start else ""
+    if info.host != hostname:
+        return Liveness("unknowable", f"held on host {info.host or '?'}; {beat}")
+    if info.pid <= 0:
+        return Liveness("unknowable", f"no pid recorded; {beat}")
+    if recorded and here and recorded != here:
+        return Liveness("unknowable", f"pid {info.pid} is in another pid namespace; {beat}")
+    return Liveness("alive", f"pid {info.pid} is running on {hostname}; {beat}")
 
 
 def find_orphans(

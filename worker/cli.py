@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_migrate_parser(sub)
+    _add_dashboard_parser(sub)
 
     fleet = sub.add_parser(
         "fleet",
@@ -164,6 +165,72 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     return parser
+
+
+def _add_dashboard_parser(sub: Any) -> None:
+    dash = sub.add_parser(
+        "dashboard",
+        help="a web page of the locks, their holders' liveness, slots, leaders and records",
+        description="Serve the lock dashboard (pip install 'jobfence[dashboard]'). It binds "
+        "127.0.0.1 unless --host says otherwise, and is read-only unless --allow-actions: "
+        "put it behind your own login before binding another address.",
+    )
+    where = dash.add_mutually_exclusive_group()
+    where.add_argument(
+        "--app",
+        "-A",
+        metavar="MODULE[:ATTR]",
+        help="your Celery app (its lock settings and beat schedule)",
+    )
+    where.add_argument("--lock-url", help="the lock server's URL (default: JOBFENCE_LOCK_URL)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    dash.add_argument("--port", type=_positive_int, default=8099, help="port (default 8099)")
+    dash.add_argument(
+        "--allow-actions",
+        action="store_true",
+        help="enable releasing a provably dead holder's lock (confirmed, logged)",
+    )
+    dash.add_argument(
+        "--metrics-url",
+        default="",
+        help="a worker's /metrics URL for the live waits, skips and lost leases",
+    )
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from jobfence.worker.dashboard.asgi import build_app
+        from jobfence.worker.dashboard.core import Dashboard
+    except ImportError as exc:
+        print(f"jobfence: the dashboard needs its extra: pip install 'jobfence[dashboard]' "
+              f"({exc.name} is missing)", file=sys.stderr)  # fmt: skip
+        return 2
+    from jobfence.worker import admin
+
+    app = None
+    if args.app:
+        from jobfence.tasks import runtime_for
+
+        try:
+            app = load_app(args.app)
+        except AppNotFound as exc:
+            print(f"jobfence: {exc}", file=sys.stderr)
+            return 2
+        settings = runtime_for(app).settings
+    else:
+        settings = _settings(args.lock_url)
+    backend = admin.open_admin_backend(settings)
+    dashboard = Dashboard(backend, actions=args.allow_actions, app=app,
+                          metrics_url=args.metrics_url)  # fmt: skip
+    mode = "actions enabled" if args.allow_actions else "read-only"
+    print(f"jobfence dashboard on http://{args.host}:{args.port}/ ({backend.name}, {mode})")
+    try:
+        uvicorn.run(build_app(dashboard), host=args.host, port=args.port, log_level="warning")
+    finally:
+        backend.close()
+    return 0
 
 
 def _add_migrate_parser(sub: Any) -> None:
@@ -747,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "locks": cmd_locks,
         "check": cmd_check,
         "migrate": cmd_migrate,
+        "dashboard": cmd_dashboard,
     }
     try:
         return commands[args.command](args)

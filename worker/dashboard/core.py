@@ -1,0 +1,350 @@
+"""The dashboard's page logic as plain functions of a `Request`: the ASGI and Django shells
+only translate their request into one and its `Response` back.
+
+Actions are read-only unless enabled, each behind a confirmation page whose form carries an
+action token: an HMAC over the action, the lock id, the fence and holder the page showed, and
+the browser's own cookie. A forged or replayed POST, a missing confirmation, a stale view (the
+holder changed since the page was drawn) and a holder not provably dead are refused, and
+nothing changes."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import jinja2
+import markupsafe
+
+from jobfence.locks import LockBackend, LockError
+from jobfence.worker.admin import advance_fence, printable, release_grant
+from jobfence.worker.dashboard.data import (
+    BadInput,
+    LockView,
+    check_cursor,
+    check_glob,
+    check_key_id,
+)
+
+log = logging.getLogger("jobfence.dashboard")
+
+COOKIE = "jobfence_dash"  # the browser's random id, which action tokens are bound to
+TOKEN_TTL = 600.0  # seconds a confirmation page's token stays good
+LIVE_METRICS = {  # live figure -> the metric whose samples are summed
+    "waits": "jobfence_acquire_wait_seconds_count",
+    "skips": "jobfence_conflicts_total",
+    "lost_leases": "jobfence_lost_leases_total",
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a page needs of an HTTP request. `root` is where the dashboard is mounted."""
+
+    method: str
+    path: str  # below root: "/", "/lock", ...
+    query: Mapping[str, str] = field(default_factory=dict)
+    form: Mapping[str, str] = field(default_factory=dict)
+    cookies: Mapping[str, str] = field(default_factory=dict)
+    origin: str = ""  # the Origin header, if the browser sent one
+    host: str = ""  # the Host header
+    root: str = ""
+    user: str = "anonymous"  # who acts, for the action log (Django: the admin user)
+    csrf_input: str = ""  # a shell's own CSRF field (Django's), put into every form
+
+
+@dataclass
+class Response:
+    status: int
+    body: str
+    content_type: str = "text/html; charset=utf-8"
+    set_cookie: tuple[str, str] | None = None  # (name, value), HttpOnly, SameSite=Strict
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One action in the log: who, what, when, and what came of it (no key: its label)."""
+
+    when: float
+    user: str
+    action: str
+    lock: str
+    fence: int
+    outcome: str
+
+
+class Dashboard:
+    """The pages over one lock backend. `actions` False (the default) makes it read-only."""
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        *,
+        actions: bool = False,
+        secret: bytes | None = None,
+        hostname: str | None = None,
+        app: Any = None,
+        metrics_url: str = "",
+        refresh: float = 5.0,
+    ) -> None:
+        self.backend = backend
+        self.view = LockView(backend, hostname=hostname)
+        self.actions = actions
+        self.secret = secret or secrets.token_bytes(32)
+        self.app = app  # a Celery app: its beat schedule fills the beat table
+        self.metrics_url = metrics_url
+        self.refresh = refresh
+        self.log: deque[ActionRecord] = deque(maxlen=200)
+        self._used: dict[str, float] = {}  # nonces of tokens spent, until they expire
+        self._lock = threading.Lock()
+        loader = jinja2.PackageLoader("jobfence.worker.dashboard", "templates")
+        self.env = jinja2.Environment(
+            loader=loader, autoescape=True, undefined=jinja2.StrictUndefined
+        )
+        self.env.filters["when"] = _when
+        self.env.filters["secs"] = _secs
+
+    # ------------------------------------------------------------------- dispatch
+    def handle(self, req: Request) -> Response:
+        routes: dict[tuple[str, str], Callable[[Request], Response]] = {
+            ("GET", "/"): self.locks_page,
+            ("GET", "/lock"): self.lock_page,
+            ("GET", "/slots"): self.slots_page,
+            ("GET", "/leaders"): self.leaders_page,
+            ("GET", "/records"): self.records_page,
+            ("GET", "/live"): self.live,
+            ("GET", "/confirm"): self.confirm_page,
+            ("POST", "/release"): self.release,
+        }
+        page = routes.get((req.method.upper(), req.path or "/"))
+        if page is None:
+            return self._error(req, 404, "no such page", "start from the locks page")
+        try:
+            resp = page(req)
+        except BadInput as exc:
+            resp = self._error(req, 400, "bad request", str(exc))
+        except LockError as exc:
+            resp = self._error(req, 503, "the lock server did not answer", printable(exc))
+        if COOKIE not in req.cookies:
+            resp.set_cookie = (COOKIE, secrets.token_hex(16))
+        return resp
+
+    def render(self, req: Request, template: str, status: int = 200, **ctx: Any) -> Response:
+        html = self.env.get_template(template).render(
+            root=req.root, backend=self.backend.name, actions=self.actions, req=req,
+            refresh=self.refresh, csrf_input=markupsafe.Markup(req.csrf_input), **ctx,
+        )  # fmt: skip
+        return Response(status, html)
+
+    def _error(self, req: Request, status: int, title: str, detail: str) -> Response:
+        return self.render(req, "error.html", status, title=title, detail=detail)
+
+    # ------------------------------------------------------------------- pages
+    def locks_page(self, req: Request) -> Response:
+        match = check_glob(req.query.get("key", ""), "key glob")
+        task = check_glob(req.query.get("task", ""), "task name")
+        cursor = check_cursor(req.query.get("cursor", ""))
+        page = self.view.locks(match=match, task=task, cursor=cursor)
+        nxt = ""
+        if page.next_cursor:
+            nxt = "?" + urllib.parse.urlencode(
+                {"key": req.query.get("key", ""), "task": req.query.get("task", ""),
+                 "cursor": page.next_cursor})  # fmt: skip
+        return self.render(req, "locks.html", page=page, key=req.query.get("key", ""),
+                           task=req.query.get("task", ""), next=nxt,
+                           paging="SCAN cursor" if self.view.pages_with_cursor else "offset",
+                           log=list(self.log)[::-1][:20])  # fmt: skip
+
+    def lock_page(self, req: Request) -> Response:
+        info = self.view.find(check_key_id(req.query.get("id", "")))
+        if info is None:
+            why = "it is not held (released or expired); back to the locks page"
+            return self._error(req, 404, "no such lock", why)
+        row = self.view.row(info, self.view_now())
+        return self.render(req, "lock.html", row=row, info=info,
+                           highest=self.view.highest_fence(info.key),
+                           decisions=self.view.decisions(info.key))  # fmt: skip
+
+    def slots_page(self, req: Request) -> Response:
+        return self.render(req, "slots.html", semaphores=self.view.semaphores(),
+                           rates=self.view.rate_limits())  # fmt: skip
+
+    def leaders_page(self, req: Request) -> Response:
+        return self.render(req, "leaders.html", leaders=self.view.leaders(),
+                           beat=self.beat_rows())  # fmt: skip
+
+    def records_page(self, req: Request) -> Response:
+        task = check_glob(req.query.get("task", ""), "task name")
+        records = self.view.records(task=task)
+        inflight = self.view.locks(task=task, size=200).rows
+        return self.render(req, "records.html", records=records, inflight=inflight,
+                           task=req.query.get("task", ""))  # fmt: skip
+
+    def live(self, req: Request) -> Response:
+        return Response(200, json.dumps(self.figures()), "application/json")
+
+    def figures(self) -> dict[str, int | None]:
+        """Locks held and their verdicts; waits, skips and lost leases from `metrics_url`."""
+        now = self.view_now()
+        counts: dict[str, int | None] = {"locks": 0, "dead": 0, "stopped": 0, "suspect": 0}
+        for n, info in enumerate(self.backend.scan("*")):
+            if n >= 10_000:
+                break
+            counts["locks"] = n + 1
+            verdict = self.view.row(info, now).verdict
+            if verdict in counts:
+                counts[verdict] = (counts[verdict] or 0) + 1
+        counts.update(self.scraped())
+        return counts
+
+    def scraped(self) -> dict[str, int | None]:
+        if not self.metrics_url:
+            return dict.fromkeys(LIVE_METRICS)
+        from prometheus_client.parser import text_string_to_metric_families
+
+        sums = dict.fromkeys(LIVE_METRICS.values(), 0.0)
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return dict.fromkeys(LIVE_METRICS)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in sums:
+                    sums[sample.name] += sample.value
+        return {k: int(sums[m]) for k, m in LIVE_METRICS.items()}
+
+    def beat_rows(self) -> list[dict[str, str]] | None:
+        """Each beat entry's latest due slot (its idempotency key) and next one; None if no app."""
+        if self.app is None:
+            return None
+        from celery.beat import ScheduleEntry
+
+        from jobfence.worker.beat import format_slot, slot_time
+
+        rows = []
+        for name, spec in sorted((self.app.conf.beat_schedule or {}).items()):
+            entry = ScheduleEntry(name=name, task=spec["task"], schedule=spec["schedule"],
+                                  app=self.app)  # fmt: skip
+            now = entry.default_now()
+            slot = slot_time(entry, now)
+            nxt = now + entry.schedule.remaining_estimate(slot)
+            rows.append({"name": printable(name), "task": printable(spec["task"]),
+                         "slot": f"{printable(name)}@{format_slot(slot)}",
+                         "next": format_slot(nxt)})  # fmt: skip
+        return rows
+
+    def view_now(self) -> float:
+        from jobfence.worker.admin import server_time
+
+        return server_time(self.backend)
+
+    # ------------------------------------------------------------------- actions
+    def confirm_page(self, req: Request) -> Response:
+        info = self.view.find(check_key_id(req.query.get("id", "")))
+        if info is None:
+            return self._error(req, 404, "no such lock", "it is not held any more; nothing to do")
+        row = self.view.row(info, self.view_now())
+        cookie = req.cookies.get(COOKIE, "")
+        token = self.mint_token("release", row.id, info.fence, cookie) if cookie else ""
+        return self.render(req, "confirm.html", row=row, info=info, token=token)
+
+    def mint_token(self, action: str, lock_id: str, fence: int, cookie: str) -> str:
+        issued, nonce = f"{time.time():.0f}", secrets.token_hex(8)
+        return f"{issued}.{nonce}.{self._mac(action, lock_id, fence, cookie, issued, nonce)}"
+
+    def _mac(self, *parts: object) -> str:
+        msg = "\n".join(str(p) for p in parts).encode()
+        return hmac.new(self.secret, msg, hashlib.sha256).hexdigest()
+
+    def _check_token(self, req: Request, action: str, lock_id: str, fence: int) -> str:
+        """Empty if the form's token is good for this action, lock, fence and browser; else why."""
+        if req.origin and urllib.parse.urlsplit(req.origin).netloc != req.host:
+            return "the request came from another site (its Origin is not this dashboard)"
+        token, cookie = req.form.get("token", ""), req.cookies.get(COOKIE, "")
+        issued, _, rest = token.partition(".")
+        nonce, _, mac = rest.partition(".")
+        if not (token and cookie and issued.isdigit()):
+            return "the form's cross-site token is missing; open the confirmation page again"
+        if not hmac.compare_digest(mac, self._mac(action, lock_id, fence, cookie, issued, nonce)):
+            return "the form's cross-site token is not valid for this lock and browser"
+        now = time.time()
+        if now - int(issued) > TOKEN_TTL:
+            return "the confirmation page has expired; open it again"
+        with self._lock:
+            for old in [n for n, t in self._used.items() if t < now]:
+                del self._used[old]
+            if nonce in self._used:
+                return (
+                    "this form was submitted already (a replay); open the confirmation page again"
+                )
+            self._used[nonce] = int(issued) + TOKEN_TTL
+        return ""
+
+    def release(self, req: Request) -> Response:
+        """Force-release a provably dead holder's lock and advance its fence."""
+        if not self.actions:
+            why = "actions are off; start it with --allow-actions to enable them"
+            return self._error(req, 403, "read-only dashboard", why)
+        lock_id = check_key_id(req.form.get("id", ""))
+        fence_text = req.form.get("fence", "")
+        if not fence_text.isdigit():
+            raise BadInput("fence must be the number the confirmation page showed; open it again")
+        fence = int(fence_text)
+        why = self._check_token(req, "release", lock_id, fence)
+        if why:
+            return self._refused(req, 403, lock_id, fence, why)
+        if req.form.get("confirm") != "yes":
+            why = "not confirmed: tick the box that says what will happen"
+            return self._refused(req, 400, lock_id, fence, why)
+        info = self.view.find(lock_id)
+        if (
+            info is None
+            or info.fence != fence
+            or (info.host, str(info.pid)) != (req.form.get("host", ""), req.form.get("pid", ""))
+        ):
+            return self._refused(req, 409, lock_id, fence,
+                                 "stale view: the holder changed since the page was drawn; "
+                                 "nothing was released")  # fmt: skip
+        row = self.view.row(info, self.view_now())
+        if row.verdict != "dead":
+            return self._refused(req, 409, lock_id, fence,
+                                 f"the holder is {row.verdict}, not provably dead "
+                                 f"({row.reason}); nothing was released")  # fmt: skip
+        if not release_grant(self.backend, info.key, fence):
+            return self._refused(req, 409, lock_id, fence,
+                                 "the lock changed hands while it was being released")  # fmt: skip
+        floor = advance_fence(self.backend, info.key)
+        self._record(req, "release", row.label, fence, f"released; fence advanced to {floor}")
+        return self.render(req, "done.html", row=row, floor=floor)
+
+    def _refused(self, req: Request, status: int, lock_id: str, fence: int, why: str) -> Response:
+        self._record(req, "release", f"#{lock_id[:12]}", fence, f"refused: {why}")
+        return self._error(req, status, "action refused", why)
+
+    def _record(self, req: Request, action: str, lock: str, fence: int, outcome: str) -> None:
+        entry = ActionRecord(time.time(), printable(req.user), action, lock, fence, outcome)
+        self.log.append(entry)
+        log.warning("dashboard: %s by %s on %s (fence %d): %s", action, entry.user, lock, fence,
+                    outcome)  # fmt: skip
+
+
+def _when(epoch: float) -> str:
+    if not epoch:
+        return "-"
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
