@@ -220,7 +220,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
             return 2
         settings = runtime_for(app).settings
     else:
-        settings = _settings(args.lock_url)
+        settings = project_settings(args, args.lock_url)
+    _say_source(args, settings, args.lock_url)
     backend = admin.open_admin_backend(settings)
     dashboard = Dashboard(backend, actions=args.allow_actions, app=app,
                           metrics_url=args.metrics_url)  # fmt: skip
