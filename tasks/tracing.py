@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jobfence.locks.errors import AcquireTimeout
-from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict
+from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage
 from jobfence.tasks.lifecycle import RedeliveryLimitReached
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ def decision_of(exc: BaseException) -> str:
         return "timeout"
     if isinstance(exc, RedeliveryLimitReached):
         return "given_up"
+    if isinstance(exc, PoisonMessage):  # past max_crashed_deliveries
+        return "poisoned"
     return "error"
 
 

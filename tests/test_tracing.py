@@ -25,15 +25,17 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
+from opentelemetry.trace import StatusCode
 
 from jobfence import singleton_task
 from jobfence.config import Settings
-from jobfence.tasks import install
-from jobfence.tasks.errors import DuplicateSkipped
+from jobfence.locks import Backoff, LeaseKeeper, MemoryBackend, StaleFence
+from jobfence.tasks import Executor, JobContext, install
+from jobfence.tasks.errors import DuplicateSkipped, IdempotencyConflict
 from jobfence.tasks.keys import job_key
 from jobfence.tasks.tracing import key_hash
 from tests.servers import RedisServer
-from tests.tasks.conftest import unique
+from tests.tasks.conftest import spec_for, unique
 
 #: An argument no span may carry (nor any digest-free form of it).
 CARD = "card-4111-tracing-7f3a9c"
@@ -237,6 +239,54 @@ def test_a_failing_body_marks_its_span_by_the_error_type_only(
     assert (job.attributes or {})["jobfence.outcome"] == "failed"
     ours = [s for s in all_spans if s.name.startswith("jobfence.")]
     assert not [s for s in ours if CARD in str(s.status.description) + str(s.events)]
+
+
+@pytest.fixture
+def executor(spans: InMemorySpanExporter) -> Iterator[Executor]:
+    """An executor on the in-process lock server, traced by the module's SDK."""
+    keeper = LeaseKeeper()
+    yield Executor(MemoryBackend(), keeper, backoff=Backoff())
+    keeper.stop()
+
+
+def ours(spans: InMemorySpanExporter) -> dict[str, ReadableSpan]:
+    """This test's jobfence spans by name (one delivery each)."""
+    found = {s.name: s for s in spans.get_finished_spans() if s.name.startswith("jobfence.")}
+    return found
+
+
+def test_a_stale_write_in_the_body_is_granted_then_superseded(
+    executor: Executor, spans: InMemorySpanExporter
+) -> None:
+    def body(ctx: JobContext) -> None:
+        raise StaleFence(resource="payment:1", fence=ctx.lease.fence, last=ctx.lease.fence + 1)
+
+    out = executor.run(spec_for(unique()), body)
+    assert out.status == "superseded"
+    found = ours(spans)
+    assert set(found) == {"jobfence.job", "jobfence.acquire", "jobfence.body"}  # no commit
+    job = found["jobfence.job"].attributes or {}
+    assert (job["jobfence.decision"], job["jobfence.outcome"]) == ("granted", "superseded")
+    assert "jobfence.stale" in [e.name for e in found["jobfence.job"].events]
+    assert found["jobfence.body"].status.description == "StaleFence"
+
+
+def test_a_conflicting_reuse_of_a_key_is_a_conflict_named_by_its_error_type(
+    executor: Executor, spans: InMemorySpanExporter
+) -> None:
+    key = unique()
+    assert executor.run(spec_for(key), lambda ctx: 1).status == "ran"
+    spans.clear()
+    with pytest.raises(IdempotencyConflict):
+        executor.run(spec_for(key, fingerprint="other arguments"), lambda ctx: 1)
+    found = ours(spans)
+    assert set(found) == {"jobfence.job", "jobfence.acquire"}
+    job = found["jobfence.job"]
+    assert (job.attributes or {})["jobfence.decision"] == "conflict"
+    assert (job.attributes or {})["jobfence.outcome"] == "conflict"
+    assert (job.status.status_code, job.status.description) == (
+        StatusCode.ERROR, "IdempotencyConflict",
+    )  # fmt: skip
 
 
 NO_OTEL = textwrap.dedent(
