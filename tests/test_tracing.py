@@ -50,7 +50,7 @@ def exporter() -> Iterator[InMemorySpanExporter]:
         trace.set_tracer_provider(provider)
     spans = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    instrumentor = CeleryInstrumentor()
+    instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
     instrumentor.instrument()
     yield spans
     instrumentor.uninstrument()
