@@ -1,8 +1,9 @@
 """The lock-gated executor: the sync shell that runs the job lifecycle (tasks/lifecycle.py).
 
 The flows decide; this shell runs them with `run_sync` and does what is no store round trip:
-the keeper, the body between `set_current` and `reset_current`, the observers, and the
-callers' commit hooks. The public names the task layer and users import live here too.
+the keeper, the body between `set_current` and `reset_current`, the observers, the
+callers' commit hooks, and the spans where opentelemetry-api is installed (tasks/tracing.py).
+The public names the task layer and users import live here too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from jobfence.locks.errors import LeaseLost
 from jobfence.locks.flows import Flow
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
-from jobfence.locks.ops import StoreOp
+from jobfence.locks.ops import Commit, StoreOp
 from jobfence.tasks.context import JobContext, reset_current, set_current
 from jobfence.tasks.lifecycle import (
     CONFLICT_POLICIES,
@@ -52,6 +53,7 @@ from jobfence.tasks.lifecycle import (
     Status,
 )
 from jobfence.tasks.metrics import Metrics
+from jobfence.tasks.tracing import JobTrace, JobTracer, job_tracer
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -97,8 +99,11 @@ class Executor:
         backoff: Backoff,
         metrics: Metrics | None = None,
         redelivery: Redelivery | None = None,
+        tracing: bool = True,
     ) -> None:
         self.observers: list[Observer] = []  # told of every event: started, done, replayed...
+        # None without opentelemetry-api (or tracing=False): then nothing traces, at no cost.
+        self.tracer: JobTracer | None = job_tracer() if tracing else None
         self.backend = backend
         self.keeper = keeper
         self.backoff = backoff
@@ -114,7 +119,11 @@ class Executor:
     ) -> Outcome:
         """Run `body` once for `spec.key`. Exceptions in `passthrough` release without a record."""
         job = self._job(spec)
-        return self._drive(job, job.run(passthrough), body)
+        trace = None if self.tracer is None else self.tracer.start(spec)
+        if trace is None:
+            return self._drive(job, job.run(passthrough), body)
+        with trace:
+            return trace.outcome(self._drive(job, job.run(passthrough), body, trace))
 
     def begin(self, spec: JobSpec) -> Lease | Outcome:
         """Acquire the job's lease, or say why not (replay, duplicate, defer, retry, redeliver)."""
@@ -131,10 +140,17 @@ class Executor:
         return Job(spec, backoff=self.backoff, redelivery=self.redelivery, metrics=self.metrics,
                    noting=bool(self.observers))  # fmt: skip
 
-    def _drive(self, job: Job, flow: JobFlow[T], body: Callable[[JobContext], Any] | None) -> T:
+    def _drive(
+        self,
+        job: Job,
+        flow: JobFlow[T],
+        body: Callable[[JobContext], Any] | None,
+        trace: JobTrace | None = None,
+    ) -> T:
         # run_sync hands the shell's ops to `_Shell.execute` like any store op; the cast
         # widens Flow's op type to the job's (the driver only dispatches on Now and Sleep).
-        return run_sync(cast("Flow[T]", flow), _Shell(self, job, body), self.backend.clock)
+        shell = _Shell(self, job, body) if trace is None else _TracedShell(self, job, body, trace)
+        return run_sync(cast("Flow[T]", flow), shell, self.backend.clock)
 
 
 class _Shell:
@@ -205,3 +221,30 @@ class _Shell:
 
         for outer in op.ctx.outer:
             outer.then(committed)
+
+
+class _TracedShell(_Shell):
+    """The shell with a delivery's spans (tasks/tracing.py): the body and each commit inside
+    their own, every note an event; the untraced shell stays as it is."""
+
+    __slots__ = ("trace",)
+
+    def __init__(
+        self,
+        executor: Executor,
+        job: Job,
+        body: Callable[[JobContext], Any] | None,
+        trace: JobTrace,
+    ) -> None:
+        super().__init__(executor, job, body)
+        self.trace = trace
+
+    def execute(self, op: StoreOp | ShellOp) -> Any:
+        kind = type(op)
+        if kind is RunBody:
+            return self.trace.body(op.ctx, self.run_body)  # type: ignore[union-attr]
+        if kind is Commit:
+            return self.trace.commit(op, self.executor.backend.execute)  # type: ignore[arg-type]
+        if kind is Note:
+            self.trace.note(op)  # type: ignore[arg-type]
+        return super().execute(op)
