@@ -72,26 +72,27 @@ def settings_reference() -> str:
             shown = repr(default) if isinstance(default, str) else str(default)
         kind = getattr(field.annotation, "__name__", None) or str(field.annotation)
         rule = _rule(field)
-        rows.append(
-            f"| `{ENV_PREFIX}{name.upper()}` | `{_cell(shown)}` | {_cell(kind.replace('typing.', ''))}"
-            f"{'; ' + rule if rule else ''} | {_cell(field.description or '')} |"
-        )
-    return "\n".join([
-        "# Settings",
-        "",
-        GENERATED_NOTE,
-        "",
-        "Every setting comes from a `JOBFENCE_*` environment variable (or `.env`, or Django "
-        "settings: see [Django](../how-to/django.md)). This table is generated from the "
-        "settings model, `jobfence.config.settings.Settings`, each time the site is built. "
-        "Unsafe values are refused at start-up with the variable's name and the fix: see "
-        "[Settings rules](settings-rules.md).",
-        "",
-        "| variable | default | type and bounds | meaning |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-    ])
+        kind = _cell(kind.replace("typing.", "")) + (f"; {rule}" if rule else "")
+        meaning = _cell(field.description or "")
+        rows.append(f"| `{ENV_PREFIX}{name.upper()}` | `{_cell(shown)}` | {kind} | {meaning} |")
+    return "\n".join(
+        [
+            "# Settings",
+            "",
+            GENERATED_NOTE,
+            "",
+            "Every setting comes from a `JOBFENCE_*` environment variable (or `.env`, or Django "
+            "settings: see [Django](../how-to/django.md)). This table is generated from the "
+            "settings model, `jobfence.config.settings.Settings`, each time the site is built. "
+            "Unsafe values are refused at start-up with the variable's name and the fix: see "
+            "[Settings rules](settings-rules.md).",
+            "",
+            "| variable | default | type and bounds | meaning |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
 
 
 def cli_commands() -> list[tuple[str, argparse.ArgumentParser]]:
@@ -237,7 +238,20 @@ def on_nav(nav: Navigation, config: MkDocsConfig, files: Files) -> Navigation:
     return nav
 
 
+BENCH_TABLE = "<!-- the bench locks table of benchmarks.md -->"
+
+
+def bench_locks_table(docs_dir: Path) -> str:
+    """The measured table between the bench-locks markers of benchmarks.md (the bench writes it)."""
+    from devstack.bench.matrix import README_BEGIN, README_END
+
+    text = (docs_dir / "benchmarks.md").read_text("utf-8")
+    return text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+
+
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    if BENCH_TABLE in markdown:  # the one table, shown again where a backend is chosen
+        markdown = markdown.replace(BENCH_TABLE, bench_locks_table(Path(config.docs_dir)))
     _sources[page.file.src_uri] = (page.title or "", page.url, markdown)
     return markdown
 
