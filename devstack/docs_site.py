@@ -173,11 +173,13 @@ def metric_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
     from jobfence.tasks.metrics import Metrics
 
     metrics = Metrics(CollectorRegistry())
-    rows = []
+    rows: list[tuple[str, str, tuple[str, ...], str]] = []
     for value in vars(metrics).values():
         if isinstance(value, MetricWrapperBase):
-            name = value._name + ("_total" if value._type == "counter" else "")
-            rows.append((name, value._type, tuple(value._labelnames), value._documentation))
+            kind = str(value._type)
+            name = str(value._name) + ("_total" if kind == "counter" else "")
+            labels = tuple(str(label) for label in value._labelnames)
+            rows.append((name, kind, labels, str(value._documentation)))
     return sorted(rows)
 
 
