@@ -28,11 +28,21 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase
 README = REPO_ROOT / "README.md"
 LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)[^)]*\)")
 
+FRONT_PAGE_LINES = 250
+
 BLOCKS = python_blocks(README.read_text())
 
 
 def test_the_readme_has_python_blocks_to_run() -> None:
     assert [b for b in BLOCKS if b.skip is None]
+
+
+def test_the_readme_is_a_front_page() -> None:
+    assert len(README.read_text().splitlines()) <= FRONT_PAGE_LINES
+
+
+def test_every_readme_code_block_runs_or_says_why_not() -> None:
+    assert unmarked_code(README.read_text(), "README.md") == []
 
 
 def test_the_block_finder_reads_skip_marks() -> None:

@@ -58,7 +58,8 @@ def toy() -> Iterator[BackendEntry]:
 
 def _table_schemes(page: Path) -> set[str]:
     """The schemes in the first table of `page` whose header is "| backend | URL schemes |"."""
-    section = "| backend | URL schemes |" + page.read_text().split("| backend | URL schemes |", 1)[1]
+    header = "| backend | URL schemes |"
+    section = header + page.read_text().split(header, 1)[1]
     section = section.split("\n\n", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # no header
     cells = [row.split(" | ")[1] for row in rows]
