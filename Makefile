@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` runs the main job, `make test` the suite.
 # Each does its own set-up (.ci/setup); extra arguments go in ARGS="...".
-.PHONY: demo test test-fast lint bench faults fuzz
+.PHONY: demo test test-fast lint bench faults fuzz docs docs-serve
 
 # The suite runs on pytest-xdist workers, split by tests/parallel.py (a file, or the whole
 # contract suite, per unit of work); ARGS="-n0 ..." runs it serially, as a later -n wins.
@@ -42,3 +42,13 @@ fuzz:
 	./.ci/setup --venv-only
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=0 \
 		--hypothesis-show-statistics tests/model/test_model.py $(ARGS)
+
+# The documentation site (mkdocs-material): `make docs` builds it strictly into site/ (any
+# warning, broken link or missing anchor fails), `make docs-serve` serves it on 127.0.0.1:8000.
+docs:
+	./.ci/setup --venv-only
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) .venv/bin/mkdocs build --strict $(ARGS)
+
+docs-serve:
+	./.ci/setup --venv-only
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) .venv/bin/mkdocs serve --strict $(ARGS)

@@ -32,6 +32,7 @@ from jobfence.locks.registry import BackendEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+BACKENDS_PAGE = ROOT / "docs" / "explanation" / "backends.md"
 SECRET = "a-real-random-secret-0123456789abcdef"
 
 
@@ -55,16 +56,19 @@ def toy() -> Iterator[BackendEntry]:
         registry.unregister("toy")
 
 
-def _readme_schemes() -> set[str]:
-    """The schemes in the README's "Lock backends" table (its "URL schemes" column)."""
-    section = README.read_text().split("\n## Lock backends\n", 1)[1].split("\n## ", 1)[0]
+def _table_schemes(page: Path) -> set[str]:
+    """The schemes in the first table of `page` whose header is "| backend | URL schemes |"."""
+    header = "| backend | URL schemes |"
+    section = header + page.read_text().split(header, 1)[1]
+    section = section.split("\n\n", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # no header
     cells = [row.split(" | ")[1] for row in rows]
     return {m for cell in cells for m in re.findall(r"`([a-z+]+)://", cell)}
 
 
-def test_every_scheme_in_the_readme_backend_table_is_registered_and_no_other() -> None:
-    assert _readme_schemes() == set(registry.lock_schemes())
+@pytest.mark.parametrize("page", [BACKENDS_PAGE, README], ids=["docs", "readme"])
+def test_every_scheme_in_the_backend_tables_is_registered_and_no_other(page: Path) -> None:
+    assert _table_schemes(page) == set(registry.lock_schemes())
     for scheme in registry.lock_schemes():
         assert scheme in registry.entry_for(f"{scheme.upper()}://host").schemes
 

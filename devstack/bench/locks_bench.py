@@ -696,7 +696,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "runs nothing")  # fmt: skip
     p.add_argument("--readme", default=None, metavar="PATH",
                    help="with --markdown-from: replace the table between the bench-locks "
-                   "markers of PATH (the README) instead of printing it")  # fmt: skip
+                   "markers of PATH (docs/benchmarks.md) instead of printing it")  # fmt: skip
     p.add_argument("--pairs", type=int, default=1000, help="pairs per round (default 1000)")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds per lock (default 15)")
     p.add_argument("--warmup", type=int, default=500, help="warm-up pairs per lock (default 500)")

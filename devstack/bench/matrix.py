@@ -1020,7 +1020,7 @@ def markdown(section: dict[str, Any], machine: dict[str, Any] | None = None) -> 
 
 README_BEGIN = (
     "<!-- bench locks: begin (python -m jobfence bench locks --markdown-from JSON --readme "
-    "README.md) -->"
+    "docs/benchmarks.md) -->"
 )
 README_END = "<!-- bench locks: end -->"
 
