@@ -20,7 +20,7 @@ ARGS: list[tuple[Any, ...]] = [
 
 
 def _redis_py_bytes(pool: ConnectionPool, args: tuple[Any, ...]) -> bytes:
-    conn = Connection(**pool.connection_kwargs)
+    conn = Connection(**pool.connection_kwargs)  # type: ignore[no-untyped-call]
     return b"".join(conn.pack_command(*args))  # type: ignore[no-untyped-call]
 
 
