@@ -25,6 +25,7 @@ BENCHES = {
     "leader": "devstack.bench.leader_bench",
     "memory": "devstack.bench.memory_bench",
     "keeper": "devstack.bench.keeper_bench",
+    "server": "devstack.bench.server_bench",
 }
 
 
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_app_option(check, default="the bundled app")
     sub.add_parser(
         "bench",
-        help="benchmarks: bench locks|celery|gate|leader|memory|keeper [ARGS...]",
+        help="benchmarks: bench locks|celery|gate|leader|memory|keeper|server [ARGS...]",
         add_help=False,
     )
     sub.add_parser(

@@ -159,15 +159,35 @@ def run_jobs(
     tag: str,
     jobs: int,
     timeout: float,
+    drain: bool = False,
 ) -> tuple[float, float]:
-    """Publish `jobs` distinct jobs; return (publish seconds, publish start -> last executed)."""
+    """Publish `jobs` distinct jobs; return (publish seconds, the run's seconds).
+
+    Live (the default): the fleet consumes while one publisher feeds it; the run is publish
+    start -> last body run, so a fleet faster than its publisher measures the publisher.
+    Drain: the backlog is published first to a queue of its own that no worker consumes;
+    then every worker is told to consume it (a broadcast add_consumer), and the run is that
+    broadcast -> last body run: what the fleet can do, whatever one publisher can feed it.
+    """
+    queue = f"cbench-drain-{tag}" if drain else None
     publish = c.task.apply_async
-    started = time.perf_counter()
-    for i in range(jobs):
-        publish((tag, i))
+    started = publish_started = time.perf_counter()
+    if queue is None:
+        for i in range(jobs):
+            publish((tag, i))
+    else:
+        for i in range(jobs):
+            publish((tag, i), queue=queue)
     published = time.perf_counter()
-    done = _wait_count(counters, mod.EXEC_PREFIX + tag, jobs, timeout, fleet)
-    return published - started, done - started
+    if queue is not None:
+        started = time.perf_counter()
+        mod.app.control.add_consumer(queue, reply=False)
+    try:
+        done = _wait_count(counters, mod.EXEC_PREFIX + tag, jobs, timeout, fleet)
+    finally:
+        if queue is not None:  # an idle queue per round would slow every later poll
+            mod.app.control.cancel_consumer(queue, reply=False)
+    return published - publish_started, done - started
 
 
 def _was_queued(c: Contender, result: Any, task_id: str) -> bool:
@@ -220,7 +240,9 @@ def run(args: argparse.Namespace, server: Server, logdir: Path) -> dict[str, Any
             shift = r % len(contenders)  # rotate the order so drift hits all alike
             for c in contenders[shift:] + contenders[:shift]:
                 tag = f"jobs-{CONTENDERS[c.name]}-{run_id}-{r}"
-                pub, total = run_jobs(c, mod, counters, fleet, tag, args.jobs, args.timeout)
+                pub, total = run_jobs(
+                    c, mod, counters, fleet, tag, args.jobs, args.timeout, drain=args.drain
+                )
                 c.publish_seconds.append(pub)
                 c.seconds.append(total)
                 if not report_io.json_to_stdout(args):
@@ -280,6 +302,7 @@ def build_report(
             "concurrency": args.concurrency,
             "rounds": args.rounds,
             "body_ms": args.body_ms,
+            "mode": "drain" if args.drain else "live",
             "pool": "prefork",
             "acks_late": True,
             "results": "ignored by every task (ignore_result=True); jobfence still writes "
@@ -310,7 +333,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"acks_late for all; results ignored by all",
         "",
         f"{cfg['jobs']} distinct jobs per contender, median of {cfg['rounds']} interleaved "
-        "round(s), publish start -> last body run;",
+        + (
+            "round(s), drain: the backlog published first, then consumed, "
+            "fleet told to consume -> last body run;"
+            if cfg.get("mode") == "drain"
+            else "round(s), publish start -> last body run;"
+        ),
         f"body: {_body(cfg['body_ms'])}; "
         f"storm: one job published {cfg['storm']} times while the fleet runs",
         "",
@@ -361,6 +389,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="every body first waits this many ms in time.sleep, as I/O would (default 0: "
         f"trivial; the target is then {BODY_TARGET}x plain)",
+    )
+    p.add_argument(
+        "--drain",
+        action="store_true",
+        help="publish each round's backlog before the fleet consumes it and time the fleet "
+        "alone (default: live, one publisher feeding a consuming fleet)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
     report_io.add_output_args(p)
