@@ -28,6 +28,7 @@ from jobfence.locks.backend import (
 from jobfence.locks.backends.redis_scripts import load_scripts
 from jobfence.locks.backends.redis_semaphore import RedisSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.decisions import DecisionBounds, DecisionLog, RedisDecisionLog
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.keys import KeySpace
 from jobfence.locks.lease import OwnerMeta
@@ -592,6 +593,9 @@ class RedisBackend(RedisSemaphores, LockBackend):
             self.client.blpop([self.keys.signal(key)], timeout=timeout)
         except RedisError as exc:
             raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
+
+    def decision_log(self, bounds: DecisionBounds) -> DecisionLog | None:
+        return RedisDecisionLog(self.client, self.keys, bounds)
 
     def close(self) -> None:
         if self._lane is not None:
