@@ -595,7 +595,9 @@ class RedisBackend(RedisSemaphores, LockBackend):
             raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
 
     def decision_log(self, bounds: DecisionBounds) -> DecisionLog | None:
-        return RedisDecisionLog(self.client, self.keys, bounds)
+        lane = self._lane
+        return RedisDecisionLog(self.client, self.keys, bounds,
+                                send_many=lane.call_many if lane is not None else None)  # fmt: skip
 
     def close(self) -> None:
         if self._lane is not None:

@@ -155,3 +155,11 @@ def test_an_outage_writes_a_handful_of_lines_and_a_summary(
         assert lines.lines[-1].startswith("lock server unavailable: 37 warnings suppressed")
     else:
         assert len(lines.lines) == 40
+
+
+def test_redis_without_a_lane_sends_one_pipeline(redis_log: RedisDecisionLog) -> None:
+    """A client the backend drives without its lane (a cluster's): redis-py's pipeline."""
+    plain = RedisDecisionLog(redis_log.client, redis_log.keys, redis_log.bounds)
+    key = unique("tests.job:k")
+    plain.append_many([decision(key, "t1"), decision(key, "t1", event="done")])
+    assert [d.event for d in plain.for_task("t1")] == ["started", "done"]
