@@ -14,7 +14,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -222,15 +222,25 @@ class RedisDecisionLog(DecisionLog):
                 pipe.execute_command(*command)  # type: ignore[no-untyped-call]
             return list(pipe.execute())
 
+    def _rows(self, stream: str, n: int) -> list[tuple[Any, dict[str, str]]]:
+        """The last `n` entries of `stream`, newest first, fields as text."""
+        from redis.exceptions import RedisError
+
+        try:
+            rows: Any = self.client.xrevrange(stream, count=n)
+        except RedisError as exc:
+            raise BackendUnavailable("redis decision log read failed", cause=exc) from exc
+        return [(entry_id, {_text(k): _text(v) for k, v in (fields or {}).items()})
+                for entry_id, fields in rows or ()]  # fmt: skip
+
     def for_key(self, key: str, n: int = 50) -> list[Decision]:
-        rows = self.client.xrevrange(self.keys.decisions(key), count=n)
-        return [_decode(key, dict(fields)) for _, fields in reversed(rows)]
+        rows = self._rows(self.keys.decisions(key), n)
+        return [_decode(key, fields) for _, fields in reversed(rows)]
 
     def keys_of(self, task_id: str) -> list[str]:
         """The job keys the index names for `task_id`, most recent first."""
-        rows = self.client.xrevrange(self.keys.decision_index(), count=self.bounds.total)
         found: dict[str, None] = {}
-        for _, fields in rows:
+        for _, fields in self._rows(self.keys.decision_index(), self.bounds.total):
             if fields.get("t") == task_id and fields.get("k"):
                 found[fields["k"]] = None
         return list(found)
@@ -240,5 +250,5 @@ class RedisDecisionLog(DecisionLog):
         return sorted(found, key=lambda d: d.at)[-n:]
 
 
-def of_task(decisions: Iterable[Decision], task_id: str) -> list[Decision]:
-    return [d for d in decisions if d.task_id == task_id]
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -67,6 +67,12 @@ class WarningLimiter:
         if summary is not None:
             summary[0].warning("%s", summary[1])
 
+    def reset(self) -> None:
+        """Forget the current window and the count, unwritten (each test starts afresh)."""
+        with self._lock:
+            self._opened, self._written, self._suppressed = -float("inf"), 0, 0
+            self._last_logger = None
+
     @property
     def suppressed(self) -> int:
         return self._suppressed

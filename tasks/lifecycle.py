@@ -29,7 +29,6 @@ from jobfence.locks.errors import (
 )
 from jobfence.locks.flows import Backoff, slot_flow
 from jobfence.locks.lease import Lease
-from jobfence.locks.outage import OUTAGE
 from jobfence.locks.ops import (
     Begin,
     Commit,
@@ -44,6 +43,7 @@ from jobfence.locks.ops import (
     TakeRate,
     WaitRelease,
 )
+from jobfence.locks.outage import OUTAGE
 from jobfence.locks.slots import SlotLease
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage, TaskError

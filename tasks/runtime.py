@@ -16,9 +16,9 @@ from jobfence.config.settings import Settings, load_settings
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend
+from jobfence.locks.decisions import DecisionBounds
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
-from jobfence.locks.decisions import DecisionBounds
 from jobfence.locks.outage import OUTAGE
 from jobfence.tasks.decisions import DecisionRecorder
 from jobfence.tasks.errors import NotInstalled

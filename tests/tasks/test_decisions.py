@@ -55,7 +55,9 @@ def test_redis_finds_a_task_by_its_id(redis_log: RedisDecisionLog) -> None:
                               reason="skip"))  # fmt: skip
     found = redis_log.for_task("copy")
     assert [(d.task_id, d.event) for d in found] == [
-        ("holder", "started"), ("holder", "done"), ("copy", "conflict")
+        ("holder", "started"),
+        ("holder", "done"),
+        ("copy", "conflict"),
     ]
     assert found[-1].holder == "holder" and found[-1].reason == "skip"
 
@@ -144,8 +146,8 @@ def test_an_outage_writes_a_handful_of_lines_and_a_summary(
     logger = logging.getLogger("jobfence.tasks.executor")
     logger.addHandler(lines)
     try:
-        for i in range(40):
-            out = dead_redis_executor.run(spec_for(unique("tests.job:k")), lambda _ctx: i)
+        for _ in range(40):
+            out = dead_redis_executor.run(spec_for(unique("tests.job:k")), lambda _ctx: None)
             assert out.status == "redeliver"
         limiter.flush()
     finally:
