@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -165,3 +166,22 @@ def test_redis_without_a_lane_sends_one_pipeline(redis_log: RedisDecisionLog) ->
     key = unique("tests.job:k")
     plain.append_many([decision(key, "t1"), decision(key, "t1", event="done")])
     assert [d.event for d in plain.for_task("t1")] == ["started", "done"]
+
+
+def test_a_redis_cluster_keeps_the_log_across_slots(redis_cluster: Any) -> None:
+    """The key's stream and the index live in other slots: redis-py's cluster pipeline."""
+    from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+
+    backend = RedisClusterBackend.from_url(redis_cluster.url, prefix=unique("rc"))
+    try:
+        store = backend.decision_log(DecisionBounds(per_key=3, total=100, ttl=60.0))
+        assert store is not None
+        key = unique("tests.job:k")
+        for i in range(5):
+            store.append_many([decision(key, "t1", at=1.0 + i), decision(key, "t2", at=9.0)])
+        # The last 3 of the key (t2's last two and t1's last), oldest first.
+        assert [(d.task_id, d.at) for d in store.for_task("t1")] == [
+            ("t1", 5.0), ("t2", 9.0), ("t2", 9.0)
+        ]  # fmt: skip
+    finally:
+        backend.close()
