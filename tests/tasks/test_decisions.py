@@ -185,3 +185,16 @@ def test_a_redis_cluster_keeps_the_log_across_slots(redis_cluster: Any) -> None:
         ]  # fmt: skip
     finally:
         backend.close()
+
+
+def test_why_says_when_nothing_is_recorded_or_nothing_is_kept(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from jobfence.worker.cli import main
+
+    assert main(["locks", "--lock-url", "memory://", "why", "no-such-task\x1b[2J"]) == 1
+    out = capsys.readouterr().out
+    assert "no decisions recorded for" in out and "\x1b" not in out and "\\x1b" in out
+    monkeypatch.setenv("JOBFENCE_DECISION_LOG_SIZE", "0")
+    assert main(["locks", "--lock-url", "memory://", "why", "t1"]) == 2
+    assert "keeps no decision log (JOBFENCE_DECISION_LOG_SIZE=0)" in capsys.readouterr().err
