@@ -114,6 +114,23 @@ class Settings(BaseSettings):
         default=30 * 24 * 3600.0,
         description="Seconds a per-key fence counter is kept after its last grant.",
     )
+    decision_log_size: int = Field(
+        default=50,
+        ge=0,
+        description="Decisions kept per job key for `jobfence locks why` (Redis streams, or "
+        "in process for memory://; 0: none kept, the log lines stay).",
+    )
+    decision_log_total: int = Field(
+        default=10_000,
+        ge=1,
+        description="Entries of the decision log's index (Redis: a capped stream that lets a "
+        "task id find its key; memory://: decisions kept in all).",
+    )
+    decision_log_ttl: float = Field(
+        default=7 * 24 * 3600.0,
+        gt=0,
+        description="Seconds a key's decisions are kept after its last one.",
+    )
     visibility_timeout: float = Field(
         default=3600.0, description="Broker visibility timeout in seconds (Redis/SQS brokers)."
     )
@@ -336,6 +353,12 @@ def refuse_unsafe(s: Settings) -> None:
             f"{p}RESULT_TTL",
             f"must be > 0, got {s.result_ttl}",
             "keep results at least as long as duplicates may arrive",
+        )
+    if s.decision_log_size > s.decision_log_total:
+        raise UnsafeSettings(
+            f"{p}DECISION_LOG_TOTAL",
+            f"{s.decision_log_total} is below {p}DECISION_LOG_SIZE ({s.decision_log_size})",
+            f"keep {p}DECISION_LOG_TOTAL at least {p}DECISION_LOG_SIZE (default 10000)",
         )
     if s.fence_retention < s.default_ttl:
         raise UnsafeSettings(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.decisions import DecisionBounds, DecisionLog
 from jobfence.locks.errors import (
     LockError,
     NotOwner,
@@ -602,6 +603,11 @@ class LockBackend(ABC):
     def security(self) -> Security | None:
         """TLS and authentication as configured, for the start-up check; None: unknown
         (a backend that can say overrides it)."""
+        return None
+
+    def decision_log(self, bounds: DecisionBounds) -> DecisionLog | None:
+        """Where this store keeps the decision log (locks/decisions.py); None: it keeps
+        none (the structured log line per decision is all there is)."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook

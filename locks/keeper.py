@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import LeaseLost
 from jobfence.locks.lease import Lease
+from jobfence.locks.outage import OUTAGE
 
 if TYPE_CHECKING:
     from jobfence.locks.backend import LockBackend
@@ -337,7 +338,8 @@ class LeaseKeeper:
         except Exception as exc:
             # Unknown outcome, not a refusal: the lease may well still be ours. Try again
             # soon; only the deadline (or a refusal) makes it lost.
-            log.warning(
+            OUTAGE.warning(
+                log,
                 "lease extension failed on %s for %d lease(s), retrying: %s",
                 backend.name,
                 len(leases),

@@ -48,6 +48,14 @@ class KeySpace:
         """The answers of the fenced writes accepted under a resource's current fence."""
         return f"{self.prefix}:rwrites:{{{resource}}}"
 
+    def decisions(self, key: str) -> str:
+        """A job key's decision log (locks/decisions.py): a capped stream."""
+        return f"{self.prefix}:decisions:{{{key}}}"
+
+    def decision_index(self) -> str:
+        """The index of recent decisions (job key and task id), so a task id finds its key."""
+        return f"{self.prefix}:decisions"
+
     def lock_pattern(self, match: str = "*") -> str:
         return f"{self.prefix}:lock:{{{match}}}"
 

@@ -21,6 +21,7 @@ from jobfence.locks.drive import run_sync
 from jobfence.locks.errors import BackendUnavailable, LockError, RateLimitUnsupported
 from jobfence.locks.lease import Lease
 from jobfence.locks.ops import SwapPublish
+from jobfence.locks.outage import OUTAGE
 from jobfence.locks.ratelimit import Rate, parse_rate
 from jobfence.locks.registry import backends_with
 from jobfence.tasks.context import JobContext, current_job, current_lease
@@ -87,6 +88,10 @@ _STOPS: dict[str, type[JobSkipped]] = {
 }
 
 log = logging.getLogger(__name__)
+
+
+def _plain_warning(logger: logging.Logger, msg: str, *args: object) -> None:
+    logger.warning(msg, *args)
 
 
 class JobNotSettled(TaskError):
@@ -439,8 +444,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         req, out = d.req, d.out
         if req.called_directly or req.is_eager:
             raise JobNotSettled(f"{out.reason}; call it again", key=d.spec.key, fence=out.fence)
-        log.warning("redelivering %s[%s] in %.2fs (redelivery %d): %s",
-                    self.name, req.id, d.countdown, d.redeliveries + 1, out.reason)  # fmt: skip
+        # An outage redelivers every job at once: those lines go through the outage limiter.
+        warn = OUTAGE.warning if "unavailable" in out.reason else _plain_warning
+        warn(log, "redelivering %s[%s] in %.2fs (redelivery %d): %s",
+             self.name, req.id, d.countdown, d.redeliveries + 1, out.reason)  # fmt: skip
         self._publish_again(req, d.countdown, d.headers(redeliveries=d.redeliveries + 1))
 
     #: Every executor status to its Celery action (design §8): return the value, raise a

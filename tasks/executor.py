@@ -9,11 +9,13 @@ The public names the task layer and users import live here too.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.backend import LockBackend
+from jobfence.locks.decisions import Decision
 from jobfence.locks.drive import run_sync
 from jobfence.locks.errors import LeaseLost
 from jobfence.locks.flows import Flow
@@ -21,6 +23,7 @@ from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
 from jobfence.locks.ops import Commit, StoreOp
 from jobfence.tasks.context import JobContext, reset_current, set_current
+from jobfence.tasks.decisions import DecisionRecorder
 from jobfence.tasks.lifecycle import (
     CONFLICT_POLICIES,
     DROPPED,
@@ -104,6 +107,8 @@ class Executor:
         self.observers: list[Observer] = []  # told of every event: started, done, replayed...
         # None without opentelemetry-api (or tracing=False): then nothing traces, at no cost.
         self.tracer: JobTracer | None = job_tracer() if tracing else None
+        # Given each delivery's decisions once, as it ends (the runtime attaches one).
+        self.recorder: DecisionRecorder | None = None
         self.backend = backend
         self.keeper = keeper
         self.backoff = backoff
@@ -138,7 +143,7 @@ class Executor:
 
     def _job(self, spec: JobSpec) -> Job:
         return Job(spec, backoff=self.backoff, redelivery=self.redelivery, metrics=self.metrics,
-                   noting=bool(self.observers))  # fmt: skip
+                   noting=bool(self.observers) or self.recorder is not None)  # fmt: skip
 
     def _drive(
         self,
@@ -150,13 +155,18 @@ class Executor:
         # run_sync hands the shell's ops to `_Shell.execute` like any store op; the cast
         # widens Flow's op type to the job's (the driver only dispatches on Now and Sleep).
         shell = _Shell(self, job, body) if trace is None else _TracedShell(self, job, body, trace)
-        return run_sync(cast("Flow[T]", flow), shell, self.backend.clock)
+        try:
+            return run_sync(cast("Flow[T]", flow), shell, self.backend.clock)
+        finally:
+            if shell.decisions:  # one write per delivery, however many decisions it made
+                assert self.recorder is not None
+                self.recorder.record(shell.decisions)
 
 
 class _Shell:
     """One delivery's store for `run_sync`: the shell's ops here, round trips to the backend."""
 
-    __slots__ = ("body", "executor", "job")
+    __slots__ = ("body", "decisions", "executor", "job")
 
     def __init__(
         self, executor: Executor, job: Job, body: Callable[[JobContext], Any] | None
@@ -164,12 +174,15 @@ class _Shell:
         self.executor = executor
         self.job = job
         self.body = body
+        self.decisions: list[Decision] | None = [] if executor.recorder is not None else None
 
     def execute(self, op: StoreOp | ShellOp) -> Any:
         kind = type(op)
         if kind is Note:
             if self.executor.observers:  # none unless a journal is attached
                 self.note(op)  # type: ignore[arg-type]
+            if self.decisions is not None:
+                self.decide(op)  # type: ignore[arg-type]
         elif kind is RunBody:
             return self.run_body(op.ctx)  # type: ignore[union-attr]
         elif kind is Keep:
@@ -188,6 +201,12 @@ class _Shell:
                 observe(op.event, self.job.spec, op.fence)
             except Exception:  # an observer must never change the job's fate
                 log.exception("executor observer failed on %s", op.event)
+
+    def decide(self, op: Note) -> None:
+        assert self.decisions is not None
+        spec = self.job.spec
+        self.decisions.append(Decision(time.time(), op.event, spec.key, spec.name, spec.task_id,
+                                       op.fence, op.holder, op.newer, op.reason))  # fmt: skip
 
     def run_body(self, ctx: JobContext) -> Any:
         assert self.body is not None, "RunBody from a flow that runs no body"

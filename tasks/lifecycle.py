@@ -43,6 +43,7 @@ from jobfence.locks.ops import (
     TakeRate,
     WaitRelease,
 )
+from jobfence.locks.outage import OUTAGE
 from jobfence.locks.slots import SlotLease
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage, TaskError
@@ -259,6 +260,9 @@ class Note:
 
     event: str
     fence: int | None
+    holder: str = ""  # the other task's id where the flow knows it (a copy, a newer publish)
+    newer: int | None = None  # stale: the fence the resource had accepted already
+    reason: str = ""  # a fixed phrase (the conflict policy, why a redelivery): no argument
 
 
 @dataclass(slots=True)
@@ -391,10 +395,10 @@ class Job:
                 if spec.task_id and busy.task_id == spec.task_id:
                     # Our own earlier delivery holds it (redelivered or crashed): come back when
                     # its lease ends. Dropping this copy could lose the job if that holder died.
-                    yield Note("defer", None)
+                    yield Note("defer", None, busy.task_id or "")
                     return Outcome("defer", countdown=self.after(busy, attempt))
                 self.metrics.conflicts.labels(spec.name, spec.on_conflict).inc()
-                yield Note("conflict", None)
+                yield Note("conflict", None, busy.task_id or "", reason=spec.on_conflict)
                 if spec.on_conflict == "skip":
                     return Outcome("duplicate", DUPLICATE, holder=busy.task_id or "")
                 if spec.on_conflict == "raise":
@@ -416,8 +420,8 @@ class Job:
                 yield WaitRelease(spec.key, pause)
                 attempt += 1
         except BackendUnavailable as exc:
-            log.warning("lock server unavailable before job %s ran: %s", spec.key,
-                        type(exc).__name__)  # fmt: skip
+            OUTAGE.warning(log, "lock server unavailable before job %s ran: %s", spec.key,
+                           type(exc).__name__)  # fmt: skip
             return (yield from self.redeliver("lock server unavailable before the body ran", None))
 
     def after(self, busy: Busy, attempt: int) -> float:
@@ -430,7 +434,7 @@ class Job:
         holder lives (its lease renewed), spending neither Celery's retries nor the
         redelivery bound; it then replays the holder's DONE record ("finish") or runs. A
         holder that dies frees the key at its lease's expiry."""
-        yield Note("queued", None)
+        yield Note("queued", None, busy.task_id or "")
         return Outcome(
             "requeue",
             countdown=self.after(busy, attempt),
@@ -483,8 +487,8 @@ class Job:
         try:
             kept = yield from self.swap_claim()
         except BackendUnavailable as exc:
-            log.warning("lock server unavailable at job %s's start: %s", spec.key,
-                        type(exc).__name__)  # fmt: skip
+            OUTAGE.warning(log, "lock server unavailable at job %s's start: %s", spec.key,
+                           type(exc).__name__)  # fmt: skip
             yield from self.release_quietly(lease)
             return (yield from self.redeliver("lock server unavailable before the body ran", None))
         if kept is None or kept == STARTED + spec.task_id:
@@ -493,7 +497,7 @@ class Job:
             return (yield from self.superseded_copy(lease, kept))
         if spec.unique_for and kept.startswith(STARTED):
             self.metrics.conflicts.labels(spec.name, "unique_for").inc()
-            yield Note("throttled", lease.fence)
+            yield Note("throttled", lease.fence, kept.removeprefix(STARTED))
             yield from self.release_quietly(lease)
             return Outcome("duplicate", DUPLICATE, lease.fence, holder=kept.removeprefix(STARTED))
         return None
@@ -512,7 +516,7 @@ class Job:
                  spec.key, spec.task_id, holder.removeprefix(STARTED))  # fmt: skip
         self.metrics.executions.labels(spec.name, "superseded").inc()
         fence = None if lease is None else lease.fence
-        yield Note("superseded", fence)
+        yield Note("superseded", fence, holder.removeprefix(STARTED), reason="replaced")
         if lease is not None:
             yield from self.release_quietly(lease)
         return Outcome("superseded", SUPERSEDED, fence)
@@ -524,7 +528,8 @@ class Job:
         try:
             yield SwapPublish(spec.key, mine, mine, spec.unique_for)
         except BackendUnavailable as exc:  # the job is done; only the throttle is lost
-            log.warning("job %s: unique_for window not set: %s", spec.key, type(exc).__name__)
+            OUTAGE.warning(log, "job %s: unique_for window not set: %s", spec.key,
+                           type(exc).__name__)  # fmt: skip
 
     # -- the crash cap -----------------------------------------------------------------
     def cap_crashes(self, lease: Lease) -> JobFlow[None]:
@@ -585,8 +590,8 @@ class Job:
             return (yield from self.rate_turn(rate, lease))
         except BackendUnavailable as exc:
             yield from self.release_quietly(lease)
-            log.warning("lock server unavailable before job %s ran: %s", self.spec.key,
-                        type(exc).__name__)  # fmt: skip
+            OUTAGE.warning(log, "lock server unavailable before job %s ran: %s", self.spec.key,
+                           type(exc).__name__)  # fmt: skip
             return (yield from self.redeliver("lock server unavailable before the body ran", None))
 
     def rate_turn(self, rate: RateSpec, lease: Lease) -> JobFlow[Outcome | None]:
@@ -670,7 +675,8 @@ class Job:
             delay = SLOT_REQUEUE_DELAY * (1 + self.redelivery.rng.random())
             return Outcome("requeue", countdown=delay, reason="no concurrency slot free")
         except BackendUnavailable as exc:
-            log.warning(
+            OUTAGE.warning(
+                log,
                 "lock server unavailable before job %s took its slot: %s",
                 spec.key,
                 type(exc).__name__,
@@ -817,7 +823,8 @@ class Job:
             except BackendUnavailable as exc:
                 attempt += 1
                 if attempt >= COMMIT_ATTEMPTS and lease.deadline - lease.drift <= (yield Now()):
-                    log.warning(
+                    OUTAGE.warning(
+                        log,
                         "job %s: %s commit outcome unknown after %d attempts (fence=%s): %s",
                         spec.key,
                         state,
@@ -897,7 +904,10 @@ class Job:
             type(exc).__name__,
         )
         self.metrics.executions.labels(spec.name, "superseded").inc()
-        yield Note("stale" if stale else "superseded", lease.fence)
+        if stale:
+            yield Note("stale", lease.fence, newer=getattr(exc, "last", None))
+        else:
+            yield Note("superseded", lease.fence, reason="newer holder")
         yield from self.release_quietly(lease)
 
     # -- releasing, redelivering, giving up --------------------------------------------
@@ -917,7 +927,7 @@ class Job:
         spec = self.spec
         if spec.redeliveries >= self.redelivery.limit:
             return (yield from self.give_up(reason))
-        yield Note("redeliver", fence)
+        yield Note("redeliver", fence, reason=reason)
         return Outcome(
             "redeliver",
             fence=fence,
@@ -947,6 +957,6 @@ class Job:
         except BackendUnavailable:
             pass
         self.metrics.executions.labels(spec.name, "given_up").inc()
-        yield Note("given_up", None)
+        yield Note("given_up", None, reason=reason)
         log.error("job %s %s", spec.key, message)
         raise RedeliveryLimitReached(message, key=spec.key)

@@ -17,8 +17,11 @@ from jobfence.config.settings import Settings, load_settings
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend
+from jobfence.locks.decisions import DecisionBounds
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
+from jobfence.locks.outage import OUTAGE
+from jobfence.tasks.decisions import DecisionRecorder
 from jobfence.tasks.errors import NotInstalled
 from jobfence.tasks.executor import Executor, Redelivery
 from jobfence.tasks.metrics import Metrics
@@ -65,6 +68,11 @@ class Runtime:
                 limit=settings.redelivery_limit, base=settings.redelivery_delay
             ),
         )
+        # Every delivery's decisions: logged, and kept by the lock server where it can.
+        self.executor.recorder = DecisionRecorder(self.backend.decision_log(DecisionBounds(
+            per_key=settings.decision_log_size, total=settings.decision_log_total,
+            ttl=settings.decision_log_ttl,
+        ))) if settings.decision_log_size else None  # fmt: skip
 
         self._effects: SqlEffects | None = None
 
@@ -88,6 +96,9 @@ class Runtime:
         )
 
     def close(self) -> None:
+        OUTAGE.flush()  # the count of warnings an outage had suppressed, not lost
+        if self.executor.recorder is not None:
+            self.executor.recorder.close()  # the decisions still pending, stored
         self.keeper.stop()
         self.backend.close()
         if self._effects is not None:

@@ -57,6 +57,14 @@ SERVER_MODULES = frozenset({
 })  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _outage_warnings_afresh() -> None:
+    """Each test sees the first outage warnings of its own (the limiter is per process)."""
+    from jobfence.locks.outage import OUTAGE
+
+    OUTAGE.reset()
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:

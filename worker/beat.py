@@ -35,6 +35,7 @@ from jobfence.locks import LeaseKeeper, LockBackend, LockError
 from jobfence.locks.backend import default_meta
 from jobfence.locks.leader import Term, try_elect
 from jobfence.locks.lease import Lease
+from jobfence.locks.outage import OUTAGE
 from jobfence.tasks import HEADER, SingletonTask, runtime_for
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
                 observer=self.observer,
             )
         except LockError as exc:
-            log.warning("beat: cannot reach the lock backend for the election: %s", exc)
+            OUTAGE.warning(log, "beat: cannot reach the lock backend for the election: %s", exc)
             return False
         if term is None:
             if not self._standby_logged:

@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a RedisFenceGuard resource (on the lock server) this key's holders write: raise "
         "its floor to the new fence, so the removed holder's writes fail now (repeatable)",
     )
+    _add_why_parser(lsub)
     orph = lsub.add_parser(
         "orphans",
         help="locks whose owner is provably dead, and suspects",
@@ -233,6 +234,22 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     finally:
         backend.close()
     return 0
+
+
+def _add_why_parser(lsub: Any) -> None:
+    why = lsub.add_parser(
+        "why",
+        help="why did this job (not) run: its decisions, from the decision log",
+        description="The decisions about a task id (or a job key, `<task name>:<hash>` as "
+        "`locks list` shows it), in order, in plain words: granted, skipped as a duplicate of "
+        "which task, superseded by which publish, a stale write refused, redelivered, given "
+        "up. Kept on Redis (JOBFENCE_DECISION_LOG_SIZE per key, for JOBFENCE_DECISION_LOG_TTL); "
+        "other backends keep the worker's log lines only (logger jobfence.decisions).",
+    )
+    why.add_argument("subject", metavar="KEY_OR_TASK_ID")
+    why.add_argument("--limit", type=_positive_int, default=50, metavar="N",
+                     help="the last N decisions (default 50)")  # fmt: skip
+    why.add_argument("--json", action="store_true")
 
 
 def _add_migrate_parser(sub: Any) -> None:
@@ -389,6 +406,7 @@ def cmd_locks(args: argparse.Namespace) -> int:
             "inspect": _locks_inspect,
             "release": _locks_release,
             "orphans": _locks_orphans,
+            "why": _locks_why,
         }[args.action]
         return action(args, settings, backend)
     finally:
@@ -471,6 +489,34 @@ def _locks_release(args: argparse.Namespace, settings: Settings, backend: LockBa
             "SqlFenceGuard().check_and_advance(conn, RESOURCE, fence) in a transaction (SQL)"
         )
     return 0
+
+
+def _locks_why(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:
+    from jobfence.locks.decisions import DecisionBounds
+    from jobfence.worker import admin, why
+
+    size = settings.decision_log_size
+    store = backend.decision_log(DecisionBounds(
+        per_key=max(size, 1), total=settings.decision_log_total, ttl=settings.decision_log_ttl,
+    )) if size else None  # fmt: skip
+    if store is None:
+        print(f"the {backend.name} lock backend keeps no decision log"
+              + (" (JOBFENCE_DECISION_LOG_SIZE=0)" if not size else "")
+              + "; the workers log every decision (logger jobfence.decisions)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    lines, data = why.render(store, args.subject, args.limit)
+    if args.json:
+        _emit(data)
+    elif lines:
+        print("\n".join(lines))
+    else:
+        print(admin.printable(
+            f"no decisions recorded for {args.subject!r} (kept {size} per key, "
+            f"{settings.decision_log_ttl:g}s after the key's last; memory:// keeps them in the "
+            "worker's process only)"
+        ))
+    return 0 if data else 1
 
 
 def _locks_orphans(args: argparse.Namespace, settings: Settings, backend: LockBackend) -> int:

@@ -19,6 +19,7 @@ from jobfence.locks.backend import (
     validate_key,
 )
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.decisions import DecisionBounds, DecisionLog, RingDecisionLog
 from jobfence.locks.lease import OwnerMeta
 from jobfence.locks.ratelimit import gcra
 from jobfence.locks.slots import SlotInfo, SlotWait
@@ -58,12 +59,21 @@ class MemoryBackend(LockBackend):
         self._slots: dict[str, dict[str, tuple[int, float, OwnerMeta]]] = {}
         self._waiters: dict[str, dict[str, float]] = {}
         self._slot_fences: dict[str, int] = {}
+        self._decisions: RingDecisionLog | None = None
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock = SYSTEM_CLOCK, **options: Any) -> MemoryBackend:
         """`memory://`: one process's locks. The options other backends take (prefix,
         socket_timeout) mean nothing here and are ignored, so one settings object fits all."""
         return cls(clock=clock)
+
+    def decision_log(self, bounds: DecisionBounds) -> DecisionLog | None:
+        """One ring per backend (the first caller's bounds): in this process only, like
+        the locks."""
+        with self._cond:
+            if self._decisions is None:
+                self._decisions = RingDecisionLog(bounds)
+            return self._decisions
 
     def _ping(self) -> str:
         return "in process"

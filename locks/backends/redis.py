@@ -31,6 +31,7 @@ from jobfence.locks.backends.redis_url import CA_FILE_HINT as CA_FILE_HINT
 from jobfence.locks.backends.redis_url import security_of_kwargs, tls_kwargs, url_tls
 from jobfence.locks.backends.redis_url import tls_hint as tls_hint
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
+from jobfence.locks.decisions import DecisionBounds, DecisionLog, RedisDecisionLog
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.keys import KeySpace
 from jobfence.locks.lease import OwnerMeta
@@ -602,6 +603,11 @@ class RedisBackend(RedisSemaphores, LockBackend):
             self.client.blpop([self.keys.signal(key)], timeout=timeout)
         except RedisError as exc:
             raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
+
+    def decision_log(self, bounds: DecisionBounds) -> DecisionLog | None:
+        lane = self._lane
+        return RedisDecisionLog(self.client, self.keys, bounds,
+                                send_many=lane.call_many if lane is not None else None)  # fmt: skip
 
     def close(self) -> None:
         if self._lane is not None:

@@ -150,7 +150,7 @@ def test_keeper_extensions_are_the_only_extra_round_trips(
 def test_a_singleton_task_costs_two_round_trips(
     make_app: AppFactory, redis_server: RedisServer
 ) -> None:
-    app = make_app(default_ttl=60)
+    app = make_app(default_ttl=60, decision_log_size=0)  # the gate alone (the log: below)
     backend = runtime_for(app).backend
     assert isinstance(backend, RedisBackend)
 
@@ -165,3 +165,33 @@ def test_a_singleton_task_costs_two_round_trips(
     with recorded(redis_server) as traffic:
         assert add.delay(2, 3).get() == 5
     assert traffic.names(_shas(backend)) == ["evalsha:begin"]
+
+
+def test_the_decision_log_adds_one_write_after_the_job(
+    make_app: AppFactory, redis_server: RedisServer
+) -> None:
+    """A delivery's decisions go after it, off the job's path: the process's writer thread
+    sends them (flushed here) in one write (the lane's call_many): two stream entries, their
+    TTL, the index entry and its TTL; the job itself makes its two round trips only."""
+    app = make_app(default_ttl=60)
+    backend = runtime_for(app).backend
+    assert isinstance(backend, RedisBackend)
+
+    @singleton_task(app=app, name=unique("tests.rt"), shared=False)
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    recorder = runtime_for(app).executor.recorder
+    assert recorder is not None
+    add.delay(0, 0).get()
+    recorder.flush()
+    with recorded(redis_server) as traffic:
+        assert add.delay(2, 3).get() == 5
+        recorder.flush()
+    assert traffic.names(_shas(backend)) == [
+        "evalsha:begin", "evalsha:commit", "xadd", "xadd", "pexpire", "xadd", "pexpire",
+    ]  # fmt: skip
+    with recorded(redis_server) as traffic:
+        assert add.delay(2, 3).get() == 5
+        recorder.flush()
+    assert traffic.names(_shas(backend)) == ["evalsha:begin", "xadd", "pexpire", "xadd", "pexpire"]

@@ -1,0 +1,254 @@
+"""The decision log: why each delivery of a job ran or not, kept per key and bounded in total.
+
+A store capability (`LockBackend.decision_log(bounds)`): Redis keeps a capped stream per job
+key with a TTL plus one capped index stream (key and task id) so a task id finds its key;
+`memory://` keeps an in-process ring. Other backends keep none (the structured log line per
+decision, `jobfence.decisions`, is written on every backend). An entry holds the job key
+(`<task name>:<hmac>`), the task's name and id, fences and fixed phrases: never an argument,
+an owner token or a secret.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from jobfence.locks.errors import BackendUnavailable
+
+if TYPE_CHECKING:
+    import redis
+
+    from jobfence.locks.keys import KeySpace
+
+#: Events of a job that runs normally: logged at DEBUG, the others at INFO.
+ROUTINE = frozenset({"started", "done", "released"})
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One decision about one delivery of a job."""
+
+    at: float  # Unix seconds
+    event: str  # started, done, conflict, superseded, stale, redeliver, ... (tasks/lifecycle.py)
+    key: str  # the job key, `<task name>:<hmac>`: never the arguments
+    task_name: str
+    task_id: str
+    fence: int | None = None  # this delivery's fence, where it had one
+    holder: str = ""  # the other task's id (the copy holding the key, the newer publish)
+    newer: int | None = None  # stale: the fence the resource had accepted already
+    reason: str = ""  # a fixed phrase: the conflict policy, why a redelivery
+
+
+@dataclass(frozen=True)
+class DecisionBounds:
+    """How much the log keeps: `per_key` decisions of each key, `total` index entries (the
+    ring's decisions), each for `ttl` seconds after the key's last decision."""
+
+    per_key: int = 50
+    total: int = 10_000
+    ttl: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.per_key < 1 or self.total < self.per_key or not self.ttl > 0:
+            raise ValueError(
+                f"decision log bounds need 1 <= per_key <= total and ttl > 0, got "
+                f"per_key={self.per_key} total={self.total} ttl={self.ttl}"
+            )
+
+
+class DecisionLog(ABC):
+    """Where a store keeps decisions. Appends come batched: one call per delivery."""
+
+    where: ClassVar[str]  # for messages: what keeps the log
+
+    def __init__(self, bounds: DecisionBounds) -> None:
+        self.bounds = bounds
+
+    def append(self, entry: Decision) -> None:
+        self.append_many((entry,))
+
+    @abstractmethod
+    def append_many(self, entries: Sequence[Decision]) -> None:
+        """Store `entries` in one round trip; BackendUnavailable if the store failed."""
+
+    @abstractmethod
+    def for_key(self, key: str, n: int = 50) -> list[Decision]:
+        """The key's last `n` decisions, oldest first."""
+
+    @abstractmethod
+    def for_task(self, task_id: str, n: int = 50) -> list[Decision]:
+        """Every kept decision of the keys `task_id` had decisions on (its own and the other
+        deliveries' on those keys), the last `n`, oldest first."""
+
+
+class RingDecisionLog(DecisionLog):
+    """In-process, for memory://: a deque per key, the least recently written key evicted
+    once `total` decisions are kept; a key's decisions expire `ttl` after its last one."""
+
+    where: ClassVar[str] = "an in-process ring"
+
+    def __init__(self, bounds: DecisionBounds, *, clock: Any = time.time) -> None:
+        super().__init__(bounds)
+        self._clock = clock
+        self._keys: OrderedDict[str, tuple[deque[Decision], float]] = OrderedDict()
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def append_many(self, entries: Sequence[Decision]) -> None:
+        expires = self._clock() + self.bounds.ttl
+        with self._lock:
+            for entry in entries:
+                ring, _ = self._keys.pop(entry.key, (None, 0.0))
+                if ring is None:
+                    ring = deque(maxlen=self.bounds.per_key)
+                self._count -= len(ring)
+                ring.append(entry)
+                self._count += len(ring)
+                self._keys[entry.key] = (ring, expires)
+            while self._count > self.bounds.total:
+                _, (oldest, _) = self._keys.popitem(last=False)
+                self._count -= len(oldest)
+
+    def _live(self, key: str) -> list[Decision]:
+        ring, expires = self._keys.get(key, (None, 0.0))
+        return list(ring) if ring is not None and expires > self._clock() else []
+
+    def for_key(self, key: str, n: int = 50) -> list[Decision]:
+        with self._lock:
+            return self._live(key)[-n:]
+
+    def for_task(self, task_id: str, n: int = 50) -> list[Decision]:
+        with self._lock:
+            keys = [k for k, (ring, _) in self._keys.items() if any(d.task_id == task_id
+                                                                   for d in ring)]  # fmt: skip
+            found = [d for k in keys for d in self._live(k)]
+        return sorted(found, key=lambda d: d.at)[-n:]
+
+
+# Stream entry fields, one letter each: a log of millions of entries pays for long names.
+_FIELDS = (("e", "event"), ("n", "task_name"), ("t", "task_id"), ("h", "holder"),
+           ("r", "reason"))  # fmt: skip
+
+
+def _encode(d: Decision) -> dict[str, Any]:
+    fields: dict[str, Any] = {"a": int(d.at * 1000)}
+    for short, name in _FIELDS:
+        value = getattr(d, name)
+        if value:
+            fields[short] = value
+    if d.fence is not None:
+        fields["f"] = d.fence
+    if d.newer is not None:
+        fields["w"] = d.newer
+    return fields
+
+
+def _decode(key: str, fields: dict[str, str]) -> Decision:
+    fence, newer = fields.get("f"), fields.get("w")
+    return Decision(
+        at=int(fields.get("a", 0)) / 1000,
+        event=fields.get("e", ""),
+        key=key,
+        task_name=fields.get("n", ""),
+        task_id=fields.get("t", ""),
+        fence=int(fence) if fence else None,
+        holder=fields.get("h", ""),
+        newer=int(newer) if newer else None,
+        reason=fields.get("r", ""),
+    )
+
+
+class RedisDecisionLog(DecisionLog):
+    """A capped stream per job key (`<prefix>:decisions:{key}`, XADD MAXLEN per_key, expiring
+    `ttl` after its last decision) and an index stream (`<prefix>:decisions`, key and task id,
+    MAXLEN ~ total, the same TTL). One delivery's decisions go in one pipelined round trip."""
+
+    where: ClassVar[str] = "Redis streams"
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: KeySpace,
+        bounds: DecisionBounds,
+        *,
+        send_many: Callable[[Sequence[tuple[Any, ...]]], list[Any]] | None = None,
+    ) -> None:
+        super().__init__(bounds)
+        self.client = client
+        self.keys = keys
+        # The backend's lane (raw commands, one write, one read) where it has one: a
+        # redis-py pipeline costs more in Python than the round trip on a loopback server.
+        self.send_many = send_many or self._pipelined
+
+    def commands(self, entries: Sequence[Decision]) -> list[tuple[Any, ...]]:
+        """XADD each decision to its key's stream (exact MAXLEN: a few dozen entries), renew
+        each stream's TTL, XADD each (key, task id) to the index (MAXLEN ~), renew its TTL."""
+        b = self.bounds
+        ttl_ms = int(b.ttl * 1000)
+        index = self.keys.decision_index()
+        out: list[tuple[Any, ...]] = []
+        streams: dict[str, None] = {}
+        pairs: dict[tuple[str, str], None] = {}
+        for d in entries:
+            stream = self.keys.decisions(d.key)
+            fields = [part for item in _encode(d).items() for part in item]
+            out.append(("XADD", stream, "MAXLEN", b.per_key, "*", *fields))
+            streams[stream] = None
+            pairs[(d.key, d.task_id)] = None
+        out.extend(("PEXPIRE", stream, ttl_ms) for stream in streams)
+        out.extend(("XADD", index, "MAXLEN", "~", b.total, "*", "k", key, "t", task_id)
+                   for key, task_id in pairs)  # fmt: skip
+        out.append(("PEXPIRE", index, ttl_ms))
+        return out
+
+    def append_many(self, entries: Sequence[Decision]) -> None:
+        if not entries:
+            return
+        from redis.exceptions import RedisError
+
+        try:
+            self.send_many(self.commands(entries))
+        except RedisError as exc:
+            raise BackendUnavailable("redis decision log append failed", cause=exc) from exc
+
+    def _pipelined(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        with self.client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            return list(pipe.execute())
+
+    def _rows(self, stream: str, n: int) -> list[tuple[Any, dict[str, str]]]:
+        """The last `n` entries of `stream`, newest first, fields as text."""
+        from redis.exceptions import RedisError
+
+        try:
+            rows: Any = self.client.xrevrange(stream, count=n)
+        except RedisError as exc:
+            raise BackendUnavailable("redis decision log read failed", cause=exc) from exc
+        return [(entry_id, {_text(k): _text(v) for k, v in (fields or {}).items()})
+                for entry_id, fields in rows or ()]  # fmt: skip
+
+    def for_key(self, key: str, n: int = 50) -> list[Decision]:
+        rows = self._rows(self.keys.decisions(key), n)
+        return [_decode(key, fields) for _, fields in reversed(rows)]
+
+    def keys_of(self, task_id: str) -> list[str]:
+        """The job keys the index names for `task_id`, most recent first."""
+        found: dict[str, None] = {}
+        for _, fields in self._rows(self.keys.decision_index(), self.bounds.total):
+            if fields.get("t") == task_id and fields.get("k"):
+                found[fields["k"]] = None
+        return list(found)
+
+    def for_task(self, task_id: str, n: int = 50) -> list[Decision]:
+        found = [d for key in self.keys_of(task_id) for d in self.for_key(key, self.bounds.per_key)]
+        return sorted(found, key=lambda d: d.at)[-n:]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,201 @@
+"""The decision log's bounds (Redis streams, the memory ring) and outage warnings summarised."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from jobfence.locks import Backoff, LeaseKeeper, MemoryBackend, RedisBackend
+from jobfence.locks.decisions import Decision, DecisionBounds, RedisDecisionLog, RingDecisionLog
+from jobfence.locks.outage import WarningLimiter
+from jobfence.tasks import Executor
+from jobfence.tasks import lifecycle as lifecycle_module
+from jobfence.tasks.decisions import DecisionRecorder
+from jobfence.worker.redis_server import free_port
+from tests.tasks.conftest import spec_for, unique
+
+
+def decision(key: str, task_id: str, at: float = 1000.0, event: str = "started") -> Decision:
+    return Decision(at, event, key, "tests.job", task_id, fence=7)
+
+
+@pytest.fixture
+def redis_log(redis_url: str) -> Iterator[RedisDecisionLog]:
+    backend = RedisBackend.from_url(redis_url, prefix=unique("dl"))
+    store = backend.decision_log(DecisionBounds(per_key=5, total=200, ttl=60.0))
+    assert isinstance(store, RedisDecisionLog)
+    yield store
+    backend.close()
+
+
+def test_redis_keeps_per_key_at_most_its_cap_with_a_ttl(redis_log: RedisDecisionLog) -> None:
+    key = unique("tests.job:k")
+    for i in range(40):
+        redis_log.append(decision(key, f"t{i}", at=1000.0 + i))
+    stream = redis_log.keys.decisions(key)
+    assert redis_log.client.xlen(stream) == 5
+    assert 0 < redis_log.client.pttl(stream) <= 60_000
+    assert 0 < redis_log.client.pttl(redis_log.keys.decision_index()) <= 60_000
+    assert [d.task_id for d in redis_log.for_key(key)] == [f"t{i}" for i in range(35, 40)]
+
+
+def test_redis_index_is_bounded_in_total(redis_log: RedisDecisionLog) -> None:
+    for i in range(1000):
+        redis_log.append_many([decision(f"tests.job:{i}", f"t{i}")])
+    # MAXLEN ~: trimmed by whole stream nodes (100 entries each), never far past the cap.
+    assert redis_log.client.xlen(redis_log.keys.decision_index()) <= 200 + 100
+
+
+def test_redis_finds_a_task_by_its_id(redis_log: RedisDecisionLog) -> None:
+    key = unique("tests.job:k")
+    redis_log.append_many([decision(key, "holder", 1.0), decision(key, "holder", 2.0, "done")])
+    redis_log.append(Decision(3.0, "conflict", key, "tests.job", "copy", holder="holder",
+                              reason="skip"))  # fmt: skip
+    found = redis_log.for_task("copy")
+    assert [(d.task_id, d.event) for d in found] == [
+        ("holder", "started"),
+        ("holder", "done"),
+        ("copy", "conflict"),
+    ]
+    assert found[-1].holder == "holder" and found[-1].reason == "skip"
+
+
+def test_ring_is_bounded_per_key_in_total_and_in_time() -> None:
+    now = [1000.0]
+    ring = RingDecisionLog(DecisionBounds(per_key=3, total=6, ttl=10.0), clock=lambda: now[0])
+    for i in range(10):
+        ring.append(decision("a", f"a{i}"))
+    assert [d.task_id for d in ring.for_key("a")] == ["a7", "a8", "a9"]
+    ring.append_many([decision("b", "b0"), decision("c", "c0"), decision("c", "c1")])
+    ring.append(decision("d", "d0"))  # 7 kept: the least recently written key ("a") goes
+    assert ring.for_key("a") == [] and [d.task_id for d in ring.for_task("c1")] == ["c0", "c1"]
+    now[0] += 11
+    assert ring.for_key("d") == []
+
+
+def test_an_executor_records_a_skipped_duplicate_with_its_holder() -> None:
+    backend = MemoryBackend()
+    keeper = LeaseKeeper()
+    executor = Executor(backend, keeper, backoff=Backoff(0.005, 0.05))
+    store = backend.decision_log(DecisionBounds())
+    executor.recorder = DecisionRecorder(store)
+    key = unique("tests.job:k")
+    try:
+        holder = executor.begin(spec_for(key, task_id="holder"))
+        out = executor.run(spec_for(key, task_id="copy"), lambda _ctx: None)
+        assert out.status == "duplicate"
+    finally:
+        keeper.stop()
+    assert store is not None
+    executor.recorder.flush()  # the writer thread stores within FLUSH_INTERVAL; now, here
+    (conflict,) = store.for_task("copy")
+    assert (conflict.event, conflict.holder, conflict.reason) == ("conflict", "holder", "skip")
+    executor.release(holder)  # type: ignore[arg-type]
+
+
+# -- outage warnings ----------------------------------------------------------------
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_limiter_writes_a_burst_then_one_summary_with_the_count() -> None:
+    now = [0.0]
+    limiter = WarningLimiter("lock server unavailable", burst=3, window=10.0,
+                             clock=lambda: now[0])  # fmt: skip
+    logger = logging.getLogger(unique("tests.outage"))
+    lines = _Lines()
+    logger.addHandler(lines)
+    for _ in range(232):
+        limiter.warning(logger, "job %s: unavailable", "k")
+        now[0] += 0.1
+    limiter.flush()
+    assert lines.lines[:3] == ["job k: unavailable"] * 3
+    summaries = [s for s in lines.lines if s.startswith("lock server unavailable: ")]
+    # 23.2 s of warnings: the windows at 0, 10 and 20 s each write 3 and count the rest.
+    assert len(lines.lines) - len(summaries) == 9 and len(summaries) == 3
+    assert sum(int(s.split(": ")[1].split()[0]) for s in summaries) == 232 - 9
+    assert summaries[0].endswith(" warnings suppressed in the last 10 s")
+
+
+@pytest.fixture
+def dead_redis_executor() -> Iterator[Executor]:
+    """An executor whose lock server is down (a port nothing listens on)."""
+    backend = RedisBackend.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.2)
+    keeper = LeaseKeeper()
+    yield Executor(backend, keeper, backoff=Backoff(0.005, 0.05))
+    keeper.stop()
+    backend.close()
+
+
+@pytest.mark.parametrize("limited", [True, False], ids=["limited", "naive"])
+def test_an_outage_writes_a_handful_of_lines_and_a_summary(
+    dead_redis_executor: Executor, monkeypatch: pytest.MonkeyPatch, limited: bool
+) -> None:
+    """Control (naive): without the limiter every job writes its own warning."""
+    limiter = WarningLimiter("lock server unavailable", burst=3 if limited else 10**6)
+    monkeypatch.setattr(lifecycle_module, "OUTAGE", limiter)
+    lines = _Lines()
+    logger = logging.getLogger("jobfence.tasks.executor")
+    logger.addHandler(lines)
+    try:
+        for _ in range(40):
+            out = dead_redis_executor.run(spec_for(unique("tests.job:k")), lambda _ctx: None)
+            assert out.status == "redeliver"
+        limiter.flush()
+    finally:
+        logger.removeHandler(lines)
+    if limited:
+        assert len(lines.lines) == 4, lines.lines
+        assert lines.lines[-1].startswith("lock server unavailable: 37 warnings suppressed")
+    else:
+        assert len(lines.lines) == 40
+
+
+def test_redis_without_a_lane_sends_one_pipeline(redis_log: RedisDecisionLog) -> None:
+    """A client the backend drives without its lane (a cluster's): redis-py's pipeline."""
+    plain = RedisDecisionLog(redis_log.client, redis_log.keys, redis_log.bounds)
+    key = unique("tests.job:k")
+    plain.append_many([decision(key, "t1"), decision(key, "t1", event="done")])
+    assert [d.event for d in plain.for_task("t1")] == ["started", "done"]
+
+
+def test_a_redis_cluster_keeps_the_log_across_slots(redis_cluster: Any) -> None:
+    """The key's stream and the index live in other slots: redis-py's cluster pipeline."""
+    from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+
+    backend = RedisClusterBackend.from_url(redis_cluster.url, prefix=unique("rc"))
+    try:
+        store = backend.decision_log(DecisionBounds(per_key=3, total=100, ttl=60.0))
+        assert store is not None
+        key = unique("tests.job:k")
+        for i in range(5):
+            store.append_many([decision(key, "t1", at=1.0 + i), decision(key, "t2", at=9.0)])
+        # The last 3 of the key (t2's last two and t1's last), oldest first.
+        assert [(d.task_id, d.at) for d in store.for_task("t1")] == [
+            ("t1", 5.0), ("t2", 9.0), ("t2", 9.0)
+        ]  # fmt: skip
+    finally:
+        backend.close()
+
+
+def test_why_says_when_nothing_is_recorded_or_nothing_is_kept(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from jobfence.worker.cli import main
+
+    assert main(["locks", "--lock-url", "memory://", "why", "no-such-task\x1b[2J"]) == 1
+    out = capsys.readouterr().out
+    assert "no decisions recorded for" in out and "\x1b" not in out and "\\x1b" in out
+    monkeypatch.setenv("JOBFENCE_DECISION_LOG_SIZE", "0")
+    assert main(["locks", "--lock-url", "memory://", "why", "t1"]) == 2
+    assert "keeps no decision log (JOBFENCE_DECISION_LOG_SIZE=0)" in capsys.readouterr().err
