@@ -166,7 +166,9 @@ def _decode(key: str, fields: dict[str, str]) -> Decision:
 class RedisDecisionLog(DecisionLog):
     """A capped stream per job key (`<prefix>:decisions:{key}`, XADD MAXLEN per_key, expiring
     `ttl` after its last decision) and an index stream (`<prefix>:decisions`, key and task id,
-    MAXLEN ~ total, the same TTL). One delivery's decisions go in one pipelined round trip."""
+    MAXLEN ~ total, the same TTL). A batch goes in one round trip: one script call
+    (decisions_append.lua) where the backend can run one over all the batch's keys, else the
+    commands pipelined (a Cluster: the keys live in other slots)."""
 
     where: ClassVar[str] = "Redis streams"
 
@@ -177,10 +179,12 @@ class RedisDecisionLog(DecisionLog):
         bounds: DecisionBounds,
         *,
         send_many: Callable[[Sequence[tuple[Any, ...]]], list[Any]] | None = None,
+        script: Callable[[list[str], list[Any]], Any] | None = None,
     ) -> None:
         super().__init__(bounds)
         self.client = client
         self.keys = keys
+        self.script = script
         # The backend's lane (raw commands, one write, one read) where it has one: a
         # redis-py pipeline costs more in Python than the round trip on a loopback server.
         self.send_many = send_many or self._pipelined
@@ -206,11 +210,35 @@ class RedisDecisionLog(DecisionLog):
         out.append(("PEXPIRE", index, ttl_ms))
         return out
 
+    def script_call(self, entries: Sequence[Decision]) -> tuple[list[str], list[Any]]:
+        """decisions_append.lua's keys and arguments for `entries` (see the script)."""
+        b = self.bounds
+        index = self.keys.decision_index()
+        keys: list[str] = [index]
+        place: dict[str, int] = {}
+        args: list[Any] = [b.per_key, b.total, int(b.ttl * 1000), len(entries)]
+        pairs: dict[tuple[str, str], None] = {}
+        for d in entries:
+            stream = self.keys.decisions(d.key)
+            at = place.get(stream)
+            if at is None:
+                keys.append(stream)
+                at = place[stream] = len(keys)  # Lua counts from 1
+            fields = [part for item in _encode(d).items() for part in item]
+            args.extend((at, len(fields), *fields))
+            pairs[(d.key, d.task_id)] = None
+        for key, task_id in pairs:
+            args.extend((key, task_id))
+        return keys, args
+
     def append_many(self, entries: Sequence[Decision]) -> None:
         if not entries:
             return
         from redis.exceptions import RedisError
 
+        if self.script is not None:  # raises BackendUnavailable itself
+            self.script(*self.script_call(entries))
+            return
         try:
             self.send_many(self.commands(entries))
         except RedisError as exc:

@@ -317,6 +317,9 @@ class RedisBackend(RedisSemaphores, LockBackend):
         native_fencing=True, durable_fence=True, ha=False, release_notify=True,
         semaphore=True, rate_limit=True,
     )
+    #: Whether one script may touch any keys of ours (one server); a Cluster's keys live in
+    #: other slots, so its decision log pipelines plain commands instead.
+    one_slot: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -605,9 +608,12 @@ class RedisBackend(RedisSemaphores, LockBackend):
             raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
 
     def decision_log(self, bounds: DecisionBounds) -> DecisionLog | None:
-        lane = self._lane
-        return RedisDecisionLog(self.client, self.keys, bounds,
+        lane, script = self._lane, self._decisions_script if self.one_slot else None
+        return RedisDecisionLog(self.client, self.keys, bounds, script=script,
                                 send_many=lane.call_many if lane is not None else None)  # fmt: skip
+
+    def _decisions_script(self, keys: list[str], args: list[Any]) -> Any:
+        return self._call("decisions_append", keys, args, None)
 
     def close(self) -> None:
         if self._lane is not None:

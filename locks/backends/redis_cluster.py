@@ -156,6 +156,7 @@ class RedisClusterBackend(RedisBackend):
     """
 
     name: ClassVar[str] = "redis-cluster"  # capabilities: RedisBackend's, every one
+    one_slot: ClassVar[bool] = False
 
     def __init__(
         self,

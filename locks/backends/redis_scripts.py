@@ -7,7 +7,7 @@ from importlib import resources
 from typing import Any
 
 SCRIPT_NAMES = ("begin", "extend", "extend_many", "release", "commit", "fenced_write",
-                "claim_publish", "swap_publish", "release_grant")
+                "claim_publish", "swap_publish", "release_grant", "decisions_append")
 RATE_SCRIPTS = ("rate_take",)  # the rate limiter's (locks/ratelimit.py), loaded the same way
 
 

@@ -171,8 +171,8 @@ def test_the_decision_log_adds_one_write_after_the_job(
     make_app: AppFactory, redis_server: RedisServer
 ) -> None:
     """A delivery's decisions go after it, off the job's path: the process's writer thread
-    sends them (flushed here) in one write (the lane's call_many): two stream entries, their
-    TTL, the index entry and its TTL; the job itself makes its two round trips only."""
+    sends them (flushed here), with whatever other deliveries decided meanwhile, in one
+    script call (decisions_append.lua); the job itself makes its two round trips only."""
     app = make_app(default_ttl=60)
     backend = runtime_for(app).backend
     assert isinstance(backend, RedisBackend)
@@ -189,9 +189,9 @@ def test_the_decision_log_adds_one_write_after_the_job(
         assert add.delay(2, 3).get() == 5
         recorder.flush()
     assert traffic.names(_shas(backend)) == [
-        "evalsha:begin", "evalsha:commit", "xadd", "xadd", "pexpire", "xadd", "pexpire",
+        "evalsha:begin", "evalsha:commit", "evalsha:decisions_append",
     ]  # fmt: skip
     with recorded(redis_server) as traffic:
         assert add.delay(2, 3).get() == 5
         recorder.flush()
-    assert traffic.names(_shas(backend)) == ["evalsha:begin", "xadd", "pexpire", "xadd", "pexpire"]
+    assert traffic.names(_shas(backend)) == ["evalsha:begin", "evalsha:decisions_append"]
