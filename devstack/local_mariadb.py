@@ -124,7 +124,7 @@ class MariaDBServer(procs.SingleServer):
     def _ready(self) -> bool:
         try:
             self.admin("SELECT 1")
-        except pymysql.err.MySQLError:
+        except Exception:
             return False
         return True
 

@@ -8,9 +8,12 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
+
+from jobfence.locks.decisions import Decision, DecisionBounds
 
 pytest.importorskip("starlette", reason="the dashboard extra: pip install 'jobfence[dashboard]'")
 from starlette.testclient import TestClient
@@ -222,16 +225,25 @@ def test_a_backend_that_cannot_list_says_which_pages_it_cannot_fill() -> None:
     client = client_for(backend)
     assert "cannot list its semaphores" in client.get("/slots").text
     assert "cannot list its job records" in client.get("/records").text
+    # memory:// keeps an in-process decision log: empty for this key; a backend with none
+    # (PostgreSQL, etcd, ...) says so.
+    assert "No decision recorded for this key" in client.get(f"/lock?id={key_id(JOB_KEY)}").text
+    backend.decision_log = lambda bounds: None  # type: ignore[method-assign]
     assert "No decision log on this backend" in client.get(f"/lock?id={key_id(JOB_KEY)}").text
     assert JOB_KEY in client.get("/").text  # the locks page works on every backend
 
 
 def test_the_lock_page_shows_decisions_when_the_backend_keeps_them(backend: RedisBackend) -> None:
-    hold(backend, JOB_KEY)
-    decisions = [{"event": "skipped", "fence": 7, "task_id": "t-9", "owner": "SECRET-OWNER"}]
-    backend.decision_log = lambda key, limit=50: decisions  # type: ignore[attr-defined]
+    lease = hold(backend, JOB_KEY)
+    log = backend.decision_log(DecisionBounds())
+    assert log is not None
+    log.append_many([
+        Decision(time.time(), "started", JOB_KEY, "tests.pay", "t-1", lease.fence),
+        Decision(time.time(), "conflict", JOB_KEY, "tests.pay", "t-9", None, "t-1", None, "skip"),
+    ])  # fmt: skip
     page = client_for(backend).get(f"/lock?id={key_id(JOB_KEY)}").text
-    assert "skipped" in page and "t-9" in page and "SECRET-OWNER" not in page
+    assert "skipped: a duplicate of task t-1" in page and "t-9" in page
+    assert lease.owner not in page
 
 
 def test_live_figures(backend: RedisBackend) -> None:

@@ -3,6 +3,7 @@ rate limits, leaders, job records. Redis backends page with SCAN cursors; others
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
 import hashlib
 import re
@@ -163,12 +164,20 @@ class LockView:
         return next((i for i in self.backend.scan(match) if key_id(i.key) == wanted_id), None)
 
     def decisions(self, key: str, limit: int = 50) -> list[dict[str, str]] | None:
-        """The key's recent decisions if the backend keeps a decision log; None if not."""
-        log = getattr(self.backend, "decision_log", None)
-        if log is None or not callable(log):
+        """The key's recent decisions, oldest first, in the words of `locks why`, if the
+        backend keeps a decision log (tasks/decisions.py); None if it keeps none."""
+        from jobfence.locks.decisions import DecisionBounds
+        from jobfence.tasks.decisions import describe
+
+        log = self.backend.decision_log(DecisionBounds())
+        if log is None:
             return None
-        entries: Iterable[Any] = log(key, limit=limit)
-        return [_safe_fields(e) for e in entries]
+        rows = []
+        for d in log.for_key(key, limit):
+            when = datetime.datetime.fromtimestamp(d.at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+            rows.append(_safe_fields({"when": when, "decision": describe(d), "task": d.task_name,
+                                      "task id": d.task_id, "fence": d.fence or ""}))  # fmt: skip
+        return rows
 
     def highest_fence(self, key: str) -> int | None:
         """The highest fence the server granted on `key` (Redis keeps it), None if unknown."""
