@@ -45,6 +45,7 @@ _PHRASES = {
     "rate_limited": "rate limited{fence}: comes back at its turn",
     "rate_skipped": "skipped{fence}: no rate-limit turn free",
     "requeue": "requeued{fence}: no concurrency slot came free in time",
+    "forced": "force-released{fence} {reason}; the fence advanced to {newer}",
 }
 
 

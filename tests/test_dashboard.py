@@ -116,6 +116,10 @@ def test_a_confirmed_release_of_a_dead_holder_advances_the_fence(backend: RedisB
     after = hold(backend, JOB_KEY)
     assert after.fence > lease.fence + 1  # the advance took a grant in between
     assert "released; fence advanced" in client.get("/").text  # the action log
+    log = backend.decision_log(DecisionBounds())  # and the key's decision log: who, what, when
+    assert log is not None
+    (forced,) = [d for d in log.for_key(JOB_KEY) if d.event == "forced"]
+    assert forced.fence == lease.fence and "from the dashboard" in forced.reason
 
 
 def test_a_replayed_release_is_refused_and_changes_nothing(backend: RedisBackend) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import jinja2
 import markupsafe
 
-from jobfence.locks import LockBackend, LockError
+from jobfence.locks import LockBackend, LockError, LockInfo
 from jobfence.worker.admin import advance_fence, printable, release_grant
 from jobfence.worker.dashboard.data import (
     BadInput,
@@ -327,7 +327,22 @@ class Dashboard:
                                  "the lock changed hands while it was being released")  # fmt: skip
         floor = advance_fence(self.backend, info.key)
         self._record(req, "release", row.label, fence, f"released; fence advanced to {floor}")
+        self._decide(info, fence, floor, req.user)
         return self.render(req, "done.html", row=row, floor=floor)
+
+    def _decide(self, info: LockInfo, fence: int, floor: int, user: str) -> None:
+        """The force release in the key's decision log, where the backend keeps one (who,
+        what, when), so `locks why` and the lock page tell it too."""
+        from jobfence.locks.decisions import Decision, DecisionBounds
+
+        try:
+            decisions = self.backend.decision_log(DecisionBounds())
+            if decisions is not None:
+                decisions.append(Decision(time.time(), "forced", info.key, info.task_name,
+                                          info.task_id, fence, "", floor,
+                                          f"by {printable(user)} from the dashboard"))  # fmt: skip
+        except Exception as exc:  # the release happened; only its record in the log is lost
+            log.warning("dashboard: decision log not written: %s", type(exc).__name__)
 
     def _refused(self, req: Request, status: int, lock_id: str, fence: int, why: str) -> Response:
         self._record(req, "release", f"#{lock_id[:12]}", fence, f"refused: {why}")
