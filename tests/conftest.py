@@ -54,6 +54,11 @@ SERVER_MODULES = frozenset({
     "tests/worker/test_bench_sentinel_rows.py", "tests/worker/test_bench_sql_rows.py",
     "tests/test_sentinel_backend.py", "tests/test_redlock_backend.py",
     "tests/test_mysql_backend.py", "tests/test_mysql_tls.py",
+    "tests/test_async_redlock.py", "tests/test_async_redis_topologies.py",
+    "tests/test_async_sql_guard.py", "tests/test_redis_family_tls.py",
+    "tests/test_etcd_security.py", "tests/test_zookeeper_auth.py", "tests/test_tracing.py",
+    "tests/test_testing_plugin.py", "tests/test_dashboard_browser.py",
+    "tests/test_django_tasks_fleet.py", "tests/test_django_setup.py",
 })  # fmt: skip
 
 
