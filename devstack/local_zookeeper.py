@@ -7,6 +7,7 @@ import shutil
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -18,6 +19,7 @@ __all__ = [
     "ZooKeeperEnsemble",
     "ZooKeeperError",
     "ZooKeeperServer",
+    "ZooKeeperTls",
     "four_letter_word",
     "unavailable",
 ]
@@ -26,6 +28,12 @@ __all__ = [
 # from /usr/share/java; a logging binding and log4j 1.2 are added here.
 ZOOKEEPER_JAR = "/usr/share/java/zookeeper.jar"
 LOG_JARS = ("/usr/share/java/slf4j-log4j12.jar", "/usr/share/java/log4j-1.2.jar")
+# The TLS client port is Netty's (NettyServerCnxnFactory); the jar's manifest names netty's
+# handler but not the codec its SslHandler extends (NoClassDefFoundError ByteToMessageDecoder
+# at the first connection) nor the resolver. Both are Debian's libnetty-java, a dependency
+# of libzookeeper-java.
+NETTY_JARS = ("/usr/share/java/netty-codec.jar", "/usr/share/java/netty-resolver.jar")
+CLIENT_AUTH = ("need", "want", "none")
 JVM_OPTIONS = ("-Xmx256m", "-XX:+UseSerialGC", "-Xss512k")
 LOG4J = """\
 log4j.rootLogger=WARN, CONSOLE
@@ -39,11 +47,31 @@ class ZooKeeperError(RuntimeError):
     """A private ZooKeeper server could not be started or asked."""
 
 
-def unavailable(java: str = "java") -> str | None:
-    """None if a private server can be started here, else why not (for pytest.skip)."""
+@dataclass(frozen=True)
+class ZooKeeperTls:
+    """A TLS client port's PEM files: the server's certificate and its PKCS#8 key (joined
+    into ZooKeeper's PEM key store), the CA whose client certificates it trusts, and
+    `client_auth`, ZooKeeper's ssl.clientAuth: `need` (a client certificate from `ca` is
+    required), `want` (checked if sent) or `none`."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    client_auth: str = "need"
+
+    def __post_init__(self) -> None:
+        if self.client_auth not in CLIENT_AUTH:
+            raise ValueError(
+                f"ZooKeeperTls client_auth={self.client_auth!r}: give one of {CLIENT_AUTH}"
+            )
+
+
+def unavailable(java: str = "java", *, tls: bool = False) -> str | None:
+    """None if a private server can be started here, else why not (for pytest.skip);
+    `tls`: with a TLS client port (Netty's jars)."""
     if shutil.which(java) is None:
         return f"`{java}` not found: install a JRE (./.ci/setup installs default-jre-headless)"
-    for jar in (ZOOKEEPER_JAR, *LOG_JARS):
+    for jar in (ZOOKEEPER_JAR, *LOG_JARS, *(NETTY_JARS if tls else ())):
         if not Path(jar).exists():
             return f"{jar} not found: install libzookeeper-java (./.ci/setup does)"
     return None
@@ -83,6 +111,10 @@ class ZooKeeperServer(procs.SingleServer):
 
     For fault tests: `listen` is the address the client port binds (a veth address, say);
     `prefix_command` runs the JVM under a wrapper (``ip netns exec NAME``).
+
+    With `tls` (a ZooKeeperTls) it also serves a TLS client port, `secure_port` (ZooKeeper's
+    secureClientPort, on `listen`, served by Netty); the plain port stays open for the
+    harness (`srvr`), which a production server would close by leaving clientPort out.
     """
 
     def __init__(
@@ -100,8 +132,12 @@ class ZooKeeperServer(procs.SingleServer):
         prefix_command: Sequence[str] = (),
         peers: Sequence[tuple[int, int, int]] = (),
         myid: int = 0,
+        tls: ZooKeeperTls | None = None,
+        secure_port: int | None = None,
     ) -> None:
         self._port = port
+        self.tls = tls
+        self._secure_port = secure_port
         self.listen = listen
         self._dir = procs.Workdir(workdir, "jobfence-zk-")
         self.tick_ms = tick_ms
@@ -126,6 +162,20 @@ class ZooKeeperServer(procs.SingleServer):
     def address(self) -> str:
         """host:port of the client port."""
         return f"{self.listen}:{self.port}"
+
+    @property
+    def secure_port(self) -> int:
+        """The TLS client port (secureClientPort); only with `tls`."""
+        if self.tls is None:
+            raise RuntimeError("this ZooKeeperServer has no TLS port: pass tls=ZooKeeperTls(...)")
+        if self._secure_port is None:
+            raise RuntimeError("ZooKeeperServer has not been started yet")
+        return self._secure_port
+
+    @property
+    def secure_address(self) -> str:
+        """host:port of the TLS client port."""
+        return f"{self.listen}:{self.secure_port}"
 
     @property
     def url(self) -> str:
@@ -173,7 +223,24 @@ class ZooKeeperServer(procs.SingleServer):
         if self.peers:
             lines += ["initLimit=10", "syncLimit=5", "cnxTimeout=500"]
             lines += [f"server.{i}={HOST}:{p}:{e}" for i, p, e in self.peers]
+        if self.tls is not None:
+            # Keys ZooKeeper does not know become zookeeper.* system properties, which is
+            # where its X509Util reads ssl.*; PEM stores need 3.7 or later.
+            lines += [
+                f"secureClientPort={self.secure_port}",
+                f"secureClientPortAddress={self.listen}",
+                "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+                f"ssl.keyStore.location={self._keystore}",
+                "ssl.keyStore.type=PEM",
+                f"ssl.trustStore.location={self.tls.ca}",
+                "ssl.trustStore.type=PEM",
+                f"ssl.clientAuth={self.tls.client_auth}",
+            ]
         return "\n".join(lines) + "\n"
+
+    @property
+    def _keystore(self) -> Path:
+        return self.workdir / "keystore.pem"
 
     def _command(self) -> list[str]:
         cfg = self.workdir / "zoo.cfg"
@@ -185,7 +252,7 @@ class ZooKeeperServer(procs.SingleServer):
             f"-Dlog4j.configuration=file:{self.workdir / 'log4j.properties'}",
             "-Dzookeeper.jmx.log4j.disable=true",
             "-cp",
-            ":".join((ZOOKEEPER_JAR, *LOG_JARS)),
+            ":".join((ZOOKEEPER_JAR, *LOG_JARS, *(NETTY_JARS if self.tls else ()))),
             "org.apache.zookeeper.server.quorum.QuorumPeerMain",
             str(cfg),
         ]
@@ -195,12 +262,18 @@ class ZooKeeperServer(procs.SingleServer):
         """Start the JVM and (with `wait`) return once `srvr` reports a mode; idempotent."""
         if self.running:
             return self
-        reason = unavailable(self.java)
+        reason = unavailable(self.java, tls=self.tls is not None)
         if reason is not None:
             raise ZooKeeperError(reason)
         self._dir.make()
         if self._port is None:
             self._port = free_port(self.listen)
+        if self.tls is not None:
+            while self._secure_port in (None, self._port):
+                self._secure_port = free_port(self.listen)
+            # ZooKeeper's PEM key store: the private key and the certificate chain, one file.
+            self._keystore.write_text(self.tls.key.read_text() + self.tls.cert.read_text())
+            self._keystore.chmod(0o600)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.peers:
             (self.data_dir / "myid").write_text(f"{self.myid}\n")

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import ssl
 import threading
 import time
 import weakref
@@ -33,7 +34,7 @@ from kazoo.exceptions import ConnectionLoss as KazooConnectionLoss
 from kazoo.exceptions import OperationTimeoutError as KazooOperationTimeout
 from kazoo.exceptions import SessionExpiredError as KazooSessionExpired
 from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.protocol.serialization import Connect
+from kazoo.protocol.serialization import Auth, Connect
 from kazoo.protocol.states import KazooState
 from kazoo.retry import KazooRetry
 from kazoo.security import (
@@ -81,6 +82,25 @@ _TRANSPORT = (
     KazooOperationTimeout,
     KazooTimeoutError,
 )
+
+class _HideAuth(logging.Filter):
+    """kazoo logs every request it sends at DEBUG, the digest login too ("Auth(... auth=
+    'user:password')"): the password is replaced before any handler sees the record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, Auth) for a in args):
+            record.args = tuple(
+                a._replace(auth=f"{a.auth.partition(':')[0]}:<hidden>") if isinstance(a, Auth)
+                else a
+                for a in args
+            )  # fmt: skip
+        return True
+
+
+# Our clients' logger: kazoo.client's child, so its handlers and levels apply.
+_kazoo_log = logging.getLogger("kazoo.client.jobfence")
+_kazoo_log.addFilter(_HideAuth())
 
 # Clients inherited through fork: never stopped or closed in the child (a Close request on
 # the parent's socket would end the parent's session), never collected either.
@@ -219,6 +239,75 @@ def _writable(acls: Sequence[ACL], scheme: str, ident: str) -> bool:
     )
 
 
+class TLSRefused(LockError):
+    """The TLS session with ZooKeeper was refused, by the server or by this client: a set-up
+    to fix, no outage to wait out. The message says `problem` and `fix`; never a password."""
+
+    def __init__(self, problem: str, fix: str, *, cause: BaseException | None = None) -> None:
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem}; fix: {fix}", cause=cause)
+
+
+def tls_problem(exc: BaseException, where: str, tls: dict[str, Any]) -> tuple[str, str] | None:
+    """(problem, fix) if `exc`, a failed connection attempt to `where` (host:port), was a TLS
+    session refused, else None (a server down, a dropped connection: waited out).
+
+    kazoo retries such an attempt until the connect timeout and then says only "Connection
+    time-out"; the cause is the ssl.SSLError behind its ConnectionDropped. Messages name the
+    lock URL's option to change (kazoo's spellings) and ZooKeeper's setting on the other side.
+    """
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen and len(seen) < 8:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    errors = [e for e in seen if isinstance(e, ssl.SSLError)]
+    if not errors:
+        return None
+    error = errors[-1]
+    reason = str(getattr(error, "reason", None) or error).replace("_", " ").lower()
+    host = where.rpartition(":")[0].strip("[]")
+    if isinstance(error, ssl.SSLCertVerificationError):
+        why = error.verify_message or "untrusted"
+        if error.verify_code == 62 or "mismatch" in why.lower():  # X509_V_ERR_HOSTNAME_MISMATCH
+            return (
+                f"ZooKeeper's TLS certificate at {where} is not valid for host {host!r} ({why})",
+                "connect by a name or address the certificate holds (the lock URL's host); or, "
+                "a downgrade the start-up check warns about, add check_hostname=false to the "
+                "lock URL",
+            )
+        return (
+            f"ZooKeeper's TLS certificate at {where} did not verify ({why})",
+            "pass the CA that signed it as ca=/path/ca.pem in the lock URL (the CA of the "
+            "server's ssl.keyStore certificate)",
+        )
+    client_cert = (
+        "pass a client certificate signed by a CA in the server's ssl.trustStore: "
+        "certfile=/path/client.pem&keyfile=/path/client.key in the lock URL"
+    )
+    if any(m in reason for m in ("bad certificate", "certificate required", "unknown ca",
+                                 "handshake failure", "access denied",
+                                 "certificate unknown")):  # fmt: skip
+        had = "the one given" if tls.get("certfile") else "none was given"
+        return (
+            f"ZooKeeper at {where} refused the TLS session ({reason}): it requires a client "
+            f"certificate it trusts (ssl.clientAuth=need) and {had} is not",
+            client_cert,
+        )
+    if isinstance(error, ssl.SSLEOFError) or "eof" in reason or "wrong version" in reason:
+        return (
+            f"ZooKeeper at {where} closed the TLS handshake ({reason}): that port may be its "
+            "plain clientPort, not its secureClientPort, or it wants a client certificate",
+            "put the server's secureClientPort in the lock URL; if it is that port, "
+            + client_cert,
+        )
+    return (
+        f"TLS to ZooKeeper at {where} failed ({reason})",
+        "check the lock URL's ca=, certfile= and keyfile= (PEM files; the key unencrypted)",
+    )
+
+
 def _failure(results: Sequence[Any]) -> tuple[int, Exception] | None:
     """The failed operation of a multi (index, error), or None if it committed."""
     for i, r in enumerate(results):
@@ -251,6 +340,7 @@ class _Session:
         self.client = KazooClient(
             hosts=hosts,
             **options,
+            logger=_kazoo_log,
             timeout=requested_ms / 1000,
             connection_retry=KazooRetry(
                 max_tries=-1, delay=0.05, backoff=2, max_jitter=0.3, max_delay=RECONNECT_CAP
@@ -260,7 +350,13 @@ class _Session:
         self.down_since: float | None = None  # monotonic; None while connected
         self.dead = False
         self.on_change: Callable[[], None] = lambda: None
+        self.tls = {k: v for k, v in options.items() if k in TLS_OPTIONS}
+        # The last failed connection attempt (host:port, error), cleared once connected.
+        self.last_failure: tuple[str, BaseException] | None = None
+        self._refused: set[str] = set()  # members that refused the TLS session
+        self._settled = threading.Event()  # set when connected, or refused by every member
         self._hook_negotiation()
+        self._hook_attempts()
         self.client.add_listener(self._state_changed)
 
     def _hook_negotiation(self) -> None:
@@ -280,6 +376,51 @@ class _Session:
             return answer
 
         connection._invoke = spy
+
+    def _hook_attempts(self) -> None:
+        """Keep why each connection attempt failed: kazoo logs it, retries, and at the end
+        says only "Connection time-out". Once every member has refused the TLS session,
+        `start` stops waiting (a refusal does not mend by retrying)."""
+        connection: Any = getattr(self.client, "_connection", None)
+        attempt = getattr(connection, "_connect", None)
+        if attempt is None:  # another kazoo: the message then lacks the cause
+            return
+        members = {f"{h}:{p}" for h, p in (self.client.hosts or ())}
+
+        def spy(host: str, hostip: str, port: int) -> Any:
+            try:
+                return attempt(host, hostip, port)
+            except Exception as exc:
+                where = f"{host}:{port}"
+                self.last_failure = (where, exc)
+                if self.tls and tls_problem(exc, where, self.tls) is not None:
+                    self._refused.add(where)
+                    if self._refused >= members:
+                        self._settled.set()  # wakes start(), which then sees no connection
+                raise
+
+        connection._connect = spy
+
+    def failure(self) -> tuple[str, str] | None:
+        """(problem, fix) of the last failed connection attempt if it was a TLS refusal."""
+        if self.last_failure is None or not self.tls:
+            return None
+        return tls_problem(self.last_failure[1], self.last_failure[0], self.tls)
+
+    def why_down(self) -> str:
+        """A short account of the last failed connection attempt, for an error message."""
+        found = self.failure()
+        if found is not None:
+            return f"{found[0]}; fix: {found[1]}"
+        if self.last_failure is None:
+            return "no answer"
+        where, exc = self.last_failure
+        text = str(exc) or type(exc).__name__
+        if not self.tls and "connection broken" in text:
+            # A TLS port (secureClientPort) closes on a plain Connect request at once.
+            text += (" (if that port is ZooKeeper's secureClientPort, the lock URL needs "
+                     "use_ssl=true&ca=/path/ca.pem)")  # fmt: skip
+        return f"{where}: {text}"
 
     @property
     def ttl(self) -> float:
@@ -306,6 +447,8 @@ class _Session:
         # (LOST: the session ended, and its ephemeral nodes with it; `sid` says so.)
         if state == KazooState.CONNECTED:
             self.down_since = None
+            self.last_failure = None
+            self._settled.set()
         elif self.down_since is None:  # SUSPENDED or LOST
             self.down_since = self.clock.monotonic()
         self.on_change()
@@ -317,11 +460,25 @@ class _Session:
         return None if self.dead else self.client._session_id  # type: ignore[no-any-return]
 
     def start(self) -> None:
+        """Connect, or raise TLSRefused (a TLS set-up to fix) or BackendUnavailable."""
         try:
-            self.client.start(timeout=self.socket_timeout)
+            # kazoo's start(), but it may stop waiting early: when every member refused TLS.
+            self.client.start_async()
+            self._settled.wait(self.socket_timeout)
+            if not self.client.connected:
+                self.client.stop()
+                self.client.close()
+                raise KazooTimeoutError("Connection time-out")
         except (KazooException, KazooTimeoutError) as exc:
             self.dead = True
-            raise BackendUnavailable(f"cannot connect to ZooKeeper: {exc!r}", cause=exc) from exc
+            found = self.failure()
+            if found is not None:
+                raise TLSRefused(*found, cause=exc) from exc
+            raise BackendUnavailable(
+                f"cannot connect to ZooKeeper within {self.socket_timeout:g}s "
+                f"({self.why_down()})",
+                cause=exc,
+            ) from exc
 
     def retire(self) -> None:
         """Give the session up: no more requests on it; its client stops in the background."""
@@ -439,6 +596,9 @@ class ZooKeeperBackend(LockBackend):
         # (kazoo's default_acl covers create, ensure_path and multi) is that identity's alone.
         self._identity = make_digest_acl_credential(*auth) if auth else None
         self._client_options: dict[str, Any] = dict(self.tls_options)
+        if "certfile" in self.tls_options and "keyfile" not in self.tls_options:
+            # kazoo loads a client certificate only given both; one PEM may hold the two.
+            self._client_options["keyfile"] = self.tls_options["certfile"]
         if auth:
             self._client_options["auth_data"] = [("digest", f"{auth[0]}:{auth[1]}")]
             self._client_options["default_acl"] = [make_digest_acl(*auth, all=True)]
@@ -530,6 +690,12 @@ class ZooKeeperBackend(LockBackend):
         return session
 
     def _connect(self, ms: int) -> _Session:
+        for name in ("ca", "certfile", "keyfile"):
+            path = self.tls_options.get(name)
+            if path is not None and not os.access(path, os.R_OK):
+                why = "does not exist" if not os.path.exists(path) else "cannot be read"
+                raise TLSRefused(f"the lock URL's {name}={path} {why}",
+                                 f"give {name}= a readable PEM file's path")  # fmt: skip
         session = _Session(self.hosts, ms, self.socket_timeout, self.clock, self._client_options)
         session.start()
         for other in list(self._sessions.values()):
@@ -564,7 +730,9 @@ class ZooKeeperBackend(LockBackend):
         """One request, one round trip. A server's answer (NoNode, ...) is raised as kazoo's
         error; no answer (not connected, timeout, connection lost) as BackendUnavailable."""
         if not session.wait_connected(self.socket_timeout):
-            raise BackendUnavailable(f"zookeeper {what}: not connected", key=key)
+            raise BackendUnavailable(
+                f"zookeeper {what}: not connected ({session.why_down()})", key=key
+            )
         self.requests += 1
         try:
             result = start().get(timeout=self.socket_timeout)
@@ -1567,9 +1735,13 @@ class ZooKeeperBackend(LockBackend):
         problems = []
         opened = set(self._sessions)
         try:
-            granted_ttls = [(ttl, self.session_ttl(ttl)) for ttl in sorted(set(ttls))]
             try:
-                self._check_acl(self._any_session())
+                granted_ttls = [(ttl, self.session_ttl(ttl)) for ttl in sorted(set(ttls))]
+                session = self._any_session()
+            except TLSRefused as exc:
+                return [(exc.problem, exc.fix)]
+            try:
+                self._check_acl(session)
             except LockError as exc:
                 if isinstance(exc, BackendUnavailable):
                     raise
