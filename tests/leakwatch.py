@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -17,13 +18,19 @@ TEST_PASSWORDS = (
     "etcd-pw:s3cret@/77", "etcd-root-pw-99",  # test_etcd_security
     "Fam1ly#TLS-pw", "Sent?nel-pw42",  # test_redis_family_tls
     "zk-digest:pw@s3cret/99",  # test_zookeeper_auth
+    "zk-tls:pw@s3cret/42",  # test_zookeeper_tls
     "hunter2-Pa55",  # test_settings
 )  # fmt: skip
 
 
+# ... and each as a URL carries it, percent-encoded.
+_FORMS = {form: password for password in TEST_PASSWORDS
+          for form in (password, quote(password, safe=""))}  # fmt: skip
+
+
 def shown(text: str) -> list[str]:
-    """The test passwords `text` shows."""
-    return [password for password in TEST_PASSWORDS if password in text]
+    """The test passwords `text` shows, as they are or percent-encoded."""
+    return list(dict.fromkeys(password for form, password in _FORMS.items() if form in text))
 
 
 class _Watch(logging.Handler):
