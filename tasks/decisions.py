@@ -30,8 +30,8 @@ _CONFLICT = {
 }
 _PHRASES = {
     "started": "granted the lease{fence} and started the body",
-    "done": "done: its DONE record stored{fence}",
-    "failed": "failed: the body raised; FAILED record stored{fence}",
+    "done": "done: granted the lease{fence}, ran the body, stored its DONE record",
+    "failed": "failed: granted the lease{fence}, the body raised; FAILED record stored",
     "released": "released{fence} without a record",
     "replayed": "replayed: the job's DONE record{fence} answered; the body did not run again",
     "defer": "deferred: its own earlier delivery still held the key",

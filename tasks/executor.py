@@ -158,9 +158,13 @@ class Executor:
         try:
             return run_sync(cast("Flow[T]", flow), shell, self.backend.clock)
         finally:
-            if shell.decisions:  # one write per delivery, however many decisions it made
+            decisions = shell.decisions
+            if decisions:  # handed over once per delivery, however many it made
                 assert self.recorder is not None
-                self.recorder.record(shell.decisions)
+                if len(decisions) == 2 and decisions[0].event == "started" and \
+                        decisions[1].event in ("done", "failed"):  # fmt: skip
+                    decisions = decisions[1:]  # a plain run: its end says it was granted
+                self.recorder.record(decisions)
 
 
 class _Shell:
