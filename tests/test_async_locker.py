@@ -6,10 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import textwrap
 import time
@@ -32,6 +29,7 @@ from jobfence.locks.drive import run_async
 from jobfence.locks.flows import slot_flow
 from jobfence.locks.ops import Now, Sleep, TakeSlot
 from jobfence.locks.slots import SlotWait
+from tests.frozen import frozen_holder
 
 KEY = "contended"
 COROUTINES = 200
@@ -332,46 +330,30 @@ def test_sigstopped_async_holder_late_write_is_refused(redis_url: str, guarded: 
         'await guard.write("acct", lease.fence, [("SET", "balance", "stale")])',
         'await guard.client.set("balance", "stale")',
     )  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, redis_url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, env={**os.environ},
-    )  # fmt: skip
     try:
-        assert proc.stdout is not None and proc.stdin is not None
-        line = proc.stdout.readline()
-        assert line.startswith("HELD"), line
-        old_fence = int(line.split()[1])
-        os.kill(proc.pid, signal.SIGSTOP)
+        with frozen_holder(script, redis_url) as holder:
 
-        async def newer() -> int:
-            locker = AsyncLocker.from_url(redis_url)
-            guard = AsyncRedisFenceGuard(
-                redis.asyncio.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0))
-            )
-            async with locker.lock("acct", ttl=10, timeout=30) as lease:  # after the TTL
-                await guard.write("acct", lease.fence, [("SET", "balance", "new")])
-                fence = lease.fence
-            await guard.client.aclose()
-            await locker.aclose()
-            return fence
+            async def newer() -> int:
+                locker = AsyncLocker.from_url(redis_url)
+                guard = AsyncRedisFenceGuard(
+                    redis.asyncio.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0))
+                )
+                async with locker.lock("acct", ttl=10, timeout=30) as lease:  # after the TTL
+                    await guard.write("acct", lease.fence, [("SET", "balance", "new")])
+                    fence = lease.fence
+                await guard.client.aclose()
+                await locker.aclose()
+                return fence
 
-        assert asyncio.run(newer()) > old_fence
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        verdict = proc.stdout.readline().strip()
+            assert asyncio.run(newer()) > holder.fence
+            verdict = holder.thaw()
         if guarded:
             assert verdict == "REFUSED"
             assert client.get("balance") == "new"
         else:
             assert verdict == "WROTE"
             assert client.get("balance") == "stale"  # the lost update a fence prevents
-        proc.wait(30)
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-            proc.wait(10)
         client.close()
 
 

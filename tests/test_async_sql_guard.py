@@ -4,10 +4,6 @@ with the sync guard, and a SIGSTOPped asyncio holder's late write refused."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 import uuid
 
@@ -15,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from jobfence import AsyncLocker, AsyncSqlFenceGuard, SqlFenceGuard, StaleFence
+from tests.frozen import frozen_holder
 
 pytest.importorskip("greenlet", reason="SQLAlchemy's asyncio needs it: jobfence[asyncio-sql]")
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -123,34 +120,26 @@ def test_sigstopped_async_holder_late_write_is_refused_on_postgres(
     script = FROZEN_HOLDER if guarded else FROZEN_HOLDER.replace(
         "guard.transaction(engine, resource, lease.fence)", "engine.begin()"
     )  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, pg_url, resource], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, env={**os.environ},
-    )  # fmt: skip
     try:
-        assert proc.stdout is not None and proc.stdin is not None
-        line = proc.stdout.readline()
-        assert line.startswith("HELD"), line
-        old_fence = int(line.split()[1])
-        os.kill(proc.pid, signal.SIGSTOP)
+        with frozen_holder(script, pg_url, resource) as holder:
 
-        async def newer() -> int:
-            locker = AsyncLocker.from_url(pg_url)
-            engine = create_async_engine(pg_url)
-            async with locker.lock(resource, ttl=10, timeout=30) as lease:  # after the TTL
-                async with AsyncSqlFenceGuard().transaction(engine, resource, lease.fence) as c:
-                    await c.execute(sa.text("UPDATE aguard_balance SET v = 'new' WHERE k = :k"),
-                                    {"k": resource})  # fmt: skip
-                fence = lease.fence
-            await engine.dispose()
-            await locker.aclose()
-            return fence
+            async def newer() -> int:
+                locker = AsyncLocker.from_url(pg_url)
+                engine = create_async_engine(pg_url)
+                async with locker.lock(resource, ttl=10, timeout=30) as lease:  # after the TTL
+                    async with AsyncSqlFenceGuard().transaction(engine, resource,
+                                                                lease.fence) as c:  # fmt: skip
+                        await c.execute(
+                            sa.text("UPDATE aguard_balance SET v = 'new' WHERE k = :k"),
+                            {"k": resource},
+                        )
+                    fence = lease.fence
+                await engine.dispose()
+                await locker.aclose()
+                return fence
 
-        assert asyncio.run(newer()) > old_fence
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        verdict = proc.stdout.readline().strip()
+            assert asyncio.run(newer()) > holder.fence
+            verdict = holder.thaw()
         with sync_engine.connect() as conn:
             value = conn.execute(sa.text("SELECT v FROM aguard_balance WHERE k = :k"),
                                  {"k": resource}).scalar_one()  # fmt: skip
@@ -158,10 +147,5 @@ def test_sigstopped_async_holder_late_write_is_refused_on_postgres(
             assert (verdict, value) == ("REFUSED", "new")
         else:
             assert (verdict, value) == ("WROTE", "stale")  # the lost update a fence prevents
-        proc.wait(30)
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-            proc.wait(10)
         sync_engine.dispose()
