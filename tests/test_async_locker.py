@@ -4,8 +4,6 @@ cancellation leaves nothing behind, the loop stays responsive, and a frozen hold
 from __future__ import annotations
 
 import asyncio
-import itertools
-import multiprocessing
 import statistics
 import sys
 import textwrap
@@ -29,6 +27,7 @@ from jobfence.locks.drive import run_async
 from jobfence.locks.flows import slot_flow
 from jobfence.locks.ops import Now, Sleep, TakeSlot
 from jobfence.locks.slots import SlotWait
+from tests.contend import Hold, assert_exclusive_and_fenced, contend
 from tests.frozen import frozen_holder
 
 KEY = "contended"
@@ -37,77 +36,28 @@ PROCESSES = 4
 PER_PROCESS = 25
 
 
-def _sync_contender(url: str, start: Any, out: Any) -> None:
-    """A sync Locker in another process: PER_PROCESS grants of KEY, each (start, end, fence)."""
-    locker = Locker.from_url(url, ttl=10, timeout=120)
-    start.wait(60)
-    held = []
-    for _ in range(PER_PROCESS):
-        with locker.lock(KEY) as lease:
-            began = time.monotonic()  # one clock for every process on this host
-            time.sleep(0.001)
-            held.append((began, time.monotonic(), lease.fence))
-    locker.close()
-    out.put(held)
-
-
-def _contend(url: str, coroutines: int, *, offload: bool = False) -> list[tuple[float, float, int]]:
+def _contend(url: str, coroutines: int, *, offload: bool = False) -> list[Hold]:
     """`coroutines` async holders in this loop and PROCESSES sync ones elsewhere, one key."""
-    ctx = multiprocessing.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_sync_contender, args=(url, start, out)) for _ in range(PROCESSES)]
-    for proc in procs:
-        proc.start()
 
-    async def main() -> list[tuple[float, float, int]]:
+    def make() -> AsyncLocker:
         if offload:  # the thread offload every backend without a native store runs on
             backend = open_backend(url)
-            locker = AsyncLocker(ThreadStore(backend), clock=backend.clock, ttl=10, timeout=120)
-        else:
-            locker = AsyncLocker.from_url(url, ttl=10, timeout=120)
-        held: list[tuple[float, float, int]] = []
+            return AsyncLocker(ThreadStore(backend), clock=backend.clock, ttl=10, timeout=120)
+        return AsyncLocker.from_url(url, ttl=10, timeout=120)
 
-        async def one() -> None:
-            async with locker.lock(KEY) as lease:
-                began = time.monotonic()
-                await asyncio.sleep(0.001)
-                held.append((began, time.monotonic(), lease.fence))
-
-        start.set()
-        await asyncio.gather(*(one() for _ in range(coroutines)))
-        assert not locker.keeper.held()
-        await locker.aclose()
-        return held
-
-    try:
-        held = asyncio.run(main())
-        for _ in procs:
-            held += out.get(timeout=180)
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-    return held
-
-
-def _assert_exclusive_and_fenced(held: list[tuple[float, float, int]], expected: int) -> None:
-    assert len(held) == expected
-    held.sort()
-    for (_, end, fence), (begin, _, next_fence) in itertools.pairwise(held):
-        assert begin >= end, "two holders overlapped"
-        assert next_fence > fence, "fences not strictly increasing in grant order"
+    return contend(url, make, key=KEY, coroutines=coroutines, processes=PROCESSES,
+                   per_process=PER_PROCESS)  # fmt: skip
 
 
 def test_async_and_sync_holders_exclude_each_other_on_redis(redis_url: str) -> None:
     held = _contend(redis_url, COROUTINES)
-    _assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
+    assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["native", "thread-offload"])
 def test_async_and_sync_holders_exclude_each_other_on_postgres(pg_url: str, offload: bool) -> None:
     held = _contend(pg_url, COROUTINES, offload=offload)
-    _assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
+    assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
 
 
 def test_async_stores_are_native_on_redis_and_postgres(redis_url: str, pg_url: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import multiprocessing
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -15,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from jobfence import AsyncLocker, Locker
+from jobfence import AsyncLocker
 from jobfence.locks import open_backend
 from jobfence.locks.aio import ThreadStore
 from jobfence.locks.backends.redis_cluster_async import AsyncClusterStore
@@ -24,6 +23,7 @@ from jobfence.locks.backends.redis_sentinel_async import AsyncSentinelStore
 from jobfence.locks.backends.redlock_async import AsyncRedlockStore
 from jobfence.locks.ops import Extend
 from jobfence.locks.slots import SlotLease
+from tests.contend import assert_exclusive_and_fenced, contend
 
 COROUTINES = 50
 PROCESSES = 2
@@ -67,20 +67,6 @@ def topology(request: pytest.FixtureRequest) -> tuple[str, str, type]:
     return url, f"aio-{uuid.uuid4().hex[:8]}", kind
 
 
-def _sync_contender(url: str, prefix: str, key: str, start: Any, out: Any) -> None:
-    """A sync Locker in another process: PER_PROCESS grants of `key`, each (start, end, fence)."""
-    locker = Locker(open_backend(url, prefix=prefix), ttl=10, timeout=120)
-    start.wait(60)
-    held = []
-    for _ in range(PER_PROCESS):
-        with locker.lock(key) as lease:
-            began = time.monotonic()  # one clock for every process on this host
-            time.sleep(0.001)
-            held.append((began, time.monotonic(), lease.fence))
-    locker.close()
-    out.put(held)
-
-
 def _locker(url: str, prefix: str, **options: Any) -> AsyncLocker:
     return AsyncLocker.from_url(url, prefix=prefix, **options)
 
@@ -117,43 +103,9 @@ def test_thread_offload_on_sentinel_reloads_scripts_without_breaking_connections
 def _contend_without_overlap(url: str, prefix: str, make: Callable[[], AsyncLocker]) -> None:
     """COROUTINES holders on `make()`'s locker and PROCESSES sync ones contend for one key:
     no two hold it at once and the fences rise in grant order."""
-    ctx = multiprocessing.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_sync_contender, args=(url, prefix, "one", start, out))
-             for _ in range(PROCESSES)]  # fmt: skip
-    for proc in procs:
-        proc.start()
-
-    async def main() -> list[tuple[float, float, int]]:
-        locker = make()
-        held: list[tuple[float, float, int]] = []
-
-        async def one() -> None:
-            async with locker.lock("one") as lease:
-                began = time.monotonic()
-                await asyncio.sleep(0.001)
-                held.append((began, time.monotonic(), lease.fence))
-
-        start.set()
-        await asyncio.gather(*(one() for _ in range(COROUTINES)))
-        assert not locker.keeper.held()
-        await locker.aclose()
-        return held
-
-    try:
-        held = asyncio.run(main())
-        for _ in procs:
-            held += out.get(timeout=180)
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-    assert len(held) == COROUTINES + PROCESSES * PER_PROCESS
-    held.sort()
-    for (_, end, fence), (begin, _, next_fence) in itertools.pairwise(held):
-        assert begin >= end, "two holders overlapped"
-        assert next_fence > fence, "fences not strictly increasing in grant order"
+    held = contend(url, make, key="one", coroutines=COROUTINES, processes=PROCESSES,
+                   per_process=PER_PROCESS, prefix=prefix)  # fmt: skip
+    assert_exclusive_and_fenced(held, COROUTINES + PROCESSES * PER_PROCESS)
 
 
 def test_holders_awaiting_three_ttls_keep_their_leases(topology: tuple[str, str, type]) -> None:
