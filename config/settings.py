@@ -124,7 +124,8 @@ class Settings(BaseSettings):
         default=10_000,
         ge=1,
         description="Entries of the decision log's index (Redis: a capped stream that lets a "
-        "task id find its key; memory://: decisions kept in all).",
+        "task id find its key and keeps the routine runs, started and done, whole; "
+        "memory://: decisions kept in all).",
     )
     decision_log_ttl: float = Field(
         default=7 * 24 * 3600.0,

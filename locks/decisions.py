@@ -1,11 +1,13 @@
 """The decision log: why each delivery of a job ran or not, kept per key and bounded in total.
 
-A store capability (`LockBackend.decision_log(bounds)`): Redis keeps a capped stream per job
-key with a TTL plus one capped index stream (key and task id) so a task id finds its key;
-`memory://` keeps an in-process ring. Other backends keep none (the structured log line per
-decision, `jobfence.decisions`, is written on every backend). An entry holds the job key
-(`<task name>:<hmac>`), the task's name and id, fences and fixed phrases: never an argument,
-an owner token or a secret.
+A store capability (`LockBackend.decision_log(bounds)`): Redis keeps the decisions worth
+explaining (a skip, a conflict, a replay, a failure, ...) in a capped stream per job key with
+a TTL, and one capped index stream (key and task id) so a task id finds its key; a routine
+decision (a job that started and finished) goes into the index alone, so a finished job
+leaves no key of its own besides its record; `memory://` keeps an in-process ring. Other
+backends keep none (the structured log line per decision, `jobfence.decisions`, is written
+on every backend). An entry holds the job key (`<task name>:<hmac>`), the task's name and id,
+fences and fixed phrases: never an argument, an owner token or a secret.
 """
 
 from __future__ import annotations
@@ -165,10 +167,17 @@ def _decode(key: str, fields: dict[str, str]) -> Decision:
 
 class RedisDecisionLog(DecisionLog):
     """A capped stream per job key (`<prefix>:decisions:{key}`, XADD MAXLEN per_key, expiring
-    `ttl` after its last decision) and an index stream (`<prefix>:decisions`, key and task id,
-    MAXLEN ~ total, the same TTL). A batch goes in one round trip: one script call
-    (decisions_append.lua) where the backend can run one over all the batch's keys, else the
-    commands pipelined (a Cluster: the keys live in other slots)."""
+    `ttl` after its last decision) for the decisions worth explaining, and an index stream
+    (`<prefix>:decisions`, MAXLEN ~ total, the same TTL) that names the key and task id of
+    each, and holds a routine decision (ROUTINE: started, done, released) whole, in place of
+    a stream of the key's own: a job that runs and finishes leaves its record and no other
+    key (a stream per finished job, kept `ttl`, cost several times the record's bytes), and
+    the fleet's recent runs stay in the index, bounded in total. A key's decisions are its
+    stream's and the index's that name it, merged by time.
+
+    A batch goes in one round trip: one script call (decisions_append.lua) where the backend
+    can run one over all the batch's keys, else the commands pipelined (a Cluster: the keys
+    live in other slots)."""
 
     where: ClassVar[str] = "Redis streams"
 
@@ -189,24 +198,38 @@ class RedisDecisionLog(DecisionLog):
         # redis-py pipeline costs more in Python than the round trip on a loopback server.
         self.send_many = send_many or self._pipelined
 
+    def _index_entries(self, entries: Sequence[Decision]) -> list[list[Any]]:
+        """The index's entries for `entries`, as field lists: a routine decision whole (its
+        key and its fields), the others a (key, task id) pointer each, once per batch."""
+        out: list[list[Any]] = []
+        pairs: dict[tuple[str, str], None] = {}
+        for d in entries:
+            if d.event in ROUTINE:
+                out.append(["k", d.key, *(part for item in _encode(d).items() for part in item)])
+            elif (d.key, d.task_id) not in pairs:
+                pairs[(d.key, d.task_id)] = None
+                out.append(["k", d.key, "t", d.task_id])
+        return out
+
     def commands(self, entries: Sequence[Decision]) -> list[tuple[Any, ...]]:
-        """XADD each decision to its key's stream (exact MAXLEN: a few dozen entries), renew
-        each stream's TTL, XADD each (key, task id) to the index (MAXLEN ~), renew its TTL."""
+        """XADD each decision worth explaining to its key's stream (exact MAXLEN: a few dozen
+        entries) and renew each stream's TTL; XADD the index's entries (MAXLEN ~), renew its
+        TTL."""
         b = self.bounds
         ttl_ms = int(b.ttl * 1000)
         index = self.keys.decision_index()
         out: list[tuple[Any, ...]] = []
         streams: dict[str, None] = {}
-        pairs: dict[tuple[str, str], None] = {}
         for d in entries:
+            if d.event in ROUTINE:
+                continue
             stream = self.keys.decisions(d.key)
             fields = [part for item in _encode(d).items() for part in item]
             out.append(("XADD", stream, "MAXLEN", b.per_key, "*", *fields))
             streams[stream] = None
-            pairs[(d.key, d.task_id)] = None
         out.extend(("PEXPIRE", stream, ttl_ms) for stream in streams)
-        out.extend(("XADD", index, "MAXLEN", "~", b.total, "*", "k", key, "t", task_id)
-                   for key, task_id in pairs)  # fmt: skip
+        out.extend(("XADD", index, "MAXLEN", "~", b.total, "*", *fields)
+                   for fields in self._index_entries(entries))  # fmt: skip
         out.append(("PEXPIRE", index, ttl_ms))
         return out
 
@@ -216,9 +239,9 @@ class RedisDecisionLog(DecisionLog):
         index = self.keys.decision_index()
         keys: list[str] = [index]
         place: dict[str, int] = {}
-        args: list[Any] = [b.per_key, b.total, int(b.ttl * 1000), len(entries)]
-        pairs: dict[tuple[str, str], None] = {}
-        for d in entries:
+        explained = [d for d in entries if d.event not in ROUTINE]
+        args: list[Any] = [b.per_key, b.total, int(b.ttl * 1000), len(explained)]
+        for d in explained:
             stream = self.keys.decisions(d.key)
             at = place.get(stream)
             if at is None:
@@ -226,9 +249,8 @@ class RedisDecisionLog(DecisionLog):
                 at = place[stream] = len(keys)  # Lua counts from 1
             fields = [part for item in _encode(d).items() for part in item]
             args.extend((at, len(fields), *fields))
-            pairs[(d.key, d.task_id)] = None
-        for key, task_id in pairs:
-            args.extend((key, task_id))
+        for fields in self._index_entries(entries):
+            args.extend((len(fields), *fields))
         return keys, args
 
     def append_many(self, entries: Sequence[Decision]) -> None:
@@ -261,20 +283,36 @@ class RedisDecisionLog(DecisionLog):
         return [(entry_id, {_text(k): _text(v) for k, v in (fields or {}).items()})
                 for entry_id, fields in rows or ()]  # fmt: skip
 
-    def for_key(self, key: str, n: int = 50) -> list[Decision]:
+    def _index(self) -> list[dict[str, str]]:
+        """The index's entries, newest first (at most `total`, a capped stream)."""
+        return [fields for _, fields in self._rows(self.keys.decision_index(), self.bounds.total)]
+
+    def _merged(self, key: str, index: list[dict[str, str]], n: int) -> list[Decision]:
+        """The key's stream and the index's whole decisions on it, the last `n` by time."""
         rows = self._rows(self.keys.decisions(key), n)
-        return [_decode(key, fields) for _, fields in reversed(rows)]
+        found = [_decode(key, fields) for _, fields in reversed(rows)]
+        found += [_decode(key, f) for f in reversed(index) if f.get("k") == key and f.get("e")]
+        return sorted(found, key=lambda d: d.at)[-n:]  # stable: written order within a ms
+
+    def for_key(self, key: str, n: int = 50) -> list[Decision]:
+        return self._merged(key, self._index(), n)
 
     def keys_of(self, task_id: str) -> list[str]:
         """The job keys the index names for `task_id`, most recent first."""
+        return self._keys_of(task_id, self._index())
+
+    @staticmethod
+    def _keys_of(task_id: str, index: list[dict[str, str]]) -> list[str]:
         found: dict[str, None] = {}
-        for _, fields in self._rows(self.keys.decision_index(), self.bounds.total):
+        for fields in index:
             if fields.get("t") == task_id and fields.get("k"):
                 found[fields["k"]] = None
         return list(found)
 
     def for_task(self, task_id: str, n: int = 50) -> list[Decision]:
-        found = [d for key in self.keys_of(task_id) for d in self.for_key(key, self.bounds.per_key)]
+        index = self._index()
+        found = [d for key in self._keys_of(task_id, index)
+                 for d in self._merged(key, index, self.bounds.per_key)]  # fmt: skip
         return sorted(found, key=lambda d: d.at)[-n:]
 
 

@@ -11,6 +11,9 @@ commit). The report says, per finished job:
              process's CPU (INFO cpu, which adds reading and writing the sockets)
   keeper     the server µs of one lease's extension inside a batched extend_many: a job
              adds one per TTL/3 it runs
+The decision log's writer is flushed before each snapshot, so what it keeps counts: a job
+that runs leaves no stream of its own, only an entry in the fleet's index stream, capped at
+`decision_log_total` entries (reported apart: its bytes stop growing at the cap).
 """
 
 from __future__ import annotations
@@ -89,12 +92,18 @@ def run_jobs(url: str, jobs: int, result_bytes: int) -> dict[str, Any]:
     try:
         for n in range(20):  # warm-up: connections, scripts; their keys count as "before"
             as_worker_calls(task, (-1 - n, result_bytes))
+        flush = runtime.executor.recorder.flush if runtime.executor.recorder else lambda: None
+        flush()  # the decision log's index exists before: its growth is measured apart
+        index = runtime.backend.keys.decision_index()  # type: ignore[attr-defined]
+        index_before = int(admin.memory_usage(index, samples=0) or 0)
         before = _snapshot(admin)
         started = time.perf_counter()
         for n in range(jobs):
             if as_worker_calls(task, (n, result_bytes)) != charge(n, result_bytes):
                 raise MemoryBenchError("a job did not return its body's result")
         wall = time.perf_counter() - started
+        flush()  # every decision of the run stored, as the writer thread would
+        index_after = int(admin.memory_usage(index, samples=0) or 0)
         after = _snapshot(admin)
         new = sorted(after["keys"] - before["keys"])
         with admin.pipeline(transaction=False) as pipe:
@@ -129,6 +138,9 @@ def run_jobs(url: str, jobs: int, result_bytes: int) -> dict[str, Any]:
             "record_type": f"{kind} ({encoding})",
             "result_length": result_len,
             "used_memory_delta_per_job": (after["used_memory"] - before["used_memory"]) / jobs,
+            "decision_index_bytes_per_job": (index_after - index_before) / jobs,
+            "decision_index_entries": int(admin.xlen(index)) if admin.exists(index) else 0,
+            "decision_log_total": settings.decision_log_total,
             "commands": commands,
             "server_usec_per_job": server_usec / jobs,
             "script_calls_per_job": sum(v["calls"] for v in sent.values()) / jobs,
@@ -203,7 +215,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"{j['record_key_bytes_min']}..{j['record_key_bytes_max']} B; target <= "
         f"{TARGET_BYTES} + result = {TARGET_BYTES + j['result_length']} B)",
         f"  used_memory delta per job    {j['used_memory_delta_per_job']:.1f} B   (adds the "
-        "key table's buckets and the expiry entry)",
+        "key table's buckets, the expiry entry and the decision index's growth)",
+        f"  decision index, per job      {j['decision_index_bytes_per_job']:.1f} B   (one "
+        f"stream for the fleet, {j['decision_index_entries']} entries, capped at "
+        f"{j['decision_log_total']}: it stops growing there)",
         "",
         f"  server usec per job          {j['server_usec_per_job']:.1f}   (INFO commandstats: "
         f"{j['script_calls_per_job']:.2f} script calls per job, begin + commit)",

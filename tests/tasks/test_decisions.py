@@ -34,12 +34,34 @@ def redis_log(redis_url: str) -> Iterator[RedisDecisionLog]:
 def test_redis_keeps_per_key_at_most_its_cap_with_a_ttl(redis_log: RedisDecisionLog) -> None:
     key = unique("tests.job:k")
     for i in range(40):
-        redis_log.append(decision(key, f"t{i}", at=1000.0 + i))
+        redis_log.append(decision(key, f"t{i}", at=1000.0 + i, event="conflict"))
     stream = redis_log.keys.decisions(key)
     assert redis_log.client.xlen(stream) == 5
     assert 0 < redis_log.client.pttl(stream) <= 60_000
     assert 0 < redis_log.client.pttl(redis_log.keys.decision_index()) <= 60_000
     assert [d.task_id for d in redis_log.for_key(key)] == [f"t{i}" for i in range(35, 40)]
+
+
+def test_redis_keeps_a_routine_run_in_the_index_alone(redis_log: RedisDecisionLog) -> None:
+    """A job that starts and finishes leaves no stream of its own (its record is its one key);
+    its decisions come back from the index, merged by time with the key's stream."""
+    key = unique("tests.job:k")
+    redis_log.append_many([decision(key, "holder", 1.0), decision(key, "holder", 3.0, "done")])
+    stream = redis_log.keys.decisions(key)
+    assert redis_log.client.exists(stream) == 0
+    redis_log.append(Decision(2.0, "conflict", key, "tests.job", "copy", holder="holder",
+                              reason="skip"))  # fmt: skip
+    assert redis_log.client.xlen(stream) == 1  # the conflict alone
+    assert [(d.at, d.event, d.task_id, d.fence) for d in redis_log.for_key(key)] == [
+        (1.0, "started", "holder", 7),
+        (2.0, "conflict", "copy", None),
+        (3.0, "done", "holder", 7),
+    ]
+    assert [d.event for d in redis_log.for_key(key, 2)] == ["conflict", "done"]
+    assert [d.event for d in redis_log.for_task("holder")] == ["started", "conflict", "done"]
+    # Another key's routine run is not this key's.
+    redis_log.append(decision(unique("tests.job:k"), "other", 2.5, "done"))
+    assert len(redis_log.for_key(key)) == 3
 
 
 def test_redis_index_is_bounded_in_total(redis_log: RedisDecisionLog) -> None:
@@ -179,11 +201,18 @@ def test_a_redis_cluster_keeps_the_log_across_slots(redis_cluster: Any) -> None:
         assert store is not None
         key = unique("tests.job:k")
         for i in range(5):
-            store.append_many([decision(key, "t1", at=1.0 + i), decision(key, "t2", at=9.0)])
-        # The last 3 of the key (t2's last two and t1's last), oldest first.
+            store.append_many([decision(key, "t1", at=1.0 + i, event="conflict"),
+                               decision(key, "t2", at=9.0, event="conflict")])  # fmt: skip
+        # The last 3 of the key's stream (t2's last two and t1's last), oldest first.
         assert [(d.task_id, d.at) for d in store.for_task("t1")] == [
             ("t1", 5.0), ("t2", 9.0), ("t2", 9.0)
         ]  # fmt: skip
+        # A routine run goes to the index alone (its slot is not the key's).
+        ran = unique("tests.job:k")
+        store.append(decision(ran, "t3", at=10.0, event="done"))
+        assert [(d.key, d.event) for d in store.for_task("t3")] == [(ran, "done")]
+        assert isinstance(store, RedisDecisionLog)
+        assert store.client.exists(store.keys.decisions(ran)) == 0
     finally:
         backend.close()
 
