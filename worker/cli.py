@@ -26,6 +26,7 @@ BENCHES = {
     "memory": "devstack.bench.memory_bench",
     "keeper": "devstack.bench.keeper_bench",
     "server": "devstack.bench.server_bench",
+    "publish": "devstack.bench.publish_bench",
 }
 
 

@@ -39,9 +39,11 @@ JOBFENCE = "jobfence @singleton_task"
 ONCE = "celery-once QueueOnce"
 SINGLETON = "celery-singleton Singleton"
 CONTENDERS = {PLAIN: "plain", JOBFENCE: "jobfence", ONCE: "once", SINGLETON: "singleton"}
-#: @singleton_task's floor against plain Celery: trivial bodies, and bodies that wait 5 ms.
-TRIVIAL_TARGET = 0.9
-BODY_TARGET = 0.97
+#: @singleton_task's floor against plain Celery (issue 23), trivial bodies and bodies that wait
+#: 5 ms, where the load generator and the servers have cores of their own; on a box whose
+#: cores the fleet saturates, every contender's rate is the box's CPU per job instead.
+TRIVIAL_TARGET = 0.95
+BODY_TARGET = 0.99
 WARMUP_JOBS = 200  # per contender, untimed: forks, connections and scripts are ready after
 POLL = 0.005  # seconds between counter polls
 REPO_ROOT = Path(__file__).resolve().parents[2]  # devstack/bench/ -> the checkout

@@ -20,7 +20,6 @@ import gc
 import importlib.metadata
 import io
 import itertools
-import json
 import platform
 import pstats
 import statistics
@@ -43,7 +42,6 @@ from jobfence.locks import Lease, RedisBackend
 from jobfence.locks.errors import LockError
 from jobfence.tasks import Runtime, install, singleton_task
 from jobfence.tasks.executor import JobSpec
-from jobfence.worker.redis_server import RedisServer
 
 TARGET_RATIO = 1.3  # a gated call costs at most this many bare acquire+release pairs
 PREFIX = "gbench"
@@ -357,42 +355,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 1 if --check and the target is missed, 2 on failure."""
     args = parse_args(argv)
-    try:
-        server = RedisServer(executable=args.redis_server).start()
-    except RuntimeError as exc:
-        print(f"bench: cannot start a private redis-server: {exc}", file=sys.stderr)
-        return 2
-    try:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        try:
-            version = str(admin.info("server")["redis_version"])
-        finally:
-            admin.close()
-        if not report_io.json_to_stdout(args):
-            print(f"running on private redis-server {version} at {server.url} ...", flush=True)
-        with Bench(server.url) as bench:
-            cases = run(
-                bench,
-                calls=args.calls,
-                rounds=args.rounds,
-                warmup=args.warmup,
-                pieces=not args.no_pieces,
-            )
+
+    def measure(url: str, version: str) -> dict[str, Any]:
+        with Bench(url) as bench:
+            cases = run(bench, calls=args.calls, rounds=args.rounds, warmup=args.warmup,
+                        pieces=not args.no_pieces)  # fmt: skip
             report = build_report(
-                server.url, version, cases, calls=args.calls, rounds=args.rounds, warmup=args.warmup
+                url, version, cases, calls=args.calls, rounds=args.rounds, warmup=args.warmup
             )
             if args.profile:
                 report["profile"] = profile(bench, calls=args.profile)
-    except (GateBenchError, redis.RedisError, LockError) as exc:
-        print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        server.stop()
-    print(json.dumps(report) if report_io.json_to_stdout(args) else format_report(report))
-    report_io.write_report("gate", report, png=charts.gate_chart, args=args)
-    if args.check and not all(report["targets"].values()):
-        return 1
-    return 0
+        return report
+
+    return report_io.main_on_private_redis("gate", args, measure, format_report,
+                                           errors=(GateBenchError, LockError),
+                                           png=charts.gate_chart)  # fmt: skip
 
 
 if __name__ == "__main__":

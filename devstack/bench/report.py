@@ -8,6 +8,9 @@ The API every bench uses (locks, celery, gate, and any later one):
     results = {...}                           # anything JSON can hold
     report.write_report("locks", results, png=draw_chart, args=args)
 
+A bench on a private redis-server hands its measuring to `main_on_private_redis`, which starts
+the server, prints the report (or its JSON), writes the files and applies `--check`.
+
 `png` is a callable `(results, path) -> None` that draws the chart with matplotlib; it is
 called only if matplotlib imports, so a bench runs without it (the PNG is then skipped with
 an install hint). The JSON file holds `{"bench", "machine", "results"}`; `machine` records
@@ -200,3 +203,47 @@ def load(path: str | Path) -> dict[str, Any]:
     if "results" not in document or "bench" not in document:
         raise ValueError(f"{path}: not a jobfence bench report (no 'bench'/'results' keys)")
     return document
+
+
+def main_on_private_redis(
+    name: str,
+    args: argparse.Namespace,
+    measure: Callable[[str, str], dict[str, Any]],
+    format_report: Callable[[dict[str, Any]], str],
+    *,
+    errors: tuple[type[Exception], ...] = (),
+    png: Chart | None = None,
+) -> int:
+    """The `main` of a bench on a private redis-server (`args.redis_server`): `measure(url,
+    version)` gives the report, printed as text (or JSON for `--json` alone) and written as
+    files. 0 on success, 1 if `--check` and a target is missed, 2 if the server cannot start
+    or `measure` raises one of `errors` (said in one line on stderr)."""
+    import redis
+
+    from jobfence.worker.redis_server import RedisServer
+
+    caught: tuple[type[Exception], ...] = (redis.RedisError, *errors)
+    try:
+        server = RedisServer(executable=args.redis_server).start()
+    except RuntimeError as exc:
+        print(f"bench: cannot start a private redis-server: {exc}", file=sys.stderr)
+        return 2
+    try:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        try:
+            version = str(admin.info("server")["redis_version"])
+        finally:
+            admin.close()
+        if not json_to_stdout(args):
+            print(f"running on private redis-server {version} at {server.url} ...", flush=True)
+        report = measure(server.url, version)
+    except caught as exc:
+        print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        server.stop()
+    print(json.dumps(report) if json_to_stdout(args) else format_report(report))
+    write_report(name, report, png=png, args=args)
+    if getattr(args, "check", False) and not all(report["targets"].values()):
+        return 1
+    return 0

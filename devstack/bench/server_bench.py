@@ -12,7 +12,6 @@ and the median is reported, with the ratios taken per round.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -23,7 +22,6 @@ import redis
 
 from devstack.bench import report as report_io
 from jobfence.locks import Lease, LockError, RedisBackend
-from jobfence.worker.redis_server import RedisServer
 
 PAIR_TARGET = 1.9  # a jobfence pair's server time over redis-py Lock's
 JOB_TARGET = 1.3  # a job's begin + commit over a jobfence pair
@@ -250,29 +248,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 1 if --check and a target is missed, 2 on failure."""
     args = parse_args(argv)
-    try:
-        server = RedisServer(executable=args.redis_server).start()
-    except RuntimeError as exc:
-        print(f"bench: cannot start a private redis-server: {exc}", file=sys.stderr)
-        return 2
-    try:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        try:
-            version = str(admin.info("server")["redis_version"])
-        finally:
-            admin.close()
-        got = run(server.url, ops=args.ops, rounds=args.rounds)
-        report = build_report(server.url, version, got, ops=args.ops, rounds=args.rounds)
-    except (ServerBenchError, redis.RedisError, LockError) as exc:
-        print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        server.stop()
-    print(json.dumps(report) if report_io.json_to_stdout(args) else format_report(report))
-    report_io.write_report("server", report, args=args)
-    if args.check and not all(report["targets"].values()):
-        return 1
-    return 0
+
+    def measure(url: str, version: str) -> dict[str, Any]:
+        got = run(url, ops=args.ops, rounds=args.rounds)
+        return build_report(url, version, got, ops=args.ops, rounds=args.rounds)
+
+    return report_io.main_on_private_redis("server", args, measure, format_report,
+                                           errors=(ServerBenchError, LockError))  # fmt: skip
 
 
 if __name__ == "__main__":

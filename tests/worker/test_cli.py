@@ -329,7 +329,7 @@ def test_the_check_command_reports_whether_the_lock_server_answers(fresh_redis):
 
 def test_bench_without_a_name_prints_its_usage(env):
     done = run_cli("bench", env=env)
-    usage = "bench {locks|celery|gate|leader|memory|keeper|server}"
+    usage = "bench {locks|celery|gate|leader|memory|keeper|server|publish}"
     assert done.returncode == 2 and usage in done.stderr
 
 
