@@ -64,9 +64,31 @@ def test_every_jobfence_variable_is_a_settings_field(services):
 
 def test_services_are_configured_through_jobfence_variables_only(services):
     for name in ("worker", "beat-a", "beat-b", "flower"):
-        env = services[name].get("environment") or {}
+        env = dict(services[name].get("environment") or {})
         assert env, f"{name} has no environment"
+        if name == "flower":  # Flower's own login, the one variable that is not ours
+            env.pop("FLOWER_BASIC_AUTH")
         assert all(key.startswith(ENV_PREFIX) for key in env), (name, sorted(env))
+
+
+def test_flower_asks_for_a_password_kept_off_its_command_line(services):
+    """Flower shows task arguments and revokes tasks: basic auth with the password from .env,
+    in the environment (a command line is readable by every user of the host); the health
+    check uses /healthcheck, which Flower answers without a login."""
+    flower = services["flower"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"] == (
+        "admin:${FLOWER_PASSWORD:?set FLOWER_PASSWORD in .env (see .env.example)}"
+    )
+    assert "FLOWER_PASSWORD" not in str(flower["command"]) and "basic_auth" not in str(
+        flower["command"]
+    )
+    assert flower["ports"] == ["127.0.0.1:5555:5555"]
+    assert any("/healthcheck" in part for part in flower["healthcheck"]["test"])
+    # The rest of its environment is the fleet's, so it reads the same broker and settings.
+    worker_env = services["worker"]["environment"]
+    rest = {k: v for k, v in flower["environment"].items() if k != "FLOWER_BASIC_AUTH"}
+    assert rest and all(worker_env[k] == v for k, v in rest.items())
+    assert "JOBFENCE_BROKER_URL" in rest and "JOBFENCE_KEY_SECRET" in rest
 
 
 def all_commands(services: dict[str, dict[str, Any]]) -> list[list[str]]:
@@ -153,6 +175,7 @@ EXAMPLE_SECRETS = {
     "REDIS_PASSWORD": "ComposeRedisPW0123",
     "POSTGRES_PASSWORD": "ComposePgPW0123",
     "GRAFANA_ADMIN_PASSWORD": "ComposeGrafanaPW0123",
+    "FLOWER_PASSWORD": "ComposeFlowerPW0123",
 }
 DEFAULT_SERVICES = (
     "redis", "postgres", "worker", "beat-a", "beat-b", "flower", "prometheus", "grafana",
