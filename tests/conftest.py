@@ -50,6 +50,7 @@ SERVER_PARAMS = frozenset({
 SERVER_MODULES = frozenset({
     "tests/worker/test_demo.py", "tests/worker/test_cli.py", "tests/worker/test_cli_sql.py",
     "tests/worker/test_bench_report.py", "tests/worker/test_bench_cluster_rows.py",
+    "tests/worker/test_bench_celery.py",
     "tests/worker/test_bench_etcd_rows.py", "tests/worker/test_bench_redlock_rows.py",
     "tests/worker/test_bench_sentinel_rows.py", "tests/worker/test_bench_sql_rows.py",
     "tests/test_sentinel_backend.py", "tests/test_redlock_backend.py",

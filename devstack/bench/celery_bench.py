@@ -39,6 +39,9 @@ JOBFENCE = "jobfence @singleton_task"
 ONCE = "celery-once QueueOnce"
 SINGLETON = "celery-singleton Singleton"
 CONTENDERS = {PLAIN: "plain", JOBFENCE: "jobfence", ONCE: "once", SINGLETON: "singleton"}
+#: `--round-trip-control`: plain Celery whose body first makes two bare round trips (PING), as
+#: many as a jobfence job makes in its pool process: the fleet's price of the round trips alone.
+TRIPS = "plain + 2 round trips (control)"
 #: @singleton_task's floor against plain Celery (issue 23), trivial bodies and bodies that wait
 #: 5 ms, where the load generator and the servers have cores of their own; on a box whose
 #: cores the fleet saturates, every contender's rate is the box's CPU per job instead.
@@ -231,17 +234,18 @@ def run(args: argparse.Namespace, server: Server, logdir: Path) -> dict[str, Any
         raise BenchError(f"{APP_MODULE} was imported before the bench chose its server")
     counters = redis.Redis.from_url(mod.LOCK_URL, socket_timeout=10.0)
     fleet = Fleet(base_url, args.workers, args.concurrency, logdir)
-    contenders = [Contender(name, getattr(mod, attr)) for name, attr in CONTENDERS.items()]
+    names = {**CONTENDERS, **({TRIPS: "plain_trips"} if args.round_trip_control else {})}
+    contenders = [Contender(name, getattr(mod, attr)) for name, attr in names.items()]
     run_id = secrets.token_hex(4)
     try:
         fleet.start(counters, mod.READY_KEY, url_env)
         for c in contenders:
-            tag = f"warm-{CONTENDERS[c.name]}-{run_id}"
+            tag = f"warm-{names[c.name]}-{run_id}"
             run_jobs(c, mod, counters, fleet, tag, WARMUP_JOBS, 120)
         for r in range(args.rounds):
             shift = r % len(contenders)  # rotate the order so drift hits all alike
             for c in contenders[shift:] + contenders[:shift]:
-                tag = f"jobs-{CONTENDERS[c.name]}-{run_id}-{r}"
+                tag = f"jobs-{names[c.name]}-{run_id}-{r}"
                 pub, total = run_jobs(
                     c, mod, counters, fleet, tag, args.jobs, args.timeout, drain=args.drain
                 )
@@ -249,10 +253,10 @@ def run(args: argparse.Namespace, server: Server, logdir: Path) -> dict[str, Any
                 c.seconds.append(total)
                 if not report_io.json_to_stdout(args):
                     print(
-                        f"  round {r + 1}: {c.name:<28} {args.jobs / total:8.0f} jobs/s", flush=True
+                        f"  round {r + 1}: {c.name:<32} {args.jobs / total:8.0f} jobs/s", flush=True
                     )
         for c in contenders:
-            tag = f"{mod.STORM_TAG}{CONTENDERS[c.name]}-{run_id}"
+            tag = f"{mod.STORM_TAG}{names[c.name]}-{run_id}"
             c.storm_queued, c.storm_executions = run_storm(
                 c, mod, counters, fleet, tag, args.storm, args.timeout
             )
@@ -305,6 +309,7 @@ def build_report(
             "rounds": args.rounds,
             "body_ms": args.body_ms,
             "mode": "drain" if args.drain else "live",
+            "round_trip_control": bool(args.round_trip_control),
             "pool": "prefork",
             "acks_late": True,
             "results": "ignored by every task (ignore_result=True); jobfence still writes "
@@ -326,6 +331,7 @@ def _body(ms: float) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     cfg = report["config"]
+    w = max(28, *(len(r["name"]) for r in report["contenders"]))  # the name column's width
     out = [
         "jobfence Celery benchmark",
         f"  celery {report['versions']['celery']}, redis-py {report['versions']['redis-py']}, "
@@ -344,14 +350,14 @@ def format_report(report: dict[str, Any]) -> str:
         f"body: {_body(cfg['body_ms'])}; "
         f"storm: one job published {cfg['storm']} times while the fleet runs",
         "",
-        f"  {'contender':<28} {'jobs/s':>8} {'(min-max)':>13} {'publish/s':>10} "
+        f"  {'contender':<{w}} {'jobs/s':>8} {'(min-max)':>13} {'publish/s':>10} "
         f"{'vs plain':>9} {'(min-max)':>11} {'storm: queued':>14} {'executions':>11}",
     ]
     for r in report["contenders"]:
         jobs = f"({r['jobs_per_s_min']:.0f}-{r['jobs_per_s_max']:.0f})"
         ratio = f"({r['vs_plain_min']:.2f}-{r['vs_plain_max']:.2f})"
         out.append(
-            f"  {r['name']:<28} {r['jobs_per_s']:>8.0f} {jobs:>13} {r['publish_per_s']:>10.0f} "
+            f"  {r['name']:<{w}} {r['jobs_per_s']:>8.0f} {jobs:>13} {r['publish_per_s']:>10.0f} "
             f"{r['vs_plain']:>8.2f}x {ratio:>11} {r['storm_queued']:>14} "
             f"{r['storm_executions']:>11}"
         )
@@ -397,6 +403,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="publish each round's backlog before the fleet consumes it and time the fleet "
         "alone (default: live, one publisher feeding a consuming fleet)",
+    )
+    p.add_argument(
+        "--round-trip-control",
+        action="store_true",
+        help="add a control: plain Celery whose body first makes two bare round trips (PING), "
+        "as many as a jobfence job makes in its pool process",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
     report_io.add_output_args(p)

@@ -80,6 +80,15 @@ def _jobfence(tag: str, job: int) -> None:
     count(tag)
 
 
+def _plain_trips(tag: str, job: int) -> None:
+    """The control: the round trips a jobfence job makes in its pool process (begin, commit),
+    as two PINGs, with no lock, script or record: what the round trips alone cost a fleet."""
+    client = counters()
+    client.ping()
+    client.ping()
+    count(tag)
+
+
 def _once(tag: str, job: int) -> None:
     count(tag)
 
@@ -91,6 +100,7 @@ def _singleton(tag: str, job: int) -> None:
 # Same trivial body, results ignored and acks_late for all four; only the gate differs.
 plain = app.task(name="cbench.plain", ignore_result=True, acks_late=True)(_plain)
 jobfence = singleton_task(app=app, name="cbench.jobfence", ignore_result=True)(_jobfence)
+plain_trips = app.task(name="cbench.plain_trips", ignore_result=True, acks_late=True)(_plain_trips)
 once = app.task(
     name="cbench.once",
     base=QueueOnce,
