@@ -411,9 +411,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "as many as a jobfence job makes in its pool process",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
-    report_io.add_output_args(p)
-    p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
-    p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+    report_io.add_private_redis_args(p)
     args = p.parse_args(argv)
     for name in ("jobs", "storm", "workers", "concurrency", "rounds"):
         if getattr(args, name) < 1:

@@ -340,9 +340,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="profile N gated calls after the rounds (pyinstrument if installed; default 0)",
     )
-    report_io.add_output_args(p)
-    p.add_argument("--check", action="store_true", help="exit 1 if the target is missed")
-    p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+    report_io.add_private_redis_args(p)
     args = p.parse_args(argv)
     for name in ("calls", "rounds"):
         if getattr(args, name) < 1:

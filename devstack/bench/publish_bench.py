@@ -254,9 +254,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="new jobs published per case and round (default 2000)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=9, help="timed rounds per case (default 9)")
     p.add_argument("--warmup", type=int, default=300, help="warm-up publishes per case (300)")
-    report_io.add_output_args(p)
-    p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
-    p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+    report_io.add_private_redis_args(p)
     args = p.parse_args(argv)
     if args.publishes < 1 or args.rounds < 1 or args.warmup < 0:
         p.error("--publishes and --rounds must be at least 1, --warmup at least 0")

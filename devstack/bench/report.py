@@ -93,6 +93,14 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_private_redis_args(parser: argparse.ArgumentParser) -> None:
+    """The options of a bench on a private redis-server (`main_on_private_redis`): the output
+    options, `--check` and `--redis-server`."""
+    add_output_args(parser)
+    parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    parser.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+
+
 def json_to_stdout(args: argparse.Namespace) -> bool:
     """True when `--json` was given without a path: the JSON replaces the text report."""
     return bool(getattr(args, "json", None) == STDOUT)

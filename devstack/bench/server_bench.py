@@ -235,9 +235,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--ops", type=int, default=3000, help="operations per phase (3000)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (7)")
-    report_io.add_output_args(p)
-    p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
-    p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+    report_io.add_private_redis_args(p)
     args = p.parse_args(argv)
     for name in ("ops", "rounds"):
         if getattr(args, name) < 1:
