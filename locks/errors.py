@@ -131,10 +131,11 @@ class RateLimitUnsupported(LockError):
 
 
 class CommitOutcomeUnknown(LockError):
-    """The connection was lost at a transaction's COMMIT, and no record settled whether it
-    landed. The job is delivered again: the next delivery finds the DONE row, or runs the
-    effect (fenced), so the job is never dropped and never takes effect twice. `reason`
-    names what was lost (an exception type), never the statement or its parameters."""
+    """The connection was lost inside an effect's transaction (nothing committed) or at its
+    COMMIT, and no record settled whether it landed. The job is delivered again: the next
+    delivery finds the DONE row, or runs the effect (fenced), so the job is never dropped and
+    never takes effect twice. `reason` names what was lost (an exception type), never the
+    statement or its parameters."""
 
     def __init__(self, message: str, *, key: str | None = None, fence: int | None = None,
                  reason: str = "") -> None:  # fmt: skip

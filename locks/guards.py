@@ -6,6 +6,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from redis import ConnectionPool, Redis
@@ -29,7 +30,7 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
 # _Lane sends on a pool's connections and never re-sends a command that went out.
 from jobfence.locks.backends.redis import _Lane
@@ -44,7 +45,13 @@ from jobfence.locks.errors import (
     StaleFenceOutcomeUnknown,
 )
 from jobfence.locks.keys import KeySpace
-from jobfence.locks.sql import create_tables, ensure_tables
+from jobfence.locks.sql import (
+    connection_lost,
+    create_tables,
+    ensure_tables,
+    link_lost,
+    transaction_on_own_connection,
+)
 
 if TYPE_CHECKING:  # sqlalchemy.ext.asyncio needs greenlet at run time, the asyncio guard only
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -92,13 +99,17 @@ def _int(value: object) -> int | None:
     return None if value is None else int(cast(int, value))
 
 
-def commit_unknown(resource: str, fence: int, exc: BaseException) -> CommitOutcomeUnknown:
-    """The connection was lost at a fenced transaction's COMMIT: no record here says
-    whether the writes landed, so a job comes back to see (never a plain body failure)."""
+def commit_unknown(
+    resource: str, fence: int, exc: BaseException, *, at_commit: bool = True
+) -> CommitOutcomeUnknown:
+    """The connection was lost in a fenced transaction: before COMMIT nothing committed; at
+    COMMIT no record here says whether the writes landed. Either way a job comes back to
+    see (never a plain body failure)."""
+    before = "inside the fenced transaction, before its COMMIT: nothing committed"
+    where = "at the fenced transaction's COMMIT" if at_commit else before
     return CommitOutcomeUnknown(
-        "the connection was lost at the fenced transaction's COMMIT",
-        key=resource, fence=fence, reason=type(exc).__name__,
-    )  # fmt: skip
+        f"the connection was lost {where}", key=resource, fence=fence, reason=type(exc).__name__
+    )
 
 
 class SqlFenceGuard:
@@ -164,21 +175,16 @@ class SqlFenceGuard:
     def transaction(self, engine: Engine, resource: str, fence: int) -> Iterator[Connection]:
         """A transaction whose token is checked first: `with guard.transaction(...) as conn:`.
 
-        The connection lost at its COMMIT raises `CommitOutcomeUnknown` (a job delivers
-        again), never a plain database error that would read as the body failing."""
-        ensure_tables(engine, [self.table])
-        with engine.connect() as conn:
-            trans = conn.begin()
-            try:
-                self.check_and_advance(conn, resource, fence)
-                yield conn
-            except BaseException:
-                trans.rollback()
-                raise
-            try:
-                trans.commit()
-            except (OperationalError, InterfaceError) as exc:
-                raise commit_unknown(resource, fence, exc) from exc
+        The connection lost anywhere in it (a statement, the COMMIT) raises
+        `CommitOutcomeUnknown` (a job delivers again), never a plain database error that
+        would read as the body failing."""
+
+        def settle(lost: Exception, at_commit: bool) -> None:
+            raise commit_unknown(resource, fence, lost, at_commit=at_commit) from lost
+
+        with transaction_on_own_connection(engine, [self.table], settle) as conn:
+            self.check_and_advance(conn, resource, fence)
+            yield conn
 
     def _advance(self, conn: Connection, resource: str, fence: int) -> bool:
         stmt = (
@@ -238,19 +244,36 @@ class AsyncSqlFenceGuard:
         self, engine: AsyncEngine, resource: str, fence: int
     ) -> AsyncIterator[AsyncConnection]:
         """A transaction whose token is checked first: `async with guard.transaction(...)
-        as conn:`; a connection lost at its COMMIT raises CommitOutcomeUnknown."""
-        async with engine.connect() as conn:
+        as conn:`; a connection lost anywhere in it raises CommitOutcomeUnknown."""
+        try:
+            conn = await engine.connect()
+        except (OperationalError, InterfaceError) as exc:  # unreachable: nothing began
+            raise commit_unknown(resource, fence, exc, at_commit=False) from exc
+        try:
             trans = await conn.begin()
             try:
                 await self.check_and_advance(conn, resource, fence)
                 yield conn
-            except BaseException:
-                await trans.rollback()
+            except BaseException as exc:
+                lost = conn.sync_connection is not None and connection_lost(
+                    exc, conn.sync_connection
+                )
+                try:
+                    await trans.rollback()
+                except DBAPIError:
+                    if not lost:
+                        raise
+                if lost:
+                    raise commit_unknown(resource, fence, exc, at_commit=False) from exc
                 raise
             try:
                 await trans.commit()
-            except (OperationalError, InterfaceError) as exc:
-                raise commit_unknown(resource, fence, exc) from exc
+            except DBAPIError as exc:  # the link died at COMMIT (a timeout's is InternalError)
+                if isinstance(exc, (OperationalError, InterfaceError)) or link_lost(exc):
+                    raise commit_unknown(resource, fence, exc) from exc
+                raise
+        finally:
+            await conn.close()
 
     async def _last(self, conn: AsyncConnection, resource: str) -> int | None:
         return _int((await conn.execute(last_fence(self.table, resource))).scalar_one_or_none())
@@ -270,8 +293,10 @@ class _FencedWrites:
         commands: Sequence[Sequence[str | int | float]],
         write_id: str,
         keys: Sequence[str] | None,
+        record: JobRecordArgs | None = None,
     ) -> tuple[list[str], list[Any]]:
-        """fenced_write.lua's keys and arguments, after checking them."""
+        """fenced_write.lua's keys and arguments, after checking them; with `record`, the
+        job's DONE record is read first and written with the commands."""
         _check_args(resource, fence)
         if not isinstance(write_id, str) or len(write_id) > 255:
             raise LockError("write_id must be a string of at most 255 characters", key=resource)
@@ -279,8 +304,13 @@ class _FencedWrites:
         self._check_one_slot(resource, fence, touched)
         body = json.dumps([[_arg(a) for a in c] for c in commands])
         k = self.keys
-        return [k.resource_fence(resource), k.resource_writes(resource), *touched], [
-            fence, write_id, body,
+        if record is None:
+            return [k.resource_fence(resource), k.resource_writes(resource), *touched], [
+                fence, write_id, body,
+            ]  # fmt: skip
+        name = k.effect_record(resource, record.key)
+        return [k.resource_fence(resource), k.resource_writes(resource), name, *touched], [
+            fence, write_id, body, record.fingerprint, record.result, record.ttl_ms,
         ]  # fmt: skip
 
     def _check_one_slot(self, resource: str, fence: int, touched: list[str]) -> None:
@@ -352,6 +382,24 @@ class RedisFenceGuard(_FencedWrites):
         script_keys, args = self._request(resource, fence, commands, write_id, keys)
         reply, lost = self._send(resource, fence, script_keys, args)
         return _outcome(resource, fence, reply, lost)
+
+    def write_recorded(
+        self,
+        resource: str,
+        fence: int,
+        commands: Sequence[Sequence[str | int | float]],
+        record: JobRecordArgs,
+        *,
+        keys: Sequence[str] | None = None,
+    ) -> RecordedWrite:
+        """`write`, and the job's DONE record (`record`) in the same script, beside the
+        resource: if the record is there already, the job took effect before (a re-run
+        granted again after the lock server lost its data, a resend after a lost reply) and
+        nothing is applied; its stored result answers. A fence guard alone refuses older
+        fences, never a re-run under a newer one: this refuses both."""
+        script_keys, args = self._request(resource, fence, commands, "", keys, record)
+        reply, lost = self._send(resource, fence, script_keys, args)
+        return _recorded(resource, fence, reply, lost, record)
 
     def advance(self, resource: str, fence: int) -> int:
         """Raise the resource's floor to `fence` (no write); return the floor now in force.
@@ -435,6 +483,42 @@ def _outcome(resource: str, fence: int, reply: list[Any], lost: bool) -> list[An
         reason=_text(reply[3]),
         replies=list(reply[4:]),
     )
+
+
+@dataclass(frozen=True)
+class JobRecordArgs:
+    """The DONE record a recorded fenced write stores with its commands (RedisEffects)."""
+
+    key: str  # the job's idempotency key
+    fingerprint: str  # its arguments' fingerprint: another one under the key is refused
+    result: str  # the job's result, as JSON
+    ttl_ms: int = 0  # how long the record is kept (0: for ever)
+
+
+@dataclass(frozen=True)
+class RecordedWrite:
+    """What a recorded fenced write did: applied now (the commands' `replies`), or not
+    because the job's DONE record was there (`result` is the one it stored, under `fence`)."""
+
+    applied: bool
+    fence: int
+    result: str
+    replies: list[Any]
+
+
+def _recorded(
+    resource: str, fence: int, reply: list[Any], lost: bool, record: JobRecordArgs
+) -> RecordedWrite:
+    code = int(reply[0])
+    if code == 6:
+        return RecordedWrite(False, int(reply[1]), _text(reply[2]), [])
+    if code == 7:
+        raise FencedWriteRefused(
+            resource=resource, fence=fence, index=None,
+            reason="the job key's DONE record beside this resource holds other arguments "
+            "(a key reused with different arguments): use a new key or the original arguments",
+        )  # fmt: skip
+    return RecordedWrite(True, fence, record.result, _outcome(resource, fence, reply, lost))
 
 
 def _refused_by_server(resource: str, fence: int, exc: ResponseError) -> FencedWriteRefused:

@@ -48,6 +48,10 @@ class KeySpace:
         """The answers of the fenced writes accepted under a resource's current fence."""
         return f"{self.prefix}:rwrites:{{{resource}}}"
 
+    def effect_record(self, resource: str, key: str) -> str:
+        """A job's DONE record beside its effect's resource (RedisEffects): in its slot."""
+        return f"{self.prefix}:done:{{{resource}}}:{key}"
+
     def decisions(self, key: str) -> str:
         """A job key's decision log (locks/decisions.py): a capped stream."""
         return f"{self.prefix}:decisions:{{{key}}}"

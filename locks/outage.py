@@ -9,8 +9,10 @@ shutdown) writes "lock server unavailable: N warnings suppressed in the last S s
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 
@@ -32,6 +34,14 @@ class WarningLimiter:
         self.burst = burst
         self.window = window
         self.clock = clock
+        self._forked()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (w := ref()) and w._forked())  # type: ignore[func-returns-value]
+
+    def _forked(self) -> None:
+        # A forked child starts afresh: a lock a thread of the parent held at the fork (every
+        # thread warns at once in an outage) would block its first warning for ever, and the
+        # parent's suppressed count is the parent's to report.
         self._lock = threading.Lock()
         self._opened = -float("inf")  # when the current window began
         self._written = 0  # warnings written in it

@@ -1,4 +1,5 @@
-"""jobfence's SQL tables: created on first use (race-safe), their DDL; engines safe across fork."""
+"""jobfence's SQL tables: created on first use (race-safe), their DDL; engines safe across fork;
+transactions in which a lost connection never reads as the body's failure."""
 
 from __future__ import annotations
 
@@ -7,21 +8,27 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine, Table, inspect
 from sqlalchemy.engine import Dialect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.schema import CreateIndex, CreateTable, DDLElement
 
 from jobfence.config.errors import JobfenceError
 
 __all__ = [
+    "MYSQL_LINK_ERRORS",
+    "PG_SESSION_ENDED",
     "SchemaError",
+    "connection_lost",
     "create_tables",
     "ddl",
     "dispose_after_fork",
     "ensure_tables",
+    "link_lost",
+    "transaction_on_own_connection",
 ]
 
 CREATE_ATTEMPTS = 5
@@ -159,3 +166,113 @@ def _create_with_retries(engine: Engine, tables: Sequence[Table]) -> list[str]:
                 ) from exc
             time.sleep(random.uniform(0, 0.05 * 2**attempt))  # full jitter
     return created
+
+
+# -- a lost connection ------------------------------------------------------------------------
+
+#: MySQL/MariaDB client errors that mean the link is gone: server gone away, lost during a
+#: query, commands out of sync, lost at the handshake, a broken pipe, a session killed.
+MYSQL_LINK_ERRORS = frozenset({2006, 2013, 2014, 2045, 2055, 4031})
+
+#: PostgreSQL SQLSTATEs that end the session: connection exceptions (class 08), the server
+#: shutting down or refusing (57P01-57P03), a transaction's idle or total timeout (25P03-04).
+PG_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03", "25P03", "25P04"})
+
+#: Told of a lost connection: `settle(exc, at_commit)` raises CommitOutcomeUnknown, or (only
+#: at COMMIT) returns when the transaction is found to have landed.
+Settle = Callable[[Exception, bool], None]
+
+
+def link_lost(exc: BaseException, dbapi_connection: object = None) -> bool:
+    """Whether `exc`, raised inside a transaction, says its database connection is gone (a
+    restart, a failover, a killed session, a dropped link), so that transaction did not
+    commit. A user's own error on a live connection (an integrity error, bad SQL) is not.
+
+    Told by SQLAlchemy's verdict (`connection_invalidated`), a MySQL client code, a
+    PostgreSQL SQLSTATE that ends the session, or the driver's connection itself (psycopg's
+    `broken`/`closed`, PyMySQL's and mysqlclient's `open`).
+    """
+    if not isinstance(exc, Exception):
+        return False  # a cancel or an exit, not a database's answer
+    if _down(dbapi_connection):
+        return True
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, DBAPIError) and err.connection_invalidated:
+            return True
+        if type(err).__name__ in ("OperationalError", "InterfaceError") and err.args:
+            code = err.args[0]
+            if type(code) is int and code in MYSQL_LINK_ERRORS:
+                return True
+        state = getattr(err, "sqlstate", None) or getattr(err, "pgcode", None)  # psycopg 3, 2
+        if isinstance(state, str) and (state.startswith("08") or state in PG_SESSION_ENDED):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def connection_lost(exc: BaseException, conn: Connection) -> bool:
+    """`link_lost` for an SQLAlchemy connection: invalidated, or its driver's link is down."""
+    if not isinstance(exc, Exception):
+        return False
+    if conn.invalidated:
+        return True
+    raw: object = None
+    if not conn.closed:
+        try:
+            raw = conn.connection.dbapi_connection
+        except DBAPIError:
+            raw = None
+    return link_lost(exc, raw)
+
+
+def _down(raw: object) -> bool:
+    if raw is None:
+        return False
+    if getattr(raw, "broken", False) is True:  # psycopg 3
+        return True
+    closed = getattr(raw, "closed", 0)  # psycopg: True, or 1/2 in psycopg2
+    if not callable(closed) and closed:
+        return True
+    opened = getattr(raw, "open", None)  # PyMySQL, mysqlclient
+    return opened is not None and not callable(opened) and not opened
+
+
+@contextmanager
+def transaction_on_own_connection(
+    engine: Engine, tables: Sequence[Table], settle: Settle
+) -> Iterator[Connection]:
+    """A transaction on a connection of its own, in which a lost connection never reads as
+    the body failing: lost anywhere (connecting, any statement, the COMMIT), `settle` is
+    told. Any other error rolls the transaction back and propagates as it is."""
+    try:
+        ensure_tables(engine, tables)
+        conn = engine.connect()
+    except (OperationalError, InterfaceError) as exc:  # unreachable: nothing began
+        settle(exc, False)
+        raise
+    with conn:
+        trans = conn.begin()
+        try:
+            yield conn
+        except BaseException as exc:
+            lost = connection_lost(exc, conn)
+            try:
+                trans.rollback()
+            except DBAPIError:
+                if not lost:
+                    raise
+            if lost:
+                assert isinstance(exc, Exception)
+                settle(exc, False)
+            raise
+        try:
+            trans.commit()
+        except DBAPIError as exc:  # the link died at COMMIT (a timeout's end is InternalError)
+            if not isinstance(exc, (OperationalError, InterfaceError)) and not connection_lost(
+                exc, conn
+            ):
+                raise
+            settle(exc, True)

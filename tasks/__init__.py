@@ -37,9 +37,12 @@ from jobfence.tasks.runtime import Runtime, install, installed, runtime_for
 
 if TYPE_CHECKING:
     from jobfence.tasks.effects import EffectTx, SqlEffects, make_engine
+    from jobfence.tasks.redis_effects import RedisEffects, RedisEffectTx
 
 __getattr__, __dir__ = lazy_exports(
-    __name__, dict.fromkeys(["EffectTx", "SqlEffects", "make_engine"], "jobfence.tasks.effects")
+    __name__,
+    dict.fromkeys(["EffectTx", "SqlEffects", "make_engine"], "jobfence.tasks.effects")
+    | dict.fromkeys(["RedisEffectTx", "RedisEffects"], "jobfence.tasks.redis_effects"),
 )
 
 __all__ = [
@@ -66,6 +69,8 @@ __all__ = [
     "RateLimitSkipped",
     "Redelivery",
     "RedeliveryLimitReached",
+    "RedisEffectTx",
+    "RedisEffects",
     "Runtime",
     "SingletonTask",
     "SqlEffects",

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
-import inspect
+import dataclasses
 import json
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, overload
@@ -22,7 +20,6 @@ from jobfence.locks.errors import BackendUnavailable, LockError, RateLimitUnsupp
 from jobfence.locks.lease import Lease
 from jobfence.locks.ops import SwapPublish
 from jobfence.locks.outage import OUTAGE
-from jobfence.locks.ratelimit import Rate, parse_rate
 from jobfence.locks.registry import backends_with
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
@@ -35,30 +32,25 @@ from jobfence.tasks.errors import (
     TaskDefinitionError,
     TaskError,
 )
-from jobfence.tasks.executor import (
-    CONFLICT_POLICIES,
-    LEASE_LOST_POLICIES,
-    LOCK_UNTIL,
-    RATE_HORIZON,
-    RATE_LIMITED_POLICIES,
-    STARTED,
+from jobfence.tasks.executor import RATE_HORIZON, STARTED, JobSpec, Outcome, RateSpec, Status
+from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity, job_key
+from jobfence.tasks.options import (
+    DEFAULTS,
+    OPTION_NAMES,
+    OPTIONS,
     ConflictPolicy,
-    JobSpec,
+    DuplicatePublishPolicy,
     LeaseLostPolicy,
     LockUntil,
-    Outcome,
     RateLimitedPolicy,
-    RateSpec,
-    Status,
+    TaskOptions,
+    add_option_attributes,
+    attribute_of,
+    celery_option_names,
+    refuse_unknown,
+    split_options,
 )
-from jobfence.tasks.keys import (
-    KeySelector,
-    bind_arguments,
-    concurrency_key,
-    identity,
-    job_key,
-)
-from jobfence.tasks.publish import DuplicatePublishPolicy, give_back_flow, publish_flow
+from jobfence.tasks.publish import give_back_flow, publish_flow
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 HEADER = "jobfence_idempotency_key"
@@ -75,7 +67,6 @@ REPUBLISHED = "jobfence_republished"
 #: reserved, so the copy starts then without spending another.
 RATE_SLOT_HEADER = "jobfence_rate_slot"
 PASSTHROUGH = (Retry, Ignore, Reject)
-DUPLICATE_PUBLISH_POLICIES: tuple[str, ...] = ("result", "raise", "replace")
 #: Publish options that make a workflow wait on the published task id (chain, group, chord).
 WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
 #: Outcomes that end a delivery with no result of its own: the typed stop each raises, so a
@@ -129,10 +120,9 @@ SINGLETON_SERIALIZERS = ("json", "auth")
 class SingletonTask(Task):  # type: ignore[misc]
     """A Celery task that runs at most once at a time per key, and takes effect once.
 
-    Options (class attributes, or keywords of @singleton_task): `jobfence_key`,
-    `jobfence_ttl`, `on_conflict`, `wait_timeout`, `result_ttl`, `dedupe_on_publish`,
-    `on_lease_lost`, `lock_until`, `unique_for`, `on_duplicate_publish`, `concurrency`,
-    `concurrency_key`.
+    Its options (tasks/options.py) are `jobfence_options`, which @singleton_task sets; each
+    is an attribute too (`task.on_conflict`; `key=` and `ttl=` are `task.jobfence_key` and
+    `task.jobfence_ttl`), which a subclass may set as a class attribute.
     """
 
     acks_late = True
@@ -141,29 +131,32 @@ class SingletonTask(Task):  # type: ignore[misc]
     # messages (app.setup_security() before the tasks are defined): see on_bound.
     serializer: str | None = None
     throws = (JobSkipped,)  # an expected end: logged as one line, without a traceback
-    jobfence_key: KeySelector = None
-    jobfence_ttl: float | None = None
-    on_conflict: ConflictPolicy = "skip"
-    on_lease_lost: LeaseLostPolicy = "redeliver"
-    wait_timeout: float | None = None
-    result_ttl: float | None = None
-    dedupe_on_publish: bool = False
-    dedupe_ttl: float | None = None
-    lock_until: LockUntil = "finish"
-    unique_for: float | None = None
-    on_duplicate_publish: DuplicatePublishPolicy = "result"
-    concurrency: int = 0  # at most this many jobs of one concurrency group at once (0: any)
-    concurrency_key: KeySelector = None  # the arguments naming the group (None: the task)
-    global_rate_limit: Rate | None = None
-    rate_key: KeySelector = None
-    on_rate_limited: RateLimitedPolicy = "retry"
+    jobfence_options: ClassVar[TaskOptions] = DEFAULTS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._take_option_attributes()
+
+    @classmethod
+    def _take_option_attributes(cls) -> None:
+        """Option attributes set on the class itself (`on_conflict = "wait"` in a subclass,
+        `app.task(base=SingletonTask, jobfence_key=...)`, Celery's task_annotations) go into
+        its options, checked as the decorator's."""
+        own = {f.name: attribute_of(f) for f in OPTIONS if attribute_of(f) in vars(cls)}
+        if own:
+            given = {name: getattr(cls, attribute) for name, attribute in own.items()}
+            for attribute in own.values():
+                delattr(cls, attribute)  # read from the options from now on
+            cls.jobfence_options = dataclasses.replace(cls.jobfence_options, **given)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Follow the app's task_serializer only where it is JSON or signed JSON (`auth`)."""
+        """Follow the app's task_serializer only where it is JSON or signed JSON (`auth`);
+        take the options Celery's task_annotations set on the class."""
         super().on_bound(app)
         if cls.serializer not in SINGLETON_SERIALIZERS:
             cls.serializer = "json"
+        cls._take_option_attributes()
 
     # -- what the body sees ------------------------------------------------------
     @property
@@ -178,6 +171,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _runtime(self) -> Runtime:
         return runtime_for(self.app)
 
+    def lease_ttl(self, default_ttl: float) -> float:
+        """The TTL of this task's leases: its own `ttl=`, else `default_ttl` (the runtime's)."""
+        return self.jobfence_options.lease_ttl(default_ttl)
+
     def identity(self, args: Any, kwargs: Any, explicit: str | None = None) -> tuple[str, str]:
         """(job key, argument fingerprint) for these arguments."""
         # Bound first: a wrong argument is the caller's TypeError, whatever the runtime's state.
@@ -188,7 +185,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         self, rt: Runtime, arguments: dict[str, Any], explicit: str | None
     ) -> tuple[str, str]:
         return identity(
-            rt.secret, self.name, arguments, selector=self.jobfence_key, explicit=explicit
+            rt.secret, self.name, arguments, selector=self.jobfence_options.key, explicit=explicit
         )
 
     # -- publishing --------------------------------------------------------------
@@ -210,7 +207,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         key, _ = self.identity(args, kwargs, headers.get(HEADER))  # refuses non-JSON arguments
         # A delivered message published again (same task id): it holds or held the claim.
         again = bool(headers.pop(REPUBLISHED, None)) or REDELIVERIES in headers
-        if self.dedupe_on_publish and not self.app.conf.task_always_eager and not again:
+        if self.jobfence_options.dedupe_on_publish and not (self.app.conf.task_always_eager
+                                                            or again):  # fmt: skip
             task_id = task_id or uuid()
 
             def publish() -> Any:
@@ -228,9 +226,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     ) -> Any:
         """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`
         (tasks/publish.py decides). A workflow's duplicate goes out unclaimed and meets the
-        running copy at the gate (README "Using it with Celery")."""
+        running copy at the gate (docs/explanation/delivery-policy.md)."""
         backend = self._runtime().backend
-        flow = publish_flow(key, task_id, ttl, policy=self.on_duplicate_publish,
+        flow = publish_flow(key, task_id, ttl, policy=self.jobfence_options.on_duplicate_publish,
                             workflow=workflow, name=self.name)  # fmt: skip
         decision = run_sync(flow, backend, backend.clock)
         if decision.action == "result":
@@ -255,7 +253,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         return out
 
     def _dedupe_ttl(self, rt: Runtime, options: dict[str, Any]) -> float:
-        base = self.dedupe_ttl or rt.settings.visibility_timeout
+        base = self.jobfence_options.dedupe_ttl or rt.settings.visibility_timeout
         return base + float(options.get("countdown") or 0)
 
     # -- executing ---------------------------------------------------------------
@@ -281,34 +279,28 @@ class SingletonTask(Task):  # type: ignore[misc]
         fields = _fields(req)
         explicit, redeliveries = _marks(req)
         key, fp = self._identity(rt, arguments, explicit)
-        s = rt.settings
+        s, o = rt.settings, self.jobfence_options
         spec = JobSpec(
             name=self.name,
             key=key,
             fingerprint=fp,
             task_id=req.id or "",
-            ttl=self.jobfence_ttl or s.default_ttl,
-            result_ttl=self.result_ttl or s.result_ttl,
-            on_conflict=self.on_conflict,
-            wait_timeout=s.acquire_timeout if self.wait_timeout is None else self.wait_timeout,
-            on_lease_lost=self.on_lease_lost,
+            failed_message=s.failed_record_message,
             redeliveries=redeliveries,
             suspect=_after_a_crash(req),
             max_crashed=s.max_crashed_deliveries,
-            lock_until=self.lock_until,
-            unique_for=self.unique_for or 0.0,
-            claim_ttl=self.dedupe_ttl or s.visibility_timeout,
-            supersede=self.dedupe_on_publish and self.on_duplicate_publish == "replace",
-            publish_claim=self.dedupe_on_publish,
+            claim_ttl=o.dedupe_ttl or s.visibility_timeout,
+            supersede=o.dedupe_on_publish and o.on_duplicate_publish == "replace",
+            publish_claim=o.dedupe_on_publish,
             queues=not (req.called_directly or req.is_eager),
-            concurrency=self.concurrency,
             concurrency_key=(
-                concurrency_key(rt.secret, self.name, arguments, self.concurrency_key)
-                if self.concurrency
+                concurrency_key(rt.secret, self.name, arguments, o.concurrency_key)
+                if o.concurrency
                 else ""
             ),
             rate=self._rate_spec(rt, arguments, req, headers, fields),
             previous=_previous_identities(self, rt, arguments, explicit),
+            **o.job_fields(s),
         )
         try:
             out = rt.executor.run(
@@ -321,7 +313,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 # lock_until="start" keeps the claim unmarked until the body starts.
                 mine = spec.task_id if spec.claim_at_body else STARTED + spec.task_id
                 self._drop_claim(rt, spec, mine)
-            elif self.dedupe_on_publish:
+            elif self.jobfence_options.dedupe_on_publish:
                 # A failed job may be submitted afresh; owner-checked, as a copy published
                 # around the claim (a workflow's duplicate) must not free the holder's claim.
                 self._drop_claim(rt, spec, spec.task_id)
@@ -343,7 +335,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         self, rt: Runtime, arguments: dict[str, Any], req: Any, headers: Any, fields: Any
     ) -> RateSpec | None:
         """The job's global rate limit, if the task has one: limiter key, policy, turn."""
-        rate = self.global_rate_limit
+        o = self.jobfence_options
+        rate = o.rate
         if rate is None:
             return None
         if not rt.backend.capabilities.rate_limit:
@@ -352,11 +345,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                 f"{rt.backend.name} lock backend keeps no shared rate limits; use "
                 f"{backends_with('rate_limit')}"
             )
-        if self.rate_key is None:
+        if o.rate_key is None:
             limiter = self.name
         else:  # a digest of the chosen arguments, never the arguments themselves
-            limiter = job_key(rt.secret, self.name, arguments, selector=self.rate_key)
-        policy, wait = self.on_rate_limited, self.wait_timeout
+            limiter = job_key(rt.secret, self.name, arguments, selector=o.rate_key)
+        policy, wait = o.on_rate_limited, o.wait_timeout
         if policy == "retry" and (req.called_directly or req.is_eager):
             policy, wait = "wait", RATE_HORIZON  # no broker to come back through: wait here
         slot = headers.get(RATE_SLOT_HEADER) or fields.get(RATE_SLOT_HEADER)
@@ -398,7 +391,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         where that copy's DONE record will answer this very job (not a run of its own)."""
         return bool(
             out.holder
-            and self.on_conflict == "skip"
+            and self.jobfence_options.on_conflict == "skip"
             and not (spec.per_run or spec.claims)
             and not (req.called_directly or req.is_eager)
             and (req.callbacks or req.chain or req.chord or req.group)
@@ -407,7 +400,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _skip_rate(self, d: _Delivery) -> Any:
         """No rate turn free (on_rate_limited="skip"): it never ran, so a new submission may
         go out (the claim is freed), then the typed stop."""
-        if self.dedupe_on_publish:
+        if self.jobfence_options.dedupe_on_publish:
             self._drop_claim(d.rt, d.spec, d.spec.task_id)
         return self._stop(d)
 
@@ -498,7 +491,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             except LockError:  # no body running (a conflict retry): no lease to release
                 job = None
             if job is not None:
-                self._runtime().executor.release(job.lease)
+                try:
+                    self._runtime().executor.release(job.lease)
+                except BackendUnavailable:
+                    # The lock server does not answer now: the retry goes out all the same,
+                    # and the lease it would have freed ends at its TTL (the retried copy,
+                    # this task id, defers until then). A retry never fails on its release.
+                    log.warning("task %s: its lease could not be released before its retry "
+                                "(lock server not answering); it ends at its TTL", self.name)
         if not req.called_directly and not req.is_eager:
             # The retry is this delivered message again: marked, never de-duplicated away.
             explicit, redeliveries = _marks(req)
@@ -507,144 +507,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
+#: Each option an attribute of the task too (`task.on_conflict`), read from its options.
+add_option_attributes(SingletonTask, "jobfence_options")
+
+
 def _previous_identities(
     task: SingletonTask, rt: Runtime, arguments: dict[str, Any], explicit: str | None
 ) -> tuple[tuple[str, str], ...]:
     """(key, fingerprint) of the job under each earlier secret (JOBFENCE_KEY_SECRET_PREVIOUS)."""
     return tuple(
-        identity(old, task.name, arguments, selector=task.jobfence_key, explicit=explicit)
+        identity(old, task.name, arguments, selector=task.jobfence_options.key, explicit=explicit)
         for old in rt.previous_secrets
     )
-
-
-def _check_seconds(name: str, value: Any, *, zero: bool = False) -> None:
-    """Refuse an option of seconds that is no finite number > 0 (>= 0 with `zero`); None
-    (the setting's default) passes. NaN passes every `<=` test and inf overflows a TTL."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        problem = f"a number of seconds, got {type(value).__name__}"
-    elif not math.isfinite(value):
-        problem = f"a finite number of seconds, got {value!r}"
-    elif value < 0 or (value == 0 and not zero):
-        problem = f"{'non-negative' if zero else 'positive'} seconds, got {value!r}"
-    else:
-        return
-    raise TaskDefinitionError(
-        f"{name} must be {problem}; pass e.g. {name}=30, or leave it out for the default"
-    )
-
-
-def _check_lifetime(
-    lock_until: Any,
-    unique_for: Any,
-    on_duplicate_publish: Any,
-    on_conflict: str,
-    dedupe_on_publish: bool,
-) -> None:
-    """Refuse, at decoration, a lock lifetime or duplicate-publish policy that cannot work."""
-    if lock_until not in LOCK_UNTIL:
-        raise TaskDefinitionError(
-            f"lock_until must be one of {LOCK_UNTIL}, got {lock_until!r}; for a key held a "
-            "fixed time after the run, use unique_for=<seconds>"
-        )
-    _check_seconds("unique_for", unique_for)
-    if unique_for is not None and lock_until == "start":
-        raise TaskDefinitionError(
-            "unique_for keeps the key until a time after the run finishes; it cannot be "
-            "combined with lock_until='start' (which frees it when the run starts): pick one"
-        )
-    if lock_until == "start" and on_conflict == "skip":
-        raise TaskDefinitionError(
-            "lock_until='start' lets a newer copy queue behind the running one, and "
-            "on_conflict='skip' would drop that copy when it arrives during the run; "
-            "use on_conflict='wait' or 'retry'"
-        )
-    if on_duplicate_publish not in DUPLICATE_PUBLISH_POLICIES:
-        raise TaskDefinitionError(
-            f"on_duplicate_publish must be one of {DUPLICATE_PUBLISH_POLICIES}, "
-            f"got {on_duplicate_publish!r}"
-        )
-    if on_duplicate_publish != "result" and not dedupe_on_publish:
-        raise TaskDefinitionError(
-            f"on_duplicate_publish={on_duplicate_publish!r} acts on the publish claim, "
-            "which only dedupe_on_publish=True makes; set dedupe_on_publish=True"
-        )
-
-
-def _check_concurrency(concurrency: Any, concurrency_key: Any) -> KeySelector:
-    """Refuse a limit that is no positive integer, or a group key without a limit."""
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 0:
-        raise TaskDefinitionError(
-            f"concurrency must be a positive integer (at most that many jobs of a group at "
-            f"once), or 0 for no limit; got {concurrency!r}"
-        )
-    if concurrency_key is not None and not concurrency:
-        raise TaskDefinitionError(
-            "concurrency_key names a group but concurrency= sets no limit; add concurrency=N"
-        )
-    try:
-        return _normalise_key(concurrency_key)
-    except TaskDefinitionError as exc:
-        raise TaskDefinitionError(f"concurrency_{exc}") from None
-
-
-def _normalise_key(key: Any) -> KeySelector:
-    """`key="payment_id"` means that one argument; a list or tuple, those; else a callable."""
-    if key is None or callable(key):
-        return key  # type: ignore[no-any-return]
-    if isinstance(key, str):
-        key = (key,)
-    if not isinstance(key, list | tuple) or not all(isinstance(k, str) for k in key):
-        raise TaskDefinitionError(
-            f"key must be an argument name, a list of argument names or a callable, "
-            f"got {type(key).__name__}"
-        )
-    if not key:
-        raise TaskDefinitionError(
-            "key=[] names no argument, so every call would share one key; "
-            "name the arguments that make a job unique, or leave key=None for all of them"
-        )
-    return tuple(key)
-
-
-def _check_key_names(func: Callable[..., Any], key: KeySelector, *, bound: bool) -> None:
-    """Refuse, at decoration, a key naming something that is not a parameter of `func`, or
-    a key callable that cannot take `func`'s arguments by name."""
-    if key is None or isinstance(key, str):
-        return
-    params = list(inspect.signature(func).parameters.values())
-    if bound and params:
-        params = params[1:]  # `self`, the task: never part of a key
-    names = [p.name for p in params]
-    if callable(key):
-        _check_key_callable(func, key, names)
-        return
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return  # any name may arrive through **kwargs
-    for k in key:
-        if k not in names:
-            close = difflib.get_close_matches(k, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TaskDefinitionError(
-                f"key names {k!r}, which is not a parameter of "
-                f"{func.__name__}({', '.join(names)}){hint}"
-            )
-
-
-def _check_key_callable(
-    func: Callable[..., Any], key: Callable[..., Any], names: list[str]
-) -> None:
-    try:
-        inspect.signature(key).bind(**dict.fromkeys(names))
-    except TypeError as exc:
-        raise TaskDefinitionError(
-            f"key callable {getattr(key, '__name__', key)!r} is called with the arguments of "
-            f"{func.__name__}({', '.join(names)}) by name, and {exc}; "
-            "accept them all (add **_ for those it ignores)"
-        ) from None
-    except ValueError:  # no signature to read (a builtin): it is tried at publish
-        return
 
 
 def _result_of(rt: Runtime, spec: JobSpec, out: Outcome) -> Any:
@@ -733,29 +607,6 @@ def _after_a_crash(req: Any) -> bool:
     )
 
 
-def _rate_options(
-    limit: str | None, rate_key: KeySelector, burst: int, policy: str
-) -> tuple[Rate | None, KeySelector]:
-    """The parsed global rate limit and its key selector; bad options refused here."""
-    if policy not in RATE_LIMITED_POLICIES:
-        raise TaskDefinitionError(
-            f"on_rate_limited must be one of {RATE_LIMITED_POLICIES}, got {policy!r}"
-        )
-    if limit is None:
-        if rate_key is not None:
-            raise TaskDefinitionError("rate_key is given without global_rate_limit; set both")
-        return None, None
-    try:
-        rate = parse_rate(limit, option="global_rate_limit", burst=burst)
-    except LockError as exc:
-        raise TaskDefinitionError(str(exc).replace("burst", "rate_burst")) from None
-    try:
-        selector = _normalise_key(rate_key)
-    except TaskDefinitionError as exc:
-        raise TaskDefinitionError(f"rate_{exc}") from None
-    return rate, selector
-
-
 @overload
 def singleton_task(fn: Callable[..., Any], /) -> SingletonTask: ...
 
@@ -771,6 +622,7 @@ def singleton_task(
     wait_timeout: float | None = None,
     result_ttl: float | None = None,
     dedupe_on_publish: bool = False,
+    dedupe_ttl: float | None = None,
     lock_until: LockUntil = "finish",
     unique_for: float | None = None,
     on_duplicate_publish: DuplicatePublishPolicy = "result",
@@ -788,24 +640,8 @@ def singleton_task(
 def singleton_task(
     *fn: Callable[..., Any],
     app: Any = None,
-    key: KeySelector = None,
-    ttl: float | None = None,
-    on_conflict: ConflictPolicy = "skip",
-    on_lease_lost: LeaseLostPolicy = "redeliver",
-    wait_timeout: float | None = None,
-    result_ttl: float | None = None,
-    dedupe_on_publish: bool = False,
-    lock_until: LockUntil = "finish",
-    unique_for: float | None = None,
-    on_duplicate_publish: DuplicatePublishPolicy = "result",
-    concurrency: int = 0,
-    concurrency_key: KeySelector = None,
-    global_rate_limit: str | None = None,
-    rate_key: KeySelector = None,
-    rate_burst: int = 1,
-    on_rate_limited: RateLimitedPolicy = "retry",
     base: type[SingletonTask] = SingletonTask,
-    **celery_options: Any,
+    **options: Any,
 ) -> Any:
     """Like `shared_task` (or `app.task` with `app=`), gated by jobfence.
 
@@ -814,69 +650,33 @@ def singleton_task(
     `on_conflict`: skip | wait | retry | raise. `on_lease_lost`: redeliver (default: a lease
     lost with no proof of a newer holder delivers the job again) | drop (at most once, for
     effects that cannot be fenced). `lock_until` (finish | start), `unique_for` (seconds)
-    and `on_duplicate_publish` (result | raise | replace): see README "Lock lifetimes and
-    duplicate publishes". `concurrency=N`: at most N jobs of one group run at once across
+    and `on_duplicate_publish` (result | raise | replace): see docs/explanation/lifetimes.md.
+    `concurrency=N`: at most N jobs of one group run at once across
     the fleet, the group named by the arguments in `concurrency_key` (None: the whole task);
     each job still keeps its own key.
     `global_rate_limit="100/m"`: at most that many starts across the fleet (per `rate_key`
     arguments, if given; `rate_burst` at once after an idle spell); `on_rate_limited`: retry
     (default: re-published for its reserved turn) | wait (up to `wait_timeout` in the
-    worker) | skip. Celery options pass through unchanged.
+    worker) | skip. Every option is checked here (tasks/options.py is their table). Celery's
+    task options pass through unchanged; a keyword that is neither is refused, naming the
+    nearest valid one.
     """
-    _check_lifetime(lock_until, unique_for, on_duplicate_publish, on_conflict, dedupe_on_publish)
-    if on_conflict not in CONFLICT_POLICIES:
-        raise TaskDefinitionError(
-            f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
-        )
-    if on_lease_lost not in LEASE_LOST_POLICIES:
-        raise TaskDefinitionError(
-            f"on_lease_lost must be one of {LEASE_LOST_POLICIES}, got {on_lease_lost!r}; "
-            "'drop' runs the job at most once, 'redeliver' (the default) never loses it"
-        )
-    _check_seconds("ttl", ttl)
-    _check_seconds("wait_timeout", wait_timeout, zero=True)
-    _check_seconds("result_ttl", result_ttl)
-    _check_seconds("dedupe_ttl", celery_options.get("dedupe_ttl"))
+    given, celery_options = split_options(options)
+    known = celery_option_names(base)
+    refuse_unknown("@singleton_task", set(celery_options) - known, {*OPTION_NAMES, *known},
+                   "neither a jobfence option nor a Celery task option (a custom task "
+                   "attribute belongs on a base class: base=...)")  # fmt: skip
+    checked = TaskOptions(**given)
     if celery_options.get("serializer", "json") not in SINGLETON_SERIALIZERS:
         raise TaskDefinitionError(
             "singleton tasks use the json serializer (or auth, Celery's signed JSON); pickle "
             "runs broker data"
         )
-    group = _check_concurrency(concurrency, concurrency_key)
-    key = _normalise_key(key)
-    rate, rate_selector = _rate_options(global_rate_limit, rate_key, rate_burst, on_rate_limited)
-    options = {
-        "base": base,
-        # Options become class attributes: a plain function there would be bound as a method.
-        "jobfence_key": staticmethod(key) if callable(key) else key,
-        "jobfence_ttl": ttl,
-        "on_conflict": on_conflict,
-        "on_lease_lost": on_lease_lost,
-        "wait_timeout": wait_timeout,
-        "result_ttl": result_ttl,
-        "dedupe_on_publish": dedupe_on_publish,
-        "lock_until": lock_until,
-        "unique_for": unique_for,
-        "on_duplicate_publish": on_duplicate_publish,
-        "concurrency": concurrency,
-        "concurrency_key": staticmethod(group) if callable(group) else group,
-        "global_rate_limit": rate,
-        "rate_key": staticmethod(rate_selector) if callable(rate_selector) else rate_selector,
-        "on_rate_limited": on_rate_limited,
-        **celery_options,
-    }
+    attributes = {"base": base, "jobfence_options": checked, **celery_options}
 
     def decorate(func: Callable[..., Any]) -> Any:
-        _check_key_names(func, key, bound=bool(celery_options.get("bind")))
-        try:
-            _check_key_names(func, group, bound=bool(celery_options.get("bind")))
-        except TaskDefinitionError as exc:
-            raise TaskDefinitionError(f"concurrency_{exc}") from None
-        try:
-            _check_key_names(func, rate_selector, bound=bool(celery_options.get("bind")))
-        except TaskDefinitionError as exc:
-            raise TaskDefinitionError(f"rate_{exc}") from None
-        return (app.task(**options) if app is not None else shared_task(**options))(func)
+        checked.check_names(func, bound=bool(celery_options.get("bind")))
+        return (app.task(**attributes) if app is not None else shared_task(**attributes))(func)
 
     if fn:
         return decorate(fn[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -45,6 +46,13 @@ class JobContext:
     # The callers' transactions the job's effects committed into (as savepoints): the lock
     # server's record waits for them. Empty when the effects committed on their own.
     outer: list[OuterCommit] = field(default_factory=list, compare=False, repr=False)
+    # One entry per effects block the body opened (SqlEffects, DjangoEffects): True where the
+    # job's own DONE row answered it (it took effect in an earlier delivery), False where it
+    # wrote. A body whose every block was answered ran again without taking effect again.
+    effects: list[bool] = field(default_factory=list, compare=False, repr=False)
+    # The job's (key, fingerprint) under each previous key secret of a rotation: its
+    # effects' DONE rows written under an older secret answer it too.
+    previous: tuple[tuple[str, str], ...] = ()
 
     @property
     def fence(self) -> int:
@@ -53,6 +61,25 @@ class JobContext:
     def check(self) -> None:
         """Raise LeaseLost if the lease is gone; call before long or unfenced steps."""
         self.lease.check()
+
+    def guarded_rows(self, resources: tuple[str, ...]) -> list[tuple[str, int]]:
+        """The fence rows an effect transaction takes, in the one order every transaction
+        uses (no deadlocks): each resource at the job's fence and, during a key rotation,
+        a row per key of the job under each secret at fence 0 (a plain row lock). Two copies
+        of one job gated under two secrets hold different keys and may both run after the
+        lock server lost its data; the rows serialize their effect transactions, so the
+        second finds the first's DONE row under the other key and replays it (seed
+        `two-secrets-after-a-flush-commit-side-by-side`)."""
+        rows = {resource: self.fence for resource in resources}
+        if self.previous:
+            for key in (self.key, *(k for k, _ in self.previous)):
+                digest = hashlib.sha256(key.encode()).hexdigest()[:40]  # any task name's length
+                rows.setdefault(f"jobfence:job:{digest}", 0)
+        return sorted(rows.items())
+
+    def effect_opened(self, answered: bool) -> None:
+        """The effects layer opened a block: `answered` if the job's DONE row was there."""
+        self.effects.append(answered)
 
     def join_outer(self) -> OuterCommit:
         """The job's effect (and its DONE row) commits with a caller's transaction.

@@ -1,8 +1,9 @@
 """Decisions made visible: one structured log line per decision, and the store's decision log.
 
-The executor's shell buffers a delivery's decisions (`Note` ops) and hands them here once,
-when the delivery ends: every line is logged at once (logger `jobfence.decisions`, `extra=`
-fields), and the decisions go to the store's `DecisionLog` from a writer thread that sends
+The `Decisions` middleware (tasks/middleware.py) buffers a delivery's decisions and hands
+them here once, when the delivery ends: every line is logged at once (logger
+`jobfence.decisions`, `extra=` fields; their words from tasks/events.py's table), and the
+decisions go to the store's `DecisionLog` from a writer thread that sends
 what every delivery of the process decided meanwhile in one round trip (at most every
 FLUSH_INTERVAL seconds, or sooner past FLUSH_BATCH), so the log costs a job no round trip of
 its own. Nothing here holds an argument, an owner token or a secret: the job key is
@@ -15,39 +16,14 @@ import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 
 from jobfence.locks.decisions import ROUTINE, Decision, DecisionLog
 from jobfence.locks.outage import OUTAGE
+from jobfence.tasks.events import CONFLICT_PHRASES, FAILED_UNSTORED_PHRASE, PHRASES, REPLACED_PHRASE
 
 log = logging.getLogger("jobfence.decisions")
-
-_CONFLICT = {
-    "skip": "skipped: a duplicate of {holder}{held} which held the key",
-    "wait": "waited: {holder}{held} held the key",
-    "retry": "retried later: {holder}{held} held the key",
-    "raise": "refused (on_conflict='raise'): {holder}{held} held the key",
-}
-_PHRASES = {
-    "started": "granted the lease{fence} and started the body",
-    "done": "done: granted the lease{fence}, ran the body, stored its DONE record",
-    "failed": "failed: granted the lease{fence}, the body raised; FAILED record stored",
-    "released": "released{fence} without a record",
-    "replayed": "replayed: the job's DONE record{fence} answered; the body did not run again",
-    "defer": "deferred: its own earlier delivery still held the key",
-    "queued": "queued behind {holder}{held}, which held the key",
-    "throttled": "skipped: {holder} ran the key within unique_for",
-    "stale": "stale write refused: fence {f} < {newer} (a newer holder wrote first)",
-    "lease_lost": "lease lost{fence} with no newer holder in sight",
-    "redeliver": "redelivered: {reason}",
-    "given_up": "given up: {reason}",
-    "poisoned": "dead-lettered{fence}: too many deliveries lost their worker mid-body",
-    "rate_limited": "rate limited{fence}: comes back at its turn",
-    "rate_skipped": "skipped{fence}: no rate-limit turn free",
-    "requeue": "requeued{fence}: no concurrency slot came free in time",
-    "forced": "force-released{fence} {reason}; the fence advanced to {newer}",
-}
-
 
 def describe(d: Decision, holder_fence: int | None = None) -> str:
     """`d` in plain words ("skipped: a duplicate of task abc (fence 41) which held the key");
@@ -55,13 +31,13 @@ def describe(d: Decision, holder_fence: int | None = None) -> str:
     holder = f"task {d.holder}" if d.holder else "another task"
     held = f" (fence {holder_fence})" if holder_fence is not None else ""
     if d.event == "conflict":
-        text = _CONFLICT.get(d.reason, "conflict: {holder}{held} held the key")
-    elif d.event == "superseded":
-        text = ("superseded: a newer publish ({holder}) replaced it before it started"
-                if d.reason == "replaced"
-                else "superseded: a newer holder took the key over{fence}")  # fmt: skip
+        text = CONFLICT_PHRASES.get(d.reason, PHRASES["conflict"])
+    elif d.event == "superseded" and d.reason == "replaced":
+        text = REPLACED_PHRASE
+    elif d.event == "failed" and d.reason:  # the FAILED record was not stored, or unknown
+        text = FAILED_UNSTORED_PHRASE
     else:
-        text = _PHRASES.get(d.event, d.event + "{fence}")
+        text = PHRASES.get(d.event, d.event + "{fence}")
     return text.format(
         holder=holder,
         held=held,
@@ -87,14 +63,22 @@ class DecisionRecorder:
 
     def __init__(self, store: DecisionLog | None) -> None:
         self.store = store
+        self._reset()
+        if store is not None:
+            atexit.register(self.flush)
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (r := ref()) and r._reset())  # type: ignore[func-returns-value]
+
+    def _reset(self) -> None:
+        # After fork the parent's writer is gone, and may have held `_write` (a batch in flight
+        # on a stalled server) or `_cond`: the child's writer and close() would wait for ever.
+        # The parent's pending decisions are the parent's to store.
         self._pending: list[Decision] = []
         self._cond = threading.Condition()
         self._write = threading.Lock()  # one batch stored at a time: flush waits for the writer's
         self._writer: threading.Thread | None = None
         self._pid = 0
         self._closed = False
-        if store is not None:
-            atexit.register(self.flush)
 
     def flush(self) -> None:
         """Store every decision handed over so far (in this thread, after the writer's batch

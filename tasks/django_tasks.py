@@ -10,21 +10,27 @@ tasks to Celery workers, which the gate's unsettled outcomes come back through.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from celery import Task as CeleryTask
 from celery import shared_task
 from celery.utils import uuid
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-try:  # Django 6 has the framework built in; the backport serves Django 4.2-5.x.
+# Django 6's own framework first: a Django that has it never runs the backport, even where
+# the backport is installed too. The backport serves Django 4.2-5.x.
+try:
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
     from django.tasks.signals import task_enqueued, task_finished, task_started
+
+    FRAMEWORK = "django.tasks"  # the module the framework in use is imported from
 except ImportError:
     try:
         from django_tasks.backends.base import BaseTaskBackend
@@ -35,14 +41,9 @@ except ImportError:
             "jobfence's Django tasks support needs django.tasks (Django 6) or the backport: "
             "pip install 'jobfence[django-tasks]'"
         ) from exc
+    FRAMEWORK = "django_tasks"
 
-from jobfence.tasks.celery_task import (
-    JobNotSettled,
-    _check_concurrency,
-    _check_key_names,
-    _check_seconds,
-    _normalise_key,
-)
+from jobfence.tasks.celery_task import SINGLETON_SERIALIZERS, JobNotSettled
 from jobfence.tasks.errors import (
     DuplicateSkipped,
     JobDropped,
@@ -51,25 +52,33 @@ from jobfence.tasks.errors import (
     RateLimitSkipped,
     TaskDefinitionError,
 )
-from jobfence.tasks.executor import LEASE_LOST_POLICIES, JobSpec, Outcome, Redelivery
+from jobfence.tasks.executor import JobSpec, Outcome, Redelivery
 from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity
+from jobfence.tasks.options import (
+    DEFAULTS,
+    DJANGO_OPTION_NAMES,
+    OPTION_NAMES,
+    ConflictPolicy,
+    LeaseLostPolicy,
+    TaskOptions,
+    add_option_attributes,
+    django_options,
+    refuse_unknown,
+)
 from jobfence.tasks.runtime import Runtime, runtime_for
 
-__all__ = ["CARRIER", "CeleryBackend", "FencedBackend", "FencedTask", "fenced"]
+__all__ = ["CARRIER", "FRAMEWORK", "CeleryBackend", "FencedBackend", "FencedTask", "fenced"]
 
 log = logging.getLogger(__name__)
 
 #: The Celery task that carries a Django task to a worker (CeleryBackend).
 CARRIER = "jobfence.django_task"
-#: Conflict policies a Django task may take: "retry" is a Celery retry, which it has not.
-CONFLICT_POLICIES = ("skip", "wait", "raise")
+#: The module paths of the Django tasks defined in this process on a CeleryBackend (directly
+#: or wrapped): the carrier imports what a message names only if it is one of these, or lives
+#: in an installed Django app.
+_CARRIED: set[str] = set()
 #: Where `@fenced(...)` leaves its options on the function, for the task class to read.
 OPTIONS_ATTRIBUTE = "__jobfence_options__"
-#: The gate's options a FencedTask takes (the rest of @singleton_task's act at publish).
-OPTION_NAMES = (
-    "key", "ttl", "on_conflict", "on_lease_lost", "wait_timeout", "result_ttl", "unique_for",
-    "concurrency", "concurrency_key",
-)  # fmt: skip
 _STOPS: dict[str, tuple[type[JobSkipped], str]] = {
     "superseded": (JobSuperseded, "a newer copy took this job over"),
     "dropped": (JobDropped, "the lease was lost mid-body (on_lease_lost='drop')"),
@@ -93,25 +102,34 @@ _delivery: ContextVar[_Delivery | None] = ContextVar("jobfence_django_delivery",
 class FencedTask(Task):  # type: ignore[misc]
     """A Django task whose body runs at most once at a time per key, and takes effect once.
 
-    `key`, `ttl`, `on_conflict` (skip | wait | raise), `on_lease_lost`, `wait_timeout`,
-    `result_ttl`, `unique_for`, `concurrency` and `concurrency_key` mean what they mean for
-    `@singleton_task`; the body reads the lease and fence from `jobfence.current_job()`.
+    Its options are `@singleton_task`'s that act at the gate (tasks/options.py,
+    DJANGO_OPTION_NAMES: `key`, `ttl`, `on_conflict` (skip | wait | raise), ...), given as
+    `@task(...)` keywords and kept in `jobfence_options`; each is an attribute too
+    (`task.key`). The body reads the lease and fence from `jobfence.current_job()`.
     """
 
-    key: KeySelector = None
-    ttl: float | None = None
-    on_conflict: str = "skip"
-    on_lease_lost: str = "redeliver"
-    wait_timeout: float | None = None
-    result_ttl: float | None = None
-    unique_for: float | None = None
-    concurrency: int = 0
-    concurrency_key: KeySelector = None
+    jobfence_options: TaskOptions = DEFAULTS
+
+    def __init__(self, **given: Any) -> None:
+        """Django's task fields, and the gate's options (refused, with the nearest name,
+        where a keyword is neither)."""
+        fields = {f.name for f in dataclasses.fields(Task) if f.init}
+        options = {k: given.pop(k) for k in list(given) if k not in fields}
+        checked = options.pop("jobfence_options", DEFAULTS)  # dataclasses.replace() copies
+        refuse_unknown("a Django task (FencedTask)", set(options) - set(OPTION_NAMES),
+                       {*OPTION_NAMES, *fields}, "neither a jobfence option nor a field of "
+                       "Django's Task")  # fmt: skip
+        if options:
+            checked = django_options(options)
+        object.__setattr__(self, "jobfence_options", checked)
+        Task.__init__(self, **given)  # which calls __post_init__
 
     def __post_init__(self) -> None:
-        for name, value in (getattr(self.func, OPTIONS_ATTRIBUTE, None) or {}).items():
-            object.__setattr__(self, name, value)
-        _check_options(self)
+        marked = getattr(self.func, OPTIONS_ATTRIBUTE, None)  # @fenced(...) under @task
+        if marked is not None:
+            object.__setattr__(self, "jobfence_options", marked)
+        # The first parameter of a task that takes the context is the TaskContext.
+        self.jobfence_options.check_names(self.func, bound=self.takes_context)
         Task.__post_init__(self)  # a slots dataclass: zero-argument super() cannot work
 
     @property
@@ -145,63 +163,31 @@ class FencedTask(Task):  # type: ignore[misc]
         return _answer(spec, out)
 
     def _spec(self, rt: Runtime, arguments: dict[str, Any], delivery: _Delivery) -> JobSpec:
-        s, name = rt.settings, self.job_name
-        key, fp = identity(rt.secret, name, arguments, selector=self.key)
+        s, name, o = rt.settings, self.job_name, self.jobfence_options
+        key, fp = identity(rt.secret, name, arguments, selector=o.key)
         return JobSpec(
             name=name,
             key=key,
             fingerprint=fp,
             task_id=delivery.result_id,
-            ttl=self.ttl or s.default_ttl,
-            result_ttl=self.result_ttl or s.result_ttl,
-            on_conflict=self.on_conflict,  # type: ignore[arg-type]
-            wait_timeout=s.acquire_timeout if self.wait_timeout is None else self.wait_timeout,
-            on_lease_lost=self.on_lease_lost,  # type: ignore[arg-type]
+            failed_message=s.failed_record_message,
             redeliveries=delivery.redeliveries,
             suspect=delivery.suspect,
             max_crashed=s.max_crashed_deliveries,
-            unique_for=self.unique_for or 0.0,
-            concurrency=self.concurrency,
             concurrency_key=(
-                concurrency_key(rt.secret, name, arguments, self.concurrency_key)
-                if self.concurrency
+                concurrency_key(rt.secret, name, arguments, o.concurrency_key)
+                if o.concurrency
                 else ""
             ),
             previous=tuple(
-                identity(old, name, arguments, selector=self.key) for old in rt.previous_secrets
+                identity(old, name, arguments, selector=o.key) for old in rt.previous_secrets
             ),
+            **o.job_fields(s),
         )
 
 
-def _check_options(task: FencedTask) -> None:
-    """Refuse, at decoration, options the gate cannot honour (as @singleton_task does)."""
-    if task.on_conflict not in CONFLICT_POLICIES:
-        hint = (
-            "; 'retry' is a Celery retry, which a Django task has not: use 'wait' or 'skip'"
-            if task.on_conflict == "retry"
-            else ""
-        )
-        raise TaskDefinitionError(
-            f"on_conflict must be one of {CONFLICT_POLICIES}, got {task.on_conflict!r}{hint}"
-        )
-    if task.on_lease_lost not in LEASE_LOST_POLICIES:
-        raise TaskDefinitionError(
-            f"on_lease_lost must be one of {LEASE_LOST_POLICIES}, got {task.on_lease_lost!r}"
-        )
-    _check_seconds("ttl", task.ttl)
-    _check_seconds("wait_timeout", task.wait_timeout, zero=True)
-    _check_seconds("result_ttl", task.result_ttl)
-    _check_seconds("unique_for", task.unique_for)
-    key = _normalise_key(task.key)
-    group = _check_concurrency(task.concurrency, task.concurrency_key)
-    skip = task.takes_context  # the first parameter is the TaskContext
-    _check_key_names(task.func, key, bound=skip)
-    try:
-        _check_key_names(task.func, group, bound=skip)
-    except TaskDefinitionError as exc:
-        raise TaskDefinitionError(f"concurrency_{exc}") from None
-    object.__setattr__(task, "key", key)
-    object.__setattr__(task, "concurrency_key", group)
+#: Each of the gate's options an attribute of the task too (`task.key`), read from its options.
+add_option_attributes(FencedTask, "jobfence_options", DJANGO_OPTION_NAMES, renamed=False)
 
 
 def _answer(spec: JobSpec, out: Outcome) -> Any:
@@ -226,31 +212,36 @@ def _answer(spec: JobSpec, out: Outcome) -> Any:
     )
 
 
-def fenced(
-    *,
-    key: KeySelector = None,
-    ttl: float | None = None,
-    on_conflict: str = "skip",
-    on_lease_lost: str = "redeliver",
-    wait_timeout: float | None = None,
-    result_ttl: float | None = None,
-    unique_for: float | None = None,
-    concurrency: int = 0,
-    concurrency_key: KeySelector = None,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The gate's options for a Django task, under `@task` (for Django 6.0, whose `task()`
-    takes no extra keywords); checked when `@task` builds the FencedTask."""
-    options = {
-        "key": key, "ttl": ttl, "on_conflict": on_conflict, "on_lease_lost": on_lease_lost,
-        "wait_timeout": wait_timeout, "result_ttl": result_ttl, "unique_for": unique_for,
-        "concurrency": concurrency, "concurrency_key": concurrency_key,
-    }  # fmt: skip
+if TYPE_CHECKING:  # the keywords, for type checkers and editors; DJANGO_OPTION_NAMES
 
-    def mark(func: Callable[..., Any]) -> Callable[..., Any]:
-        setattr(func, OPTIONS_ATTRIBUTE, options)
-        return func
+    def fenced(
+        *,
+        key: KeySelector = None,
+        ttl: float | None = None,
+        on_conflict: ConflictPolicy = "skip",
+        on_lease_lost: LeaseLostPolicy = "redeliver",
+        wait_timeout: float | None = None,
+        result_ttl: float | None = None,
+        unique_for: float | None = None,
+        concurrency: int = 0,
+        concurrency_key: KeySelector = None,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
-    return mark
+else:
+
+    def fenced(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The gate's options for a Django task, under `@task` (for Django 6.0, whose `task()`
+        takes no extra keywords); checked here, the key's names when `@task` builds the
+        FencedTask."""
+        refuse_unknown("@fenced", set(options) - set(OPTION_NAMES), OPTION_NAMES,
+                       "not a jobfence option")  # fmt: skip
+        checked = django_options(options)
+
+        def mark(func: Callable[..., Any]) -> Callable[..., Any]:
+            setattr(func, OPTIONS_ATTRIBUTE, checked)
+            return func
+
+        return mark
 
 
 class _Process:
@@ -359,6 +350,11 @@ class CeleryBackend(BaseTaskBackend):  # type: ignore[misc]
             )
         self.celery_app = import_string(path)
 
+    def validate_task(self, task: Any) -> None:
+        """Django's own checks; then the task is one the carrier may run (_CARRIED)."""
+        super().validate_task(task)
+        _CARRIED.add(task.module_path)
+
     def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
         self.validate_task(task)
         result = TaskResult(
@@ -375,7 +371,10 @@ class CeleryBackend(BaseTaskBackend):  # type: ignore[misc]
             errors=[],
             worker_ids=[],
         )
-        options: dict[str, Any] = {"task_id": result.id, "serializer": "json"}
+        # The app's serializer where it is JSON or signed JSON (`auth`), as singleton tasks
+        # do: a worker that accepts only signed messages drops a plain JSON one.
+        options: dict[str, Any] = {"task_id": result.id, "serializer": carrier_serializer(
+            self.celery_app)}  # fmt: skip
         if task.queue_name != "default":
             options["queue"] = task.queue_name
         if task.run_after is not None:
@@ -387,23 +386,69 @@ class CeleryBackend(BaseTaskBackend):  # type: ignore[misc]
         return result
 
 
+def carrier_serializer(app: Any) -> str:
+    """The serializer the carrier's messages use: the app's when JSON or `auth`, else JSON."""
+    chosen = str(app.conf.task_serializer or "json")
+    return chosen if chosen in SINGLETON_SERIALIZERS else "json"
+
+
+class _Carrier(CeleryTask):  # type: ignore[misc]
+    """The carrier's class: it follows the app's serializer like a singleton task (its
+    retries are signed where the app signs)."""
+
+    serializer: str | None = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        super().on_bound(app)
+        if cls.serializer not in SINGLETON_SERIALIZERS:
+            cls.serializer = "json"
+
+
+def carried_task(module_path: str) -> Any:
+    """The Django task `module_path` names, checked before anything is imported: a task this
+    process defined on a CeleryBackend, or one in an installed Django app's modules."""
+    known = isinstance(module_path, str) and (
+        module_path in _CARRIED or _in_an_app(module_path)
+    )
+    if not known:
+        shown = repr(module_path)[:200]
+        raise TaskDefinitionError(
+            f"{CARRIER}: {shown} is no Django task of this worker's (not defined on a "
+            "CeleryBackend here, not in an installed app): not imported; import the module "
+            "that defines the task in the worker, or list its app in INSTALLED_APPS"
+        )
+    task = import_string(module_path)
+    if not isinstance(task, Task) or task.module_path != module_path:
+        raise TaskDefinitionError(f"{module_path} is no Django task (got {type(task).__name__})")
+    return task
+
+
+def _in_an_app(module_path: str) -> bool:
+    from django.apps import apps
+    from django.core.exceptions import AppRegistryNotReady
+
+    try:
+        return apps.get_containing_app_config(module_path.rpartition(".")[0]) is not None
+    except AppRegistryNotReady:  # no django.setup(): only the tasks defined here
+        return False
+
+
 _REDELIVERY = Redelivery()
 
 
 @shared_task(  # type: ignore[untyped-decorator,misc]
+    base=_Carrier,
     name=CARRIER,
     bind=True,
     acks_late=True,
     reject_on_worker_lost=True,
-    serializer="json",
     throws=(JobSkipped,),  # an expected end: one log line, no traceback
     max_retries=None,  # the executor's redelivery limit bounds an unsettled job
 )
 def run_django_task(self: Any, module_path: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """Run one Django task on a Celery worker; an unsettled job comes back as a retry."""
-    task = import_string(module_path)
-    if not isinstance(task, Task):
-        raise TaskDefinitionError(f"{module_path} is no Django task (got {type(task).__name__})")
+    task = carried_task(module_path)
     req = self.request
     info = req.delivery_info or {}
     delivery = _Delivery(req.id, req.retries, bool(info.get("redelivered")))

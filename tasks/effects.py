@@ -21,13 +21,20 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    make_url,
     select,
 )
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from jobfence.locks.errors import CommitOutcomeUnknown
 from jobfence.locks.guards import SqlFenceGuard, fences
-from jobfence.locks.sql import create_tables, dispose_after_fork, ensure_tables
+from jobfence.locks.sql import (
+    connection_lost,
+    create_tables,
+    dispose_after_fork,
+    ensure_tables,
+    transaction_on_own_connection,
+)
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.errors import IdempotencyConflict
 from jobfence.tasks.keys import canonical_json
@@ -51,13 +58,23 @@ TABLES: tuple[Table, ...] = (fences, jobs)
 
 
 def make_engine(url: str, **options: Any) -> Engine:
-    """An engine fit for several worker processes; SQLite gets WAL and BEGIN IMMEDIATE.
+    """An engine fit for several worker processes; SQLite gets WAL and BEGIN IMMEDIATE,
+    psycopg no prepared statements (safe behind a transaction pooler such as PgBouncer).
 
     With pysqlite's deferred transactions two writers that both read first deadlock on
     the upgrade and one fails at once; BEGIN IMMEDIATE makes them queue instead. A child
     forked from this process gets a fresh pool (see `locks.sql.dispose_after_fork`).
     """
     if not url.startswith("sqlite"):
+        driver = make_url(url).get_driver_name()
+        if driver == "pymysql":
+            return dispose_after_fork(_tls_first_mysql(create_engine(url, pool_pre_ping=True,
+                                                                     **options)))  # fmt: skip
+        if driver == "psycopg":
+            # psycopg prepares a statement after 5 runs: session state that a transaction
+            # pooler (PgBouncer) mixes up between clients, so never (docs/how-to/backends/sql.md).
+            options["connect_args"] = {"prepare_threshold": None,
+                                       **options.get("connect_args", {})}  # fmt: skip
         return dispose_after_fork(create_engine(url, pool_pre_ping=True, **options))
     engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None}, **options)
 
@@ -73,6 +90,19 @@ def make_engine(url: str, **options: Any) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return dispose_after_fork(engine)
+
+
+def _tls_first_mysql(engine: Engine) -> Engine:
+    """PyMySQL connections whose TLS options read as the lock URL's, refused before the
+    login when TLS is asked for and the server offers none (PyMySQL 1.1 sent the password
+    in clear text there)."""
+    from jobfence.locks.backends.mysql import connect_for_sqlalchemy  # PyMySQL: on use
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> Any:
+        return connect_for_sqlalchemy("the database URL (JOBFENCE_DATABASE_URL)", **cparams)
+
+    return engine
 
 
 @dataclass
@@ -102,9 +132,11 @@ class SqlEffects:
 
     With `session=` the transaction is a savepoint in the caller's Session: the effect
     commits when the caller commits, and the lock server's record waits for that commit
-    (none on rollback). If the connection is lost at COMMIT, the DONE row is read on a
-    fresh connection: there, the transaction landed; else `CommitOutcomeUnknown` (the job
-    is delivered again).
+    (none on rollback). A connection lost inside the transaction (a restart, a failover,
+    a killed session) committed nothing: `CommitOutcomeUnknown`, and the job is delivered
+    again, never failed. Lost at COMMIT, the DONE row is read on a fresh connection: there,
+    the transaction landed; else `CommitOutcomeUnknown`. A user's own error (an integrity
+    error on a live connection) rolls back and fails the job as before.
     """
 
     def __init__(self, engine: Engine, *, guard: SqlFenceGuard | None = None) -> None:
@@ -120,23 +152,18 @@ class SqlEffects:
         self, job: JobContext, *resources: str, session: Session | None = None
     ) -> Iterator[EffectTx]:
         if session is not None:
-            with self._in_session(job, resources, session) as tx:
-                yield tx
+            with self._in_session(job, resources, session) as nested:
+                yield nested
             return
-        ensure_tables(self.engine, TABLES)
-        with self.engine.connect() as conn:
-            trans = conn.begin()
-            try:
-                tx = self._open(conn, job, resources)
-                yield tx
-                self._close(tx, job)
-            except BaseException:
-                trans.rollback()
-                raise
-            try:
-                trans.commit()
-            except (OperationalError, InterfaceError) as exc:  # the link died at COMMIT
-                self._settle(job, tx, exc)
+        tx: EffectTx | None = None
+
+        def settle(lost: Exception, at_commit: bool) -> None:
+            self._settle(job, tx, lost, at_commit)
+
+        with transaction_on_own_connection(self.engine, TABLES, settle) as conn:
+            tx = self._open(conn, job, resources)
+            yield tx
+            self._close(tx, job)
 
     @contextmanager
     def _in_session(
@@ -144,19 +171,27 @@ class SqlEffects:
     ) -> Iterator[EffectTx]:
         """A savepoint in the caller's Session; the lock server's record waits for the
         caller's commit of the transaction it is in now."""
-        with session.begin_nested():
-            conn = session.connection()
-            ensure_tables(conn, TABLES)
-            tx = self._open(conn, job, resources)
-            yield tx
-            self._close(tx, job)
+        conn: Connection | None = None
+        try:
+            with session.begin_nested():
+                conn = session.connection()
+                ensure_tables(conn, TABLES)
+                tx = self._open(conn, job, resources)
+                yield tx
+                self._close(tx, job)
+        except Exception as exc:  # the caller's transaction is gone with its connection
+            if conn is not None and connection_lost(exc, conn):
+                self._settle(job, None, exc, at_commit=False)
+            raise
         # A replay too: the DONE row it read may be this transaction's own, uncommitted.
         _after_commit(session, job.join_outer().commit)
 
     def _open(self, conn: Connection, job: JobContext, resources: tuple[str, ...]) -> EffectTx:
-        for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
-            self.guard.check_and_advance(conn, resource, job.fence)
-        return self._lookup(conn, job)
+        for resource, fence in job.guarded_rows(resources):  # one order: no deadlocks
+            self.guard.check_and_advance(conn, resource, fence)
+        tx = self._lookup(conn, job)
+        job.effect_opened(tx.done)
+        return tx
 
     def _close(self, tx: EffectTx, job: JobContext) -> None:
         if not tx.done:
@@ -171,10 +206,18 @@ class SqlEffects:
                 )
             )
 
-    def _settle(self, job: JobContext, tx: EffectTx, lost: Exception) -> None:
-        """The COMMIT's reply never came: it landed if our DONE row is there (read on a
-        fresh connection); else, or if that cannot be read, the outcome stays unknown."""
-        if tx.done:
+    def _settle(
+        self, job: JobContext, tx: EffectTx | None, lost: Exception, at_commit: bool
+    ) -> None:
+        """The connection was lost. Before COMMIT nothing committed: deliver again. At COMMIT
+        its reply never came: it landed if our DONE row is there (read on a fresh
+        connection); else, or if that cannot be read, the outcome stays unknown."""
+        if not at_commit:
+            raise CommitOutcomeUnknown(
+                "the connection was lost inside the effect's transaction, before its COMMIT: "
+                "nothing committed", key=job.key, fence=job.fence, reason=type(lost).__name__,
+            ) from lost  # fmt: skip
+        if tx is None or tx.done:
             return  # a replay: the stored result is known, the fence advance does not matter
         try:
             with self.engine.connect() as fresh:
@@ -204,6 +247,13 @@ class SqlEffects:
         row = conn.execute(
             select(jobs.c.fingerprint, jobs.c.result).where(jobs.c.job_key == job.key)
         ).first()
+        for key, fingerprint in job.previous if row is None else ():
+            # During a key rotation: the job's DONE row written under a previous secret.
+            old = conn.execute(
+                select(jobs.c.fingerprint, jobs.c.result).where(jobs.c.job_key == key)
+            ).first()
+            if old is not None and old.fingerprint == fingerprint:
+                return EffectTx(conn, done=True, result=json.loads(old.result))
         if row is None:
             return EffectTx(conn, done=False)
         if row.fingerprint != job.fingerprint:

@@ -1,21 +1,21 @@
-"""The lock-gated executor: the sync shell that runs the job lifecycle (tasks/lifecycle.py).
+"""The lock-gated executor: the sync shell that runs the job lifecycle (tasks/flow/).
 
 The flows decide; this shell runs them with `run_sync` and does what is no store round trip:
-the keeper, the body between `set_current` and `reset_current`, the observers, the
-callers' commit hooks, and the spans where opentelemetry-api is installed (tasks/tracing.py).
+the keeper, the body between `set_current` and `reset_current`, the callers' commit hooks,
+and the middleware (tasks/middleware.py: each event a flow yields, each delivery's end, and
+around the delivery, its body and its commits: log lines, metrics, the decision log, spans).
 The public names the task layer and users import live here too.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.backend import LockBackend
-from jobfence.locks.decisions import Decision
 from jobfence.locks.drive import run_sync
 from jobfence.locks.errors import LeaseLost
 from jobfence.locks.flows import Flow
@@ -24,30 +24,21 @@ from jobfence.locks.lease import Lease
 from jobfence.locks.ops import Commit, StoreOp
 from jobfence.tasks.context import JobContext, reset_current, set_current
 from jobfence.tasks.decisions import DecisionRecorder
+from jobfence.tasks.events import TABLE, Event
 from jobfence.tasks.lifecycle import (
-    CONFLICT_POLICIES,
     DROPPED,
     DUPLICATE,
-    LEASE_LOST_POLICIES,
-    LOCK_UNTIL,
     RATE_HORIZON,
-    RATE_LIMITED_POLICIES,
     RATE_SKIPPED,
     STARTED,
     SUPERSEDED,
     AfterOuterCommit,
-    ConflictPolicy,
     Drop,
     Job,
     JobFlow,
     JobSpec,
     Keep,
-    LeaseLostPolicy,
-    LockUntil,
-    Note,
-    Observer,
     Outcome,
-    RateLimitedPolicy,
     RateSpec,
     Redelivery,
     RedeliveryLimitReached,
@@ -56,7 +47,27 @@ from jobfence.tasks.lifecycle import (
     Status,
 )
 from jobfence.tasks.metrics import Metrics
-from jobfence.tasks.tracing import JobTrace, JobTracer, job_tracer
+from jobfence.tasks.middleware import (
+    Decisions,
+    Middleware,
+    Observer,
+    Observers,
+    Tracing,
+    handlers,
+    overrides,
+    standard,
+)
+from jobfence.tasks.options import (
+    CONFLICT_POLICIES,
+    LEASE_LOST_POLICIES,
+    LOCK_UNTIL,
+    RATE_LIMITED_POLICIES,
+    ConflictPolicy,
+    LeaseLostPolicy,
+    LockUntil,
+    RateLimitedPolicy,
+)
+from jobfence.tasks.tracing import JobTracer, job_tracer
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -85,6 +96,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=Middleware)
 
 
 class Executor:
@@ -103,17 +115,54 @@ class Executor:
         metrics: Metrics | None = None,
         redelivery: Redelivery | None = None,
         tracing: bool = True,
+        middleware: Sequence[Middleware] | None = None,
     ) -> None:
-        self.observers: list[Observer] = []  # told of every event: started, done, replayed...
-        # None without opentelemetry-api (or tracing=False): then nothing traces, at no cost.
-        self.tracer: JobTracer | None = job_tracer() if tracing else None
-        # Given each delivery's decisions once, as it ends (the runtime attaches one).
-        self.recorder: DecisionRecorder | None = None
         self.backend = backend
         self.keeper = keeper
         self.backoff = backoff
         self.redelivery = redelivery or Redelivery()
         self.metrics = metrics or Metrics()
+        # Told of every event and every delivery's end; by default log lines, metrics and,
+        # with opentelemetry-api installed (and tracing=True), spans.
+        self.middleware: tuple[Middleware, ...] = ()
+        if middleware is None:
+            middleware = standard(self.metrics, tracer=job_tracer() if tracing else None)
+        self.use(*middleware)
+
+    def use(self, *middleware: Middleware) -> None:
+        """Add middleware after those registered (a journal attached at start-up)."""
+        self.middleware = (*self.middleware, *middleware)
+        self._handlers = handlers(self.middleware)
+        self._ending = tuple(m for m in self.middleware if overrides(m, "after_delivery"))
+        self._runs = tuple(m for m in self.middleware if overrides(m, "around_run"))
+        self._bodies = tuple(m for m in self.middleware if overrides(m, "around_body"))
+        self._commits = tuple(m for m in self.middleware if overrides(m, "around_commit"))
+        self._routine = any(m.routine for m in self.middleware)
+
+    def find(self, kind: type[M]) -> M | None:
+        """The registered middleware of type `kind`, if any."""
+        return next((m for m in self.middleware if isinstance(m, kind)), None)
+
+    @property
+    def tracer(self) -> JobTracer | None:
+        """The spans' tracer; None without opentelemetry-api (or tracing=False)."""
+        tracing = self.find(Tracing)
+        return tracing.tracer if tracing is not None else None
+
+    @property
+    def observers(self) -> list[Observer]:
+        """Plain callables told of every decision (their middleware registered on first use)."""
+        found = self.find(Observers)
+        if found is None:
+            found = Observers()
+            self.use(found)
+        return found.observers
+
+    @property
+    def recorder(self) -> DecisionRecorder | None:
+        """The decision log's recorder, where its middleware is registered (to flush it)."""
+        decisions = self.find(Decisions)
+        return decisions.recorder if decisions is not None else None
 
     def run(
         self,
@@ -124,16 +173,24 @@ class Executor:
     ) -> Outcome:
         """Run `body` once for `spec.key`. Exceptions in `passthrough` release without a record."""
         job = self._job(spec)
-        trace = None if self.tracer is None else self.tracer.start(spec)
-        if trace is None:
-            return self._drive(job, job.run(passthrough), body)
-        with trace:
-            return trace.outcome(self._drive(job, job.run(passthrough), body, trace))
+        shell = _Shell(self, job, body)
+        run = partial(self._drive_in, shell, job.run(passthrough))
+        for m in reversed(self._runs):  # the first registered outermost
+            run = partial(m.around_run, shell, run)
+        return run()
 
     def begin(self, spec: JobSpec) -> Lease | Outcome:
         """Acquire the job's lease, or say why not (replay, duplicate, defer, retry, redeliver)."""
         job = self._job(spec)
         return self._drive(job, job.begin(), None)
+
+    def close(self) -> None:
+        """Close every middleware (what each holds pending is written out)."""
+        for m in self.middleware:
+            try:
+                m.close()
+            except Exception:
+                log.exception("executor middleware %s failed to close", type(m).__name__)
 
     def release(self, lease: Lease) -> None:
         """Release without a record (a retry is on its way, or the body was interrupted)."""
@@ -142,51 +199,41 @@ class Executor:
             lease.release()
 
     def _job(self, spec: JobSpec) -> Job:
-        return Job(spec, backoff=self.backoff, redelivery=self.redelivery, metrics=self.metrics,
-                   noting=bool(self.observers) or self.recorder is not None)  # fmt: skip
+        return Job(spec, backoff=self.backoff, redelivery=self.redelivery, noting=self._routine)
 
-    def _drive(
-        self,
-        job: Job,
-        flow: JobFlow[T],
-        body: Callable[[JobContext], Any] | None,
-        trace: JobTrace | None = None,
-    ) -> T:
+    def _drive(self, job: Job, flow: JobFlow[T], body: Callable[[JobContext], Any] | None) -> T:
+        return self._drive_in(_Shell(self, job, body), flow)
+
+    def _drive_in(self, shell: _Shell, flow: JobFlow[T]) -> T:
         # run_sync hands the shell's ops to `_Shell.execute` like any store op; the cast
         # widens Flow's op type to the job's (the driver only dispatches on Now and Sleep).
-        shell = _Shell(self, job, body) if trace is None else _TracedShell(self, job, body, trace)
         try:
             return run_sync(cast("Flow[T]", flow), shell, self.backend.clock)
         finally:
-            decisions = shell.decisions
-            if decisions:  # handed over once per delivery, however many it made
-                assert self.recorder is not None
-                if len(decisions) == 2 and decisions[0].event == "started" and \
-                        decisions[1].event in ("done", "failed"):  # fmt: skip
-                    decisions = decisions[1:]  # a plain run: its end says it was granted
-                self.recorder.record(decisions)
+            for m in self._ending:
+                try:
+                    m.after_delivery(shell)
+                except Exception:  # an observer must never change the job's fate
+                    log.exception("executor middleware %s failed", type(m).__name__)
 
 
 class _Shell:
     """One delivery's store for `run_sync`: the shell's ops here, round trips to the backend."""
 
-    __slots__ = ("body", "decisions", "executor", "job")
+    __slots__ = ("body", "executor", "job", "spec")
 
     def __init__(
         self, executor: Executor, job: Job, body: Callable[[JobContext], Any] | None
     ) -> None:
         self.executor = executor
         self.job = job
+        self.spec = job.spec  # what a middleware sees of the delivery (middleware.Delivery)
         self.body = body
-        self.decisions: list[Decision] | None = [] if executor.recorder is not None else None
 
     def execute(self, op: StoreOp | ShellOp) -> Any:
         kind = type(op)
-        if kind is Note:
-            if self.executor.observers:  # none unless a journal is attached
-                self.note(op)  # type: ignore[arg-type]
-            if self.decisions is not None:
-                self.decide(op)  # type: ignore[arg-type]
+        if kind is Event:
+            self.tell(op)  # type: ignore[arg-type]
         elif kind is RunBody:
             return self.run_body(op.ctx)  # type: ignore[union-attr]
         elif kind is Keep:
@@ -195,24 +242,40 @@ class _Shell:
             self.executor.keeper.drop(op.lease)  # type: ignore[union-attr]
         elif kind is AfterOuterCommit:
             self.after_outer_commit(op)  # type: ignore[arg-type]
+        elif kind is Commit and self.executor._commits:
+            return self.commit(op)  # type: ignore[arg-type]
         else:
             return self.executor.backend.execute(op)  # type: ignore[arg-type]
         return None
 
-    def note(self, op: Note) -> None:
-        for observe in self.executor.observers:
+    def tell(self, event: Event) -> None:
+        """Hand `event` and its table row to every middleware that wants its kind."""
+        told = self.executor._handlers[event.kind]
+        if not told:
+            return
+        row = TABLE[event.kind]
+        for on_event in told:
             try:
-                observe(op.event, self.job.spec, op.fence)
+                on_event(self, event, row)
             except Exception:  # an observer must never change the job's fate
-                log.exception("executor observer failed on %s", op.event)
-
-    def decide(self, op: Note) -> None:
-        assert self.decisions is not None
-        spec = self.job.spec
-        self.decisions.append(Decision(time.time(), op.event, spec.key, spec.name, spec.task_id,
-                                       op.fence, op.holder, op.newer, op.reason))  # fmt: skip
+                log.exception("executor middleware %s failed on %s",
+                              type(on_event.__self__).__name__, event.kind)  # type: ignore[attr-defined]  # fmt: skip
 
     def run_body(self, ctx: JobContext) -> Any:
+        """The body as the current job, inside every middleware's `around_body`."""
+        call: Callable[[JobContext], Any] = self.call_body
+        for m in reversed(self.executor._bodies):
+            call = partial(m.around_body, self, body=call)
+        return call(ctx)
+
+    def commit(self, op: Commit) -> Any:
+        """One commit, inside every middleware's `around_commit`."""
+        send: Callable[[Commit], Any] = self.executor.backend.execute
+        for m in reversed(self.executor._commits):
+            send = partial(m.around_commit, self, send=send)
+        return send(op)
+
+    def call_body(self, ctx: JobContext) -> Any:
         assert self.body is not None, "RunBody from a flow that runs no body"
         token = set_current(ctx)
         try:
@@ -244,30 +307,3 @@ class _Shell:
 
         for outer in op.ctx.outer:
             outer.then(committed)
-
-
-class _TracedShell(_Shell):
-    """The shell with a delivery's spans (tasks/tracing.py): the body and each commit inside
-    their own, every note an event; the untraced shell stays as it is."""
-
-    __slots__ = ("trace",)
-
-    def __init__(
-        self,
-        executor: Executor,
-        job: Job,
-        body: Callable[[JobContext], Any] | None,
-        trace: JobTrace,
-    ) -> None:
-        super().__init__(executor, job, body)
-        self.trace = trace
-
-    def execute(self, op: StoreOp | ShellOp) -> Any:
-        kind = type(op)
-        if kind is RunBody:
-            return self.trace.body(op.ctx, self.run_body)  # type: ignore[union-attr]
-        if kind is Commit:
-            return self.trace.commit(op, self.executor.backend.execute)  # type: ignore[arg-type]
-        if kind is Note:
-            self.trace.note(op)  # type: ignore[arg-type]
-        return super().execute(op)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import enum
 import functools
 import hashlib
@@ -12,7 +13,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jobfence.tasks.errors import ArgumentsNotSerializable, BadArguments
+from jobfence.tasks.errors import ArgumentsNotSerializable, BadArguments, TaskDefinitionError
 
 # Argument names (one name as a plain string), a callable of the arguments, or None (all).
 KeySelector = str | Sequence[str] | Callable[..., Any] | None
@@ -286,3 +287,61 @@ def concurrency_key(
     else:
         text = arguments_json(select_arguments(arguments, selector), task_name)
     return _key_of(secret, task_name, "concurrency\n" + text)
+
+
+def normalise_key(name: str, key: Any) -> KeySelector:
+    """`key="payment_id"` means that one argument; a list or tuple, those; else a callable."""
+    if key is None or callable(key):
+        return key  # type: ignore[no-any-return]
+    if isinstance(key, str):
+        key = (key,)
+    if not isinstance(key, list | tuple) or not all(isinstance(k, str) for k in key):
+        raise TaskDefinitionError(
+            f"{name} must be an argument name, a list of argument names or a callable, "
+            f"got {type(key).__name__}"
+        )
+    if not key:
+        raise TaskDefinitionError(
+            f"{name}=[] names no argument, so every call would share one key; "
+            "name the arguments that make a job unique, or leave key=None for all of them"
+        )
+    return tuple(key)
+
+
+def check_key_names(func: Callable[..., Any], key: KeySelector, *, bound: bool, name: str) -> None:
+    """Refuse, at decoration, a key naming something that is not a parameter of `func`, or
+    a key callable that cannot take `func`'s arguments by name."""
+    if key is None or isinstance(key, str):
+        return
+    params = list(inspect.signature(func).parameters.values())
+    if bound and params:
+        params = params[1:]  # `self`, the task: never part of a key
+    names = [p.name for p in params]
+    if callable(key):
+        _check_key_callable(func, key, names, name)
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return  # any name may arrive through **kwargs
+    for k in key:
+        if k not in names:
+            close = difflib.get_close_matches(k, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TaskDefinitionError(
+                f"{name} names {k!r}, which is not a parameter of "
+                f"{func.__name__}({', '.join(names)}){hint}"
+            )
+
+
+def _check_key_callable(
+    func: Callable[..., Any], key: Callable[..., Any], names: list[str], name: str
+) -> None:
+    try:
+        inspect.signature(key).bind(**dict.fromkeys(names))
+    except TypeError as exc:
+        raise TaskDefinitionError(
+            f"{name} callable {getattr(key, '__name__', key)!r} is called with the arguments of "
+            f"{func.__name__}({', '.join(names)}) by name, and {exc}; "
+            "accept them all (add **_ for those it ignores)"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): it is tried at publish
+        return

@@ -12,7 +12,9 @@ writes its own values and the worker's /metrics endpoint sums them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,6 +77,23 @@ class _Names:
             return OTHER
 
 
+#: Every metric `Metrics` builds (by attribute), for `rebuild()` and the after-fork locks.
+_METRICS = (
+    "acquire_wait", "conflicts", "timeouts", "lost_leases", "stale_fences", "replays",
+    "executions", "heartbeat", "semaphore_held", "semaphore_limit", "semaphore_wait",
+    "semaphore_requeues", "rate_limit_wait", "rate_limit_denials", "leader", "leader_fence",
+    "leader_terms", "leadership_lost",
+)  # fmt: skip
+_RLOCK = type(threading.RLock())
+
+
+def _fresh_lock(obj: object) -> None:
+    """Give `obj` a new lock of the kind it holds in `_lock` (prometheus_client's mutexes)."""
+    old = getattr(obj, "_lock", None)
+    if old is not None and hasattr(old, "acquire"):
+        obj._lock = threading.RLock() if isinstance(old, _RLOCK) else threading.Lock()  # type: ignore[attr-defined]
+
+
 class Metrics:
     """Acquire waits, conflicts, timeouts, lost leases, stale fences, replays, heartbeats,
     runs by outcome, semaphore slots held, rate-limit waits and denials.
@@ -87,6 +106,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._build()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (m := ref()) and m._forked())  # type: ignore[func-returns-value]
 
     def _build(self) -> None:
         r = self.registry
@@ -204,14 +225,24 @@ class Metrics:
         exporter switches to multiprocess mode, the metrics built before must be built
         again. Holders of `Metrics` keep working; holders of a metric object do not.
         """
-        for name in (
-            "acquire_wait", "conflicts", "timeouts", "lost_leases", "stale_fences", "replays",
-            "executions", "heartbeat", "semaphore_held", "semaphore_limit", "semaphore_wait",
-            "semaphore_requeues", "rate_limit_wait", "rate_limit_denials", "leader", "leader_fence",
-            "leader_terms", "leadership_lost",
-        ):  # fmt: skip
+        for name in _METRICS:
             self.registry.unregister(getattr(self, name))
         self._build()
+
+    def _forked(self) -> None:
+        """New locks in a forked child, where no thread of the parent lives to release one it
+        held at the fork (the keeper observing a heartbeat, a scrape of the registry): the
+        child's first use of that series would wait for ever. The values stay as they were."""
+        for names in (self._semaphores, self._limits):
+            names.lock = threading.Lock()
+        _fresh_lock(self.registry)
+        for name in _METRICS:
+            metric = getattr(self, name)
+            for series in (metric, *getattr(metric, "_metrics", {}).values()):
+                _fresh_lock(series)
+                for value in vars(series).values():  # a counter's value, a histogram's buckets
+                    for one in value if isinstance(value, list) else (value,):
+                        _fresh_lock(one)
 
     def task(self, name: str) -> TaskSeries:
         """`name`'s hot-path series, labelled on first use (a race labels twice, harmlessly)."""

@@ -9,10 +9,10 @@ from jobfence.locks.flows import Flow
 from jobfence.locks.ops import ClaimPublish, ClearPublish, SwapPublish
 from jobfence.tasks.errors import DuplicatePublish
 from jobfence.tasks.lifecycle import STARTED
+from jobfence.tasks.options import DuplicatePublishPolicy
 
 #: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
 REPLACE_ATTEMPTS = 3
-DuplicatePublishPolicy = Literal["result", "raise", "replace"]
 
 
 @dataclass(frozen=True)

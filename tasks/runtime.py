@@ -13,18 +13,19 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from jobfence.config.settings import Settings, load_settings
+from jobfence.config.settings import Settings, load_settings, refuse_insecure
 from jobfence.locks.acquire import Backoff
 from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend
 from jobfence.locks.decisions import DecisionBounds
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.lease import Lease
-from jobfence.locks.outage import OUTAGE
 from jobfence.tasks.decisions import DecisionRecorder
 from jobfence.tasks.errors import NotInstalled
 from jobfence.tasks.executor import Executor, Redelivery
 from jobfence.tasks.metrics import Metrics
+from jobfence.tasks.middleware import standard
+from jobfence.tasks.tracing import job_tracer
 
 if TYPE_CHECKING:
     from jobfence.tasks.effects import SqlEffects
@@ -48,6 +49,8 @@ class Runtime:
         # Earlier secrets during a rotation: job keys under them are looked up, never granted.
         self.previous_secrets = settings.previous_secret_bytes()
         self.metrics = metrics or Metrics()
+        if backend is None:  # judged before any connection: no password over a refused channel
+            refuse_insecure(settings)
         self.backend = backend or open_backend(
             settings.lock_url,
             prefix=settings.key_prefix,
@@ -59,6 +62,11 @@ class Runtime:
             on_lost=self._on_lost,
             on_extend=self.metrics.observe_heartbeat,
         )
+        # Every delivery's decisions: logged, and kept by the lock server where it can.
+        recorder = DecisionRecorder(self.backend.decision_log(DecisionBounds(
+            per_key=settings.decision_log_size, total=settings.decision_log_total,
+            ttl=settings.decision_log_ttl,
+        ))) if settings.decision_log_size else None  # fmt: skip
         self.executor = Executor(
             self.backend,
             self.keeper,
@@ -67,12 +75,8 @@ class Runtime:
             redelivery=Redelivery(
                 limit=settings.redelivery_limit, base=settings.redelivery_delay
             ),
+            middleware=standard(self.metrics, recorder, job_tracer()),  # every observer, here
         )
-        # Every delivery's decisions: logged, and kept by the lock server where it can.
-        self.executor.recorder = DecisionRecorder(self.backend.decision_log(DecisionBounds(
-            per_key=settings.decision_log_size, total=settings.decision_log_total,
-            ttl=settings.decision_log_ttl,
-        ))) if settings.decision_log_size else None  # fmt: skip
 
         self._effects: SqlEffects | None = None
 
@@ -96,9 +100,7 @@ class Runtime:
         )
 
     def close(self) -> None:
-        OUTAGE.flush()  # the count of warnings an outage had suppressed, not lost
-        if self.executor.recorder is not None:
-            self.executor.recorder.close()  # the decisions still pending, stored
+        self.executor.close()  # its middleware: outage warnings summed up, decisions stored
         self.keeper.stop()
         self.backend.close()
         if self._effects is not None:

@@ -12,6 +12,8 @@ so one test can show a naive task failing where a jobfence task passes.
 from __future__ import annotations
 
 import inspect
+import logging
+import sys
 import threading
 import unittest
 from collections.abc import Callable, Iterator
@@ -29,19 +31,30 @@ from jobfence.tasks import runtime as runtimes
 from jobfence.tasks.celery_task import JobNotSettled, SingletonTask
 from jobfence.tasks.executor import JobSpec
 
+_log = logging.getLogger(__name__)
+
 FaultPoint = Literal["begin", "commit"]
 FAULT_POINTS: tuple[str, ...] = ("begin", "commit")
 
 #: Decisions that mean a copy of the job was absorbed: answered by the DONE record, skipped
 #: as a duplicate of a running copy, throttled, or replaced before it started.
 ABSORBED = frozenset({"replayed", "conflict", "throttled", "superseded_copy"})
-#: How a started body can end without taking effect.
-NO_EFFECT = frozenset({"stale", "superseded", "lease_lost", "failed", "dropped"})
+#: How a started body can end without taking effect: stopped by a stale fence, a lost lease
+#: or an error, or answered by its effects' own DONE rows ...
+NO_EFFECT = frozenset({"stale", "superseded", "lease_lost", "failed", "dropped",
+                       "effect_replayed"})  # fmt: skip
+#: ... unless it ran to its end first (its commit refused, the lease gone): it took effect.
+RAN_TO_END = frozenset({"commit_refused"})
 
 
 class LockServerForTests(MemoryBackend):
     """`memory://` with a fault switch: `fail("begin"|"commit", times)` makes that operation
-    raise BackendUnavailable, as a lock server that does not answer would."""
+    raise BackendUnavailable, as a lock server that does not answer would.
+
+    A commit failing for good (`times=None`) is an outage that outlasts the job's lease: the
+    lease's time is run out at the first refused commit (its grant expires here, its deadline
+    passes in the worker), so the executor gives the commit up as of unknown outcome and the
+    job is delivered again, as it would be after the TTL, without waiting for it."""
 
     __test__ = False  # pytest: not a test class
 
@@ -76,6 +89,11 @@ class LockServerForTests(MemoryBackend):
                     self._faults[at] = left - 1
         raise BackendUnavailable(f"lock server unavailable at {at} (simulated by jobfence.testing)")
 
+    def _run_out(self, lease: Lease) -> None:
+        """`lease`'s time passes: its grant expires here and its deadline in the worker."""
+        self.release_grant(lease.key, lease.fence)
+        lease.deadline = min(lease.deadline, self.clock.monotonic())
+
     def begin(self, key: str, ttl: float, **options: Any) -> BeginResult:
         self._fault("begin")
         return super().begin(key, ttl, **options)
@@ -83,7 +101,14 @@ class LockServerForTests(MemoryBackend):
     def commit(
         self, lease: Lease, *, state: str, result: str, fingerprint: str, result_ttl: float
     ) -> bool:
-        self._fault("commit")
+        try:
+            self._fault("commit")
+        except BackendUnavailable:
+            with self._faults_lock:
+                for_good = self._faults.get("commit", 0) is None
+            if for_good:
+                self._run_out(lease)
+            raise
         return super().commit(
             lease, state=state, result=result, fingerprint=fingerprint, result_ttl=result_ttl
         )
@@ -189,12 +214,15 @@ class JobfenceTesting:
     # -- counting -----------------------------------------------------------------------
     def runs(self, task: Any, *args: Any, **kwargs: Any) -> int:
         """How many bodies of `task` (with these arguments) started and took effect: not
-        ended by a stale fence, a lost lease, a newer holder or an error."""
+        ended by a stale fence, a lost lease, a newer holder or an error, nor answered by
+        their effects' own DONE rows. A body that ran to its end counts, even where its
+        commit was refused afterwards (its lease gone)."""
         mine = self.decisions_for(task, *args, **kwargs)
         if not _is_jobfence(task):
             return sum(d.event == "plain_done" for d in mine)
         started = [(d.key, d.fence) for d in mine if d.event == "started"]
         ended = {(d.key, d.fence) for d in mine if d.event in NO_EFFECT}
+        ended -= {(d.key, d.fence) for d in mine if d.event in RAN_TO_END}
         return sum(run not in ended for run in started)
 
     def absorbed(self, task: Any, *args: Any, **kwargs: Any) -> list[Decision]:
@@ -301,10 +329,12 @@ class JobfenceTesting:
         ]
 
     def unavailable_at_commit(self, task: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        """The job's commit is not answered once (the body ran), and the message is delivered
-        again, as when the worker could not settle it. Returns both results."""
+        """The body runs, and the lock server answers none of the job's commits until its
+        lease has run out: the commit's outcome is unknown, and the message is delivered
+        again (the body runs again; only its effects' own DONE rows, or a write that is
+        idempotent, keep it from taking effect twice). Returns both results."""
         task_id = str(uuid4())
-        self.lock_server.fail("commit", times=1)
+        self.lock_server.fail("commit", times=None)
         try:
             first = self._deliver(task, args, kwargs, task_id)
         finally:
@@ -333,7 +363,50 @@ class JobfenceTesting:
 
     def _deliver(self, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  task_id: str | None = None) -> Any:  # fmt: skip
-        return task.apply(args=args, kwargs=kwargs, task_id=task_id or str(uuid4()))
+        with _as_committed_by_a_worker():
+            return task.apply(args=args, kwargs=kwargs, task_id=task_id or str(uuid4()))
+
+
+@contextmanager
+def _as_committed_by_a_worker() -> Iterator[None]:
+    """A delivery commits as a worker's would, even inside a test's own transaction.
+
+    A worker runs each delivery in a transaction of its own, committed when the body ends.
+    A Django test (``TestCase``, pytest-django's default ``django_db``) runs inside one
+    atomic block, rolled back at its end: there the job's effects become a savepoint, its
+    DONE record waits for an ``on_commit`` that never comes, and a duplicate delivery runs
+    the body and is answered by the DONE row alone. Where every open block on a connection
+    is the test case's own, the ``on_commit`` callbacks the delivery registered run when it
+    returns (what ``TestCase.captureOnCommitCallbacks(execute=True)`` does), so the next
+    copy is answered by the DONE record, as on a fleet. The lock server is the test's own,
+    gone with the test's rollback; a block of the test's own (``transaction.atomic()``)
+    keeps its callbacks until it commits."""
+    db, conf = sys.modules.get("django.db"), sys.modules.get("django.conf")
+    if db is None or conf is None or not conf.settings.configured:  # no Django project here
+        yield
+        return
+    marks: list[tuple[Any, int]] = []
+    for connection in db.connections.all(initialized_only=True):
+        blocks = getattr(connection, "atomic_blocks", [])
+        if (
+            connection.in_atomic_block
+            and blocks
+            and all(getattr(block, "_from_testcase", False) for block in blocks)
+        ):
+            marks.append((connection, len(connection.run_on_commit)))
+    yield
+    for connection, mark in marks:
+        if connection.in_atomic_block and len(connection.run_on_commit) > mark:
+            callbacks = connection.run_on_commit[mark:]
+            del connection.run_on_commit[mark:]
+            for _, callback, robust in callbacks:
+                if robust:
+                    try:
+                        callback()
+                    except Exception:  # robust: Django logs it and goes on
+                        _log.exception("on_commit callback %r failed", callback)
+                else:
+                    callback()
 
 
 @contextmanager

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from jobfence.locks.ops import Commit
     from jobfence.tasks.context import JobContext
-    from jobfence.tasks.lifecycle import JobSpec, Note, Outcome
+    from jobfence.tasks.lifecycle import JobSpec, Outcome
 
 TRACER_NAME = "jobfence"
 JOB_SPAN = "jobfence.job"
@@ -92,8 +92,9 @@ class JobTracer:
 
 
 class JobTrace:
-    """The spans of one delivery; the executor's shell tells it of the body, each commit,
-    each note, and the outcome (the gate's decision is "granted" once the body runs)."""
+    """The spans of one delivery; the `Tracing` middleware (tasks/middleware.py) tells it of
+    the body, each commit, each decision, and the outcome (the gate's decision is "granted"
+    once the body runs)."""
 
     __slots__ = ("_context", "_event", "_gate", "_job", "_started", "_tracer", "decision")
 
@@ -184,12 +185,11 @@ class JobTrace:
         finally:
             span.end()
 
-    def note(self, op: Note) -> None:
-        """A lifecycle event (conflict, defer, lease_lost, stale, redeliver...) on the job span."""
-        self._event = op.event
-        self._job.add_event(
-            "jobfence." + op.event, {} if op.fence is None else {"jobfence.fence": op.fence}
-        )
+    def note(self, span: str, fence: int | None) -> None:
+        """A decision (`jobfence.conflict`, `jobfence.defer`, `jobfence.lease_lost`, ...: its
+        row's span in tasks/events.py) as an event on the job span."""
+        self._event = span.removeprefix("jobfence.")
+        self._job.add_event(span, {} if fence is None else {"jobfence.fence": fence})
 
 
 def _error(span: Span, exc: BaseException) -> None:

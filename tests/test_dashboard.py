@@ -8,8 +8,10 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -54,8 +56,14 @@ def backend(redis_url: str) -> Iterator[RedisBackend]:
     b.close()
 
 
-def client_for(backend: LockBackend, *, actions: bool = True) -> TestClient:
-    client = TestClient(build_app(Dashboard(backend, actions=actions)))
+TOKEN = "t0k3n-" + "Zq9x" * 8  # the dashboard's login (JOBFENCE_DASHBOARD_TOKEN)
+
+
+def client_for(backend: LockBackend, *, actions: bool = True, **options: Any) -> TestClient:
+    """A logged-in client (a bearer token) of a dashboard answering TestClient's Host."""
+    dashboard = Dashboard(backend, actions=actions, allowed_hosts=["testserver"], token=TOKEN,
+                          **options)  # fmt: skip
+    client = TestClient(build_app(dashboard), headers={"Authorization": f"Bearer {TOKEN}"})
     client.get("/")  # the browser's cookie, which action tokens are bound to
     return client
 
@@ -256,3 +264,147 @@ def test_live_figures(backend: RedisBackend) -> None:
     figures = client_for(backend).get("/live").json()
     assert figures["locks"] == 2 and figures["dead"] == 1
     assert figures["waits"] is None  # no --metrics-url: unknown, not zero
+
+
+# ------------------------------------------------------------ finding what a person knows
+CARD = "4111111111111111"  # an argument: never shown back, never logged
+
+
+@pytest.fixture
+def shop(redis_url: str) -> Iterator[Any]:
+    """A Celery app with a jobfence task keyed on one argument, on the dashboard's Redis."""
+    from celery import Celery
+
+    from jobfence.config import Settings
+    from jobfence.tasks import install, singleton_task
+
+    app = Celery("dashfind", set_as_current=False)
+    runtime = install(app, Settings(lock_url=redis_url, key_prefix="dash",
+                                    key_secret="dashfind-" + "k3y" * 12))  # fmt: skip
+    app.entered, app.go = threading.Event(), threading.Event()
+
+    @singleton_task(app=app, name="shop.charge_invoice", key=("invoice_id", "card"), shared=False)
+    def charge_invoice(invoice_id: int, card: str, note: str = "") -> str:
+        app.entered.set()
+        assert app.go.wait(30)
+        return "charged"
+
+    @app.task(name="shop.plain_celery", shared=False)  # type: ignore[untyped-decorator]
+    def plain_celery(x: int) -> int:
+        return x
+
+    yield app
+    app.go.set()
+    runtime.close()
+
+
+def test_a_running_job_is_found_by_its_task_and_arguments(
+    backend: RedisBackend, shop: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = threading.Thread(target=shop.tasks["shop.charge_invoice"], args=(4242, CARD))
+    worker.start()
+    try:
+        assert shop.entered.wait(30)
+        client = client_for(backend, app=shop)
+        key, _ = shop.tasks["shop.charge_invoice"].identity((4242, CARD), {})
+        for arguments in (
+            f'{{"invoice_id": 4242, "card": "{CARD}"}}',
+            f'[4242, "{CARD}"]',
+            f'invoice_id=4242 card="{CARD}"',
+            f'card="{CARD}", invoice_id=4242',
+        ):
+            page = client.post("/find", data={"task": "shop.charge_invoice",
+                                              "arguments": arguments})  # fmt: skip
+            assert page.status_code == 200, page.text
+            assert 'id="held"' in page.text and key_id(key) in page.text, arguments
+            assert "alive" in page.text and CARD not in page.text and "4242" not in page.text
+        other = client.post(
+            "/find",
+            data={"task": "shop.charge_invoice", "arguments": '{"invoice_id": 4243, "card": "x"}'},
+        )
+        assert 'id="not-held"' in other.text and "Nothing on this key" in other.text
+    finally:
+        shop.go.set()
+        worker.join(30)
+    done = client.post(
+        "/find", data={"task": "shop.charge_invoice", "arguments": f'invoice_id=4242 card="{CARD}"'}
+    )
+    assert 'id="not-held"' in done.text and 'id="record"' in done.text and "DONE" in done.text
+    assert CARD not in caplog.text and "dashfind-" not in done.text  # no argument, no secret
+    # Behind the guard like every page: no login, 401; another Host, 421.
+    dashboard = Dashboard(backend, app=shop, allowed_hosts=["testserver"], token=TOKEN)
+    form = {"task": "shop.charge_invoice", "arguments": f'invoice_id=4242 card="{CARD}"'}
+    anonymous = TestClient(build_app(dashboard)).post("/find", data=form)
+    assert anonymous.status_code == 401 and key not in anonymous.text
+    elsewhere = TestClient(build_app(dashboard), base_url="http://evil.example",
+                           headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+    assert elsewhere.post("/find", data=form).status_code == 421
+
+
+@pytest.mark.parametrize(
+    ("form", "says"),
+    [({"task": "shop.charge_invoic"}, "did you mean shop.charge_invoice"),
+     ({"task": "charge_invoice"}, "did you mean shop.charge_invoice"),
+     ({"task": "shop.plain_celery"}, "plain Celery task"),
+     ({"task": "shop.charge_invoice", "arguments": f'{{"invoice_id": 1, "card": "{CARD}"'},
+      "arguments: not valid JSON"),
+     ({"task": "shop.charge_invoice", "arguments": f"invoice_id=1 {CARD}"},
+      "arguments: item 2 is not name=value"),
+     ({"task": "shop.charge_invoice", "arguments": f'{{"invoice": 1, "card": "{CARD}"}}'},
+      "arguments: shop.charge_invoice() got an unexpected keyword argument 'invoice'")],
+)  # fmt: skip
+def test_finding_a_job_with_a_wrong_name_or_bad_arguments_says_which_field(
+    backend: RedisBackend, shop: Any, form: dict[str, str], says: str
+) -> None:
+    page = client_for(backend, app=shop).post("/find", data=form)
+    assert page.status_code == 400 and says.replace("'", "&#39;") in page.text, page.text
+    assert CARD not in page.text
+
+
+def test_finding_a_job_without_an_app_says_to_give_one(backend: RedisBackend) -> None:
+    page = client_for(backend).post("/find", data={"task": "shop.charge_invoice",
+                                                   "arguments": "invoice_id=1"})  # fmt: skip
+    assert page.status_code == 400 and "--app proj.tasks" in page.text
+    assert "--app proj.tasks" in client_for(backend).get("/find").text
+
+
+def test_a_plain_lock_shows_the_name_its_owner_gave_it_unless_hidden(
+    backend: RedisBackend,
+) -> None:
+    from jobfence.locks import Locker
+    from jobfence.worker.admin import table
+
+    with Locker(backend).lock("report:monthly"):
+        hold(backend, SECRET_KEY, task="shop.mail")  # a task's key: never by its name
+        listing = client_for(backend).get("/").text
+        assert ">report:monthly</a>" in listing and f"lock #{key_id('report:monthly')[:12]}" \
+            not in listing  # fmt: skip
+        assert "report:monthly" in table(list(backend.scan("report:*")), time.time())  # as the CLI
+        assert "report:monthly" in client_for(backend).get(
+            f"/lock?id={key_id('report:monthly')}").text  # fmt: skip
+        assert "invoice" not in listing and "4111" not in listing
+        hidden = client_for(backend, hide_names=True).get("/").text
+        assert "report:monthly" not in hidden and f"lock #{key_id('report:monthly')[:12]}" in hidden
+
+
+def test_the_na_counters_say_how_to_turn_them_on(backend: RedisBackend) -> None:
+    page = client_for(backend).get("/").text
+    assert 'id="metrics-hint"' in page and "--metrics-url" in page
+    assert client_for(backend).get("/live").json()["waits"] is None
+    given = client_for(backend, metrics_url="http://127.0.0.1:9/metrics").get("/").text
+    assert 'id="metrics-hint"' not in given  # given one: no hint to give one
+
+
+def test_a_long_reason_is_one_line_on_the_list_and_whole_on_the_lock_page(
+    backend: RedisBackend,
+) -> None:
+    host = "worker-" + "a" * 90 + ".eu-west-3.compute.internal"
+    meta = OwnerMeta(host=host, pid=4321, task_id="t-1", task_name="shop.charge")
+    assert backend.try_acquire(JOB_KEY, 60, meta=meta) is not None
+    client = client_for(backend)
+    (cell,) = re.findall(r'<td class="note reason">(.*?)</td>', client.get("/").text, re.S)
+    shown = re.sub(r"<[^>]+>", "", cell).removesuffix(" more")
+    assert "\n" not in cell and len(shown) <= 60 and shown.endswith("…")
+    assert f'href="/lock?id={key_id(JOB_KEY)}">more</a>' in cell
+    lock_page = client.get(f"/lock?id={key_id(JOB_KEY)}").text
+    assert f"held on host {host}; heartbeat" in lock_page

@@ -54,6 +54,7 @@ HOLDER = textwrap.dedent(
     sys.stdin.read()  # until the test closes our stdin, or stops or kills us
     """
 )
+TOKEN = "br0wser-" + "Lq4zT8vN" * 5  # the dashboard's login (JOBFENCE_DASHBOARD_TOKEN)
 KEYS = {  # verdict -> (task name, key): a job key is the task name and an HMAC
     "alive": ("shop.charge", "shop.charge:" + "a1" * 20),
     "stopped": ("shop.invoice", "shop.invoice:" + "b2" * 20),
@@ -94,14 +95,15 @@ def dashboard(redis_url: str) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "jobfence", "dashboard", "--lock-url", redis_url,
          "--port", str(port), "--allow-actions"],
-        env={**_env(), "JOBFENCE_KEY_PREFIX": PREFIX},
+        env={**_env(), "JOBFENCE_KEY_PREFIX": PREFIX, "JOBFENCE_DASHBOARD_TOKEN": TOKEN},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
+        live = urllib.request.Request(url + "/live", headers={"Authorization": f"Bearer {TOKEN}"})
         try:
-            with urllib.request.urlopen(url + "/live", timeout=1):
+            with urllib.request.urlopen(live, timeout=1):
                 return True
         except OSError:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else "exited"
@@ -148,6 +150,18 @@ def shot(browser: Any, name: str) -> None:
     browser.save_screenshot(str(SHOTS / f"{name}.png"))
 
 
+def login(browser: Any, base: str, path: str) -> None:
+    """Open `path`: the login form first (a wrong token refused), then the page itself."""
+    browser.get(base + path)
+    browser.find_element(By.ID, "token").send_keys("w" * 40)
+    browser.find_element(By.ID, "login").click()
+    assert "not the token this dashboard" in browser.find_element(By.CSS_SELECTOR, ".err").text
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.ID, "login").click()
+    browser.find_element(By.ID, "logout")  # polls (implicitly_wait) until the page is drawn
+    assert browser.current_url == base + path
+
+
 def verdicts(browser: Any) -> dict[str, str]:
     rows = browser.find_elements(By.CSS_SELECTOR, "#locks tr[data-id]")
     return {r.get_attribute("data-id"): r.get_attribute("data-verdict") for r in rows}
@@ -167,7 +181,7 @@ def test_the_pages_show_each_holders_verdict_and_a_confirmed_release_of_the_dead
 ) -> None:
     backend = open_backend(redis_url, prefix=PREFIX)
     assert isinstance(backend, RedisBackend)
-    browser.get(dashboard + "/")
+    login(browser, dashboard, "/")
     assert verdicts(browser) == {key_id(k): v for v, (_, k) in KEYS.items()}
     page = browser.page_source
     assert f"pid {holders['stopped'].pid} is stopped" in page
@@ -224,6 +238,7 @@ def test_the_pages_show_each_holders_verdict_and_a_confirmed_release_of_the_dead
 def test_screenshots_of_the_other_pages(
     holders: dict[str, subprocess.Popen[str]], dashboard: str, browser: Any
 ) -> None:
+    login(browser, dashboard, "/slots")
     for path, name, expect in [
         ("/slots", "slots", "Semaphores"),
         ("/leaders", "leaders", "Leaders"),

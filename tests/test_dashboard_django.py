@@ -75,6 +75,17 @@ SCRIPT = textwrap.dedent(
     print("boss", page.status_code, "shop.charge:" + "ab" * 20 in page.content.decode())
     print("slots", c.get("/admin/jobfence/slots").status_code)
     print("post-no-django-csrf", c.post("/admin/jobfence/release", {"id": "0" * 24}).status_code)
+    # The staff login is the dashboard's login: a release reaches its checks (no token set).
+    csrf = c.cookies["csrftoken"].value
+    r = c.post("/admin/jobfence/release", {"id": "0" * 24, "fence": "x",
+                                           "csrfmiddlewaretoken": csrf})
+    print("staff-release", r.status_code, "fence must be" in r.content.decode())
+    # The find form posts through Django's CSRF check too (no app given here: it says so).
+    print("find-form", "csrfmiddlewaretoken" in c.get("/admin/jobfence/find").content.decode())
+    r = c.post("/admin/jobfence/find", {"task": "shop.charge", "csrfmiddlewaretoken": csrf})
+    print("find", r.status_code, "app=celery_app" in r.content.decode())
+    # Django vets the Host (ALLOWED_HOSTS): a rebinding name is refused before the dashboard.
+    print("rebinding", c.get("/admin/jobfence/", HTTP_HOST="evil.example:8000").status_code)
     """
 )
 
@@ -93,3 +104,6 @@ def test_the_dashboard_in_django_is_for_staff_with_the_permission_and_csrf_check
     assert lines["boss"] == "200 True"
     assert lines["slots"] == "200"
     assert lines["post-no-django-csrf"] == "403"  # Django's CSRF check, before the dashboard's
+    assert lines["staff-release"] == "400 True"  # past the login check, to the form's
+    assert lines["rebinding"] == "400"  # DisallowedHost
+    assert lines["find-form"] == "True" and lines["find"] == "400 True"

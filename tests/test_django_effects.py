@@ -8,6 +8,7 @@ nothing from here; tests that set one use ``override_settings``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -32,7 +33,7 @@ from jobfence.config import Settings, UnsafeSettings, load_settings  # noqa: E40
 from jobfence.config.django_source import UnknownDjangoSetting  # noqa: E402
 from jobfence.locks import CommitOutcomeUnknown, LockError, StaleFence  # noqa: E402
 from jobfence.tasks import IdempotencyConflict, JobContext  # noqa: E402
-from tests.pg_cut import CommitReplyCutter  # noqa: E402
+from tests.pg_cut import CommitReplyCutter, kill_session  # noqa: E402
 from tests.servers import (  # noqa: E402
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,
@@ -581,3 +582,154 @@ def test_guard_transaction_lost_at_commit_raises_outcome_unknown(
     with pytest.raises(CommitOutcomeUnknown), fence_guard.transaction(r, 3, using="pg"):
         _effect("pg", r, 3)
     assert _effects("pg", r) == []
+
+
+# ------------------------------------------------------- lost inside the atomic block
+
+#: Each statement of the effect's block (words of its SQL, quoted by the vendor), in order.
+EFFECT_STATEMENTS = [
+    "INSERT jobfence_fences",  # the fence check-and-advance
+    "SELECT jobfence_jobs",  # the DONE row's look-up
+    "INSERT dj_effects",  # the body's own write
+    "INSERT jobfence_jobs",  # the DONE row
+]
+ADMIN_URLS = {"pg": POSTGRES_ADMIN_URL, "maria": MARIADB_ADMIN_URL}
+
+
+@contextlib.contextmanager
+def _killing_at(alias: str, statement: str) -> Iterator[list[str]]:
+    """Kill the alias's server session just before the first statement whose SQL holds every
+    word of `statement` (pg_terminate_backend, or KILL on MariaDB); the list says it fired."""
+    import sqlalchemy as sa
+
+    fired: list[str] = []
+    admin = sa.create_engine(ADMIN_URLS[alias])
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not fired and all(word in sql for word in statement.split()):
+            fired.append(sql)
+            kill_session(admin, context["connection"].connection)
+        return execute(sql, params, many, context)
+
+    try:
+        with connections[alias].execute_wrapper(wrapper):
+            yield fired
+    finally:
+        admin.dispose()
+
+
+@pytest.mark.parametrize("statement", EFFECT_STATEMENTS)
+@pytest.mark.parametrize("server", ["pg", "maria"])
+def test_effects_lost_at_any_statement_raise_outcome_unknown_and_run_again_once(
+    databases: list[str], server: str, statement: str
+) -> None:
+    from jobfence.tasks.django import django_effects
+
+    key, r = _new("job"), _new("payment")
+    with (
+        _killing_at(server, statement) as fired,
+        pytest.raises(CommitOutcomeUnknown, match="before its COMMIT: nothing committed"),
+    ):
+        _run(server, job(key, 5), r)
+    assert fired
+    assert _effects(server, key) == [] and django_effects.record(key, using=server) is None
+    assert _run(server, job(key, 6), r) == {"fence": 6}  # the redelivery takes effect once
+    assert _effects(server, key) == [6]
+    assert _run(server, job(key, 7), r) == {"fence": 6}  # and its DONE row answers
+
+
+def test_effects_lost_inside_an_outer_atomic_block_raise_outcome_unknown(
+    databases: list[str],
+) -> None:
+    key, r = _new("job"), _new("payment")
+    with (
+        _killing_at("pg", "INSERT dj_effects") as fired,
+        pytest.raises(CommitOutcomeUnknown, match="nothing committed"),
+        transaction.atomic(using="pg"),
+    ):
+        _run("pg", job(key, 5), r)
+    assert fired and _effects("pg", key) == []
+    assert _run("pg", job(key, 6), r) == {"fence": 6}
+
+
+@pytest.mark.parametrize("server", ["pg", "maria"])
+def test_guard_transaction_lost_inside_raises_outcome_unknown(
+    databases: list[str], server: str
+) -> None:
+    from jobfence.tasks.django import fence_guard
+
+    r = _new("stock")
+    with (
+        _killing_at(server, "INSERT dj_effects") as fired,
+        pytest.raises(CommitOutcomeUnknown, match="nothing committed"),
+        fence_guard.transaction(r, 3, using=server),
+    ):
+        _effect(server, r, 3)
+    assert fired and _effects(server, r) == []
+    with fence_guard.transaction(r, 4, using=server):  # the next delivery writes once
+        _effect(server, r, 4)
+    assert _effects(server, r) == [4]
+
+
+def test_a_users_own_integrity_error_in_effects_stays_a_failure(alias: str) -> None:
+    from django.db import IntegrityError
+
+    from jobfence.tasks.django import django_effects
+
+    key = _new("job")
+    with (
+        pytest.raises(IntegrityError),
+        django_effects.transaction(job(key, 5), key, using=alias),
+        connections[alias].cursor() as cur,
+    ):
+        cur.execute("INSERT INTO dj_effects (job, fence) VALUES (NULL, 5)")  # a NOT NULL broken
+    assert django_effects.record(key, using=alias) is None
+
+
+def test_effects_whose_session_times_out_idle_before_commit_raise_outcome_unknown(
+    databases: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server ends the idle session before COMMIT (IdleInTransactionSessionTimeout,
+    Django's InternalError): the block did not land, and the job runs again once."""
+    import time
+
+    from jobfence.tasks.django import django_effects
+
+    conn = connections["pg"]
+    real = conn._commit
+    pids: list[int] = []
+
+    def commit() -> Any:
+        if pids:
+            pid, deadline = pids.pop(), time.monotonic() + 30
+            while _session_alive(pid):
+                assert time.monotonic() < deadline, "the session was never timed out"
+                time.sleep(0.02)
+        return real()
+
+    monkeypatch.setattr(conn, "_commit", commit)
+    key, r = _new("job"), _new("payment")
+    with (
+        pytest.raises(CommitOutcomeUnknown, match="did not land"),
+        django_effects.transaction(job(key, 5), r, using="pg") as tx,
+    ):
+        with conn.cursor() as cur:
+            cur.execute("SET LOCAL idle_in_transaction_session_timeout = 50")
+        pids.append(conn.connection.info.backend_pid)
+        _effect("pg", key, 5)
+        tx.result = {"fence": 5}
+    assert _effects("pg", key) == []
+    assert _run("pg", job(key, 6), r) == {"fence": 6}
+    assert _effects("pg", key) == [6]
+
+
+def _session_alive(pid: int) -> bool:
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(POSTGRES_ADMIN_URL)
+    try:
+        with admin.connect() as other:
+            query = sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p")
+            return bool(other.execute(query, {"p": pid}).scalar())
+    finally:
+        admin.dispose()

@@ -1,5 +1,6 @@
-"""Django's tasks framework behind the gate, in one process: the backport's ImmediateBackend
-wrapped by FencedBackend on a memory:// lock server, beside the same tasks unwrapped."""
+"""Django's tasks framework behind the gate, in one process: its ImmediateBackend (Django 6's
+or the backport's, tests/djtasks.py) wrapped by FencedBackend on a memory:// lock server,
+beside the same tasks unwrapped."""
 
 from __future__ import annotations
 
@@ -10,23 +11,24 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("django_tasks")
+pytest.importorskip(
+    "jobfence.tasks.django_tasks", reason="needs django.tasks (Django 6) or the backport"
+)
 
 from django.conf import settings as django_settings
 from django.test.utils import override_settings
 from django.utils.functional import empty
-from django_tasks import TaskResultStatus, task
 
 import jobfence
 from jobfence.config import Settings
 from jobfence.tasks import TaskDefinitionError, install
 from jobfence.tasks.django_tasks import FencedBackend, FencedTask, fenced
+from tests.djtasks import IMMEDIATE, KEYWORDS, TaskResultStatus, gate_task, task
 
 #: The holder of the tests' jobfence runtime (FencedBackend's OPTIONS "app" names it).
 LOCKS = types.SimpleNamespace()
 runs: Counter[Any] = Counter()
 FENCES: list[int] = []
-IMMEDIATE = "django_tasks.backends.immediate.ImmediateBackend"
 TASKS = {
     "default": {"BACKEND": IMMEDIATE},
     "fenced": {
@@ -87,14 +89,14 @@ def fenced_tasks(django_configured: None) -> Iterator[None]:
 
 
 def test_a_task_defined_on_the_fenced_backend_is_a_fenced_task() -> None:
-    gated = task(backend="fenced")(charge)
+    gated = gate_task(charge)
     assert isinstance(gated, FencedTask)
     assert isinstance(gated.get_backend(), FencedBackend)
     assert not isinstance(task(charge), FencedTask)  # the default backend is left alone
 
 
 def test_the_same_job_enqueued_twice_runs_once_and_the_copy_gets_its_result() -> None:
-    gated = task(backend="fenced")(charge)
+    gated = gate_task(charge)
     first, second = gated.enqueue(7, 100), gated.enqueue(7, 100)
     assert runs == Counter({7: 1})
     assert first.status == second.status == TaskResultStatus.SUCCESSFUL
@@ -109,27 +111,27 @@ def test_without_the_gate_the_same_job_runs_twice() -> None:
 
 
 def test_the_body_sees_its_fence() -> None:
-    gated = task(backend="fenced")(charge)
+    gated = gate_task(charge)
     gated.enqueue(1, 10)
     gated.enqueue(2, 10)
     assert len(FENCES) == 2 and all(f > 0 for f in FENCES)
 
 
 def test_key_names_the_arguments_that_make_a_job_unique() -> None:
-    gated = task(backend="fenced", key="invoice_id")(charge)
+    gated = gate_task(charge, key="invoice_id")
     gated.enqueue(7, 100)
     other = gated.enqueue(7, 250)  # the same invoice's key with another amount: refused
     assert runs == Counter({7: 1})
     assert other.errors[0].exception_class is jobfence.IdempotencyConflict
     # Without key=, every argument counts: another amount is another job.
-    everything = task(backend="fenced")(charge)
+    everything = gate_task(charge)
     everything.enqueue(8, 100)
     everything.enqueue(8, 250)
     assert runs[8] == 2
 
 
 def test_a_copy_enqueued_while_the_job_runs_is_skipped_as_a_duplicate() -> None:
-    _tasks["again"] = task(backend="fenced")(charge_and_enqueue_again)
+    _tasks["again"] = gate_task(charge_and_enqueue_again)
     outer = _tasks["again"].enqueue(3)
     inner = _tasks["inner"]
     assert runs == Counter({3: 1})
@@ -139,7 +141,7 @@ def test_a_copy_enqueued_while_the_job_runs_is_skipped_as_a_duplicate() -> None:
 
 
 def test_options_from_fenced_under_task_as_on_django_6_0() -> None:
-    gated = task(backend="fenced")(marked)
+    gated = gate_task(marked)
     assert gated.key == ("invoice_id",) and gated.ttl == 5
     gated.enqueue(4, "first")
     gated.enqueue(4, "first")
@@ -147,7 +149,7 @@ def test_options_from_fenced_under_task_as_on_django_6_0() -> None:
 
 
 def test_the_context_is_no_part_of_the_key_and_the_gate_sees_the_result_id() -> None:
-    gated = task(backend="fenced", takes_context=True)(with_context)
+    gated = gate_task(with_context, takes_context=True)
     first = gated.enqueue(5)
     second = gated.enqueue(5)
     assert runs == Counter({5: 1})
@@ -165,7 +167,37 @@ def test_the_context_is_no_part_of_the_key_and_the_gate_sees_the_result_id() -> 
 )
 def test_bad_options_are_refused_at_definition(options: dict[str, Any], message: str) -> None:
     with pytest.raises(TaskDefinitionError, match=message):
-        task(backend="fenced", **options)(charge)
+        gate_task(charge, **options)
+
+
+def test_the_issues_typos_are_refused_naming_each_keyword_and_the_nearest_option() -> None:
+    typos: dict[str, Any] = {"on_conflit": "raise", "dedupe_on_pubish": True}
+    spellings = [lambda: fenced(key=["invoice_id"], **typos)]  # every Django with tasks
+    if KEYWORDS:  # task() hands its keywords on (the backport, Django 6.1+; not 6.0)
+        spellings.append(lambda: task(backend="fenced", key=["invoice_id"], **typos)(charge))
+    for spelled in spellings:
+        with pytest.raises(TaskDefinitionError) as refused:
+            spelled()
+        message = str(refused.value)
+        assert "'on_conflit' (did you mean 'on_conflict'?)" in message
+        assert "'dedupe_on_pubish' (did you mean 'dedupe_on_publish'?)" in message
+
+
+def test_control_spelled_right_the_options_are_taken_and_kept_by_using() -> None:
+    gated = gate_task(charge, key=["invoice_id"], on_conflict="raise")
+    assert (gated.key, gated.on_conflict) == (("invoice_id",), "raise")
+    assert gated.using(priority=5).jobfence_options == gated.jobfence_options
+
+
+@pytest.mark.parametrize("option", ["dedupe_on_publish", "lock_until", "global_rate_limit"])
+def test_an_option_that_acts_at_publish_is_refused_saying_so(option: str) -> None:
+    value = {"dedupe_on_publish": True, "lock_until": "start", "global_rate_limit": "1/s"}
+    message = f"a Django task takes no {option}: @singleton_task's options that act at publish"
+    if KEYWORDS:  # task() hands its keywords on (the backport, Django 6.1+; not 6.0)
+        with pytest.raises(TaskDefinitionError, match=message):
+            task(backend="fenced", **{option: value[option]})(charge)
+    with pytest.raises(TaskDefinitionError, match=message):
+        fenced(**{option: value[option]})
 
 
 def test_a_fenced_backend_without_the_backend_to_wrap_says_what_to_set() -> None:

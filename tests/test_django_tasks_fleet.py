@@ -1,9 +1,11 @@
 """Django's tasks framework on real Celery workers: a duplicate storm of one `@task` charges
 each invoice once behind FencedBackend, and more than once on the bare backend (the control).
 
-The project (tests/djtasks_project) enqueues with the backport's `task.enqueue()` in a
-subprocess; three prefork workers run the carrier; each charge outlasts the broker's 1 s
-visibility timeout, so running messages are redelivered too. Counted in PostgreSQL.
+The project (tests/djtasks_project) enqueues with `task.enqueue()` (Django 6's django.tasks
+on 3.12 and 3.13, the backport on 3.11: tests/test_django_tasks_path.py) from three
+processes side by side;
+three prefork workers run the carrier; each charge outlasts the broker's 1 s visibility
+timeout, so running messages are redelivered too. Counted in PostgreSQL.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ from tests.integration.celery_fleet import Fleet
 from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer, wait_for
 
 pytest.importorskip("django")
-pytest.importorskip("django_tasks")
+pytest.importorskip(
+    "jobfence.tasks.django_tasks", reason="needs django.tasks (Django 6) or the backport"
+)
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCK_DB = 1
 INVOICES = 4
 COPIES = 50
+PUBLISHERS = 3  # processes enqueueing the storm side by side
 
 
 @dataclass
@@ -44,15 +49,22 @@ class Billing:
     def storm(
         self, task: str, first_invoice: int, invoices: int = INVOICES, copies: int = COPIES
     ) -> list[int]:
-        """`copies` enqueues of each of `invoices` charges, shuffled; waits until all ran."""
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.djtasks_project.storm", task, str(first_invoice),
-             str(invoices), str(copies)],
-            env={**os.environ, **self.env}, cwd=REPO_ROOT, capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        ids = set(json.loads(done.stdout))
+        """`copies` enqueues of each of `invoices` charges, shuffled, from PUBLISHERS processes
+        side by side (as web processes would), a share each; waits until all ran."""
+        shares = [copies // PUBLISHERS + (i < copies % PUBLISHERS) for i in range(PUBLISHERS)]
+        args = [sys.executable, "-m", "tests.djtasks_project.storm", task, str(first_invoice),
+                str(invoices)]  # fmt: skip
+        env = {**os.environ, **self.env}
+        publishers = [
+            subprocess.Popen([*args, str(share), str(seed)], env=env, cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for seed, share in enumerate(shares)
+        ]  # fmt: skip
+        ids: set[str] = set()
+        for publisher in publishers:
+            out, err = publisher.communicate(timeout=120)
+            assert publisher.returncode == 0, err
+            ids |= set(json.loads(out))
         assert len(ids) == invoices * copies
         wait_for(
             lambda: ids <= {e.task_id for e in self.fleet.events() if e.kind == "postrun"},

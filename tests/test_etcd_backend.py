@@ -318,7 +318,7 @@ def test_start_up_accepts_a_live_etcd_and_reports_a_dead_one(etcd_url: str) -> N
 
     dead = f"etcd://127.0.0.1:{free_port()}"
     for url, down in [(etcd_url, False), (dead, True)]:
-        runtime = Runtime(Settings(lock_url=url, key_secret="a-real-random-secret"))
+        runtime = Runtime(Settings(lock_url=url, key_secret="a-real-random-secret-0123456789ab"))
         try:
             findings = list(check_lock_backend(conf=_Conf(), runtime=runtime))
         finally:
@@ -352,7 +352,7 @@ def test_a_ttl_that_etcd_rounds_up_to_the_visibility_timeout_is_refused(etcd_url
     from jobfence.worker.checks import check_timeouts
 
     settings = Settings(lock_url=etcd_url, default_ttl=2.5, visibility_timeout=3.0,
-                        socket_timeout=0.5, key_secret="a-real-random-secret")  # fmt: skip
+                        socket_timeout=0.5, key_secret="r" * 40)  # fmt: skip
     runtime = Runtime(settings)
     conf = SimpleNamespace(broker_transport_options={"visibility_timeout": 3.0})
     try:

@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import socket
+import ssl
 import subprocess
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,12 +19,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from devstack.pki import Pki, make_pki
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.tasks import Runtime
 from jobfence.tasks.metrics import MAX_NAMES, OTHER, Metrics
 from jobfence.worker import metrics_server
 from jobfence.worker.metrics_server import Exporter, MetricsPortUnavailable, PoolCollector
 from jobfence.worker.redis_server import free_port
+from tests.servers import wait_for
 from tests.tasks.conftest import spec_for, unique
 
 _mmap: Any = importlib.import_module("prometheus_client.mmap_dict")
@@ -166,6 +170,60 @@ def test_a_taken_port_is_refused_naming_the_setting(runtime: Runtime) -> None:
             Exporter.start(runtime, multiprocess=False, port=port)
     assert refused.value.field == "JOBFENCE_METRICS_PORT"
     assert f"127.0.0.1:{port}" in str(refused.value) or f":{port}" in str(refused.value)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return make_pki(tmp_path)
+
+
+def _tls_scrape(port: int, pki: Pki, timeout: float) -> str:
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    url = f"https://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, context=context, timeout=timeout) as reply:
+        return str(reply.read().decode())
+
+
+def test_an_idle_connection_blocks_neither_https_scrapes_nor_shutdown(pki: Pki) -> None:
+    port = free_port()
+    runtime = Runtime(Settings(lock_url="memory://", metrics_port=port,
+                               metrics_certfile=str(pki.server_cert),
+                               metrics_keyfile=str(pki.server_key)))  # fmt: skip
+    exporter = Exporter.start(runtime, multiprocess=False)
+    idle = socket.create_connection(("127.0.0.1", port))  # connects, never says a word
+    stopper = threading.Thread(target=exporter.stop, name="stopper", daemon=True)
+    try:
+        assert "jobfence" in _tls_scrape(port, pki, timeout=5)
+        stopper.start()
+        wait_for(lambda: not stopper.is_alive(), 5, message="the exporter's stop hangs")
+    finally:
+        idle.close()  # a server that blocked on it (main's) is unblocked, so it can stop
+        if not stopper.is_alive() and exporter._server is not None:
+            exporter.stop()
+        runtime.close()
+
+
+def test_control_a_tls_listening_socket_blocks_on_one_idle_connection(pki: Pki) -> None:
+    # Main's way: the listening socket wrapped, so `accept()` shakes hands on the one
+    # serving thread, with no timeout.
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    httpd = make_server("127.0.0.1", 0, lambda env, start: [b""], ThreadingWSGIServer)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(pki.server_cert), str(pki.server_key))
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    serving = threading.Thread(target=httpd.serve_forever, name="naive", daemon=True)
+    serving.start()
+    idle = socket.create_connection(("127.0.0.1", httpd.server_port))
+    try:
+        with pytest.raises(OSError):  # URLError or a timeout: nobody answers the scrape
+            _tls_scrape(httpd.server_port, pki, timeout=1)
+    finally:
+        idle.close()  # its handshake fails, the loop goes on and sees the shutdown
+        httpd.shutdown()
+        httpd.server_close()
 
 
 # --------------------------------------------------------------------------- pool collector

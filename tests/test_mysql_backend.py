@@ -268,7 +268,7 @@ def test_start_up_accepts_the_local_mariadb_and_reports_a_dead_one(mariadb_url: 
     from jobfence.worker.checks import LOCK_SERVER_DOWN, check_lock_backend
 
     for url, down in [(mariadb_url, False), ("mysql://root@127.0.0.1:1/nothing", True)]:
-        runtime = Runtime(Settings(lock_url=url, key_secret="a-real-random-secret"))
+        runtime = Runtime(Settings(lock_url=url, key_secret="a-real-random-secret-0123456789ab"))
         try:
             findings = list(check_lock_backend(conf=_Conf(), runtime=runtime))
         finally:

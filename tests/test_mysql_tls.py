@@ -1,4 +1,5 @@
-"""MySQL/MariaDB TLS and logins on private mariadbd servers with a test CA: what connects."""
+"""MySQL/MariaDB TLS and logins on private mariadbd servers with a test CA (what connects),
+and a fake server offering no TLS (what is refused before the login)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,20 @@ import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pymysql  # type: ignore[import-untyped]
 import pytest
+import sqlalchemy.exc
+from pymysql.err import OperationalError  # type: ignore[import-untyped]
 
 from devstack import local_mariadb
 from devstack.local_mariadb import MariaDBServer
 from devstack.pki import Pki, make_pki
 from jobfence.locks import BackendUnavailable, LockError, Security
 from jobfence.locks.backends.mysql import MySQLBackend, parse_url
+from jobfence.tasks.effects import make_engine
+from tests.fake_sql_servers import FakeMySQL
 
 PASSWORD = "jfTLS-pw#s3cret-77"  # the test password: no message may contain it
 CERT_PASSWORD = "jfX509-pw#s3cret-88"
@@ -266,3 +272,97 @@ def test_the_start_up_hook_reports_a_refused_login_or_certificate_as_a_problem(
         assert backend.server_problems() == []
     finally:
         backend.close()
+
+
+# --------------------------------------------------------------------------- a server without TLS
+
+
+@pytest.fixture(params=["installed", "1.1"])
+def pymysql_version(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The installed PyMySQL, and PyMySQL 1.1.x's handshake (which the `>=1.1.1` floor let
+    in): TLS asked for, a server offering none, it carried on in clear text, where 1.2.0+
+    refuses. Emulated on 1.2+ by turning its own refusal off; a no-op on 1.1.x."""
+    if request.param == "1.1":
+        original = pymysql.connections.Connection._request_authentication
+
+        def carry_on_in_clear(self: Any) -> None:
+            self._ssl_required = False
+            original(self)
+
+        monkeypatch.setattr(pymysql.connections.Connection, "_request_authentication",
+                            carry_on_in_clear)  # fmt: skip
+    return str(request.param)
+
+
+def test_pymysql_1_1_sends_the_password_to_a_server_offering_no_tls() -> None:
+    """Control: asked for verified TLS, PyMySQL 1.1's handshake with a server (or a man in
+    the middle) that offers none answers its `mysql_clear_password` with the password, and
+    the login error that follows reads as a wrong password."""
+    original = pymysql.connections.Connection._request_authentication
+
+    class Pymysql11(pymysql.connections.Connection):  # type: ignore[misc]
+        def _request_authentication(self) -> None:
+            self._ssl_required = False  # 1.1.x had no such check
+            original(self)
+
+    with FakeMySQL() as fake:
+        with pytest.raises(OperationalError) as failed:
+            Pymysql11(host="127.0.0.1", port=fake.port, user="jf", password=PASSWORD,
+                      database="jobfence", ssl=ssl.create_default_context(),
+                      connect_timeout=5)  # fmt: skip
+        fake.served(1)
+    assert fake.got(PASSWORD)
+    assert failed.value.args[0] == 1045
+
+
+@pytest.mark.parametrize("query", ["ssl_mode=VERIFY_IDENTITY", "ssl_mode=REQUIRED",
+                                   "ssl_verify_cert=true"])  # fmt: skip
+def test_the_lock_backend_refuses_a_server_offering_no_tls_before_the_login(
+    pymysql_version: str, query: str
+) -> None:
+    with FakeMySQL() as fake:
+        text = _refused(f"mysql://jf:{IN_URL}@127.0.0.1:{fake.port}/jobfence?{query}")
+        fake.served(1)
+    assert fake.received == [b""], "the client sent something: not even a user name may go"
+    assert "offers no TLS" in text and "refused before sending the login" in text
+    assert "ssl_mode" in text and "check the user and password" not in text
+
+
+@pytest.mark.parametrize("query", ["ssl_mode=VERIFY_IDENTITY", "ssl_verify_cert=true",
+                                   "ssl_capath={tmp}", "ssl_ca={tmp}/ca.pem"])  # fmt: skip
+def test_a_mysql_database_url_refuses_a_server_offering_no_tls_before_the_login(
+    pymysql_version: str, query: str, tmp_path: Path
+) -> None:
+    """The effects database (JOBFENCE_DATABASE_URL, SQLAlchemy's mysql+pymysql://) reads
+    its TLS options as the lock URL does, `ssl_mode` included, and refuses the same way."""
+    servers_ca = make_pki(tmp_path).ca if "ca.pem" in query else None
+    query = query.format(tmp=tmp_path).replace(f"{tmp_path}/ca.pem", str(servers_ca))
+    with FakeMySQL() as fake:
+        engine = make_engine(f"mysql+pymysql://jf:{IN_URL}@127.0.0.1:{fake.port}/jobfence?{query}")
+        try:
+            with pytest.raises(sqlalchemy.exc.OperationalError) as failed:
+                engine.connect()
+        finally:
+            engine.dispose()
+        fake.served(1)
+    assert fake.received == [b""]
+    text = str(failed.value)
+    assert "offers no TLS" in text and "refused before sending the login" in text
+    assert PASSWORD not in text and IN_URL not in text
+
+
+def test_a_mysql_database_url_without_tls_options_still_connects(mariadb_url: str) -> None:
+    engine = make_engine(mariadb_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT 1").scalar() == 1
+    finally:
+        engine.dispose()
+
+
+def test_contradictory_tls_options_in_a_database_url_are_refused_naming_it() -> None:
+    engine = make_engine(f"mysql+pymysql://jf:{IN_URL}@127.0.0.1:1/db?ssl_mode=PREFERRED")
+    with pytest.raises(LockError, match=r"ssl_mode='PREFERRED' in the database URL "
+                       r"\(JOBFENCE_DATABASE_URL\) is not one of") as failed:  # fmt: skip
+        engine.connect()
+    assert PASSWORD not in str(failed.value) and IN_URL not in str(failed.value)

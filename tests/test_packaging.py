@@ -130,7 +130,10 @@ def copy_context(image: Image, dest_root: Path) -> Path:
 def clean_env() -> dict[str, str]:
     """The environment without this checkout: no venv, no PYTHONPATH, pip's cache on."""
     drop = {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_NO_CACHE_DIR", "PIP_REQUIRE_VIRTUALENV"}
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("JOBFENCE_")}
+    kept = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("JOBFENCE_")}
+    # No byte-compiling of every installed module: half of an install's CPU on two cores,
+    # and nothing the tests judge (an import compiles what it needs).
+    return {**kept, "PIP_NO_COMPILE": "1"}
 
 
 @dataclass(frozen=True)
@@ -311,21 +314,27 @@ def test_the_tooling_patterns_catch_every_devstack_and_test_module_wherever_it_l
     assert _tooling(shipped) == []
 
 
-@pytest.fixture(scope="module")
-def checkout_wheel(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """The file list of the wheel `pip wheel .` builds from this checkout's files."""
-    root = tmp_path_factory.mktemp("checkout")
+def copy_checkout(root: Path) -> Path:
+    """This checkout's files (tracked and untracked, not ignored, no venv) copied to `root`,
+    as a fresh clone with the work in progress would have them."""
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"],
         cwd=REPO_ROOT, capture_output=True, check=True, timeout=60,
     ).stdout.decode().split("\0")  # fmt: skip
     for name in filter(None, listed):  # a checkout's .venv may be an untracked symlink
-        if name.split("/")[0] == ".venv":
+        if name.split("/")[0].startswith(".venv"):
             continue
         src = REPO_ROOT / name
         if src.is_symlink() or src.is_file():
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, root / name, follow_symlinks=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkout_wheel(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The file list of the wheel `pip wheel .` builds from this checkout's files."""
+    root = copy_checkout(tmp_path_factory.mktemp("checkout"))
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "--no-deps",
          "-w", str(root / "dist"), str(root)],
@@ -343,3 +352,48 @@ def test_the_wheel_holds_no_test_or_benchmark_tooling(checkout_wheel: list[str])
     # What users run stays: the CLI, the demo and the private redis-server it starts.
     for module in ("cli.py", "demo.py", "redis_server.py", "procs.py", "fleet.py"):
         assert f"jobfence/worker/{module}" in checkout_wheel
+
+
+# -- the README's install section, run as written ----------------------------------------------
+
+
+def readme_install_lines(text: str) -> list[list[str]]:
+    """The commands of the first bash block under the README's "## Install", as words."""
+    section = text.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [words for line in block.splitlines() if (words := shlex.split(line, comments=True))]
+
+
+def test_the_readme_install_section_works_as_written(tmp_path: Path) -> None:
+    """Issue 31, item 5: `pip install jobfence` failed wherever no release is on the index.
+    Each line runs in a copy of this checkout with a fresh venv's pip; a `pip wheel` line
+    starts the second route in a venv of its own, so the wheel's install is not a no-op."""
+    lines = readme_install_lines((REPO_ROOT / "README.md").read_text())
+    assert lines and all(words[0] == "pip" for words in lines), lines
+    assert not any(w.split("[")[0] == "jobfence" for words in lines for w in words[1:]), (
+        "the README installs jobfence from the index, which has no release"
+    )
+    src = copy_checkout(tmp_path / "src")
+    env = clean_env()
+    venvs: list[Path] = []
+    for words in lines:
+        if not venvs or words[1] == "wheel":
+            venv = tmp_path / f"venv{len(venvs)}"
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env,
+                           timeout=300)  # fmt: skip
+            venvs.append(venv)
+        pip = [str(venvs[-1] / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+        done = subprocess.run(
+            [*pip, *words[1:]], cwd=src, env=env, capture_output=True, text=True,
+            timeout=INSTALL_TIMEOUT,
+        )  # fmt: skip
+        assert done.returncode == 0, f"{shlex.join(words)} failed:\n{done.stderr[-3000:]}"
+    assert len(venvs) == 2, "the README shows a checkout install and a wheel install"
+    scratch = tmp_path / "run"
+    scratch.mkdir()
+    for venv in venvs:  # jobfence from the venv, not the copy, with the extra's driver
+        code = "import jobfence, psycopg; print(jobfence.__file__)"
+        done = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=scratch, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert str(venv) in done.stdout, done.stdout

@@ -1,4 +1,4 @@
-"""How the suite splits among pytest-xdist workers, and which tests the fast tier keeps."""
+"""How the suite splits among xdist workers; which tests the fast tier and other Pythons keep."""
 
 from __future__ import annotations
 
@@ -35,3 +35,12 @@ def test_the_fast_tier_keeps_the_contract_on_memory_and_no_other_backend() -> No
     kept = [line for line in done.stdout.splitlines() if "::" in line]
     backends = {line[line.index("[") + 1 : -1].split("-")[0] for line in kept if "[" in line}
     assert backends == {"memory"}, backends
+
+
+def test_the_selection_of_the_other_pythons_names_files_that_exist() -> None:
+    """`make test-pythons` runs these on 3.12 and 3.13: a renamed file must not drop out."""
+    from tests.conftest import PYTHONS_SELECTION
+
+    missing = [path for path in PYTHONS_SELECTION if not (REPO_ROOT / path).is_file()]
+    assert missing == []
+    assert "tests/test_django_tasks_path.py" in PYTHONS_SELECTION

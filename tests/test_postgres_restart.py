@@ -13,6 +13,10 @@ survive. Each key's next fence is above every fence handed out before the crash 
 
 Control: a naive counter fence kept in an UNLOGGED table (fast, like a cache) is emptied by
 crash recovery and hands out values it already gave.
+
+A restart (fast shutdown) while a job's effect transaction is open, as its DONE row is
+inserted: nothing committed, the job is delivered again (again while the server is down),
+and runs once when it is back; never acked FAILED.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ import sqlalchemy as sa
 
 from jobfence.locks import Busy, JobRecord, Lease, NotOwner, StaleFence
 from jobfence.locks.acquire import Backoff
+from jobfence.locks.backends.memory import MemoryBackend
 from jobfence.locks.backends.postgres import PostgresBackend
 from jobfence.locks.guards import SqlFenceGuard
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.tasks.context import JobContext
+from jobfence.tasks.effects import SqlEffects, make_engine
 from jobfence.tasks.executor import Executor, JobSpec
+from jobfence.tasks.lifecycle import Redelivery
 from tests.servers import PostgresServer, PostgresServerError
 
 pytestmark = pytest.mark.fault
@@ -174,3 +181,55 @@ def test_kill_9_keeps_records_fence_order_and_the_job(server: PostgresServer, pr
         backend.close()
         other.close()
         engine.dispose()
+
+
+def test_a_restart_inside_the_effect_transaction_delivers_the_job_again_and_it_runs_once(
+    server: PostgresServer, prefix: str
+) -> None:
+    effects = SqlEffects(make_engine(server.url))
+    ledger = f"{prefix}_restart_ledger"
+    keeper = LeaseKeeper()
+    executor = Executor(
+        MemoryBackend(), keeper, backoff=Backoff(), redelivery=Redelivery(base=0.05, cap=0.2)
+    )
+    runs: list[int] = []
+    restarted: list[str] = []
+
+    def stop_at_done_row(_conn: object, _cur: object, sql: str, *_: object) -> None:
+        if not restarted and "INSERT INTO jobfence_jobs" in sql:
+            restarted.append(sql)
+            server.stop()  # every session terminated; the INSERT goes to a closed link
+
+    def charge(job: JobContext) -> object:
+        runs.append(job.fence)
+        with effects.transaction(job, f"payment:{job.key}") as tx:
+            if tx.done:
+                return tx.result
+            tx.conn.execute(sa.text(f"INSERT INTO {ledger} VALUES (:j, :f)"),
+                            {"j": job.key, "f": job.fence})  # fmt: skip
+            tx.result = {"charged": job.fence}
+        return tx.result
+
+    try:
+        effects.create_schema()
+        with effects.engine.begin() as conn:
+            conn.execute(sa.text(f"CREATE TABLE {ledger} (job text, fence bigint)"))
+        sa.event.listen(effects.engine, "before_cursor_execute", stop_at_done_row)
+        statuses = []
+        for redeliveries in range(3):
+            if redeliveries == 2:
+                server.start()
+            spec = JobSpec(name="pay", key="restart", fingerprint="fp", ttl=5.0,
+                           result_ttl=600, redeliveries=redeliveries)  # fmt: skip
+            statuses.append(executor.run(spec, charge).status)
+        # Lost mid-transaction, then unreachable: delivered again each time, never FAILED.
+        assert restarted and statuses == ["redeliver", "redeliver", "ran"], statuses
+        with effects.engine.connect() as conn:
+            rows = conn.execute(sa.text(f"SELECT fence FROM {ledger}")).scalars().all()
+        assert rows == [runs[-1]]  # once, by the delivery that ran
+        assert effects.record("restart") is not None
+    finally:
+        if server.pid is None:
+            server.start()
+        keeper.stop()
+        effects.engine.dispose()

@@ -170,7 +170,8 @@ def clean_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (wheel,) = (root / "dist").glob("jobfence-*.whl")
     venv = root / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
-    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
+          "--disable-pip-version-check",
           str(wheel)], cwd=root)  # fmt: skip
     return venv
 

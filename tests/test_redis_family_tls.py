@@ -29,7 +29,7 @@ from jobfence.worker.redis_server import RedisServer
 PASSWORD = "Fam1ly#TLS-pw"
 SENTINEL_PASSWORD = "Sent?nel-pw42"
 SECRETS = (PASSWORD, SENTINEL_PASSWORD, "wrong-Pw-77")
-TIMEOUT = 1.0
+TIMEOUT = 3.0  # a missing client certificate shows at the first reply (TLS 1.3): 1 s was short
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,9 @@ from typing import Any
 import pytest
 
 from devstack.redis_masters import RedisMasters
+from devstack.servers import wait_for
 from jobfence.config import Settings, UnsafeSettings
+from jobfence.config.errors import EX_CONFIG
 from jobfence.config.urls import redlock_masters
 from jobfence.locks import Busy, JobRecord, Lease, open_backend
 from jobfence.locks.backends.redlock import RedlockBackend
@@ -138,7 +142,7 @@ def test_the_check_command_refuses_an_evicting_master(masters: RedisMasters) -> 
     admin.config_set("maxmemory-policy", "allkeys-lru")
     try:
         done = run_cli("check", env=cli_env(masters))
-        assert done.returncode == 1
+        assert done.returncode == EX_CONFIG
         assert "REFUSED" in done.stdout and "allkeys-lru" in done.stdout
         assert "appendfsync" in done.stdout  # and the warnings
     finally:
@@ -177,8 +181,10 @@ def test_no_lock_key_is_left_on_any_master_after_many_pairs_and_jobs(
         assert backend.commit(job, state="DONE", result="1", fingerprint="fp", result_ttl=60)
     backend.close()  # waits for the replies still owed, so everything sent has run
     assert lock_keys(masters, "orph") == [[], [], []]
-    records = masters.keys("orph:job:*")
-    assert all(len(names) == 300 for names in records)
+    # Each record on a majority at least (a master too slow on a loaded CI is dropped from
+    # the round and misses what was not sent to it; the majority decides).
+    per_record = Counter(name for names in masters.keys("orph:job:*") for name in set(names))
+    assert len(per_record) == 300 and min(per_record.values()) >= 2, per_record.most_common(3)
 
 
 def test_contenders_that_lose_leave_no_lock_key_behind(masters: RedisMasters) -> None:
@@ -321,3 +327,39 @@ def test_a_forked_child_opens_its_own_connections(backend: RedlockBackend) -> No
     assert child.exitcode == 0 and isinstance(theirs, list), theirs
     for fences in (mine, theirs):
         assert len(fences) == 200 and fences == sorted(set(fences))
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["marked-master", "default-master-control"])
+def test_a_waiter_listens_where_its_refusal_marked_the_lock(
+    masters: RedisMasters, fixed: bool
+) -> None:
+    """A release signals only on the masters where a refused attempt marked the lock waited
+    on. Master 0 (the default a waiter listens on) left unmarked, as when it ran the attempt
+    after the release (CI once waited a release out there): the waiter must listen on a
+    master that refused it. The control listens on the default and misses the release."""
+    holder_client = RedlockBackend.from_url(masters.url, prefix="rl-mark")
+    waiter = RedlockBackend.from_url(masters.url, prefix="rl-mark", socket_timeout=3.0)
+    try:
+        holder = holder_client.try_acquire("marked", 30.0)
+        assert holder is not None
+        masters.servers[0].pause()  # the refusal is decided by masters 1 and 2
+        try:
+            assert isinstance(waiter.attempt("marked", 5.0), Busy)
+        finally:
+            masters.servers[0].resume()
+        name = waiter.keys.lock("marked")
+        wait_for(lambda: masters.client(0).hget(name, "waiters"), 5.0)  # the late attempt
+        masters.client(0).hdel(name, "waiters")  # ... as if it had come after the release
+        if not fixed:
+            waiter.wait_master("marked")  # forget the refusal: listen on the default
+        assert holder.release()
+        started = time.monotonic()
+        waiter.wait_for_release("marked", 2.0)
+        waited = time.monotonic() - started
+        if fixed:
+            assert waited < 1.0, f"the waiter missed the release ({waited:.2f}s)"
+        else:
+            assert waited >= 1.9, "the control should wait on the unmarked master"
+    finally:
+        holder_client.close()
+        waiter.close()

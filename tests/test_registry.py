@@ -124,6 +124,31 @@ def test_a_missing_extra_raises_its_install_hint(library: str, url: str, hint: s
     assert f"name: {library}" in out.stdout
 
 
+def test_the_django_helpers_without_django_name_their_extra() -> None:
+    """Issue 31, item 8: `from jobfence.tasks.django import django_effects` without Django
+    was a bare ModuleNotFoundError; it names the extra as the backends' do (still a
+    ModuleNotFoundError, so code that catches one keeps working)."""
+    code = (
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'django':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "try:\n"
+        "    from jobfence.tasks.django import django_effects\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(exc)\n"
+        "    print('name:', exc.name)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "needs Django: pip install 'jobfence[django]'" in out.stdout, out.stdout
+    assert "name: django" in out.stdout
+
+
 def test_an_import_error_other_than_the_extra_is_not_disguised_as_one() -> None:
     broken = BackendEntry(
         "broken", ("broken",), "tests.no_such_module", "Backend", ToyBackend.capabilities,

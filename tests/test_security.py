@@ -7,6 +7,7 @@ import base64
 import datetime
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -18,14 +19,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psycopg
 import pytest
 
 from jobfence.config import Settings, UnsafeSettings, load_settings, redact
+from jobfence.config.errors import EX_CONFIG
+from jobfence.config.security import is_loopback, url_posture
 from jobfence.config.settings import InsecureSettingsWarning
-from jobfence.locks import OwnerMeta, RedisBackend, open_backend
+from jobfence.locks import BackendUnavailable, OwnerMeta, RedisBackend, open_backend
 from jobfence.tasks import Runtime
 from jobfence.worker.checks import check_lock_backend, check_security, check_serializers
 from jobfence.worker.redis_server import RedisServer, free_port
+from tests.fake_sql_servers import FakePostgres
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STRONG = "k7Vq2-strong-random-secret-for-tests-0123456789"
@@ -123,7 +128,7 @@ def test_redact_hides_what_lies_between_the_scheme_and_the_last_at(url: str, exp
 
 def test_check_never_prints_a_malformed_lock_password() -> None:
     done = run_cli("check", env={"JOBFENCE_LOCK_URL": "redis://:pa?ssWORDx@127.0.0.1:6379/0"})
-    assert done.returncode == 2 and "JOBFENCE_LOCK_URL" in done.stderr
+    assert done.returncode == EX_CONFIG and "JOBFENCE_LOCK_URL" in done.stderr
 
 
 # --------------------------------------------------------------------------- downgrades
@@ -254,7 +259,7 @@ def test_a_url_timeout_cannot_undo_the_checked_socket_timeout(query: str) -> Non
 def test_check_lists_the_security_posture_and_refuses_a_weak_secret(redis_url: str) -> None:
     env = {"JOBFENCE_LOCK_URL": redis_url, "JOBFENCE_KEY_SECRET": "short-secret"}
     done = run_cli("check", env=env)
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == EX_CONFIG, done.stdout + done.stderr
     assert "security posture:" in done.stdout
     assert "JOBFENCE_LOCK_URL redis://127.0.0.1" in done.stdout
     assert "TLS off; auth no; loopback yes" in done.stdout
@@ -298,7 +303,7 @@ def test_a_wrong_redis_password_is_refused_not_waited_for(password_redis: RedisS
     assert done.returncode == 0, done.stdout + done.stderr
     wrong_url = right.replace("RIGHTpw%2342x", "WRONGpwXYZ")
     wrong = run_cli("check", env={"JOBFENCE_LOCK_URL": wrong_url})
-    assert wrong.returncode == 1 and "wrong credentials" in wrong.stdout
+    assert wrong.returncode == EX_CONFIG and "wrong credentials" in wrong.stdout
 
 
 # --------------------------------------------------------------------------- CLI output
@@ -517,6 +522,138 @@ def test_the_demo_takes_server_urls_from_the_environment_or_a_file(tmp_path: Pat
     assert server_urls(args, {})["lock_backend"] == lock
     with pytest.raises(UnsafeSettings, match="--env-file"):
         server_urls(build_parser().parse_args(["--env-file", str(tmp_path / "none")]), {})
+
+
+# --------------------------------------------------------------------------- the driver's hosts
+
+PG_ENV = ("PGHOST", "PGHOSTADDR", "PGSERVICE")
+
+
+@pytest.fixture
+def no_pg_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in PG_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("url", "env", "loopback"),
+    [
+        ("postgresql://jf:PWsecretXYZ@/jobfence?host=db1", {}, False),
+        ("postgresql://jf:PWsecretXYZ@/jobfence?host=127.0.0.1&host=db1", {}, False),  # libpq
+        ("postgresql://jf:PWsecretXYZ@/jobfence?host=db1&host=127.0.0.1", {}, False),  # SQLAlchemy
+        ("postgresql://jf:PWsecretXYZ@/jobfence?host=localhost,db1&port=5432,5432", {}, False),
+        ("postgresql+psycopg://jf:PWsecretXYZ@/jobfence?host=db1", {}, False),
+        ("db+postgresql://jf:PWsecretXYZ@/jobfence?host=db1", {}, False),
+        ("postgresql://jf:PWsecretXYZ@localhost/jobfence?host=db1", {}, False),
+        ("postgresql://jf:PWsecretXYZ@localhost/jobfence?hostaddr=10.1.2.3", {}, False),
+        ("postgresql://jf:PWsecretXYZ@/jobfence?service=jobfence", {}, False),
+        ("postgresql://jf:PWsecretXYZ@/jobfence", {"PGSERVICE": "jobfence"}, False),
+        ("postgresql://jf:PWsecretXYZ@/jobfence", {"PGHOST": "db1"}, False),
+        ("postgresql://jf:PWsecretXYZ@localhost/jobfence", {"PGHOSTADDR": "10.1.2.3"}, False),
+        ("mysql+pymysql://jf:PWsecretXYZ@/jobfence?host=db1", {}, False),  # SQLAlchemy's
+        ("postgresql://jf:PWsecretXYZ@/jobfence", {}, True),  # the default socket
+        ("postgresql://jf:PWsecretXYZ@/jobfence?host=/run/postgresql", {}, True),
+        ("postgresql://jf:PWsecretXYZ@%2Frun%2Fpostgresql/jobfence", {}, True),
+        ("postgresql://jf:PWsecretXYZ@/jobfence", {"PGHOST": "/run/postgresql"}, True),
+        ("postgresql://jf:PWsecretXYZ@localhost/jobfence", {"PGHOST": "db1"}, True),  # URL's wins
+        ("postgresql://jf:PWsecretXYZ@localhost/jobfence?host=127.0.0.1&hostaddr=::1", {}, True),
+    ],
+)
+def test_loopback_is_judged_on_every_host_the_driver_may_use(
+    url: str, env: dict[str, str], loopback: bool, no_pg_env: pytest.MonkeyPatch
+) -> None:
+    """libpq and SQLAlchemy connect to a `host=`/`hostaddr=` in the query (or PGHOST, or a
+    service's) over an empty or loopback authority; only a `/` directory is a socket."""
+    for name, value in env.items():
+        no_pg_env.setenv(name, value)
+    posture = url_posture(url, "JOBFENCE_LOCK_URL")
+    assert posture is not None and posture.loopback is loopback, posture
+
+
+@pytest.mark.parametrize(
+    ("query", "item"),
+    [("host=db1&sslmode=disable", "cleartext"), ("host=127.0.0.1&host=db1", "unverified-tls")],
+)
+def test_a_postgres_host_in_the_query_is_refused_as_another_host(
+    query: str, item: str, no_pg_env: pytest.MonkeyPatch
+) -> None:
+    """Clear text, unverified TLS and the public key secret: each refused, as for db1 in
+    the authority."""
+    found = findings(quiet_settings(lock_url=f"postgresql://jf:CLEARpw123@/jobfence?{query}"))
+    fixes = " ".join(f.fix for f in found if f.refuse)
+    assert f"JOBFENCE_ALLOW_INSECURE={item}" in fixes
+    assert "JOBFENCE_ALLOW_INSECURE=weak-key-secret" in fixes
+
+
+@pytest.mark.parametrize(
+    ("query", "item"),
+    [
+        ("ssl_mode=REQUIRED", "unverified-tls"),
+        ("ssl_mode=VERIFY_CA", "unverified-tls"),
+        ("ssl_mode=DISABLED", "cleartext"),
+        ("ssl_ca=/ca.pem&ssl_disabled=true", "cleartext"),
+        ("ssl_mode=VERIFY_IDENTITY", None),
+    ],
+)
+def test_a_mysql_urls_ssl_mode_is_judged_as_the_connection_reads_it(
+    query: str, item: str | None
+) -> None:
+    url = f"mysql+pymysql://jf:PWsecretXYZ@10.1.2.3:3306/jobfence?{query}"
+    settings = quiet_settings(lock_url="redis://127.0.0.1:6379/0", key_secret=STRONG,
+                              database_url=url)  # fmt: skip
+    refused = [f for f in findings(settings) if f.refuse]
+    if item is None:
+        assert refused == []
+    else:
+        assert [f.setting for f in refused] == ["JOBFENCE_DATABASE_URL"]
+        assert f"JOBFENCE_ALLOW_INSECURE={item}" in refused[0].fix
+
+
+def _this_hosts_name() -> tuple[str, str]:
+    """A name of this host that is no loopback literal (judged another host, as a man in
+    the middle's would be), and the address it resolves to (127.0.0.1 in /etc/hosts here)."""
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        pytest.skip(f"this host's name {name!r} does not resolve")
+    if is_loopback(name):
+        pytest.skip(f"this host's name {name!r} is a loopback literal")
+    return name, address
+
+
+def _start_like_a_worker(url: str) -> list[Any]:
+    """Judge the settings first (no connection); open the lock server only if nothing is
+    refused, as the start-up does once every process refuses before connecting."""
+    refused = [f for f in findings(quiet_settings(lock_url=url, key_secret=STRONG)) if f.refuse]
+    if not refused:
+        backend = open_backend(url, socket_timeout=5.0)
+        try:
+            with pytest.raises(BackendUnavailable):
+                backend.try_acquire("probe", 5)
+        finally:
+            backend.close()
+    return refused
+
+
+@pytest.mark.parametrize("sslmode", ["disable", "prefer"])
+def test_a_fake_postgres_named_in_the_query_never_gets_the_password(
+    sslmode: str, no_pg_env: pytest.MonkeyPatch
+) -> None:
+    name, address = _this_hosts_name()
+    with FakePostgres(address) as fake:
+        url = (f"postgresql://jf:CLEARpw123@/jobfence?host={name}&port={fake.port}"
+               f"&sslmode={sslmode}&connect_timeout=5")  # fmt: skip
+        # Control: libpq does send the password there, in clear text.
+        with pytest.raises(psycopg.OperationalError):
+            psycopg.connect(url).close()
+        fake.served(1)
+        assert fake.got("CLEARpw123")
+        refused = _start_like_a_worker(url)
+        assert refused, "judged loopback: the lock server would get the password"
+        assert fake.seen == 1, "a connection went out after the refusal"
+    assert {f.setting for f in refused} == {"JOBFENCE_LOCK_URL"}
 
 
 # --------------------------------------------------------------------------- the leak check

@@ -383,7 +383,7 @@ def test_variables_jobfence_reads_elsewhere_are_known() -> None:
     from jobfence.worker.journal import JOURNAL_ENV
 
     read_elsewhere = {DEMO_PREFIX + f.upper() for f in DemoFaults.model_fields}
-    read_elsewhere |= {JOURNAL_ENV, URL_ENV}
+    read_elsewhere |= {JOURNAL_ENV, URL_ENV, "JOBFENCE_DASHBOARD_TOKEN"}  # the dashboard's login
     assert read_elsewhere <= known_variables()
     assert unknown_variables(dict.fromkeys(read_elsewhere, "1")) == []
     assert unknown_variables({f"JOBFENCE_{f.upper()}": "1" for f in Settings.model_fields}) == []

@@ -1,7 +1,11 @@
-"""The `jobfence` pytest fixture in a user's own project: the user's suite (a naive Celery task
-beside a `@singleton_task`, run with pytester in a subprocess) run twice against a private
-Redis configured as its lock server. Each fault helper fails the naive task's test and passes
-the jobfence task's; tests and runs do not leak into each other; nothing reaches Redis."""
+"""The `jobfence` pytest fixture in a user's own project: the user's suite (a naive Celery task,
+an unsafe `@singleton_task` whose write is neither fenced nor idempotent, and a safe one whose
+effect commits with its DONE row through `SqlEffects`, run with pytester in a subprocess) run
+twice against a private Redis configured as its lock server. Each fault helper reaches the
+path it names: its test fails the naive task, fails the unsafe task where the fault can make
+the lock alone run a write twice (a lost lease, a stale fence, a commit whose outcome is
+unknown), and passes the safe task; tests and runs do not leak into each other; nothing
+reaches Redis."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from sqlalchemy import create_engine
 
 from jobfence import current_job, singleton_task
 from jobfence.locks.guards import SqlFenceGuard
+from jobfence.tasks.effects import SqlEffects
 from userproj.app import app
 
 LEDGER: list[int] = []  # the charges, in order
@@ -38,7 +43,8 @@ STORE = {}
 def reset() -> None:
     LEDGER.clear()
     STORE["engine"] = engine = create_engine("sqlite://")
-    GUARD.create_schema(engine)
+    STORE["effects"] = SqlEffects(engine)
+    STORE["effects"].create_schema()
 
 
 @app.task
@@ -48,11 +54,21 @@ def naive_charge(payment_id):
 
 
 @singleton_task(app=app, key="payment_id")
-def charge(payment_id):
-    # The fenced write: refused (StaleFence) once a newer holder of the job has written.
-    with GUARD.transaction(STORE["engine"], f"payment:{payment_id}", current_job().fence):
-        LEDGER.append(payment_id)
+def unsafe_charge(payment_id):
+    # Under the job's lease, but the write is neither fenced nor idempotent.
+    LEDGER.append(payment_id)
     return payment_id
+
+
+@singleton_task(app=app, key="payment_id")
+def charge(payment_id):
+    # Fenced (StaleFence once a newer holder wrote) and committed with the job's DONE row.
+    with STORE["effects"].transaction(current_job(), f"payment:{payment_id}") as tx:
+        if tx.done:
+            return tx.result
+        LEDGER.append(payment_id)
+        tx.result = payment_id
+    return tx.result
 
 
 def newer_holder_writes(fence):
@@ -76,12 +92,12 @@ def fresh_ledger():
 TEST_FAULTS = '''
 import pytest
 
-from userproj.tasks import LEDGER, charge, naive_charge, newer_holder_writes
+from userproj.tasks import LEDGER, charge, naive_charge, newer_holder_writes, unsafe_charge
 
 
-@pytest.fixture(params=["naive", "jobfence"])
+@pytest.fixture(params=["naive", "unsafe", "jobfence"])
 def task(request):
-    return {"naive": naive_charge, "jobfence": charge}[request.param]
+    return {"naive": naive_charge, "unsafe": unsafe_charge, "jobfence": charge}[request.param]
 
 
 def test_a_duplicate_publish_charges_once(jobfence, task):
@@ -99,6 +115,7 @@ def test_a_redelivery_charges_once(jobfence, task):
 
 def test_a_lost_lease_charges_once(jobfence, task):
     jobfence.lose_lease_during(task, 7)
+    jobfence.assert_ran_once(task, 7)
     assert LEDGER == [7]
     jobfence.assert_stale_write_refused(task, 7)
 
@@ -116,9 +133,26 @@ def test_the_lock_server_down_at_begin_charges_once(jobfence, task):
 
 
 def test_the_lock_server_down_at_commit_charges_once(jobfence, task):
-    jobfence.unavailable_at_commit(task, 7)
+    results = jobfence.unavailable_at_commit(task, 7)
     jobfence.assert_ran_once(task, 7)
     assert LEDGER == [7]
+    assert results[-1].get() == 7
+
+
+def test_the_lock_server_down_for_a_commit_charges_once(jobfence, task):
+    with jobfence.lock_server_down("commit"):
+        first = task.apply(args=(7,))
+    task.apply(args=(7,), task_id=first.id)  # delivered again, as the worker would
+    jobfence.assert_ran_once(task, 7)
+    assert LEDGER == [7]
+
+
+def test_the_commit_unanswered_for_good_is_delivered_again_and_the_body_runs_again(jobfence):
+    first, again = jobfence.unavailable_at_commit(unsafe_charge, 8)
+    assert first.state == "FAILURE" and "commit outcome unknown" in str(first.result)
+    assert again.get() == 8 and LEDGER == [8, 8]
+    events = [d.event for d in jobfence.decisions_for(unsafe_charge, 8)]
+    assert events == ["started", "redeliver", "started", "done"]
 '''
 
 TEST_CALLS = '''
@@ -185,7 +219,16 @@ FAULT_TESTS = (
     "test_a_stale_fence_refuses_the_write",
     "test_the_lock_server_down_at_begin_charges_once",
     "test_the_lock_server_down_at_commit_charges_once",
+    "test_the_lock_server_down_for_a_commit_charges_once",
 )
+#: The helpers whose fault can make a write under the lock alone happen twice (or land after a
+#: newer holder's): the unsafe task fails them, by the helper's own assertion.
+UNSAFE_FAILS = {
+    "test_a_lost_lease_charges_once": "took effect 2 times",
+    "test_a_stale_fence_refuses_the_write": "no stale write",
+    "test_the_lock_server_down_at_commit_charges_once": "took effect 2 times",
+    "test_the_lock_server_down_for_a_commit_charges_once": "took effect 2 times",
+}
 
 
 def plugin_args() -> list[str]:
@@ -210,6 +253,7 @@ def test_a_users_suite_passes_twice_and_writes_nothing_to_the_lock_server(
 ) -> None:
     monkeypatch.setenv("JOBFENCE_LOCK_URL", fresh_redis.url)
     monkeypatch.setenv("JOBFENCE_KEY_SECRET", "user-project-secret-0123456789abcdef")
+    monkeypatch.setenv("COLUMNS", "400")  # the summary lines whole: the failures are read
     pytester.mkpydir("userproj")
     pytester.makepyfile(
         **{"userproj/app": APP, "userproj/tasks": TASKS, "conftest": CONFTEST,
@@ -218,9 +262,15 @@ def test_a_users_suite_passes_twice_and_writes_nothing_to_the_lock_server(
     for run in (1, 2):
         result = pytester.runpytest_subprocess(*plugin_args(), "-p", "no:cacheprovider", "-rf")
         out = result.stdout.str()
-        failed = set(re.findall(r"^FAILED test_\w+\.py::(\w+\[\w+\])", out, re.MULTILINE))
-        assert failed == {f"{name}[naive]" for name in FAULT_TESTS}, f"run {run}:\n{out}"
-        result.assert_outcomes(passed=6 + 5, failed=6)
+        failed = dict(re.findall(r"^FAILED test_\w+\.py::(\w+\[\w+\]) - (.*)$", out,
+                                 re.MULTILINE))  # fmt: skip
+        expected = {f"{name}[naive]" for name in FAULT_TESTS} | {
+            f"{name}[unsafe]" for name in UNSAFE_FAILS}  # fmt: skip
+        assert set(failed) == expected, f"run {run}:\n{out}"
+        for name, words in UNSAFE_FAILS.items():
+            assert words in failed[f"{name}[unsafe]"], f"run {run}:\n{out}"
+        total = len(FAULT_TESTS) * 3
+        result.assert_outcomes(passed=total - len(expected) + 1 + 5, failed=len(expected))
     client = fresh_redis.client()
     try:
         assert client.dbsize() == 0, sorted(client.keys("*"))[:10]

@@ -112,7 +112,9 @@ def test_a_private_ca_certificate_hints_at_the_ca_file_and_the_hint_works(
 def test_the_start_up_check_gives_the_tls_hint_as_the_fix(fresh_redis: RedisServer) -> None:
     url = fresh_redis.url.replace("redis://", "rediss://")
     runtime = Runtime(
-        Settings(lock_url=url, socket_timeout=TIMEOUT, key_secret="a-real-random-secret")
+        Settings(
+            lock_url=url, socket_timeout=TIMEOUT, key_secret="a-real-random-secret-0123456789ab"
+        )
     )
     try:
         (finding,) = check_lock_backend(conf=_Conf(), runtime=runtime)

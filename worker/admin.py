@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from jobfence.config import Settings
+from jobfence.config.settings import refuse_insecure
 from jobfence.locks import (
     LockBackend,
     LockError,
@@ -26,6 +27,7 @@ ADVANCE_TTL = 5.0  # seconds the grant that advances a key's fence is held (rele
 
 
 def open_admin_backend(settings: Settings) -> LockBackend:
+    refuse_insecure(settings)  # before any connection: no password over a refused channel
     return open_backend(
         settings.lock_url,
         prefix=settings.key_prefix,
@@ -237,6 +239,11 @@ def printable(text: object) -> str:
     )
 
 
+def lock_name(info: LockInfo) -> str:
+    """A lock as `locks list` names it: its key as its owner gave it, made printable."""
+    return printable(info.key)
+
+
 def info_dict(info: LockInfo, now: float) -> dict[str, Any]:
     """A LockInfo as JSON-ready data (it never holds the owner token)."""
     data = asdict(info)
@@ -259,7 +266,7 @@ def table(infos: Iterable[LockInfo], now: float, extra: dict[str, str] | None = 
         if info.task_id:
             task += f" [{info.task_id}]"
         row = [
-            info.key,
+            lock_name(info),
             str(info.fence),
             f"{info.ttl_left:.1f}s",
             f"{info.host or '?'}:{info.pid or '?'}",

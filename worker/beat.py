@@ -1,30 +1,36 @@
-"""Beat leader election on the lock backend, and one idempotency key per (entry, scheduled slot).
+"""Beat leader election on the lock backend, and one identity per (entry, scheduled slot).
 
 Any number of `celery beat` processes may run. Each tick a beat that does not lead tries
 once to be elected on the key "beat-leader" (jobfence.locks.leader, the election any
 singleton process uses); the leader's term is kept by the LeaseKeeper, and it dispatches
 only while the term lasts. Election is the fast path: a frozen leader can outlive its lease
-and dispatch beside its successor. So every dispatch carries the idempotency key
-`"<entry name>@<slot>"`, the slot being the scheduled time of that run (ISO-8601 UTC), and
-two beats that dispatch the same run produce one key, so a @singleton_task runs once per slot.
+and dispatch beside its successor. So every dispatch of a slot is the same run whoever sends
+it: its idempotency key is `"<entry name>@<slot>"` (the slot being the scheduled time of
+that run, ISO-8601 UTC) and its task id is derived from that key, so a @singleton_task runs
+each slot once under every lifetime (a per-run lifetime's record answers its own task id).
 
 Slots: an interval entry runs on the epoch-aligned grid (every 10 s means at :00, :10, ...),
 so beats started at different times agree; a crontab entry's slot is its latest firing time
 at or before now; other schedules (solar) fall back to their due time, to the second.
 
-Hand-over: a new leader first dispatches the interval and crontab slots that fell within the
-catch-up window before now (`jobfence_beat_catchup`, default two leader TTLs) and that its
-own record of the entry does not cover, oldest first, then the current slot: the slots that
-fell while no leader was dispatching. A slot the old leader did dispatch goes out again under
-the same key, and its @singleton_task runs it once.
+Hand-over: the leader stores, per entry, the last slot it dispatched on the lock server (a
+mark under the leader key). A new leader first dispatches the interval and crontab slots
+after that mark and within the catch-up window before now (`jobfence_beat_catchup`, default
+two leader TTLs), oldest first, then the current slot unless the mark has it: the slots that
+fell while no leader was dispatching, however late this process started. With no mark (the
+fleet never dispatched the entry) the window starts at this beat's own last run, and the
+leader stores the slot of that run as the mark before it dispatches anything (so a leader
+killed before its first mark was written still leaves its successor where to start).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import heapq
 import logging
 import math
+import uuid
 from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from typing import Any
 
@@ -33,8 +39,11 @@ from celery.schedules import BaseSchedule, crontab, schedstate, schedule
 
 from jobfence.locks import LeaseKeeper, LockBackend, LockError
 from jobfence.locks.backend import default_meta
+from jobfence.locks.drive import run_sync
+from jobfence.locks.flows import Flow
 from jobfence.locks.leader import Term, try_elect
 from jobfence.locks.lease import Lease
+from jobfence.locks.ops import SwapPublish
 from jobfence.locks.outage import OUTAGE
 from jobfence.tasks import HEADER, SingletonTask, runtime_for
 
@@ -44,6 +53,13 @@ LEADER_KEY = "beat-leader"
 MAX_STANDBY_POLL = 1.0  # seconds between a standby's attempts, at most
 CRON_LOOKBACK_DAYS = 366 * 4 + 1  # a crontab fires at least once in four years (Feb 29)
 MAX_CATCHUP_SLOTS = 100  # per entry and hand-over: a short interval never floods the broker
+#: How long the lock server keeps an entry's last dispatched slot after the dispatch: longer
+#: than any gap between two slots of a yearly crontab, so "no mark" means "never dispatched".
+MARK_TTL = 400 * 86400.0
+MARK_ATTEMPTS = 3  # compare-and-set tries of a mark that another beat moved meanwhile
+NO_MARK = "-"  # never a mark (not a slot): the `expect` of a read, or of a first write
+#: uuid5 namespace of the slots' task ids.
+SLOT_NAMESPACE = uuid.UUID("6f6b3c2e-9a51-5d0b-8c1e-0f4a1b2c3d4e")
 
 
 # --------------------------------------------------------------------------- slots
@@ -134,6 +150,60 @@ def slot_key(entry: ScheduleEntry, now: datetime) -> str:
     return f"{entry.name}@{format_slot(slot_time(entry, now))}"
 
 
+def parse_slot(text: str) -> datetime | None:
+    """A slot written by `format_slot`, or None if `text` is not one."""
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return at.astimezone(UTC) if at.tzinfo is not None else None
+
+
+def slot_task_id(fleet: str, task: str, key: str) -> str:
+    """The task id of the slot keyed `key` of `task`: the same in every beat of the fleet
+    (key prefix), so every dispatch of one slot is one run, whatever its lifetime."""
+    return str(uuid.uuid5(SLOT_NAMESPACE, f"{fleet}\n{task}\n{key}"))
+
+
+def mark_key(leader_key: str, entry_name: str) -> str:
+    """The lock-server key of an entry's last dispatched slot (the name hashed: an entry's
+    name may hold characters a key may not)."""
+    return f"{leader_key}:slot:{hashlib.sha256(entry_name.encode()).hexdigest()[:24]}"
+
+
+def read_mark_flow(key: str) -> Flow[str | None]:
+    """The stored mark of `key`, or None. A compare-and-set that can only remove NO_MARK
+    (never stored): a read in one round trip on every store."""
+    kept: str | None = yield SwapPublish(key, NO_MARK, None, MARK_TTL)
+    return kept
+
+
+def advance_mark_flow(key: str, at: datetime, seen: str | None) -> Flow[datetime]:
+    """Store slot `at` as `key`'s mark unless a later slot is stored; return the stored
+    slot. `seen` is the value last read, so a beat that died between two writes, or a frozen
+    one, never moves the mark back."""
+    new, expect = format_slot(at), seen or NO_MARK
+    for _ in range(MARK_ATTEMPTS):
+        kept: str | None = yield SwapPublish(key, expect, new, MARK_TTL)
+        if kept is None:
+            return at
+        other = parse_slot(kept)
+        if other is not None and other >= at:
+            return other
+        expect = kept  # an older slot, or not a slot at all: replace it
+    return at
+
+
+def catchup_since(
+    now: datetime, window: float, fleet_last: datetime | None, local_last: datetime
+) -> datetime:
+    """Where a new leader's catch-up starts: after the slot the fleet last dispatched (the
+    lock server's mark), but no earlier than `window` seconds before `now`. With no mark
+    (the fleet never dispatched the entry) after this beat's own last run instead."""
+    floor = now - timedelta(seconds=window)
+    return max(floor, fleet_last if fleet_last is not None else local_last)
+
+
 def _catchup_window(value: Any, ttl: float) -> float:
     """`jobfence_beat_catchup` in seconds (None: two leader TTLs), checked."""
     if value is None:
@@ -183,6 +253,8 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         self.standby_poll = min(self.ttl / 3, MAX_STANDBY_POLL)
         self.catchup = _catchup_window(app.conf.get("jobfence_beat_catchup"), self.ttl)
         self._catching_up = False  # set by a new term: dispatch the missed slots first
+        self.fleet = runtime.settings.key_prefix  # beats that share it share slot task ids
+        self._marks: dict[str, str] = {}  # entry name -> its mark as last read or written
         self.observer = runtime.metrics.observe_leadership
         self.term: Term | None = None
         self._standby_logged = False
@@ -248,22 +320,69 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
         return float(super().tick(*args, **kwargs))
 
     def catch_up(self) -> None:
-        """Dispatch each entry's slots that fell in the catch-up window and after the entry's
-        last run here, oldest first; the current slot is left to the tick (it is due)."""
+        """Dispatch each entry's slots that fell after the fleet's last dispatch of it (its
+        mark on the lock server) and within the catch-up window, oldest first; the current
+        slot is left to the tick, which sends it unless the mark has it."""
         for entry in list(self.schedule.values()):
             now = _aware(entry.schedule, entry.default_now())
             try:
-                last = _aware(entry.schedule, entry.last_run_at)
-                since = max(now - timedelta(seconds=self.catchup), last)
+                fleet_last = self.fleet_last_slot(entry, now)
+                local_last = _aware(entry.schedule, entry.last_run_at)
+                since = catchup_since(now, self.catchup, fleet_last, local_last)
                 slots = missed_slots(entry, now, since)
             except Exception as exc:  # one broken schedule must not stop the others
                 log.error("beat: cannot list the missed slots of %s: %r", entry.name, exc)
                 continue
+            if fleet_last is not None and isinstance(entry.schedule, crontab | schedule):
+                # The tick's is_due reads last_run_at: from the fleet's last slot, the
+                # current one is due unless it was dispatched (this beat's own start time
+                # would say "not due" if it started within the current period).
+                entry.last_run_at = fleet_last
+            elif fleet_last is None and isinstance(entry.schedule, crontab | schedule):
+                # No mark: the fleet starts covering the entry here. Store where (the slot
+                # at this beat's start, owed to nobody) before any dispatch, so a leader
+                # killed between its first publish and that slot's mark leaves its
+                # successor a mark to catch up from, not a mark-less window that starts at
+                # the successor's own start (issue 29: the slots between were lost).
+                self.record_slot(entry, slot_time(entry, local_last))
             for at in slots:
                 try:
                     self.dispatch_slot(entry, at)
                 except Exception as exc:  # as Celery's tick: log, and go on with the rest
                     log.error("beat: catching up %s at %s failed: %r", entry.name, at, exc)
+
+    def fleet_last_slot(self, entry: ScheduleEntry, now: datetime) -> datetime | None:
+        """The latest slot of `entry` the fleet dispatched, from the lock server (None: never,
+        unreadable, or not yet due here: a mark ahead of this beat's clock)."""
+        try:
+            kept = run_sync(
+                read_mark_flow(mark_key(self.leader_key, entry.name)),
+                self.backend,
+                self.backend.clock,
+            )
+        except LockError as exc:
+            OUTAGE.warning(log, "beat: cannot read the last slot of %s: %s", entry.name, exc)
+            return None
+        if kept is None:
+            return None
+        self._marks[entry.name] = kept
+        at = parse_slot(kept)
+        return at if at is not None and at <= now else None
+
+    def record_slot(self, entry: ScheduleEntry, at: datetime) -> None:
+        """Store `at` as the fleet's last dispatched slot of `entry` (after its dispatch: a
+        mark never names a slot that was not sent)."""
+        key = mark_key(self.leader_key, entry.name)
+        try:
+            stored = run_sync(
+                advance_mark_flow(key, at, self._marks.get(entry.name)),
+                self.backend,
+                self.backend.clock,
+            )
+        except LockError as exc:  # a successor re-sends the slot: the same run, absorbed
+            OUTAGE.warning(log, "beat: cannot store the last slot of %s: %s", entry.name, exc)
+            return
+        self._marks[entry.name] = format_slot(stored)
 
     def close(self) -> None:
         """Release the lease (a standby takes over at its next poll), then close as usual."""
@@ -308,14 +427,18 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]
     def dispatch_slot(
         self, entry: ScheduleEntry, at: datetime, producer: Any = None, **kwargs: Any
     ) -> Any:
-        """Publish the run of `entry` scheduled at `at`, keyed `"<entry name>@<slot>"`."""
+        """Publish the run of `entry` scheduled at `at`, keyed `"<entry name>@<slot>"`, under
+        the slot's own task id; then store it as the fleet's last dispatched slot."""
         key = f"{entry.name}@{format_slot(at)}"
         stamped = copy.copy(entry)
         headers = dict(entry.options.get("headers") or {})
         headers[HEADER] = key
-        stamped.options = {**entry.options, "headers": headers}
-        log.info("beat: dispatching %s as %s", entry.task, key)
-        return super().apply_async(stamped, producer=producer, advance=False, **kwargs)
+        task_id = slot_task_id(self.fleet, str(entry.task), key)
+        stamped.options = {**entry.options, "headers": headers, "task_id": task_id}
+        log.info("beat: dispatching %s as %s (task %s)", entry.task, key, task_id)
+        result = super().apply_async(stamped, producer=producer, advance=False, **kwargs)
+        self.record_slot(entry, at)
+        return result
 
     def setup_schedule(self) -> None:
         super().setup_schedule()

@@ -3,8 +3,8 @@
 import sys
 
 from jobfence.config import UnsafeSettings
+from jobfence.config.errors import EX_CONFIG
 from jobfence.worker.app import create_app
-from jobfence.worker.checks import EX_CONFIG
 
 try:
     app = create_app()

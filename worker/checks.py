@@ -18,6 +18,7 @@ from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings, security
+from jobfence.config.errors import EX_CONFIG, SETTINGS_FIX
 from jobfence.config.settings import ENV_PREFIX, unknown_django_settings, unknown_variables
 from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, RedisBackend, registry
@@ -28,10 +29,10 @@ from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.locks.registry import backends_with
 from jobfence.tasks import Runtime, SingletonTask
 from jobfence.tasks.keys import secret_id
+from jobfence.worker import broker_tls
 
 log = logging.getLogger(__name__)
 
-EX_CONFIG = 78  # sysexits.h: configuration error
 #: Longest pause between two probes of a lock server that was down at start-up.
 LOCK_PROBE_CAP = 30.0
 LOCK_SERVER_DOWN = "lock-server-down"
@@ -44,6 +45,8 @@ JSON_TYPES = ("json", "application/json")
 #: Celery's message signing: JSON inside, signed with the app's key (app.setup_security()).
 SIGNED_TYPES = ("auth", "application/data")
 REDIS_SCHEMES = registry.entry("redis").schemes
+#: The carrier of Django tasks (tasks.django_tasks.CARRIER; named here, Django is optional).
+DJANGO_CARRIER = "jobfence.django_task"
 
 
 class StartupWarning(UserWarning):
@@ -100,6 +103,32 @@ def check_serializers(conf: Any) -> Iterator[Finding]:
             "decode arbitrary data from the broker",
             "accept and send only json (or auth, Celery's signed JSON): remove the others "
             "from the app's Celery settings (left unset, jobfence.setup makes them JSON only)",
+        )
+
+
+def check_signed_carrier(conf: Any, tasks: Iterable[Any] = ()) -> Iterator[Finding]:
+    """Warn where the app signs its messages and runs Django tasks' carrier: the processes that
+    enqueue them must sign too, and accepting plain JSON beside `auth` signs nothing."""
+    accepted = [str(c) for c in conf.accept_content or ()]
+    signing = conf.task_serializer in SIGNED_TYPES or any(c in SIGNED_TYPES for c in accepted)
+    if not signing or DJANGO_CARRIER not in {getattr(t, "name", None) for t in tasks}:
+        return
+    if any(c in JSON_TYPES for c in accepted):
+        yield _warn(
+            "accept_content",
+            f"the app signs its messages but accepts plain JSON too, so every task (Django's "
+            f"through {DJANGO_CARRIER} included) runs unsigned messages: signing is off",
+            "accept only auth, and call app.setup_security() in every process that enqueues "
+            "(the web process's CeleryBackend app too)",
+        )
+    else:
+        yield _warn(
+            "task_serializer",
+            f"the app signs its messages and runs Django tasks ({DJANGO_CARRIER}): a process that "
+            "enqueues them unsigned (a web process whose Celery app has no setup_security()) "
+            "has its jobs dropped by this worker",
+            "call app.setup_security() on the Celery app CeleryBackend's OPTIONS name, in "
+            "every process that enqueues",
         )
 
 
@@ -221,12 +250,42 @@ def _foreign_lock_server(url: str, timeout: float) -> str | None:
     return foreign_server(parts.hostname, parts.port or 6379, timeout)
 
 
-def _foreign_fix(foreign: str) -> str:
+def _foreign_fix(foreign: str, expected: str = "Redis", port: int = 6379) -> str:
     from jobfence.worker.probe import SCHEME_FOR
 
-    fix = f"point {ENV_PREFIX}LOCK_URL at your Redis server's address and port (6379 by default)"
+    fix = (
+        f"point {ENV_PREFIX}LOCK_URL at your {expected} server's address and port "
+        f"({port} by default)"
+    )
     scheme = SCHEME_FOR.get(foreign)
     return fix + (f", or use a {scheme} URL to keep locks in {foreign}" if scheme else "")
+
+
+#: What a SQL lock URL's scheme expects to answer, and its default port.
+SQL_SERVERS = {"postgresql": ("PostgreSQL", 5432), "mysql": ("MySQL/MariaDB", 3306)}
+
+
+def _foreign_sql_refusal(setting: str, url: str, family: str) -> Finding | None:
+    """The refusal of a SQL lock URL whose address answers as another server (a
+    `postgresql://` URL at Redis's port): a wrong setting, never an outage to wait out."""
+    from jobfence.worker.probe import foreign_sql_server
+
+    expected, default_port = SQL_SERVERS[family]
+    parts = urlsplit(url)
+    if not parts.hostname:  # a socket directory or ?host=: nothing to probe by address
+        return None
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        return None
+    foreign = foreign_sql_server(parts.hostname, port, expected)
+    if foreign is None:
+        return None
+    return _refuse(
+        setting,
+        f"{redact(url)} answers, but as {foreign}, not a {expected} server",
+        _foreign_fix(foreign, expected, default_port),
+    )
 
 
 CREDENTIALS_FIX = (
@@ -249,7 +308,7 @@ def credentials_refused(exc: BaseException) -> str | None:
 
 
 def check_security(conf: Any, runtime: Runtime) -> Iterator[Finding]:
-    """Refuse each downgrade (README, Security) JOBFENCE_ALLOW_INSECURE does not allow;
+    """Refuse each downgrade (docs/reference/security.md) JOBFENCE_ALLOW_INSECURE does not allow;
     warn about each it does. Judges the settings' URLs and the app's own broker and result
     backend, which need not come from JOBFENCE_*."""
     settings = runtime.settings
@@ -259,7 +318,13 @@ def check_security(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     }
     known = set(settings.server_urls().values())
     extra = {k: v for k, v in extra.items() if v and v not in known}
-    for d in settings.downgrades(extra, lock_security(runtime)):
+    found = settings.downgrades(extra, lock_security(runtime))
+    judged = {(d.item, d.variable) for d in found}
+    # The TLS the broker's and result backend's clients really use (broker_use_ssl, kombu's
+    # default), which a rediss:// URL's text does not tell.
+    found += [d for d in broker_tls.downgrades(conf, settings)
+              if (d.item, d.variable) not in judged]  # fmt: skip
+    for d in found:
         if d.item in settings.allow_insecure:
             yield _warn(d.variable, f"{d.problem} ({security.allowed_note(d.item)})", d.fix)
         else:
@@ -281,7 +346,8 @@ def posture_lines(conf: Any, settings: Any, lock: Any = None) -> list[str]:
              "result_backend": str(conf.result_backend or "") or None}  # fmt: skip
     known = set(settings.server_urls().values())
     urls = {**settings.server_urls(), **{k: v for k, v in extra.items() if v not in known}}
-    lines = [p.line() for p in security.postures_with(urls, f"{ENV_PREFIX}LOCK_URL", lock)]
+    lines = [broker_tls.corrected(p, conf).line()
+             for p in security.postures_with(urls, f"{ENV_PREFIX}LOCK_URL", lock)]
     strength = security.key_secret_strength(settings.key_secret.get_secret_value())
     lines.append(f"{ENV_PREFIX}KEY_SECRET: {strength}")
     allowed = ",".join(settings.allow_insecure) or "nothing"
@@ -356,6 +422,16 @@ def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Findin
     try:
         problems = backend.session_problems()
     except BackendUnavailable as exc:
+        from jobfence.locks.backends.postgres import OPTIONS_FIX
+
+        if OPTIONS_FIX in str(exc.cause):  # a pooler that refuses them for good: no outage
+            yield _refuse(setting, f"the lock database at {redact(url)}: {OPTIONS_FIX}",
+                          "add `ignore_startup_parameters = options` to pgbouncer.ini")  # fmt: skip
+            return
+        foreign = _foreign_sql_refusal(setting, url, "postgresql")
+        if foreign is not None:
+            yield foreign
+            return
         # As for Redis: come up and wait rather than crash-loop during an outage.
         yield _warn(
             setting,
@@ -368,8 +444,8 @@ def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Findin
         yield _refuse(
             setting,
             f"the lock database at {redact(url)}: {problem}",
-            "connect directly or through a session-mode pooler that passes the startup "
-            "options, to PostgreSQL 11 or later",
+            "use PostgreSQL 11 or later; behind a pooler that drops the startup options, "
+            "ALTER ROLE ... SET default_transaction_isolation = 'read committed'",
         )
 
 
@@ -382,6 +458,10 @@ def _check_lock_server(
     try:
         problems = backend.server_problems() if ttls is None else backend.server_problems(ttls)
     except BackendUnavailable as exc:
+        foreign = _foreign_sql_refusal(setting, url, "mysql") if backend.name == "mysql" else None
+        if foreign is not None:
+            yield foreign
+            return
         yield Finding(
             False,
             setting,
@@ -467,8 +547,21 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
     timeout = runtime.settings.socket_timeout
     # A user's own app (jobfence.setup) sets its broker itself, not through JOBFENCE_*.
     setting = f"{ENV_PREFIX}BROKER_URL" if url == runtime.settings.broker_url else "broker_url"
+    try:  # a CA or certificate file the URL names must be readable: not an outage later
+        broker_tls.use_ssl(url, setting)
+    except UnsafeSettings as bad:
+        yield _refuse(bad.field, bad.problem, bad.fix)
+        return
+    tls = broker_tls.broker_client_tls(conf)
+    options: dict[str, Any] = {}
+    if tls is not None:
+        if tls.unverified() and not _allowed(conf, runtime):
+            return  # refused by the security check: no password over an unverified channel
+        # The TLS kombu will use (broker_use_ssl, the URL's ssl_ options), not redis-py's own.
+        options = {} if tls.plain else dict(tls.options)
     client = redis.Redis.from_url(
-        url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        url, socket_timeout=timeout, socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0), **options,
     )
     try:
         try:
@@ -477,6 +570,11 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
             wrong = credentials_refused(exc)
             if wrong:
                 yield _refuse(setting, f"the broker at {redact(url)} {wrong}", CREDENTIALS_FIX)
+                return
+            hint = tls_hint(exc)
+            if hint:  # a certificate that does not verify is no outage: never start with it
+                yield _refuse(setting, f"the broker at {redact(url)} cannot be used ({exc})",
+                              hint.replace("the lock server", "the broker"))
                 return
             yield _warn(
                 setting,
@@ -488,6 +586,12 @@ def check_broker(conf: Any, runtime: Runtime) -> Iterator[Finding]:
         yield from check_eviction(client, "broker", setting, url)
     finally:
         client.close()
+
+
+def _allowed(conf: Any, runtime: Runtime) -> bool:
+    """Whether JOBFENCE_ALLOW_INSECURE allows every broker TLS downgrade of `conf`."""
+    allowed = set(runtime.settings.allow_insecure)
+    return all(d.item in allowed for d in broker_tls.downgrades(conf, runtime.settings))
 
 
 def _singleton_ttls(tasks: Iterable[Any]) -> Iterator[tuple[str, float]]:
@@ -579,7 +683,7 @@ def check_rate_limits(runtime: Runtime, tasks: Iterable[Any] = ()) -> Iterator[F
 
 
 def check_key_secret(runtime: Runtime) -> Iterator[Finding]:
-    """Refuse a key secret that would silently re-run finished jobs (README "Settings").
+    """Refuse a key secret that would silently re-run finished jobs (how-to: rotate-key-secret).
 
     The lock server keeps the id of the secret in use (`secret_id`, never the secret). A
     secret whose id is neither that one nor one of JOBFENCE_KEY_SECRET_PREVIOUS's would look
@@ -609,7 +713,7 @@ def check_key_secret(runtime: Runtime) -> Iterator[Finding]:
         f"is not the key secret the lock server's job records and locks were written under "
         f"(stored id {stored}, this one {mine}): every finished job would run again",
         f"to rotate, keep the old secret in {p}KEY_SECRET_PREVIOUS while the new one rolls out "
-        f"(README, Settings: rotating the key secret); to start afresh on purpose, set "
+        f"(docs/how-to/rotate-key-secret.md); to start afresh on purpose, set "
         f"{p}KEY_SECRET_RESET=true for one start",
     )
 
@@ -641,7 +745,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> Iterator[Find
             False,
             name,
             "is not a jobfence setting, so it is ignored",
-            f"did you mean {close}?" if close else "remove it, or see the README's Settings table",
+            f"did you mean {close}?" if close else SETTINGS_FIX,
             code=UNKNOWN_NAME,
         )
 
@@ -673,6 +777,7 @@ def run_checks(app: Any, runtime: Runtime, *, servers: bool = True) -> list[Find
     tasks = list(app.tasks.values())
     findings = [
         *check_serializers(conf),
+        *check_signed_carrier(conf, tasks),
         *check_security(conf, runtime),
         *check_delivery(conf),
         *check_timeouts(conf, runtime, tasks),

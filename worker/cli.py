@@ -10,9 +10,11 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.config.errors import EX_CONFIG, InsecureSettings
 from jobfence.locks import LockBackend, LockError
 from jobfence.locks.registry import MissingExtra
 from jobfence.worker.fleet import BUNDLED_APP
@@ -151,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the start-up checks against the configured servers",
         description="Run the checks a worker of the app runs at start (serialisers, eviction "
         "policy of the lock server and a Redis broker, TTLs against the visibility timeout) "
-        "and list every finding. Exit status 1 if any refuses.",
+        "and list every finding. Exit status 78 (EX_CONFIG, as a refused worker) if any "
+        "refuses or the settings cannot be read; 0 if they pass, warnings included.",
     )
     add_app_option(check, default="the bundled app")
     sub.add_parser(
@@ -175,19 +178,31 @@ def _add_dashboard_parser(sub: Any) -> None:
         "dashboard",
         help="a web page of the locks, their holders' liveness, slots, leaders and records",
         description="Serve the lock dashboard (pip install 'jobfence[dashboard]'). It binds "
-        "127.0.0.1 unless --host says otherwise, and is read-only unless --allow-actions: "
-        "put it behind your own login before binding another address.",
+        "127.0.0.1 unless --host says otherwise, is read-only unless --allow-actions, and "
+        "answers only the Host names it is bound to (localhost:PORT, --allowed-host). With "
+        "JOBFENCE_DASHBOARD_TOKEN set (32+ random characters) every page needs it (a login "
+        "form, or an `Authorization: Bearer` header); binding another address or "
+        "--allow-actions is refused without it.",
     )
     where = dash.add_mutually_exclusive_group()
     where.add_argument(
         "--app",
         "-A",
         metavar="MODULE[:ATTR]",
-        help="your Celery app (its lock settings and beat schedule)",
+        help="your Celery app (its lock settings, its tasks' job keys for finding a job by "
+        "its arguments, and its beat schedule)",
     )
     where.add_argument("--lock-url", help="the lock server's URL (default: JOBFENCE_LOCK_URL)")
     dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     dash.add_argument("--port", type=_positive_int, default=8099, help="port (default 8099)")
+    dash.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME[:PORT]",
+        help="a Host name the dashboard answers besides its address and localhost:PORT "
+        "(the name you browse it by; repeat for more); others get 421",
+    )
     dash.add_argument(
         "--allow-actions",
         action="store_true",
@@ -197,6 +212,12 @@ def _add_dashboard_parser(sub: Any) -> None:
         "--metrics-url",
         default="",
         help="a worker's /metrics URL for the live waits, skips and lost leases",
+    )
+    dash.add_argument(
+        "--hide-lock-names",
+        action="store_true",
+        help="show plain locks (no task) by a hash, not by the name their owner gave them "
+        "(`locks list` shows the name)",
     )
 
 
@@ -211,7 +232,13 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
               f"({exc.name} is missing)", file=sys.stderr)  # fmt: skip
         return 2
     from jobfence.worker import admin
+    from jobfence.worker.dashboard import guard
 
+    try:
+        hosts, token = _dashboard_guard(args)
+    except guard.GuardError as exc:
+        print(f"jobfence: refusing to start the dashboard: {exc}", file=sys.stderr)
+        return EX_CONFIG
     app = None
     if args.app:
         from jobfence.tasks import runtime_for
@@ -227,14 +254,45 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     _say_source(args, settings, args.lock_url)
     backend = admin.open_admin_backend(settings)
     dashboard = Dashboard(backend, actions=args.allow_actions, app=app,
-                          metrics_url=args.metrics_url)  # fmt: skip
+                          metrics_url=args.metrics_url, allowed_hosts=hosts,
+                          token=token, hide_names=args.hide_lock_names)  # fmt: skip
     mode = "actions enabled" if args.allow_actions else "read-only"
-    print(f"jobfence dashboard on http://{args.host}:{args.port}/ ({backend.name}, {mode})")
+    login = "token login" if token else "no login"
+    print(f"jobfence dashboard on http://{guard.url_host(args.host, args.port)}/ ({backend.name}, "
+          f"{mode}, {login}; answers Host {', '.join(dashboard.hosts.entries)})")  # fmt: skip
+    if not guard.is_loopback(args.host) and not args.allowed_host:
+        print("  (browsing it by another name or address? add it: --allowed-host NAME; other "
+              "names get 421)")  # fmt: skip
     try:
         uvicorn.run(build_app(dashboard), host=args.host, port=args.port, log_level="warning")
     finally:
         backend.close()
     return 0
+
+
+def _dashboard_guard(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The Host allow-list and the token for `jobfence dashboard`, or a GuardError: a weak
+    token; no token while bound off loopback or with --allow-actions."""
+    from jobfence.worker.dashboard import guard
+
+    token = guard.check_token(os.environ.get(guard.TOKEN_ENV))
+    exposed = [why for why, yes in [
+        (f"it binds {args.host}, off loopback", not guard.is_loopback(args.host)),
+        ("--allow-actions lets it release locks", args.allow_actions),
+    ] if yes]  # fmt: skip
+    if exposed and token is None:
+        raise guard.GuardError(
+            f"{' and '.join(exposed)}, with no login: set {guard.TOKEN_ENV} to 32+ random "
+            f"characters (make one with {guard.MAKE_TOKEN}) and log in with it, or bind "
+            f"127.0.0.1 without --allow-actions"
+        )
+    port = args.port
+    hosts = [f"{name}:{port}" for name in guard.LOOPBACK_HOSTS]
+    if args.host not in ("0.0.0.0", "::", ""):
+        hosts.insert(0, guard.url_host(args.host, port))
+    hosts += args.allowed_host
+    guard.HostList(hosts)  # a malformed --allowed-host is refused here, naming it
+    return hosts, token
 
 
 def _add_why_parser(lsub: Any) -> None:
@@ -624,16 +682,22 @@ def cmd_check(args: argparse.Namespace) -> int:
         from jobfence.worker.app import create_app
 
         print(f"app: the bundled {BUNDLED_APP} (no --app given)")
-        app = create_app(load_settings())
+        settings = load_settings()
+        try:
+            app = create_app(settings)
+        except InsecureSettings as exc:
+            return _refused_before_connecting(None, settings, exc)
     app.loader.import_default_modules()  # the task modules, as a worker imports them
     try:
         runtime = runtime_for(app)  # built from JOBFENCE_* if the app has none yet
+    except InsecureSettings as exc:
+        return _refused_before_connecting(app.conf, None, exc)
     except (UnsafeSettings, MissingExtra) as exc:
         from jobfence.worker.checks import refusal_text
 
         print(f"REFUSED: jobfence's settings cannot be read:\n{refusal_text(exc)}")
         print("start-up checks: refused")
-        return 1
+        return EX_CONFIG
     print(describe_source(args, runtime.settings, None))
     try:
         health = runtime.backend.health()
@@ -655,7 +719,29 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{'REFUSED' if f.refuse else 'warning'}: {f}")
     refused = any(f.refuse for f in findings)
     print("start-up checks: " + ("refused" if refused else "passed"))
-    return 1 if refused else 0
+    return EX_CONFIG if refused else 0
+
+
+def _refused_before_connecting(conf: Any, settings: Any, exc: InsecureSettings) -> int:
+    """`check` on settings refused before any connection: their posture (judged from the
+    text alone) and each refusal; the lock server is never opened (its password stays)."""
+    from jobfence.worker.checks import posture_lines
+
+    if settings is None:
+        try:
+            settings = load_settings()
+        except (UnsafeSettings, MissingExtra):
+            settings = None
+    if settings is not None:
+        empty = SimpleNamespace(broker_url=None, result_backend=None)
+        print("security posture:")
+        for line in posture_lines(conf if conf is not None else empty, settings):
+            print(f"  {line}")
+    for refusal in (exc, *exc.also):
+        print(f"REFUSED: {refusal.field}: {refusal.problem}. Fix: {refusal.fix}")
+    print("the lock server was not opened: the settings are refused before any connection")
+    print("start-up checks: refused")
+    return EX_CONFIG
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -869,7 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return commands[args.command](args)
     except UnsafeSettings as exc:
         print(f"jobfence: unsafe settings: {exc}", file=sys.stderr)
-        return 2
+        return EX_CONFIG if args.command == "check" else 2  # check: what a worker's start gets
     except (LockError, MissingExtra) as exc:
         print(f"jobfence: {exc}", file=sys.stderr)
         return 2

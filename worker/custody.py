@@ -1,14 +1,16 @@
-"""Custody of a worker's Redis-broker deliveries: a killed worker's jobs come back within about
-two lease TTLs, not after kombu's visibility timeout.
+"""Custody of a worker's Redis-broker deliveries: a killed worker's jobs come back about one
+lease TTL (their task's own) after its last record, not after kombu's visibility timeout.
 
 On the Redis broker an unacked message lives in kombu's `unacked` hash and `unacked_index`
 (tag -> delivery time) until its consumer acks it; kombu puts it back only once it is older
 than the visibility timeout (3,600 s by default), whoever holds it. So each worker's main
-process records here, every TTL/3 and for one TTL on the server's clock, the delivery tags
-it holds (running, prefetched or waiting for an ETA: kombu's QoS `_delivered`). Every worker
-then sweeps: a tag delivered more than one TTL ago that no live custody holds belongs to a
-worker that is gone (its pool children die with it: Celery sets PR_SET_PDEATHSIG), and
-kombu's own `QoS.restore_by_tag` puts it back at the head of its queue, marked redelivered.
+process records here, every third of its shortest lease TTL and on the server's clock, the
+delivery tags it holds (running, prefetched or waiting for an ETA: kombu's QoS `_delivered`),
+each until its task's own lease TTL from now. Every worker then sweeps: a tag delivered more
+than its task's TTL ago that no live custody holds belongs to a worker that is gone (its pool
+children die with it: Celery sets PR_SET_PDEATHSIG), and goes back at the head of its queue,
+marked redelivered, as a new delivery: under a fresh tag, its old entry removed in the same
+transaction, so the ack of a holder that was only paused removes nothing of the new copy.
 
 Only messages of @singleton_task tasks are put back early: their gate absorbs a copy whose
 job is still running (the same task id defers until the lease ends) or done (the record
@@ -49,8 +51,9 @@ def script_source(name: str) -> str:
 
 @dataclass(frozen=True)
 class CustodyTimes:
-    """How often a worker records its custody, how long a record lasts, and how old an
-    unacked delivery must be before a sweep may judge it (seconds)."""
+    """How often a worker records its custody, how long a record lasts at least, and how old
+    an unacked delivery must be before a sweep may judge it (seconds). A delivery's own
+    custody lasts its task's lease TTL (Custody.lease_ttl)."""
 
     every: float  # record, then sweep
     lifetime: float  # a record not renewed this long means its worker is gone
@@ -58,6 +61,7 @@ class CustodyTimes:
 
     @classmethod
     def for_ttl(cls, ttl: float) -> CustodyTimes:
+        """The times for a worker whose shortest lease TTL is `ttl`."""
         # Three records per lifetime: one late or lost record never lapses a live worker.
         return cls(every=ttl / 3, lifetime=ttl, grace=ttl)
 
@@ -72,8 +76,16 @@ def task_name(payload: bytes | str) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class Custody:
-    """One worker's custody record, and the sweep, on one kombu Redis channel."""
+    """One worker's custody record, and the sweep, on one kombu Redis channel.
+
+    `lease_ttl(task name)` is the lease TTL of a gated task (a @singleton_task), None for any
+    other: only a gated task's message is put back, once its own TTL has passed.
+    """
 
     def __init__(
         self,
@@ -82,7 +94,7 @@ class Custody:
         worker_id: str,
         key: str,
         times: CustodyTimes,
-        gated: Callable[[str], bool],
+        lease_ttl: Callable[[str], float | None],
     ) -> None:
         import redis
 
@@ -90,7 +102,7 @@ class Custody:
         self.qos = channel.qos
         self.worker_id = worker_id
         self.times = times
-        self.gated = gated
+        self.lease_ttl = lease_ttl
         # A plain client on kombu's pool, keys named in full: kombu's prefixing client would
         # prefix only the first key of a script.
         self.client = redis.Redis(connection_pool=channel.pool)
@@ -102,50 +114,69 @@ class Custody:
         self._orphans = self.client.register_script(script_source("custody_orphans"))
         self._offset = 0  # where the next sweep starts among the overdue tags
 
-    def held(self) -> set[str] | None:
-        """The tags this worker holds now; None if the consumer kept changing them."""
+    def held(self) -> dict[str, float] | None:
+        """The tags this worker holds now, each with how long its custody lasts (its task's
+        lease TTL); None if the consumer kept changing them."""
         for _ in range(10):
             try:  # the consumer's thread appends and acks meanwhile: read again if it did
-                return {t if isinstance(t, str) else t.decode() for t in list(self.qos._delivered)}
+                acked = set(self.qos._dirty)  # acked, dropped from _delivered at the next append
+                delivered = list(self.qos._delivered.items())
             except RuntimeError:
                 continue
+            return {
+                _text(tag): self._lifetime(message)
+                for tag, message in delivered
+                if tag not in acked
+            }
         return None
 
+    def _lifetime(self, message: Any) -> float:
+        name = (getattr(message, "headers", None) or {}).get("task")
+        ttl = self.lease_ttl(name) if isinstance(name, str) else None
+        return self.times.lifetime if ttl is None else ttl
+
     def keep(self) -> bool:
-        """Record the tags held now, for one lifetime; False if they could not be read."""
+        """Record the tags held now, each for its task's TTL; False if they could not be read."""
         tags = self.held()
         if tags is None:
             return False
         lifetime_ms = max(1, int(self.times.lifetime * 1000))
-        self._keep(keys=[self.custody_key], args=[self.worker_id, lifetime_ms, " ".join(tags)])
+        held = " ".join(f"{tag}={max(1, int(ttl * 1000))}" for tag, ttl in tags.items())
+        self._keep(keys=[self.custody_key], args=[self.worker_id, lifetime_ms, held])
         return True
 
     def sweep(self) -> list[str]:
         """Put back the gated messages no live worker holds; returns their task names."""
-        cutoff = time.time() - self.times.grace
-        args = [cutoff, self._offset, SWEEP_LIMIT]
+        now = time.time()
+        args = [now - self.times.grace, self._offset, SWEEP_LIMIT]
         looked, found = self._orphans(keys=[self.custody_key, self.index_key], args=args)
-        mine = self.held() or set()
-        tags = [t.decode() if isinstance(t, bytes) else str(t) for t in found or []]
-        tags = [t for t in tags if t not in mine]  # ours, whatever the record says
-        restored = self._restore(tags) if tags else []
+        mine = self.held() or {}
+        pairs = [_text(x) for x in found or []]
+        orphans = [
+            (tag, float(at))
+            for tag, at in zip(pairs[::2], pairs[1::2], strict=True)
+            if tag not in mine  # ours, whatever the record says
+        ]
+        restored = self._restore(orphans, now) if orphans else []
         # A full page and nothing put back (long ETAs of live workers, plain tasks waiting
         # for the visibility timeout): the next sweep looks at the next page.
         full = looked >= SWEEP_LIMIT and not restored
         self._offset = self._offset + SWEEP_LIMIT if full else 0
         return restored
 
-    def _restore(self, tags: list[str]) -> list[str]:
-        """Put back the gated messages among `tags`; returns their task names."""
+    def _restore(self, orphans: list[tuple[str, float]], now: float) -> list[str]:
+        """Put back the gated messages among `orphans` (tag, delivery time) delivered more
+        than their task's TTL before `now`; returns their task names."""
         restored: list[str] = []
-        for tag, payload in zip(tags, self.client.hmget(self.unacked_key, tags), strict=True):
+        tags = [tag for tag, _ in orphans]
+        for (tag, at), payload in zip(orphans, self.client.hmget(self.unacked_key, tags),
+                                      strict=True):  # fmt: skip
             name = task_name(payload) if payload is not None else None  # None: acked meanwhile
-            if name is None or not self.gated(name):
-                continue
-            # kombu's own: WATCHes the unacked hash, so a concurrent ack or another
-            # worker's sweep of the same tag puts nothing back twice.
-            self.qos.restore_by_tag(tag, client=self.channel.client)
-            restored.append(name)
+            ttl = self.lease_ttl(name) if name is not None else None
+            if ttl is None or at > now - ttl:
+                continue  # not gated, or its own custody may not have lapsed yet
+            if self.put_back(tag):
+                restored.append(name)  # type: ignore[arg-type]
         if restored:
             log.warning(
                 "custody: put back %d message(s) held by a worker that is gone: %s",
@@ -153,6 +184,32 @@ class Custody:
                 ", ".join(sorted(set(restored))),
             )
         return restored
+
+    def put_back(self, tag: str) -> bool:
+        """Put the message of `tag` back at the head of its queue as a new delivery; False if
+        it was acked (or put back) meanwhile.
+
+        The copy carries a fresh delivery tag and `tag`'s unacked entry goes in the same
+        transaction (WATCHed, as kombu's `restore_by_tag`): the late ack of the holder it
+        was taken from removes `tag`, never the new holder's entry (design section 10).
+        """
+        qos, channel = self.qos, self.channel
+        put: list[bool] = []
+
+        def transaction(pipe: Any) -> None:
+            raw = pipe.hget(qos.unacked_key, tag)
+            pipe.multi()
+            qos._remove_from_indices(tag, pipe)
+            put.clear()  # a retried transaction (WatchError) decides afresh
+            if raw:
+                message, exchange, routing_key = json.loads(_text(raw))
+                message["properties"]["delivery_tag"] = channel._next_delivery_tag()
+                channel._do_restore_message(message, exchange, routing_key, pipe)
+                put.append(True)
+
+        with channel.conn_or_acquire() as client:
+            client.transaction(transaction, qos.unacked_key)
+        return bool(put)
 
     def forget(self) -> None:
         """Drop this worker's record (a clean stop: kombu put its messages back itself)."""
@@ -214,15 +271,19 @@ def build(c: Any) -> Custody | None:
     if channel is None or not isinstance(getattr(channel, "qos", None), QoS):
         return None  # RabbitMQ returns a closed connection's unacked messages at once
 
-    def gated(name: str) -> bool:
-        return isinstance(app.tasks.get(name), SingletonTask)
-
+    default_ttl = runtime.settings.default_ttl
+    ttls = {
+        name: task.lease_ttl(default_ttl)
+        for name, task in app.tasks.items()
+        if isinstance(task, SingletonTask)
+    }
     return Custody(
         channel,
         worker_id=f"{c.hostname}:{os.getpid()}",
         key=f"{runtime.settings.key_prefix}:custody:{channel.unacked_key}",
-        times=CustodyTimes.for_ttl(runtime.settings.default_ttl),
-        gated=gated,
+        # Recorded often enough for the shortest lease TTL here: no tag outlives its custody.
+        times=CustodyTimes.for_ttl(min([default_ttl, *ttls.values()])),
+        lease_ttl=ttls.get,
     )
 
 

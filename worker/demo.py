@@ -39,7 +39,7 @@ from jobfence.worker import procs
 from jobfence.worker.app import create_app
 from jobfence.worker.embedded import EmbeddedStack
 from jobfence.worker.fleet import Fleet, FleetOptions
-from jobfence.worker.redis_server import RedisServer
+from jobfence.worker.redis_server import RedisServer, RedisServerError
 
 CURRENCY = "EUR"
 DEMO_TTL = 3.0  # short, so a frozen worker outlives its leases within seconds
@@ -629,6 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report = run_demo(opts, log, sys.stderr)
     except UnsafeSettings as exc:
         print(f"demo: unsafe settings: {exc}", file=sys.stderr)
+        return 2
+    except RedisServerError as exc:  # no redis-server to start: one line with the fix
+        print(f"demo: {exc}", file=sys.stderr)
         return 2
     print(as_json(report) if args.json else render(report))
     if not args.json:

@@ -48,7 +48,7 @@ def django_findings(app: Any) -> list[Any]:
         app.loader.import_default_modules()  # the task modules, as a worker imports them
         findings = run_checks(app, runtime, servers=check_command_running())
     except (UnsafeSettings, MissingExtra) as exc:
-        return [message(2, str(exc), "see the README's Settings", refuse=True)]
+        return [message(2, str(exc), "see docs/reference/settings.md", refuse=True)]
     finally:
         _running.clear()
     return [

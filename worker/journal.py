@@ -10,7 +10,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from jobfence.tasks.executor import JobSpec
+from jobfence.tasks.events import Event, Row
+from jobfence.tasks.middleware import Delivery, Middleware
 from jobfence.tasks.runtime import Runtime
 
 JOURNAL_ENV = "JOBFENCE_DEMO_JOURNAL_URL"
@@ -22,14 +23,17 @@ def _client(url: str) -> redis.Redis:
                                 retry=Retry(NoBackoff(), 0))
 
 
-class RedisJournal:
-    """An executor observer: HINCRBY <prefix><event> <job key> 1, one command per event."""
+class RedisJournal(Middleware):
+    """Executor middleware: HINCRBY <prefix><decision> <job key> 1, one command per decision."""
+
+    routine = True  # it counts the runs that started too
 
     def __init__(self, url: str) -> None:
         self.client = _client(url)
 
-    def __call__(self, event: str, spec: JobSpec, fence: int | None) -> None:
-        self.client.hincrby(PREFIX + event, spec.key, 1)
+    def on_event(self, delivery: Delivery, event: Event, row: Row) -> None:
+        if row.decision is not None:
+            self.client.hincrby(PREFIX + row.decision, delivery.spec.key, 1)
 
 
 def connect(runtime: Runtime, environ: Mapping[str, str] | None = None) -> bool:
@@ -37,7 +41,7 @@ def connect(runtime: Runtime, environ: Mapping[str, str] | None = None) -> bool:
     url = (os.environ if environ is None else environ).get(JOURNAL_ENV)
     if not url:
         return False
-    runtime.executor.observers.append(RedisJournal(url))
+    runtime.executor.use(RedisJournal(url))
     return True
 
 

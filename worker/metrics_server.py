@@ -141,11 +141,17 @@ class _Both:
             yield from registry.collect()
 
 
+#: Seconds a scrape's connection may stay silent: its TLS handshake, then each read or write
+#: of its request (an idle or slow client holds one thread that long, never the server).
+REQUEST_TIMEOUT = 10.0
+
+
 class _QuietHandler(WSGIRequestHandler):
     """Logs no request and names no software or version in its `Server` header."""
 
     server_version = "jobfence"
     sys_version = ""
+    timeout = REQUEST_TIMEOUT  # set on the connection by StreamRequestHandler.setup
 
     def log_message(self, format: str, *args: Any) -> None:
         """Log nothing (a scrape every few seconds)."""
@@ -192,7 +198,37 @@ def serve(
     """prometheus_client's WSGI server, with optional basic auth and TLS, in a daemon thread."""
 
     class Server(ThreadingWSGIServer):  # type: ignore[misc]
-        """A class of its own: the address family is set on it."""
+        """A class of its own: the address family is set on it.
+
+        With TLS the listening socket stays plain: `accept()` only accepts, and the handshake
+        runs on the connection's own thread under REQUEST_TIMEOUT. (A TLS listening socket
+        shakes hands inside `accept()`, on the serving thread, with no timeout: one idle TCP
+        connection stopped every scrape and the worker's shutdown.)
+        """
+
+        tls: ssl.SSLContext | None = None
+
+        def get_request(self) -> tuple[Any, Any]:
+            conn, client = self.socket.accept()
+            if self.tls is None:
+                return conn, client
+            conn.settimeout(REQUEST_TIMEOUT)
+            try:
+                wrapped = self.tls.wrap_socket(
+                    conn, server_side=True, do_handshake_on_connect=False
+                )
+            except OSError:
+                conn.close()
+                raise
+            return wrapped, client
+
+        def finish_request(self, request: Any, client_address: Any) -> None:
+            if isinstance(request, ssl.SSLSocket):
+                try:
+                    request.do_handshake()  # on this connection's thread, bounded
+                except (OSError, ValueError):  # silent, slow, or no TLS: dropped
+                    return
+            super().finish_request(request, client_address)
 
     Server.address_family, addr = _exposition._get_best_family(addr, port)
     app = _named(make_wsgi_app(registry))
@@ -204,7 +240,7 @@ def serve(
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.minimum_version = ssl.TLSVersion.TLSv1_2
             context.load_cert_chain(certfile, keyfile)
-            httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+            httpd.tls = context
         except (OSError, ssl.SSLError):
             httpd.server_close()
             raise
@@ -335,7 +371,7 @@ def connect(app: Any, runtime: Runtime) -> None:
     """Serve /metrics from each worker of `app` when JOBFENCE_METRICS_PORT is set."""
     from celery import signals
 
-    from jobfence.worker.checks import EX_CONFIG
+    from jobfence.config.errors import EX_CONFIG
     from jobfence.worker.signals import keep_alive
 
     def on_worker_init(sender: Any = None, **_: Any) -> None:

@@ -1,8 +1,9 @@
-"""Which server answers at a Redis lock URL's address, when it does not answer as Redis.
+"""Which server answers at a lock URL's address, when it does not answer as the URL says.
 
-A `redis://` URL pointed at RabbitMQ's or PostgreSQL's port is a wrong setting, not an
-outage: waiting never helps. Only a server positively known to be something else is named
-(its own greeting or reply to a probe); a connection closed without a word stays an outage.
+A `redis://` URL pointed at RabbitMQ's or PostgreSQL's port, or a `postgresql://` or
+`mysql://` URL pointed at Redis's, is a wrong setting, not an outage: waiting never helps.
+Only a server positively known to be something else is named (its own greeting or reply
+to a probe); a connection closed without a word stays an outage.
 """
 
 from __future__ import annotations
@@ -60,5 +61,27 @@ def _named(data: bytes) -> str | None:
     return None
 
 
+def foreign_sql_server(host: str, port: int, expected: str, timeout: float = 1.0) -> str | None:
+    """A description of the server at host:port if it is positively not `expected`
+    ("PostgreSQL" or "MySQL/MariaDB"): None for the expected server itself, for nothing
+    listening, and for a server that says nothing to any probe (an outage, not a wrong URL)."""
+    greeting = _exchange(host, port, None, min(timeout, 0.3))  # MySQL greets; PostgreSQL waits
+    if greeting is None:
+        return None
+    if greeting:
+        named = _named(greeting)
+        return None if named in (expected, None) else named
+    reply = _exchange(host, port, PG_SSL_REQUEST, timeout)
+    if reply in (b"S", b"N"):
+        return None if expected == "PostgreSQL" else "PostgreSQL"
+    if reply and (named := _named(reply)) is not None:  # RabbitMQ answers with its header
+        return None if named == expected else named
+    reply = _exchange(host, port, b"*1\r\n$4\r\nPING\r\n", timeout)
+    if reply and reply[:1] in b"+-":
+        return "Redis"
+    named = _named(reply) if reply else None
+    return None if named == expected else named
+
+
 #: The scheme to use for each server named above, where jobfence has one.
-SCHEME_FOR = {"PostgreSQL": "postgresql://", "MySQL/MariaDB": "mysql://"}
+SCHEME_FOR = {"PostgreSQL": "postgresql://", "MySQL/MariaDB": "mysql://", "Redis": "redis://"}

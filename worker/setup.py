@@ -4,8 +4,9 @@ That is: the safe Celery configuration (DESIGN §5), the start-up checks that re
 settings when a worker or beat starts (exit 78, every problem listed), the signals that run
 the lease keeper in each pool process and close the runtime at exit, the /metrics
 endpoint (JOBFENCE_METRICS_PORT), the custody of each worker's Redis-broker deliveries (a
-killed worker's jobs come back within about two TTLs: worker/custody.py), and beat's leader
-election. The broker and the result backend stay the app's own.
+killed worker's jobs come back about one lease TTL, their task's own, after its last
+record: worker/custody.py), and beat's leader election. The broker and the result backend
+stay the app's own.
 
 A value the app sets itself is never overridden: setup fills in only what the app leaves
 unset, merges its broker transport options under the app's, and lists what it kept in a
@@ -27,7 +28,7 @@ from typing import Any, cast
 from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.locks.registry import MissingExtra
 from jobfence.tasks.runtime import Runtime, install, installed, runtime_for
-from jobfence.worker import checks, custody, metrics_server, signals
+from jobfence.worker import broker_tls, checks, custody, metrics_server, signals
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,9 @@ class SafeConfig:
                 conf[key] = ours
             elif not _same(conf[key], ours):
                 kept[key] = conf[key]
+        # A rediss:// broker or result backend gets verified TLS unless the app set its own
+        # (kombu's Redis transport otherwise checks no certificate): worker/broker_tls.py.
+        broker_tls.fill(conf)
         self.kept = kept
         if kept:
             log.warning(
@@ -152,7 +156,7 @@ def _wire(app: Any, runtime: Runtime, config: SafeConfig) -> None:
     signals.connect(app, runtime)
     checks.connect(app, runtime)
     metrics_server.connect(app, runtime)  # /metrics when JOBFENCE_METRICS_PORT is set
-    custody.connect(app)  # a killed worker's jobs back in ~2 TTLs on the Redis broker
+    custody.connect(app)  # a killed worker's jobs back in ~1 task TTL on the Redis broker
     _register_django_check(app)
 
 

@@ -35,6 +35,7 @@ from jobfence.locks.backend import (
     LockBackend,
     LockInfo,
     Security,
+    poll_until_free,
 )
 from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -182,6 +183,46 @@ class _Pool:
                     conn.close()
 
 
+class TlsNotOffered(PyMySQLOperationalError):  # type: ignore[misc]  # untyped base
+    """TLS was asked for and the server's greeting offers none: refused before the login."""
+
+
+class TlsFirstConnection(pymysql.connections.Connection):  # type: ignore[misc]  # untyped base
+    """A PyMySQL connection that refuses, before sending the login, a server offering no
+    TLS when its arguments ask for TLS.
+
+    PyMySQL 1.1.x carried on in clear text there and answered the server's switch to
+    `mysql_clear_password` with the password; 1.2.0+ refuses too. Checked here so that no
+    PyMySQL version and no man in the middle stripping the SSL flag can get the login.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._tls_asked = asks_tls(kwargs)
+        super().__init__(**kwargs)
+
+    def _request_authentication(self) -> None:
+        # `client_flag` has CLIENT.SSL whenever PyMySQL itself was asked for TLS (every
+        # version); PREFERRED (no TLS option) has not, and may fall back as the URL allows.
+        asked = self._tls_asked or bool(self.client_flag & CLIENT.SSL)
+        if asked and not self.server_capabilities & CLIENT.SSL:
+            raise TlsNotOffered(
+                2026,
+                f"the MySQL server at {self.host}:{self.port} offers no TLS (its greeting "
+                "lacks the SSL capability) though the URL asks for it (ssl_mode, ssl_ca, "
+                "ssl_cert or ssl_verify_*): refused before sending the login, no password "
+                "was sent",
+            )
+        super()._request_authentication()
+
+
+def asks_tls(kwargs: dict[str, Any]) -> bool:
+    """Whether PyMySQL arguments ask for TLS (as every PyMySQL reads them)."""
+    if kwargs.get("ssl_disabled"):
+        return False
+    names = ("ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert", "ssl_verify_identity")
+    return any(kwargs.get(name) for name in names)
+
+
 class MySQLBackend(MySQLSemaphores, LockBackend):
     """Locks in a MySQL 8 / MariaDB 10.5+ table. Build with `from_url` or `from_settings`.
 
@@ -258,7 +299,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
 
     def _open(self) -> pymysql.connections.Connection[Any]:
         timeout = self.socket_timeout
-        conn = pymysql.connect(
+        conn = TlsFirstConnection(
             **self._connect_args,
             charset="utf8mb4",
             autocommit=True,
@@ -270,7 +311,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
             client_flag=CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS,
         )
         if self._tls and not isinstance(getattr(conn, "_sock", None), ssl.SSLSocket):
-            # PyMySQL 2 refuses this itself, before the login; older ones carried on in clear.
+            # Unreachable (TlsFirstConnection refused before the login): a last guard.
             _discard(conn)
             raise PyMySQLOperationalError(2026, "SSL is required but the server doesn't support it")
         with conn.cursor() as cur:
@@ -767,19 +808,11 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
     def wait_for_release(self, key: str, timeout: float) -> None:
         """Poll the lock row with doubling, jittered steps (1 ms up to 10 ms) until it is
         free or `timeout` passes. MySQL has no notification a waiter could block on."""
-        clock = self.clock
-        deadline = clock.monotonic() + timeout
-        step = POLL_FIRST
         h = key_hash(key)
-        # The refused attempt just before this call read the row: sleep first.
-        while True:
-            left = deadline - clock.monotonic()
-            if left <= 0:
-                return
-            clock.sleep(min(left, random.uniform(step / 2, step)))
-            step = min(step * 2, POLL_CAP)
-            if not self._run(self._sql["held"], (h,), key)[0]:
-                return
+        poll_until_free(
+            self.clock, timeout, lambda: bool(self._run(self._sql["held"], (h,), key)[0]),
+            POLL_FIRST, POLL_CAP,
+        )  # fmt: skip
 
     def purge(self) -> int:
         """Delete rows that expired a minute ago or more (locks, job records, markers, idle
@@ -925,16 +958,18 @@ def parse_url(url: str) -> dict[str, Any]:
     return args
 
 
-def _flag(name: str, value: str) -> bool:
+def _flag(name: str, value: str, where: str = "the MySQL lock URL") -> bool:
     low = value.strip().lower()
     if low in ("1", "true", "yes", "on"):
         return True
     if low in ("0", "false", "no", "off"):
         return False
-    raise LockError(f"option {name}={value!r} in the MySQL lock URL is not true or false")
+    raise LockError(f"option {name}={value!r} in {where} is not true or false")
 
 
-def tls_options(options: dict[str, str]) -> dict[str, Any]:
+def tls_options(
+    options: dict[str, str], where: str = "the MySQL lock URL"
+) -> dict[str, Any]:
     """PyMySQL's TLS arguments, every one explicit, from the URL's TLS options.
 
     Any of `ssl_ca`, `ssl_cert`, `ssl_key`, `ssl_verify_cert=true`, `ssl_verify_identity=true`
@@ -946,28 +981,28 @@ def tls_options(options: dict[str, str]) -> dict[str, Any]:
     files = {name: options[name] for name in TLS_FILES if options.get(name)}
     for name in TLS_FILES:
         if name in options and not options[name]:
-            raise LockError(f"option {name}= in the MySQL lock URL is empty: give a file path")
-    cert = _flag("ssl_verify_cert", options["ssl_verify_cert"]) \
+            raise LockError(f"option {name}= in {where} is empty: give a file path")
+    cert = _flag("ssl_verify_cert", options["ssl_verify_cert"], where) \
         if "ssl_verify_cert" in options else None  # fmt: skip
-    identity = _flag("ssl_verify_identity", options["ssl_verify_identity"]) \
+    identity = _flag("ssl_verify_identity", options["ssl_verify_identity"], where) \
         if "ssl_verify_identity" in options else None  # fmt: skip
     if "ssl_mode" in options:
         mode = options["ssl_mode"].strip().upper().replace("-", "_")
         if mode not in SSL_MODES:
             raise LockError(
-                f"ssl_mode={options['ssl_mode']!r} in the MySQL lock URL is not one of "
+                f"ssl_mode={options['ssl_mode']!r} in {where} is not one of "
                 f"{', '.join(SSL_MODES)}; use ssl_mode=VERIFY_IDENTITY (PREFERRED, which may "
                 "fall back to plain text, is not offered)"
             )
         if cert is not None or identity is not None:
             raise LockError(
-                "the MySQL lock URL gives both ssl_mode and ssl_verify_cert/ssl_verify_identity; "
+                f"{where} gives both ssl_mode and ssl_verify_cert/ssl_verify_identity; "
                 "spell the TLS mode once, e.g. ssl_mode=VERIFY_IDENTITY"
             )
         if mode == "DISABLED":
             if files:
                 raise LockError(
-                    f"the MySQL lock URL gives ssl_mode=DISABLED with {', '.join(files)}; "
+                    f"{where} gives ssl_mode=DISABLED with {', '.join(files)}; "
                     "drop one: TLS files with TLS disabled are never read"
                 )
             return {"ssl_disabled": True}
@@ -976,19 +1011,21 @@ def tls_options(options: dict[str, str]) -> dict[str, Any]:
         return {}  # no TLS asked for (ssl_verify_cert=false alone turns nothing on)
     if identity and cert is False:
         raise LockError(
-            "the MySQL lock URL gives ssl_verify_identity=true with ssl_verify_cert=false: a host "
+            f"{where} gives ssl_verify_identity=true with ssl_verify_cert=false: a host "
             "name is checked only on a verified certificate; drop ssl_verify_cert=false"
         )
     if "ssl_key" in files and "ssl_cert" not in files:
         raise LockError(
-            "the MySQL lock URL gives ssl_key without ssl_cert: add ssl_cert=/path/client.pem"
+            f"{where} gives ssl_key without ssl_cert: add ssl_cert=/path/client.pem"
         )
     cert = cert is not False
     identity = cert if identity is None else identity
     return {**files, "ssl_verify_cert": cert, "ssl_verify_identity": identity}
 
 
-def tls_context(args: dict[str, Any]) -> ssl.SSLContext | None:
+def tls_context(
+    args: dict[str, Any], where: str = "the MySQL lock URL"
+) -> ssl.SSLContext | None:
     """The SSLContext for `parse_url`'s TLS arguments (None: no TLS asked for).
 
     Built here rather than by PyMySQL, which checks no host name for `ssl_ca` alone nor
@@ -999,7 +1036,7 @@ def tls_context(args: dict[str, Any]) -> ssl.SSLContext | None:
         ctx = ssl.create_default_context(cafile=args.get("ssl_ca"))
     except (OSError, ssl.SSLError) as exc:
         raise LockError(
-            f"ssl_ca={args.get('ssl_ca')!r} in the MySQL lock URL cannot be loaded ({exc}); "
+            f"ssl_ca={args.get('ssl_ca')!r} in {where} cannot be loaded ({exc}); "
             "give a readable PEM file of the CA that signed the server's certificate"
         ) from exc
     # As PyMySQL does: MySQL's auto-generated certificates fail Python 3.13's strict checks.
@@ -1011,11 +1048,48 @@ def tls_context(args: dict[str, Any]) -> ssl.SSLContext | None:
             ctx.load_cert_chain(args["ssl_cert"], keyfile=args.get("ssl_key"))
         except (OSError, ssl.SSLError) as exc:
             raise LockError(
-                f"ssl_cert={args['ssl_cert']!r} / ssl_key={args.get('ssl_key')!r} in the MySQL "
-                f"lock URL cannot be loaded ({exc}); give the client certificate and its "
+                f"ssl_cert={args['ssl_cert']!r} / ssl_key={args.get('ssl_key')!r} in "
+                f"{where} cannot be loaded ({exc}); give the client certificate and its "
                 "unencrypted key as PEM files"
             ) from exc
     return ctx
+
+
+def connect_for_sqlalchemy(where: str, **cparams: Any) -> TlsFirstConnection:
+    """The PyMySQL connection for a SQLAlchemy `mysql+pymysql://` URL (the effects
+    database), its TLS options read as the lock URL's: `ssl_mode` understood, `ssl_ca`
+    alone verifying chain and host name, and no login sent to a server offering no TLS.
+
+    `cparams` are SQLAlchemy's, which folds ssl_ca/ssl_cert/ssl_key/ssl_capath/ssl_cipher/
+    ssl_check_hostname into an `ssl` dict and passes other query options on as strings."""
+    args = dict(cparams)
+    folded = dict(args.pop("ssl", None) or {})
+    options = {f"ssl_{k}": str(folded.pop(k)) for k in ("ca", "cert", "key") if k in folded}
+    if "check_hostname" in folded:
+        options["ssl_verify_identity"] = str(folded.pop("check_hostname"))
+    for name in ("ssl_mode", "ssl_verify_cert", "ssl_verify_identity"):
+        if name in args:
+            options[name] = str(args.pop(name))
+    capath, cipher = folded.pop("capath", None), folded.pop("cipher", None)
+    if folded:
+        raise LockError(f"unknown TLS option(s) {', '.join(sorted(folded))} in {where}")
+    if (capath or cipher) and not any(k.startswith("ssl_") for k in options):
+        options["ssl_verify_cert"] = "true"  # as PyMySQL: any TLS option asks for TLS
+    if "ssl_disabled" in args:
+        args["ssl_disabled"] = _flag("ssl_disabled", str(args["ssl_disabled"]), where)
+    tls = tls_options(options, where)
+    if tls.pop("ssl_disabled", False):
+        args["ssl_disabled"] = True
+    ctx = tls_context(tls, where)
+    if ctx is not None:
+        if args.get("ssl_disabled"):
+            raise LockError(f"{where} gives ssl_disabled=true with TLS options: drop one")
+        if capath:
+            ctx.load_verify_locations(capath=str(capath))
+        if cipher:
+            ctx.set_ciphers(str(cipher))
+        args["ssl"] = ctx
+    return TlsFirstConnection(**args)
 
 
 def _tls_asked(args: dict[str, Any]) -> bool:
@@ -1063,6 +1137,12 @@ def connect_hint(exc: BaseException, host: str, user: str | None) -> str | None:
             f"the MySQL server refused the login of user {user!r}: check the user and password "
             "in the lock URL (percent-encoded); if the account REQUIREs X509 or SSL, pass "
             "ssl_cert=/path/client.pem&ssl_key=/path/client.key (and ssl_ca=) in the lock URL"
+        )
+    offered = [e for e in seen if isinstance(e, TlsNotOffered)]
+    if offered:
+        return (
+            f"{offered[0].args[1]}: turn TLS on at the server (ssl_cert/ssl_key in its "
+            "configuration); if it has TLS on, someone between this host and it strips it"
         )
     if "server doesn't support" in text.lower() and "ssl" in text.lower():
         return (

@@ -23,6 +23,7 @@ from jobfence.locks.backend import (
     JobRecord,
     LockBackend,
     LockInfo,
+    poll_until_free,
 )
 from jobfence.locks.backends.postgres_semaphore import PostgresSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -290,6 +291,50 @@ PRUNE_INTERVAL = 600.0
 _MARK_WAITING = f"""UPDATE {TABLE} SET waiters = true
 WHERE prefix = %s AND key = %s AND expires_at > clock_timestamp()"""
 
+# Behind a transaction pooler a waiter polls this instead (LISTEN is session state).
+_HELD = f"""SELECT 1 FROM {TABLE}
+WHERE prefix = %s AND key = %s AND expires_at > clock_timestamp()"""
+POLL_FIRST = 0.002  # the poll's first step, doubled up to POLL_CAP
+POLL_CAP = 0.05
+
+# Where the connection's own backend pid (its cancel key) is not the pid of the server
+# session that runs its statements, a pooler sits between: PgBouncer, Odyssey, PgCat,
+# Supavisor and RDS Proxy hand each client a cancel key of their own.
+_SERVER_PID = "SELECT pg_backend_pid()"
+
+
+def behind_pooler(conn: psycopg.Connection[Any]) -> bool:
+    """Whether `conn` reaches PostgreSQL through a pooler (one round trip, at connect).
+
+    Through a transaction pooler each transaction may run on another server session, so
+    nothing may outlive one: no prepared statements (another client's `_pg3_0` is there, or
+    ours is not), no LISTEN. A session pooler is taken for one too: that costs only speed.
+    """
+    row = conn.execute(_SERVER_PID, prepare=False).fetchone()
+    return row is None or int(row[0]) != conn.info.backend_pid
+
+
+def without_session_state(conn: psycopg.Connection[Any]) -> None:
+    """No statement of `conn` is ever prepared (psycopg prepares after 5 runs, or at once
+    with prepare=True): the state a transaction pooler would mix up between clients."""
+    conn.prepare_threshold = None
+
+
+# PgBouncer (and most poolers) refuse the startup `options` this backend sends unless told
+# to ignore them; say so, with the fix, rather than a bare connection error.
+_OPTIONS_REFUSED = "unsupported startup parameter"
+OPTIONS_FIX = (
+    "a pooler between jobfence and PostgreSQL refuses the startup options: add "
+    "`ignore_startup_parameters = options` to pgbouncer.ini (and set the timeouts on the "
+    "role: docs/how-to/pgbouncer.md#the-poolers-settings)"
+)
+
+
+def options_refused(exc: BaseException) -> bool:
+    """Whether `exc` is a pooler refusing the startup options (see OPTIONS_FIX)."""
+    return isinstance(exc, psycopg.OperationalError) and _OPTIONS_REFUSED in str(exc)
+
+
 # Connections inherited through fork, set aside in the child and never closed there: a
 # close() would send libpq's goodbye on the socket the parent still uses.
 _inherited: list[Any] = []
@@ -409,6 +454,9 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
         self._idle: list[psycopg.Connection[Any]] = []
         self._ready = False
         self._max_block = max(0.01, 0.8 * socket_timeout)
+        # Whether the server is reached through a pooler: learned at each connect (the same
+        # URL always reaches it the same way); then no prepared statements and no LISTEN.
+        self.pooled: bool | None = None
 
     @classmethod
     def from_url(
@@ -468,7 +516,20 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
 
     # -- connections -------------------------------------------------------------
     def _connect(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.conninfo, autocommit=True)
+        try:
+            conn = psycopg.connect(self.conninfo, autocommit=True)
+        except psycopg.OperationalError as exc:
+            if options_refused(exc):
+                raise psycopg.OperationalError(f"{OPTIONS_FIX}: {exc}") from exc
+            raise
+        try:
+            self.pooled = behind_pooler(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if self.pooled:
+            without_session_state(conn)
+        return conn
 
     def _forked(self) -> None:
         if self._pid != os.getpid():
@@ -705,14 +766,17 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
 
         The waiting connection listens only while it waits (LISTEN, mark the lease as
         waited on and see it still held, wait, UNLISTEN), so a process needs no second
-        connection, and a release after the mark is never missed. Behind a pooler that
-        does not pass notifications this times out: the caller's backoff then polls.
+        connection, and a release after the mark is never missed. Behind a pooler (see
+        `behind_pooler`) it polls the lease instead: LISTEN is session state.
         """
         timeout = min(timeout, self._max_block)
         if timeout < 0.001:
             return
         if not self._ready:
             self.create_tables()
+        if self.pooled:
+            self._poll_for_release(key, timeout)
+            return
         payload = f"{self.prefix}\n{key}"
         with self._conn("wait", key) as conn:
             conn.execute(f"LISTEN {CHANNEL}")
@@ -725,6 +789,14 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
             finally:
                 conn.execute(f"UNLISTEN {CHANNEL}")
                 self.statements += 1
+
+    def _poll_for_release(self, key: str, timeout: float) -> None:
+        """Behind a pooler: read the lease with doubling, jittered steps until it is free or
+        `timeout` passes (a LISTEN would stay on whichever server session ran it)."""
+        poll_until_free(
+            self.clock, timeout, lambda: bool(self._run("wait", key, _HELD, (self.prefix, key))),
+            POLL_FIRST, POLL_CAP,
+        )  # fmt: skip
 
     def close(self) -> None:
         if self._pid != os.getpid():

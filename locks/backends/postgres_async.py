@@ -24,10 +24,13 @@ from jobfence.locks.backends.postgres import (
     _EXTEND_MANY,
     _JOB_RECORD,
     _RELEASE,
+    _SERVER_PID,
+    OPTIONS_FIX,
     PostgresBackend,
     begin_params,
     commit_params,
     extend_params,
+    options_refused,
     parse_begin,
     parse_extend,
     parse_job_record,
@@ -100,8 +103,7 @@ class AsyncPostgresStore(NativeAsyncStore):
             conn = self._idle.pop() if self._idle else None
             try:
                 if conn is None or conn.closed:
-                    conn = await psycopg.AsyncConnection.connect(self.backend.conninfo,
-                                                                 autocommit=True)  # fmt: skip
+                    conn = await self._connect()
                 cur = await conn.execute(sql, params, prepare=True)
                 rows = await cur.fetchall() if cur.description else [(cur.rowcount,)]
             except psycopg.Error as exc:
@@ -121,6 +123,26 @@ class AsyncPostgresStore(NativeAsyncStore):
                 self._idle.append(conn)
             return rows
         raise AssertionError("unreachable")
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        """A new connection; behind a pooler (as PostgresBackend._connect tells it) one that
+        never prepares a statement."""
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.backend.conninfo, autocommit=True)
+        except psycopg.OperationalError as exc:
+            if options_refused(exc):
+                raise psycopg.OperationalError(f"{OPTIONS_FIX}: {exc}") from exc
+            raise
+        try:
+            cur = await conn.execute(_SERVER_PID, prepare=False)
+            row = await cur.fetchone()
+        except BaseException:
+            await asyncio.shield(conn.close())
+            raise
+        self.backend.pooled = row is None or int(row[0]) != conn.info.backend_pid
+        if self.backend.pooled:
+            conn.prepare_threshold = None  # as postgres.without_session_state
+        return conn
 
     async def execute_async(self, op: StoreOp) -> Any:
         """One op (locks/ops.py); the replies are PostgresBackend.execute's."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -213,6 +215,13 @@ def parse_held(reply: Any) -> str | None:
     return _s(reply) if reply else None
 
 
+#: How late, past its block and the socket timeout, Redis may answer a BLPOP: it answers a
+#: timed-out one on its next event-loop tick (up to 100 ms late at the default hz 10, a
+#: second at hz 1). A client that reads the reply with its socket timeout alone (a
+#: cluster's, a mock) blocks at most half of that timeout instead.
+BLPOP_LATE = 1.0
+
+
 class _Lane:
     """Connections kept out of the client's pool for the one-script calls on the hot path.
 
@@ -225,8 +234,9 @@ class _Lane:
     went out, and forgotten after a fork (the parent's sockets are not the child's).
     """
 
-    def __init__(self, pool: ConnectionPool) -> None:
+    def __init__(self, pool: ConnectionPool, node: str | None = None) -> None:
         self.pool = pool
+        self.node = node  # the cluster node's name, where the lane serves one
         self.pid = os.getpid()
         self.idle: list[Connection] = []
         self.encoder = pool.get_encoder()
@@ -238,6 +248,18 @@ class _Lane:
             self.pack: Callable[[tuple[Any, ...]], bytes] = _pack_big
         else:
             self.pack = self.pack_py
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (lane := ref()) and lane._forked())  # type: ignore[func-returns-value]
+
+    def _forked(self) -> None:
+        # redis-py resets its pool in a child under the pool's own locks, which a thread of the
+        # parent may have held at the fork (making a connection for the keeper or the decision
+        # log's writer): the child's first command would wait for ever. Nothing of the child
+        # holds them yet.
+        self.pid, self.idle = os.getpid(), []
+        for name in ("_fork_lock", "_lock"):
+            if hasattr(self.pool, name):
+                setattr(self.pool, name, threading.RLock())
 
     def pack_py(self, args: tuple[Any, ...]) -> bytes:
         """The command as RESP bytes: what redis-py's packer sends, at a third of its cost."""
@@ -276,6 +298,21 @@ class _Lane:
         conn = self._take()
         try:
             conn.send_packed_command([self.pack(args)])  # type: ignore[no-untyped-call]
+            return conn.read_response()
+        finally:
+            self.idle.append(conn)
+
+    def blpop(self, name: str, block: float, late: float) -> Any:
+        """BLPOP `name` for up to `block` seconds, its reply awaited up to `late` seconds past
+        the block instead of the socket timeout alone: Redis answers a timed-out BLPOP on
+        its next event-loop tick (up to 100 ms late at the default hz), later on a loaded
+        host, and a blocked read that outlives the socket timeout is not a dead server."""
+        conn = self._take()
+        try:
+            conn.send_packed_command([self.pack(("BLPOP", name, block))])  # type: ignore[no-untyped-call]
+            if not conn.can_read(timeout=block + late):
+                conn.disconnect()  # type: ignore[no-untyped-call]
+                raise RedisTimeoutError(f"no reply {block + late:g}s after a {block:g}s BLPOP")
             return conn.read_response()
         finally:
             self.idle.append(conn)
@@ -351,6 +388,8 @@ class RedisBackend(RedisSemaphores, LockBackend):
         self._tls = issubclass(getattr(pool, "connection_class", object), SSLConnection)
         timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout")
         self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
+        #: how late past its block a waiting BLPOP's reply may come (`_Lane.blpop`)
+        self._late = (timeout or 2.0) + BLPOP_LATE
 
     @classmethod
     def from_url(
@@ -602,10 +641,20 @@ class RedisBackend(RedisSemaphores, LockBackend):
         timeout = min(timeout, self._max_block)
         if timeout < 0.001:
             return
+        signal = self.keys.signal(key)
+        lane = self._lane_of(signal)
         try:
-            self.client.blpop([self.keys.signal(key)], timeout=timeout)
+            if lane is not None:
+                lane.blpop(signal, timeout, self._late)
+            else:
+                fit = max(0.01, min(timeout, 0.5 * (self._late - BLPOP_LATE)))
+                self.client.blpop([signal], timeout=fit)
         except RedisError as exc:
             raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
+
+    def _lane_of(self, name: str) -> _Lane | None:
+        """The lane of the server that holds `name` (None: call through the client)."""
+        return self._lane
 
     def decision_log(self, bounds: DecisionBounds) -> DecisionLog | None:
         lane, script = self._lane, self._decisions_script if self.one_slot else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -28,6 +29,7 @@ from jobfence.locks.backend import (
     validate_ttl,
 )
 from jobfence.locks.backends.redis import (
+    BLPOP_LATE,
     LEGACY_RECORD_FIELDS,
     RedisBackend,
     begin_call,
@@ -94,6 +96,11 @@ class SignalWait:
         self.blocking = 0  # waiters in BLPOP now
         self.max_blocking = max(1, max_connections // 2)
         self.max_block = max(0.01, 0.8 * socket_timeout) if socket_timeout else 5.0
+        # How late past its block a BLPOP's reply may come (BLPOP_LATE): on a connection of
+        # our own the read waits that long past the block; through a client that reads
+        # with its socket timeout alone (a cluster's), the block is half that timeout.
+        self.late = (socket_timeout or 2.0) + BLPOP_LATE
+        self.fit_block = max(0.01, min(self.max_block, 0.5 * (socket_timeout or 2.0)))
 
     async def wait(self, client: Any, signal: str, timeout: float) -> None:
         """Up to `timeout` seconds, or until a release pushes `signal`; RedisError as is."""
@@ -105,7 +112,20 @@ class SignalWait:
             return
         self.blocking += 1
         try:
-            await client.blpop([signal], timeout=timeout)
+            pool = getattr(client, "connection_pool", None)
+            if pool is None:
+                # The block ends at half the client's read timeout: a timeout is its reply,
+                # not the server, come late (a loaded machine; the client drops that
+                # connection). The attempt that follows judges the server.
+                with contextlib.suppress(redis.exceptions.TimeoutError):
+                    await client.blpop([signal], timeout=min(timeout, self.fit_block))
+                return
+            conn = await pool.get_connection()
+            try:
+                await conn.send_command("BLPOP", signal, timeout)
+                await conn.read_response(timeout=timeout + self.late)
+            finally:
+                await pool.release(conn)
         finally:
             self.blocking -= 1
 

@@ -28,10 +28,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from jobfence.config.security import refuse_node
 from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_target
 from jobfence.locks.backend import JobRecord, LockInfo, Security, validate_ttl
 from jobfence.locks.backends.redis import (
+    BLPOP_LATE,
     DEFAULT_FENCE_RETENTION,
     EXTEND_CHUNK,
     RedisBackend,
@@ -48,6 +50,28 @@ from jobfence.locks.slots import SlotLease
 
 EXTEND_SCRIPT = "cluster_extend_many"
 _Node: Any = ClusterNode  # redis-py leaves it untyped
+
+
+def _cluster_security(kwargs: Any) -> Security:
+    """TLS and login of every node's connections, from the cluster client's options."""
+    tls = bool(kwargs.get("ssl")) or issubclass(kwargs.get("connection_class", object),
+                                                SSLConnection)  # fmt: skip
+    return security_of_kwargs(kwargs, tls)
+
+
+class _JudgedCluster(RedisCluster):
+    """A cluster client that judges each node's address (every node CLUSTER SLOTS names, at
+    start and as the map changes) before it logs in there: seeds on loopback say nothing of
+    where the nodes they name are."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.node_security = _cluster_security(kwargs)  # on_connect runs within __init__
+        super().__init__(**kwargs)
+
+    def on_connect(self, connection: Any) -> None:
+        refuse_node(self.node_security, (str(connection.host), int(connection.port)),
+                    "cluster node")  # fmt: skip
+        super().on_connect(connection)  # type: ignore[no-untyped-call]
 SLOTS = 16384
 
 
@@ -172,6 +196,7 @@ class RedisClusterBackend(RedisBackend):
         self.cluster: Any = client  # redis-py's cluster client is largely untyped
         self._lanes: dict[str, _Lane] = {}  # per node name: the hot path's connections
         self._max_block = max(0.01, 0.8 * socket_timeout)
+        self._late = socket_timeout + BLPOP_LATE
         self._extend_source = script_source(EXTEND_SCRIPT)
         self._extend_sha = hashlib.sha1(self._extend_source.encode()).hexdigest()
         # On every primary now, so the first heartbeat is one round trip too (a node that
@@ -192,7 +217,7 @@ class RedisClusterBackend(RedisBackend):
     ) -> RedisClusterBackend:
         """`redis+cluster://[user:password@]host:port[,host:port...]` (seed nodes)."""
         try:
-            client = RedisCluster(
+            client = _JudgedCluster(
                 **cluster_options(url, socket_timeout, _Node), retry=Retry(NoBackoff(), 0)
             )
         except (RedisError, RedisClusterException) as exc:
@@ -218,10 +243,7 @@ class RedisClusterBackend(RedisBackend):
 
     def security(self) -> Security:
         """TLS and login of every node's connections, as the cluster client was built."""
-        kwargs = self.cluster.nodes_manager.connection_kwargs
-        tls = bool(kwargs.get("ssl")) or issubclass(kwargs.get("connection_class", object),
-                                                    SSLConnection)  # fmt: skip
-        return security_of_kwargs(kwargs, tls)
+        return _cluster_security(self.cluster.nodes_manager.connection_kwargs)
 
     def fence_source(self, key: str) -> str:
         """The fence source of the slot `key` lives in: one key per slot, never per lock key."""
@@ -241,14 +263,9 @@ class RedisClusterBackend(RedisBackend):
         raises (BackendUnavailable, from `_call`), after the map is read again so that the
         next call finds a promoted replica.
         """
-        try:
-            node = self.cluster.nodes_manager.get_node_from_slot(self.cluster.keyslot(keys[0]))
-            pool = node.redis_connection.connection_pool
-        except (RedisError, RedisClusterException, AttributeError):
+        lane = self._lane_of(keys[0])
+        if lane is None:
             return self.cluster.evalsha(sha, len(keys), *keys, *args)
-        lane = self._lanes.get(node.name)
-        if lane is None or lane.pool is not pool:
-            lane = self._lanes[node.name] = _Lane(pool)
         try:
             return lane.call("EVALSHA", sha, len(keys), *keys, *args)
         except (AskError, TryAgainError, ClusterDownError):  # MovedError is an AskError
@@ -256,8 +273,20 @@ class RedisClusterBackend(RedisBackend):
         except (RedisConnectionError, RedisTimeoutError):
             with contextlib.suppress(RedisError, RedisClusterException):
                 # The failed node asked last: a frozen one would hold up the map's refresh.
-                self.cluster.nodes_manager.initialize(last_failed_node_name=node.name)
+                self.cluster.nodes_manager.initialize(last_failed_node_name=lane.node)
             raise
+
+    def _lane_of(self, name: str) -> _Lane | None:
+        """The lane of the node the cluster map gives for `name`'s slot (None: no map)."""
+        try:
+            node = self.cluster.nodes_manager.get_node_from_slot(self.cluster.keyslot(name))
+            pool = node.redis_connection.connection_pool
+        except (RedisError, RedisClusterException, AttributeError):
+            return None
+        lane = self._lanes.get(node.name)
+        if lane is None or lane.pool is not pool:
+            lane = self._lanes[node.name] = _Lane(pool, node.name)
+        return lane
 
     def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
         try:

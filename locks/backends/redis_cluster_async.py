@@ -12,11 +12,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
+from jobfence.config.security import refuse_node
 from jobfence.locks.backend import Capabilities, settle_extensions, validate_ttl
 from jobfence.locks.backends.redis import EXTEND_CHUNK
 from jobfence.locks.backends.redis_async import AsyncRedisStore
 from jobfence.locks.backends.redis_cluster import (
     RedisClusterBackend,
+    _cluster_security,
     cluster_options,
     extend_args,
     group_by_node,
@@ -31,6 +33,27 @@ from jobfence.locks.slots import SlotLease
 _Node: Any = ClusterNode  # redis-py leaves it untyped
 T = TypeVar("T")
 KEEPER_MARGIN = 4
+
+
+class _JudgedAsyncCluster(RedisCluster):  # type: ignore[misc]
+    """redis.asyncio's cluster client judging each node's address (every node CLUSTER SLOTS
+    names) before it logs in there, as the sync twin's (redis_cluster._JudgedCluster)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.node_security = _cluster_security(kwargs)
+        super().__init__(**kwargs)
+        # Every node connection runs this in place of its own on_connect (the login): in
+        # the template of the nodes found from now on, and in the seeds made already (their
+        # connections open lazily, so this is before any login).
+        judged = {"redis_connect_func": self._judged_connect}
+        self.nodes_manager.connection_kwargs.update(judged)
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_kwargs.update(judged)
+
+    async def _judged_connect(self, connection: Any) -> None:
+        refuse_node(self.node_security, (str(connection.host), int(connection.port)),
+                    "cluster node")  # fmt: skip
+        await connection.on_connect()
 
 
 class AsyncClusterStore(AsyncRedisStore):
@@ -59,7 +82,7 @@ class AsyncClusterStore(AsyncRedisStore):
         backend = RedisClusterBackend.from_url(
             url, prefix=prefix, socket_timeout=socket_timeout, clock=clock
         )
-        client = RedisCluster(
+        client = _JudgedAsyncCluster(
             **cluster_options(url, socket_timeout, _Node),
             retry=Retry(NoBackoff(), 0),  # per node: a waiter holds one connection
             # Past its cap a node refuses (MaxConnectionsError) instead of waiting: ops

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -10,12 +15,23 @@ from redis.backoff import NoBackoff
 from redis.connection import Connection
 from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
+from jobfence.config.security import refuse_node
 from jobfence.config.urls import sentinel_target
 from jobfence.locks.backend import Capabilities
 from jobfence.locks.backends.redis import RedisBackend, _Lane, client_options
 from jobfence.locks.backends.redis_url import tls_hint, tls_kwargs
+from jobfence.locks.errors import BackendUnavailable
+from jobfence.locks.lease import Lease
+from jobfence.locks.outage import OUTAGE
+
+log = logging.getLogger(__name__)
+
+#: How often the watch asks the sentinels which node is the master (seconds), and how old
+#: its answer may be when a script is sent: an older one is asked again first, in the caller.
+MASTER_POLL = 0.25
+MASTER_MAX_AGE = 1.0
 
 # Why the single-node backend serves unchanged: redis-py's `Sentinel.master_for` returns a
 # plain redis.Redis whose pool asks the sentinels for the master's address at every new
@@ -32,6 +48,17 @@ from jobfence.locks.backends.redis_url import tls_hint, tls_kwargs
 # its connections in the thread that next takes it. Nothing another thread is using is
 # closed under it: every thread's first call meets NOSCRIPT on a fresh server, and closing
 # the whole pool there broke the others' commands ("Bad file descriptor").
+#
+# What connect-time discovery misses: after a clean `SENTINEL FAILOVER` the old master stays
+# a writable master (~10 s, until the sentinels' next INFO round demotes it), so connections
+# made before the promotion keep working there; renewals on it never reach the new master,
+# where the key expires and another worker is granted. So a MasterWatch asks the sentinels
+# for the master every MASTER_POLL s (they name the new one as soon as it is promoted, before
+# +switch-master is published). Each script call reads the watch's epoch before it is sent
+# and after its reply: a call that spanned a change failed (BackendUnavailable), and one sent
+# after it went to the new master (the pool dropped the old one's connections first). At a
+# change every live lease of this backend is extended on the new master at once: one the new
+# master does not confirm (expired there, another's, unreachable) is lost at once.
 #
 # The fence is the single node's, max(last + 1, server time in µs, this client's floor): a
 # promoted replica that never received the newest grant still hands out a higher fence, as
@@ -88,6 +115,154 @@ def sentinel_setup(
     return sentinel_args, target.service, master_args
 
 
+class MasterWatch:
+    """Which node the sentinels name as master, asked every MASTER_POLL seconds by a thread
+    that holds it only weakly; `epoch` counts the changes seen. On a change it points the
+    pool at the new master (dropping the idle connections to the old), then has the backend
+    confirm its live leases there."""
+
+    def __init__(self, backend: RedisSentinelBackend) -> None:
+        self._backend = weakref.ref(backend)
+        self.address: tuple[str, int] | None = None
+        self.epoch = 0
+        self.config_epoch = -1  # the sentinels' own epoch of the answer taken
+        self._reset()
+
+    def _reset(self) -> None:
+        """Fresh primitives, no thread and no leases (the parent's are not the child's):
+        at start, and in a forked child."""
+        self.leases: weakref.WeakSet[Lease] = weakref.WeakSet()
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.checked_at = float("-inf")
+
+    def stale(self) -> bool:
+        """Whether a call now must ask the sentinels first (or start the thread)."""
+        backend = self._backend()
+        return (backend is None or self._thread is None or self._pid != os.getpid()
+                or backend.clock.monotonic() - self.checked_at > MASTER_MAX_AGE)  # fmt: skip
+
+    def epoch_now(self) -> int:
+        """The epoch to send a call under: the sentinels asked again first if the last
+        answer is older than MASTER_MAX_AGE (MasterNotFoundError if none answers)."""
+        backend = self._backend()
+        if backend is None or not self.stale():
+            return self.epoch
+        if self._pid != os.getpid():
+            self._reset()
+        if self._thread is None:
+            self._start()
+        if backend.clock.monotonic() - self.checked_at > MASTER_MAX_AGE:
+            self.poll()
+        return self.epoch
+
+    def confirm(self, epoch: int, name: str, key: str | None) -> None:
+        """Raise if the master changed while a call sent under `epoch` was in flight: it
+        may have run on the old master, whose writes the new one never sees."""
+        if self.epoch != epoch:
+            raise BackendUnavailable(
+                f"redis {name} failed: the sentinels named a new master during the call",
+                key=key,
+            )
+
+    def master(self) -> tuple[str, int]:
+        """The master's address as last answered (asked now if stale): what the pool's
+        connections connect to."""
+        if self.address is None or self.stale():
+            self.epoch_now()
+        if self.address is None:
+            raise MasterNotFoundError("No master found: the sentinels named none")
+        return self.address
+
+    def poll(self) -> None:
+        """Ask the sentinels now; on a change, follow it (see the class)."""
+        backend = self._backend()
+        if backend is None:
+            return
+        asked = backend.clock.monotonic()
+        found = backend.discover()
+        with self._lock:
+            self.checked_at = max(self.checked_at, asked)
+            if found[1] == self.address or found[0] < self.config_epoch:
+                # The same, or an answer from sentinels not yet told of a failover.
+                self.config_epoch = max(self.config_epoch, found[0])
+                return
+            moved, (self.config_epoch, self.address) = self.address is not None, found
+        # Before the epoch moves, the pool drops its idle connections to the old master
+        # (busy ones as they come back): a call that reads the new epoch meets none.
+        backend.client.connection_pool.get_master_address()  # type: ignore[attr-defined]
+        with self._lock:
+            self.epoch += 1
+            leases = [le for le in list(self.leases) if not le.settled] if moved else []
+        if moved:
+            log.warning("the sentinels name a new master for %s; confirming %d lease(s) on it",
+                        backend.service, len(leases))  # fmt: skip
+            backend.confirm_on_new_master(leases)
+
+    def register(self, lease: Lease, epoch: int) -> None:
+        """Keep `lease` (granted under `epoch`) for the confirmation at the next change;
+        raise if a change came between its grant and now (then it was not confirmed)."""
+        with self._lock:
+            if epoch != self.epoch:
+                raise BackendUnavailable(
+                    "redis begin failed: the sentinels named a new master during the grant",
+                    key=lease.key,
+                    fence=lease.fence,
+                )
+            self.leases.add(lease)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=_watch_loop, args=(weakref.ref(self),
+                                            self._stop), name="jobfence-sentinel-watch",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+
+
+def _watch_loop(ref: weakref.ref[MasterWatch], stop: threading.Event) -> None:
+    while not stop.wait(MASTER_POLL):
+        watch = ref()
+        if watch is None:
+            return
+        try:
+            watch.poll()
+        except Exception as exc:  # no answer: the callers ask again themselves, and fail
+            OUTAGE.warning(log, "asking the sentinels for the master failed: %s",
+                           type(exc).__name__)  # fmt: skip
+        del watch
+
+
+class WatchedSentinel(Sentinel):
+    """redis-py's Sentinel whose `discover_master` (what each new connection of the pool
+    asks) answers with the master the watch names: redis-py's own takes the first sentinel's
+    answer, which for a second or two after a failover may come from one not yet told of
+    it, naming the old master again."""
+
+    watch: MasterWatch | None = None
+    #: Judges a data node's address before it is connected to (and sent the password).
+    judge: Callable[[tuple[str, int], str], None] | None = None
+
+    def discover_master(self, service_name: str) -> Any:
+        watch = self.watch
+        found = (
+            super().discover_master(service_name)  # type: ignore[no-untyped-call]
+            if watch is None else watch.master()
+        )  # fmt: skip
+        if self.judge is not None:
+            self.judge((str(found[0]), int(found[1])), "master")
+        return found
+
+
 class _SentinelLane(_Lane):
     """A lane that follows the master: a connection made to a master the sentinels no longer
     name is reconnected (to the one they name) by the thread that takes it, the only one
@@ -98,6 +273,14 @@ class _SentinelLane(_Lane):
         master = self.pool.master_address  # type: ignore[attr-defined]
         if master is not None and (conn.host, conn.port) != master:  # type: ignore[attr-defined]
             conn.disconnect()  # type: ignore[no-untyped-call]
+        if conn._sock is None:
+            # Connect here, through the sentinels' answer: a send on a closed connection
+            # reconnects to the host it last had (redis-py), the old master after a failover.
+            try:
+                conn.connect()  # type: ignore[no-untyped-call]
+            except BaseException:
+                self.idle.append(conn)
+                raise
         return conn
 
 
@@ -119,12 +302,18 @@ class RedisSentinelBackend(RedisBackend):
             self._lane = _SentinelLane(pool)
         self.sentinel: Sentinel = pool.sentinel_manager
         self.service: str = pool.service_name
+        self.watch = MasterWatch(self)
+        if isinstance(self.sentinel, WatchedSentinel):
+            self.sentinel.watch = self.watch
+            self.sentinel.judge = self.judge_node
+        # The epoch the last script call of this thread was confirmed under (for _on_grant).
+        self.call_epoch = threading.local()
 
     @classmethod
     def client_for(cls, url: str, *, socket_timeout: float) -> redis.Redis:
         retry = Retry(NoBackoff(), 0)
         sentinel_args, service, master_args = sentinel_setup(url, socket_timeout, retry)
-        sentinel = Sentinel(**sentinel_args)  # type: ignore[no-untyped-call]
+        sentinel = WatchedSentinel(**sentinel_args)  # type: ignore[no-untyped-call]
         client: redis.Redis = sentinel.master_for(service, **master_args)  # type: ignore[no-untyped-call]
         return client
 
@@ -144,6 +333,46 @@ class RedisSentinelBackend(RedisBackend):
                         "check the user and password in the URL",
                         "check ?sentinel_password= (and sentinel_username=) in the URL")
         return None
+
+    def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:
+        epoch = self._epoch(name, key)
+        reply = super()._call(name, keys, args, key)
+        self.watch.confirm(epoch, name, key)
+        self.call_epoch.value = epoch
+        return reply
+
+    def _call_many(self, name: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        epoch = self._epoch(name, None)
+        replies = super()._call_many(name, calls)
+        self.watch.confirm(epoch, name, None)
+        return replies
+
+    def _epoch(self, name: str, key: str | None) -> int:
+        """The watch's epoch to send a script under; BackendUnavailable (with what to fix,
+        if the TLS set-up or a login cannot work) if no sentinel names a master."""
+        try:
+            return self.watch.epoch_now()
+        except RedisError as exc:
+            hint = self._hint(exc)
+            message = f"redis {name} failed" + (f" ({hint})" if hint else "")
+            raise BackendUnavailable(message, key=key, cause=exc) from exc
+
+    def _on_grant(self, lease: Lease) -> None:
+        self.watch.register(lease, getattr(self.call_epoch, "value", -1))
+
+    def confirm_on_new_master(self, leases: Sequence[Lease]) -> None:
+        """After a change of master: extend `leases` there now; one it refuses is lost (by
+        extend_many), and all of them if it cannot be asked: a deadline moved by renewals
+        on the old master is worth nothing until the new one confirms it."""
+        if not leases:
+            return
+        try:
+            self.extend_many(leases)
+        except Exception as exc:
+            for lease in leases:
+                lease.mark_lost(BackendUnavailable(
+                    "the sentinels named a new master, which could not confirm the lease",
+                    key=lease.key, fence=lease.fence, cause=exc))  # fmt: skip
 
     def _evalsha(self, sha: str, keys: list[str], args: list[Any]) -> Any:
         try:
@@ -165,6 +394,33 @@ class RedisSentinelBackend(RedisBackend):
         back, and the lane reconnects its own at their next use: none is closed under the
         thread using it."""
         self.client.connection_pool.get_master_address()  # type: ignore[attr-defined]
+
+    def discover(self) -> tuple[int, tuple[str, int]]:
+        """The sentinels' config epoch and master address, from the sentinel that answers
+        with the highest epoch (a failover raises it; one not yet told has the lower) among
+        those seeing a majority of the sentinels listed. Every sentinel is asked, in one
+        round trip each."""
+        best: tuple[int, tuple[str, int]] | None = None
+        errors: list[str] = []
+        for client in list(self.sentinel.sentinels):
+            try:
+                with client.pipeline(transaction=False) as pipe:
+                    pipe.sentinel_master(self.service)
+                    pipe.sentinel_get_master_addr_by_name(self.service)
+                    state, addr = pipe.execute()
+            except RedisError as exc:
+                errors.append(type(exc).__name__)
+                continue
+            peers = int(state.get("num-other-sentinels", 0))
+            if not addr or peers < self.sentinel.min_other_sentinels:
+                continue
+            found = (int(state.get("config-epoch", 0)), (str(addr[0]), int(addr[1])))
+            if best is None or found[0] > best[0]:
+                best = found
+        if best is None:  # redis-py's error, as its own discovery raises it
+            raise MasterNotFoundError(f"No master found for {self.service!r}"
+                                      + (f" ({', '.join(errors)})" if errors else ""))  # fmt: skip
+        return best
 
     def master_address(self) -> tuple[str, int]:
         """The master's address as the sentinels name it now (MasterNotFoundError if none
@@ -193,9 +449,17 @@ class RedisSentinelBackend(RedisBackend):
             replicas = []
         return Topology(master=master, replicas=replicas, sentinels=known)
 
+    def judge_node(self, address: tuple[str, int], role: str) -> None:
+        """Refuse (UnsafeSettings) a data node the sentinels name that the connection's
+        options would reach unsafely (its password in clear text to another host, TLS
+        unverified), unless JOBFENCE_ALLOW_INSECURE names that downgrade: the sentinels
+        listed in the URL being on loopback says nothing of where the master is."""
+        refuse_node(self.security(), address, f"Sentinel {role}")
+
     def node_client(self, address: tuple[str, int]) -> redis.Redis:
         """A client of one node (a replica, say) with the master's credentials and timeouts;
         the caller closes it."""
+        self.judge_node(address, "replica")
         kwargs = self.client.connection_pool.connection_kwargs
         tls = {k: v for k, v in kwargs.items() if k.startswith("ssl")}
         return redis.Redis(
@@ -211,5 +475,6 @@ class RedisSentinelBackend(RedisBackend):
         )
 
     def close(self) -> None:
+        self.watch.stop()
         super().close()
         self.sentinel.close()

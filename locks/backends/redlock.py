@@ -60,6 +60,7 @@ PROPOSAL_LEAD_US = 20_000
 #: Replies a connection may owe (commands sent to a master that has not answered yet) before
 #: it is dropped: a master that far behind is treated as down.
 MAX_OWED = 64
+MARKED_KEYS_KEPT = 1024  # keys refused and not yet waited on, per client
 #: After a failed connect, a master is skipped (counted as not answering) this long.
 RECONNECT_DELAY = 0.5
 SCRIPTS = (
@@ -431,7 +432,7 @@ class RedlockBackend(LockBackend):
     max(stored fence, server µs); phase two writes max + 1 where the stored fence is
     lower. The client proposes a fence with phase one (above its own clock and every fence
     it has seen); where every master that locked took the proposal, that was phase two
-    and the grant is done in one round trip. See README "Lock backends" for what it
+    and the grant is done in one round trip. See the README's "Lock backends" for what it
     guarantees and where it breaks.
     """
 
@@ -470,6 +471,10 @@ class RedlockBackend(LockBackend):
         self.rounds = 0  # parallel round trips made (each sends one command per master)
         self._max_block = max(0.01, 0.8 * socket_timeout)
         self._wait_on = 0  # the master waiters block on; moves on when it fails
+        # key -> a master that refused this client's last attempt on it, and so marked the
+        # lock waited on: its release signals there. The default master may have run the
+        # attempt after the release, and never signal (CI once waited a release out).
+        self._marked: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -778,6 +783,7 @@ class RedlockBackend(LockBackend):
             )
         yield from self._release_on(attempt, ours)
         if tally.busy and len(tally.busy) + len(tally.done) > n - q:
+            self._note_marked(attempt.key, tally)
             return self._busy(tally)
         if len(tally.granted) >= q:
             raise BackendUnavailable(
@@ -876,6 +882,22 @@ class RedlockBackend(LockBackend):
             return live.issubset(replies)
 
         return Round(payload, deadline, decided, masters)
+
+    def _note_marked(self, key: str, tally: _Tally) -> None:
+        """Remember a master that refused `key` (so marked it waited on) for the wait."""
+        default = self._wait_on % len(self.masters)
+        index = default if default in tally.busy else next(iter(tally.busy))
+        with self._lock:
+            if len(self._marked) >= MARKED_KEYS_KEPT:  # refused, never waited (skip): forget
+                self._marked.clear()
+            self._marked[key] = index
+
+    def wait_master(self, key: str) -> int:
+        """The master a wait for `key`'s release blocks on: one that refused this client's
+        last attempt (the release signals there), else the current default."""
+        with self._lock:
+            marked = self._marked.pop(key, None)
+        return self._wait_on % len(self.masters) if marked is None else marked
 
     def _busy(self, tally: _Tally) -> Busy:
         # The holder's grant ends when enough of its masters expire for a majority to be
@@ -1114,13 +1136,14 @@ class RedlockBackend(LockBackend):
         """Block on one master's signal list until a release pushes it, or `timeout`.
 
         A release signals on every master where the refused attempt marked the lock as
-        waited on; the waiter listens on one. If that master fails, the next one is used
-        from the next wait on, and this wait sleeps instead (the caller's backoff polls).
+        waited on; the waiter listens on one of those (`wait_master`). If that master fails,
+        the next one is used from the next wait on, and this wait sleeps instead (the
+        caller's backoff polls).
         """
         timeout = min(timeout, self._max_block)
         if timeout < 0.001:
             return
-        index = self._wait_on % len(self.masters)
+        index = self.wait_master(key)
         try:
             self.masters[index].client.blpop([self.keys.signal(key)], timeout=timeout)
         except RedisError:

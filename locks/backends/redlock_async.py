@@ -355,7 +355,7 @@ class AsyncRedlockStore(NativeAsyncStore):
     async def _wait(self, key: str, timeout: float) -> None:
         """BLPOP the key's signal on one master, as RedlockBackend.wait_for_release; if
         that master fails, the next one is used from the next wait on, and this one sleeps."""
-        index = self._wait_on % len(self.masters)
+        index = self.backend.wait_master(key)
         try:
             await self._signals.wait(self.masters[index].client, self.keys.signal(key), timeout)
         except RedisError:

@@ -39,4 +39,15 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from importlib import import_module
 
-    return getattr(import_module(module), name)
+    try:
+        return getattr(import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "django":
+            raise
+        from jobfence.locks.registry import MissingExtra
+
+        raise MissingExtra(
+            f"jobfence.tasks.django needs Django: pip install 'jobfence[django]' ({exc.name} "
+            "is missing)",
+            name=exc.name,
+        ) from exc

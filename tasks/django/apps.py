@@ -47,7 +47,7 @@ def message(number: int, text: str, hint: str, *, refuse: bool) -> Any:
 def check_settings(app_configs: Any = None, **_: Any) -> list[Any]:
     """``manage.py check``: jobfence's Settings (env and JOBFENCE_* in settings.py) are valid,
     and no JOBFENCE_* name in settings.py is a typo. The same rules as a worker's start."""
-    from jobfence.config.errors import UnsafeSettings
+    from jobfence.config.errors import SETTINGS_FIX, UnsafeSettings
     from jobfence.config.settings import load_settings, unknown_django_settings
 
     found = []
@@ -59,7 +59,7 @@ def check_settings(app_configs: Any = None, **_: Any) -> list[Any]:
                                  f"{problem.fix} (in the environment or in settings.py)",
                                  refuse=True))  # fmt: skip
     for name, close in unknown_django_settings():
-        fix = f"did you mean {close}?" if close else "remove it (README, Settings)"
+        fix = f"did you mean {close}?" if close else SETTINGS_FIX
         found.append(message(3, f"{name} (in Django settings): is not a jobfence setting, so "
                                 "it is ignored", fix, refuse=False))  # fmt: skip
     return found

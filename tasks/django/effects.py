@@ -14,7 +14,7 @@ from django.db import transaction as db_transaction
 
 from jobfence.locks.errors import CommitOutcomeUnknown
 from jobfence.tasks.context import JobContext
-from jobfence.tasks.django.guard import DjangoFenceGuard, migrated
+from jobfence.tasks.django.guard import DjangoFenceGuard, atomic_watching_connection, migrated
 from jobfence.tasks.errors import IdempotencyConflict
 from jobfence.tasks.keys import canonical_json
 
@@ -51,9 +51,11 @@ class DjangoEffects:
     execution of the job finds it, and two racing executions collide on its primary key.
     Nested in an outer atomic block (a caller's, ``ATOMIC_REQUESTS``, a ``TestCase``) it
     becomes a savepoint that commits with the outer one, and the lock server's record waits
-    for that commit (``on_commit``; none on rollback, and the job may run again). If the
-    connection is lost at COMMIT, the DONE row is read on a fresh connection: there, the
-    block landed; else ``CommitOutcomeUnknown`` (the job is delivered again).
+    for that commit (``on_commit``; none on rollback, and the job may run again). A
+    connection lost inside the block committed nothing: ``CommitOutcomeUnknown``, and the
+    job is delivered again, never failed. Lost at COMMIT, the DONE row is read on a fresh
+    connection: there, the block landed; else ``CommitOutcomeUnknown``. A user's own error
+    on a live connection (an IntegrityError) fails the job as before.
     """
 
     def __init__(self, *, using: str = DEFAULT_DB_ALIAS, guard: DjangoFenceGuard | None = None):
@@ -65,23 +67,21 @@ class DjangoEffects:
         self, job: JobContext, *resources: str, using: str | None = None
     ) -> Iterator[DjangoEffectTx]:
         alias = using or self.using
-        outer = connections[alias].in_atomic_block
-        committing = False
-        try:
-            with db_transaction.atomic(using=alias):
-                for resource in sorted(set(resources)):  # one order everywhere: no deadlocks
-                    self.guard.check_and_advance(resource, job.fence, using=alias)
-                with migrated(alias, JOBS_TABLE):
-                    tx = self._lookup(alias, job)
-                yield tx
-                if not tx.done:
-                    result = canonical_json(tx.result, what="the job result")
-                    self._insert_done(alias, job, result)
-                committing = not outer
-        except (OperationalError, InterfaceError) as exc:
-            if not committing:
-                raise
-            self._settle(alias, job, tx, exc)
+        tx: DjangoEffectTx | None = None
+
+        def settle(lost: Exception, at_commit: bool) -> None:
+            self._settle(alias, job, tx, lost, at_commit)
+
+        with atomic_watching_connection(alias, settle) as outer:
+            for resource, fence in job.guarded_rows(resources):  # one order: no deadlocks
+                self.guard.check_and_advance(resource, fence, using=alias)
+            with migrated(alias, JOBS_TABLE):
+                tx = self._lookup(alias, job)
+            job.effect_opened(tx.done)
+            yield tx
+            if not tx.done:
+                result = canonical_json(tx.result, what="the job result")
+                self._insert_done(alias, job, result)
         if outer:  # a replay too: the DONE row it read may be the block's own, uncommitted
             db_transaction.on_commit(job.join_outer().commit, using=alias)
 
@@ -98,10 +98,23 @@ class DjangoEffects:
             row = cur.fetchone()
         return None if row is None else dict(zip(_COLUMNS, row, strict=True))
 
-    def _settle(self, alias: str, job: JobContext, tx: DjangoEffectTx, lost: Exception) -> None:
-        """The COMMIT's reply never came: it landed if our DONE row is there (read on a
-        fresh connection); else, or if that cannot be read, the outcome stays unknown."""
-        if tx.done:
+    def _settle(
+        self,
+        alias: str,
+        job: JobContext,
+        tx: DjangoEffectTx | None,
+        lost: Exception,
+        at_commit: bool,
+    ) -> None:
+        """The connection was lost. Before COMMIT nothing committed: deliver again. At COMMIT
+        its reply never came: it landed if our DONE row is there (read on a fresh
+        connection); else, or if that cannot be read, the outcome stays unknown."""
+        if not at_commit:
+            raise CommitOutcomeUnknown(
+                "the connection was lost inside the effect's transaction, before its COMMIT: "
+                "nothing committed", key=job.key, fence=job.fence, reason=type(lost).__name__,
+            ) from lost  # fmt: skip
+        if tx is None or tx.done:
             return  # a replay: the stored result is known
         connections[alias].close()  # the old link is dead; the next query opens a new one
         try:
@@ -122,13 +135,17 @@ class DjangoEffects:
     def _lookup(self, alias: str, job: JobContext) -> DjangoEffectTx:
         conn = connections[alias]
         qn = conn.ops.quote_name
+        query = (f"SELECT {qn('fingerprint')}, {qn('result')} FROM {qn(JOBS_TABLE)} "
+                 f"WHERE {qn('job_key')} = %s")  # fmt: skip
         with conn.cursor() as cur:
-            cur.execute(
-                f"SELECT {qn('fingerprint')}, {qn('result')} FROM {qn(JOBS_TABLE)} "
-                f"WHERE {qn('job_key')} = %s",
-                [job.key],
-            )
+            cur.execute(query, [job.key])
             row = cur.fetchone()
+            for key, fingerprint in job.previous if row is None else ():
+                # During a key rotation: the job's DONE row written under a previous secret.
+                cur.execute(query, [key])
+                old = cur.fetchone()
+                if old is not None and old[0] == fingerprint:
+                    return DjangoEffectTx(alias, done=True, result=json.loads(old[1]))
         if row is None:
             return DjangoEffectTx(alias, done=False)
         if row[0] != job.fingerprint:

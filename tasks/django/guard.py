@@ -17,8 +17,9 @@ from django.db import (
 )
 
 from jobfence.config.errors import JobfenceError
-from jobfence.locks.errors import CommitOutcomeUnknown, LockError, StaleFence
-from jobfence.locks.guards import _check_args
+from jobfence.locks.errors import LockError, StaleFence
+from jobfence.locks.guards import _check_args, commit_unknown
+from jobfence.locks.sql import Settle, link_lost
 
 FENCES_TABLE = "jobfence_fences"
 
@@ -47,6 +48,40 @@ def migrated(alias: str, *tables: str) -> Iterator[None]:
             f"`python manage.py migrate jobfence{database}` (with \"jobfence.tasks.django\" "
             "in INSTALLED_APPS)"
         ) from exc
+
+
+@contextmanager
+def atomic_watching_connection(alias: str, settle: Settle) -> Iterator[bool]:
+    """``transaction.atomic(using=alias)`` in which a lost connection never reads as the body
+    failing: lost anywhere in the block (opening it, a statement, an outermost block's
+    COMMIT), ``settle(exc, at_commit)`` is told (see ``locks.sql.Settle``). Any other error
+    propagates as it is. Yields whether the block is nested in an outer one."""
+    conn = connections[alias]
+    outer = conn.in_atomic_block
+    entered = committing = False
+    gone: Exception | None = None
+    try:
+        with transaction.atomic(using=alias):
+            entered = True
+            try:
+                yield outer
+            except Exception as exc:  # judged before the rollback drops the driver's link
+                if link_lost(exc, conn.connection):
+                    gone = exc
+                raise
+            committing = not outer
+    except Exception as exc:
+        if gone is not None:
+            settle(gone, False)
+        lost = link_lost(exc, conn.connection)
+        if not (lost or isinstance(exc, (OperationalError, InterfaceError))):
+            raise
+        if committing:
+            settle(exc, True)
+            return
+        if lost or not entered:
+            settle(exc, False)
+        raise
 
 
 class DjangoFenceGuard:
@@ -115,23 +150,17 @@ class DjangoFenceGuard:
     @contextmanager
     def transaction(self, resource: str, fence: int, *, using: str | None = None) -> Iterator[str]:
         """``with guard.transaction(resource, fence) as alias:`` an atomic block, token checked
-        first. Yields the database alias, for ``Model.objects.using(alias)``."""
+        first. Yields the database alias, for ``Model.objects.using(alias)``. The connection
+        lost anywhere in it raises ``CommitOutcomeUnknown`` (a job delivers again)."""
         alias = using or DEFAULT_DB_ALIAS
-        outer = connections[alias].in_atomic_block
-        committing = False
-        try:
-            with transaction.atomic(using=alias):
-                self.check_and_advance(resource, fence, using=alias)
-                yield alias
-                committing = not outer
-        except (OperationalError, InterfaceError) as exc:
-            if not committing:
-                raise
+
+        def settle(lost: Exception, at_commit: bool) -> None:
             # No record here says whether the writes landed: the job comes back to find out.
-            raise CommitOutcomeUnknown(
-                "the connection was lost at the fenced transaction's COMMIT",
-                key=resource, fence=fence, reason=type(exc).__name__,
-            ) from exc  # fmt: skip
+            raise commit_unknown(resource, fence, lost, at_commit=at_commit) from lost
+
+        with atomic_watching_connection(alias, settle):
+            self.check_and_advance(resource, fence, using=alias)
+            yield alias
 
     def _update_or_insert(self, conn: Any, resource: str, fence: int) -> None:
         qn = conn.ops.quote_name

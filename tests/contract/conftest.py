@@ -17,7 +17,7 @@ from jobfence.locks.aio import ThreadStore, open_async_store
 from jobfence.locks.clock import Clock
 from jobfence.locks.drive import AsyncStore, run_async, run_sync
 from jobfence.locks.flows import Flow
-from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
+from tests.servers import POSTGRES_ADMIN_URL, PgBouncer, PostgresDatabase, RedisServer
 
 T = TypeVar("T")
 
@@ -26,7 +26,7 @@ T = TypeVar("T")
 # the server allows it, how to count round trips and how to lose all its data.
 BACKENDS = [
     "redis", "memory", "postgres", "mariadb", "etcd", "redlock3", "redlock5", "cluster", "sentinel",
-    "zookeeper",
+    "zookeeper", "pgbouncer", "valkey",
 ]
 
 
@@ -108,8 +108,8 @@ def _per_server(counters: Sequence[Callable[[], int]]) -> Callable[[], list[int]
 
 
 def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
-    if name == "redis":
-        server: RedisServer = request.getfixturevalue("fresh_redis")
+    if name in ("redis", "valkey"):  # Valkey: the same backend on valkey-server
+        server: RedisServer = request.getfixturevalue(f"fresh_{name}")
         url = server.url
 
         def connect() -> LockBackend:
@@ -131,6 +131,8 @@ def _harness(name: str, request: pytest.FixtureRequest) -> BackendHarness:
         return BackendHarness(name=name, backend=MemoryBackend(), connect=None)
     if name == "postgres":
         return _postgres_harness(request)
+    if name == "pgbouncer":
+        return _postgres_harness(request, bouncer=request.getfixturevalue("pgbouncer"))
     if name == "mariadb":
         return _mariadb_harness(request)
     if name == "etcd":
@@ -294,8 +296,12 @@ def _etcd_harness(request: pytest.FixtureRequest) -> BackendHarness:
                           url=url, options={"prefix": prefix})  # fmt: skip
 
 
-def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
-    """A scratch database per test; data loss drops the lease table and the fence sequence."""
+def _postgres_harness(
+    request: pytest.FixtureRequest, bouncer: PgBouncer | None = None
+) -> BackendHarness:
+    """A scratch database per test; data loss drops the lease table and the fence sequence.
+    With `bouncer` the backend reaches it through that PgBouncer (transaction pooling, fewer
+    server sessions than clients); data loss is still done directly on the server."""
     from jobfence.locks.backends import postgres
 
     reason = PostgresDatabase.reachable(POSTGRES_ADMIN_URL)
@@ -303,20 +309,21 @@ def _postgres_harness(request: pytest.FixtureRequest) -> BackendHarness:
         pytest.skip(reason)
     db = PostgresDatabase()
     request.addfinalizer(db.drop)
-    url = db.url
+    url = db.url if bouncer is None else bouncer.url_for(db.name)
 
     def connect() -> LockBackend:
         return postgres.PostgresBackend.from_url(url, prefix="contract")
 
     def lose_data() -> None:
-        with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as admin:
+        with psycopg.connect(db.url.replace("+psycopg", ""), autocommit=True) as admin:
             admin.execute(f"DROP TABLE {postgres.TABLE}")
             admin.execute(f"DROP SEQUENCE {postgres.FENCE_SEQUENCE}")
 
     backend = postgres.PostgresBackend.from_url(url, prefix="contract")
+    name = "postgres" if bouncer is None else "pgbouncer"
     # Round trips counted by the client (each one statement: nothing else crosses the wire).
     return BackendHarness(
-        name="postgres",
+        name=name,
         backend=backend,
         connect=connect,
         requests=lambda: [backend.statements],
@@ -388,6 +395,19 @@ def redlock_masters() -> Iterator[dict[int, Any]]:
     yield started
     for masters in started.values():
         masters.stop()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer() -> Iterator[PgBouncer]:
+    """A private PgBouncer in transaction pooling before the local PostgreSQL, for the
+    session (skipped where one cannot be started)."""
+    from devstack.local_pgbouncer import unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with PgBouncer() as bouncer:
+        yield bouncer
 
 
 @pytest.fixture(scope="session")

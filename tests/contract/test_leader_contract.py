@@ -33,7 +33,7 @@ from tests.servers import wait_for
 #: in conftest.BACKENDS qualifies; these are the cheap ones to start).
 LEADER_BACKENDS = [
     "redis", "memory", "postgres", "mariadb", "redlock3", "sentinel", "cluster", "etcd",
-    "zookeeper",
+    "zookeeper", "valkey",
 ]  # fmt: skip
 TTL = 1.0
 #: A standby notices an expiry within one backoff step (cap 0.5 s, jittered) at worst, and

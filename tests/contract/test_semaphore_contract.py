@@ -27,9 +27,9 @@ from tests.contract.conftest import BACKENDS, BackendHarness, _harness, run_race
 from tests.servers import RedisServer, wait_for
 
 #: The backends in the contract list that keep semaphores (capability `semaphore`).
-SEMAPHORE_BACKENDS = ["redis", "memory", "postgres", "mariadb", "cluster", "sentinel"]
+SEMAPHORE_BACKENDS = ["redis", "memory", "postgres", "mariadb", "cluster", "sentinel", "valkey"]
 #: The slow tests run once per implementation (Sentinel and Cluster run Redis's scripts).
-RACE_BACKENDS = ["redis", "postgres", "mariadb"]
+RACE_BACKENDS = ["redis", "postgres", "mariadb", "valkey"]
 #: The race: processes, slots, acquisitions per process (kept small: the suite is tight).
 RACERS = 6
 LIMIT = 2
@@ -326,7 +326,7 @@ def test_keeper_keeps_a_slot_past_its_ttl_beside_lock_leases(sem: BackendHarness
         keeper.stop()
 
 
-@pytest.fixture(params=[b for b in BACKENDS if b in ("redis", "cluster", "sentinel")])
+@pytest.fixture(params=[b for b in BACKENDS if b in ("redis", "cluster", "sentinel", "valkey")])
 def redis_sem(request: pytest.FixtureRequest) -> Iterator[BackendHarness]:
     """The backends that keep semaphores in expiring Redis keys (one set of scripts)."""
     h = _harness(request.param, request)

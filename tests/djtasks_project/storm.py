@@ -1,6 +1,7 @@
 """Enqueue a duplicate storm of Django tasks; print the result ids as JSON.
 
-Usage: python -m tests.djtasks_project.storm TASK FIRST_INVOICE INVOICES COPIES
+Usage: python -m tests.djtasks_project.storm TASK FIRST_INVOICE INVOICES COPIES [SEED]
+(several of these run side by side, one SEED each, as web processes would enqueue)
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ def main(argv: list[str]) -> None:
     from tests.djtasks_project.billing import tasks
 
     name, first, invoices, copies = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    seed = int(argv[4]) if len(argv) > 4 else 0
     task = getattr(tasks, name)
     jobs = [(first + n, 100 + n) for n in range(invoices) for _ in range(copies)]
-    random.Random(first).shuffle(jobs)
+    random.Random(first * 1000 + seed).shuffle(jobs)
     print(json.dumps([task.enqueue(invoice, amount).id for invoice, amount in jobs]))
 
 

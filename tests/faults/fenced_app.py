@@ -16,9 +16,9 @@ import redis
 from celery import Celery
 
 from jobfence.config import UnsafeSettings
+from jobfence.config.errors import EX_CONFIG
 from jobfence.tasks import SingletonTask, singleton_task
 from jobfence.worker.app import create_app
-from jobfence.worker.checks import EX_CONFIG
 from tests.faults import hold
 
 POISON = "fault.poison"

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -183,7 +184,7 @@ def test_a_frozen_leader_is_told_on_waking_and_its_fenced_write_is_refused(rig):
     leader, standby = rig.leader_and_standby()
     os.kill(leader.pid, signal.SIGUSR1)  # it SIGSTOPs itself between two writes
     try:
-        frozen = rig.wait(leader, "freezing", timeout=5)["mono"]
+        frozen = rig.wait(leader, "freezing", timeout=15)["mono"]  # 5 s: short on a loaded CI
         elected = rig.wait(standby, "elected", timeout=3 * TTL)
         took = elected["mono"] - frozen
         report(rig, "SIGSTOP", took, TTL)
@@ -237,6 +238,11 @@ def _naive_control(rig: Rig) -> None:
 def test_a_leader_cut_off_from_its_lock_server_is_told_at_its_deadline_and_campaigns_again(
     fresh_redis,
 ):
+    """No timed bound here: a stall of this process (a gen-2 GC of a big pytest process holds
+    the GIL for over a second) fails any bound, while the term is lost on time. How soon the
+    keeper and a waking leader read the deadline is asserted on a manual clock
+    (tests/test_keeper.py, tests/contract/test_leader_contract.py); this proves the loss on a
+    real server that never answers: told while it is still paused, never before its deadline."""
     locker = Locker(
         RedisBackend.from_url(fresh_redis.url, prefix="cut", socket_timeout=0.2), ttl=TTL
     )
@@ -245,18 +251,27 @@ def test_a_leader_cut_off_from_its_lock_server_is_told_at_its_deadline_and_campa
     try:
         first = elector.wait_elected(timeout=START)
         assert first is not None
+        ended: list[float] = []
+        first.on_end(lambda: ended.append(time.monotonic()))  # in the thread that noticed
         fresh_redis.pause()  # SIGSTOP: the heartbeats hang, then time out
         paused = time.monotonic()
         try:
-            assert first.lost.wait(2 * TTL), "the leader never learnt it was cut off"
-            told = time.monotonic() - paused
-            assert told <= TTL + MARGIN, told  # at its deadline, not at the server's return
-            wait_for(lambda: lost == [first], timeout=TTL, message="on_lost was never called")
+            # The plain Event's wait: the keeper or the elector must tell it, not this read.
+            assert threading.Event.wait(first.lost, START), "never learnt it was cut off"
+            wait_for(lambda: lost == [first], timeout=START, message="on_lost was never called")
             assert isinstance(first.cause, LeaseLost) and elector.term is None
+            wait_for(lambda: ended, timeout=START, message="the term's end was never heard")
+            deadline = first.lease.deadline - first.lease.drift
+            assert ended[0] >= deadline, "lost before its deadline"
+            report_told(ended[0] - paused, ended[0] - deadline)
         finally:
-            fresh_redis.resume()
-        second = elector.wait_elected(timeout=5 * TTL)  # campaigning again all along
+            fresh_redis.resume()  # only now: it was told while the server never answered
+        second = elector.wait_elected(timeout=START)  # campaigning again all along
         assert second is not None and second.fence > first.fence
     finally:
         elector.stop()
         locker.close()
+
+
+def report_told(after_pause: float, late: float) -> None:
+    print(f"\nCUT OFF: told {after_pause:.3f}s after the pause, {late:.3f}s past its deadline")

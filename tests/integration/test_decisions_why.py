@@ -4,6 +4,7 @@ refused stale write, each explained from the decision log; the log lines hold no
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -90,7 +91,11 @@ def _build(broker: RedisServer, lock_url: str) -> Celery:
                     current_lease().fence, [("SET", "x", "1")])  # fmt: skip
         return "wrote"
 
-    del gated, replace, fenced
+    @singleton_task(app=app, name="why.charge", key=["job"], shared=False)
+    def charge(job: str, amount: int) -> int:
+        return amount
+
+    del gated, replace, fenced, charge
     return app
 
 
@@ -143,6 +148,25 @@ def test_why_explains_a_skipped_duplicate(world: World, capsys: pytest.CaptureFi
     # The holder's own story: granted, then done, under that fence.
     mine = world.why(first.id, capsys)
     assert f"granted the lease (fence {fence})" in mine and "done:" in mine
+
+
+def test_why_says_which_arguments_met_which_in_an_idempotency_conflict(
+    world: World, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31, item 8: a key reused with other arguments failed with IdempotencyConflict
+    and left no decision, so `locks why` could not say what met what. Now: a few hex
+    digits of each keyed fingerprint, never the arguments."""
+    j, task = job(), world.task("charge")
+    assert task.delay(j, 1250).get(timeout=DEADLINE) == 1250
+    other = task.delay(j, 9999)
+    with pytest.raises(Exception, match="reused with different arguments"):
+        other.get(timeout=DEADLINE)
+    out = world.why(other.id, capsys)
+    assert "refused (IdempotencyConflict): the key (fence " in out, out
+    assert re.search(r"this delivery's arguments [0-9a-f]{8}, the key's [0-9a-f]{8}", out), out
+    mine, theirs = re.findall(r"arguments ([0-9a-f]{8}), the key's ([0-9a-f]{8})", out)[0]
+    assert mine != theirs
+    assert ARGUMENT not in out and "9999" not in out and "1250" not in out
 
 
 def test_why_explains_a_superseded_copy(world: World, capsys: pytest.CaptureFixture[str]) -> None:

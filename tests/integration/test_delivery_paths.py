@@ -90,8 +90,12 @@ class Singletons:
         started."""
         if self.runtime.backend.name != "redis":
             return bool(self.preruns(task_id))
-        clients = self.broker.client_list()
-        return any(c.get("cmd") == "blpop" and c.get("db") == str(LOCK_DB) for c in clients)
+        lock = redis.Redis.from_url(self.runtime.settings.lock_url)  # Valkey's: its own
+        try:
+            db = str(lock.connection_pool.connection_kwargs.get("db", 0))
+            return any(c.get("cmd") == "blpop" and c.get("db") == db for c in lock.client_list())
+        finally:
+            lock.close()
 
     def preruns(self, task_id: str) -> list[Any]:
         return [e for e in self.fleet.events(task_id) if e.kind == "prerun"]
@@ -134,7 +138,8 @@ class _Module:
 
 
 @pytest.fixture(
-    scope="module", params=["redis", "mariadb", "postgres", "etcd", "redlock", "zookeeper"]
+    scope="module",
+    params=["redis", "mariadb", "postgres", "etcd", "redlock", "zookeeper", "valkey"],
 )
 def singleton_module(
     request: pytest.FixtureRequest,
@@ -143,7 +148,7 @@ def singleton_module(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[_Module]:
     """The fleet, with its locks on Redis, MariaDB, PostgreSQL, etcd, Redlock over three
-    masters or ZooKeeper (JOBFENCE_LOCK_URL alone differs)."""
+    masters, ZooKeeper or Valkey (JOBFENCE_LOCK_URL alone differs)."""
     server = f"redis://{module_redis.host}:{module_redis.port}"
     lock_url = f"{server}/{LOCK_DB}"
     if request.param == "mariadb":
@@ -156,6 +161,8 @@ def singleton_module(
         lock_url = request.getfixturevalue("redlock_urls")
     elif request.param == "zookeeper":
         lock_url = f"{request.getfixturevalue('zookeeper_server').url}/delivery-paths"
+    elif request.param == "valkey":
+        lock_url = request.getfixturevalue("module_valkey").url
     database_url = f"sqlite:///{tmp_path_factory.mktemp('sql-ledger') / 'ledger.sqlite'}"
     env = app_env(
         module_redis.url,  # broker: db 0

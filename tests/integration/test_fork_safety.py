@@ -1,17 +1,25 @@
 """Prefork children never use a connection their parent opened: jobfence's engines are disposed
-after fork, so an app that touches PostgreSQL at import still runs every task cleanly."""
+after fork, so an app that touches PostgreSQL at import still runs every task cleanly; and a
+child forked while a thread of its parent is inside jobfence (the decision log's writer on a
+stalled lock server) does not inherit that thread's locks."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 import redis
 import sqlalchemy as sa
 
+from jobfence.locks import RedisBackend
+from jobfence.locks.decisions import Decision, DecisionBounds, DecisionLog
+from jobfence.tasks.decisions import DecisionRecorder
+from tests.forked import CHILD_DEADLINE, start_child, wait_child
 from tests.integration.apps.common import app_env, make_app
 from tests.integration.celery_fleet import FleetFactory
 from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
@@ -119,3 +127,72 @@ def test_prefork_children_never_use_the_parents_database_connections(
     assert sorted(r["n"] for r in rows["fenced"]) == list(range(TASKS))
     assert report["fenced"]["rows on the parent's session"] == 0
     assert shared_sessions(rows["fenced"]) == {}
+
+
+class InFlight(DecisionLog):
+    """A real decision log that tells when a batch is on its way to the server and back."""
+
+    where = "Redis streams"
+
+    def __init__(self, log: DecisionLog) -> None:
+        super().__init__(log.bounds)
+        self.log = log
+        self.sent, self.back = threading.Event(), threading.Event()
+
+    def append_many(self, entries: Sequence[Decision]) -> None:
+        self.sent.set()
+        try:
+            self.log.append_many(entries)
+        finally:
+            self.back.set()
+
+    def for_key(self, key: str, n: int = 50) -> list[Decision]:
+        return self.log.for_key(key, n)
+
+    def for_task(self, task_id: str, n: int = 50) -> list[Decision]:
+        return self.log.for_task(task_id, n)
+
+
+def skipped(key: str, task_id: str) -> Decision:
+    return Decision(time.time(), "conflict", key, "tests.fork", task_id, holder="h", reason="skip")
+
+
+def test_a_child_forked_while_the_decision_writer_waits_on_a_stalled_server_stores_its_own(
+    fresh_redis: RedisServer,
+) -> None:
+    """The parent's writer holds its batch lock for up to socket_timeout while the server is
+    stopped; the child forked then stores its own decisions once the server is back, and its
+    close() returns. Control (today's main, before the at-fork reset): the child's writer and
+    its close() wait for the parent's lock for ever, and the child is killed at its deadline."""
+    # A long socket timeout: the parent's batch stays in flight across the fork.
+    backend = RedisBackend.from_url(fresh_redis.url, prefix="forkdl", socket_timeout=20.0)
+    store = backend.decision_log(DecisionBounds())
+    assert store is not None
+    log = InFlight(store)
+    recorder = DecisionRecorder(log)
+    recorder.record([skipped("tests.fork:parent", "p0")])
+    recorder.flush()  # connected: the batch below is on the wire, waiting for its reply
+    log.sent.clear()
+    log.back.clear()
+    fresh_redis.pause()  # SIGSTOP: the writer's round trip hangs
+    try:
+        recorder.record([skipped("tests.fork:parent", "p1")])
+        assert log.sent.wait(CHILD_DEADLINE), "the writer never sent its batch"
+
+        def child() -> None:
+            recorder.record([skipped("tests.fork:child", "c1")])
+            recorder.close()  # stores what was handed over (or warns): never waits for ever
+
+        assert not log.back.is_set(), "the parent's batch must be in flight at the fork"
+        pid = start_child(child)
+    finally:
+        fresh_redis.resume()
+    try:
+        code = wait_child(pid)
+        assert code is not None, f"the child hung: killed after {CHILD_DEADLINE:g}s"
+        assert code == 0, code
+        assert [d.task_id for d in store.for_key("tests.fork:child")] == ["c1"]
+        recorder.close()
+        assert [d.task_id for d in store.for_key("tests.fork:parent")] == ["p0", "p1"]
+    finally:
+        backend.close()

@@ -52,13 +52,17 @@ class Lifetimes:
         return lambda: f"{self.ledger.summary(job_id)}\n{self.fleet.logs(lines=15)}"
 
 
-@pytest.fixture(scope="module", params=["redis", "postgres"])
+@pytest.fixture(scope="module", params=["redis", "postgres", "valkey"])
 def lifetimes_module(
     request: pytest.FixtureRequest, module_redis: RedisServer, fleet_factory: FleetFactory
 ) -> Iterator[Lifetimes]:
-    """A worker whose locks and publish claims live on Redis, or on PostgreSQL."""
+    """A worker whose locks and publish claims live on Redis, PostgreSQL or Valkey."""
     server = f"redis://{module_redis.host}:{module_redis.port}"
-    lock_url = f"{server}/2" if request.param == "redis" else request.getfixturevalue("pg_url")
+    lock_url = {
+        "redis": lambda: f"{server}/2",
+        "postgres": lambda: request.getfixturevalue("pg_url"),
+        "valkey": lambda: request.getfixturevalue("module_valkey").url,
+    }[request.param]()
     env = app_env(
         module_redis.url,  # broker: db 0
         ledger_url=f"{server}/1",

@@ -10,6 +10,11 @@ example draws its combination by picking a task name. Each body records:
 * its enter/exit times per concurrency group in a Redis list on the broker's server (never on
   the lock server, whose data the model flushes), so slot overlaps can be counted;
 * what a chain's next step received, in the same Redis.
+
+After a ``rotate`` step (:meth:`ModelApp.rotate`) the worker gates each delivery under one of
+two key-secret configurations, alternately: its own runtime (secret A, B kept as previous)
+and a second runtime on the same lock backend (B, A previous), the two-step roll-out's
+side-by-side phase within one worker, so copies of one job meet under different secrets.
 """
 
 from __future__ import annotations
@@ -17,23 +22,27 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 import sqlalchemy as sa
 from celery import Celery, Task
+from pydantic import SecretStr
 
 from jobfence.config import Settings
-from jobfence.tasks import current_job, install, runtime_for, singleton_task
+from jobfence.locks import LockBackend
+from jobfence.tasks import Runtime, SingletonTask, current_job, install, runtime_for, singleton_task
 from tests.integration.apps.common import celery_config
+from tests.tasks.test_key_rotation import SlowRecordReads
 
 __all__ = [
     "BODY_RETRY_COUNTDOWN",
     "LEASE_TTL",
     "MAX_RETRIES",
     "PLAIN",
+    "REDELIVERY_LIMIT",
     "ModelApp",
     "Options",
     "build_app",
@@ -48,7 +57,11 @@ BODY_RETRY_COUNTDOWN = 0.2
 MAX_COUNTDOWN = 1.5
 VISIBILITY_TIMEOUT = 10.0
 WAIT_TIMEOUT = 2.0
+#: Deliveries again (a commit outcome unknown, a lost lease) before a job is given up.
+REDELIVERY_LIMIT = 5
 RATE = "10/s"
+#: The secret a rotation rolls out beside the worker's own (a test value, never shown).
+ROTATED_SECRET = "model-rotated-secret-Bb2-0123456789abcdef"
 
 metadata = sa.MetaData()
 #: One row per effect, committed in the job's fenced transaction with its DONE row.
@@ -146,6 +159,63 @@ class ModelApp:
         self.ledger = ledger
         self.engine = engine
         self.tasks: dict[Options, Task] = {}
+        #: The runtime under the rotated secret (built on the first rotation), and whether
+        #: deliveries alternate between it and the worker's own.
+        self.rotated: Runtime | None = None
+        self.rotating = False
+        self._turns: Iterator[int] = itertools.count()
+
+    def runtime_of(self, request: Any) -> Runtime:
+        """The runtime that gates this delivery, chosen once per delivery (kept on its
+        request): the worker's own, or during a rotation its own and the rotated one in turn."""
+        own = runtime_for(self.app)
+        if request.called_directly:  # a publish from the caller's thread: the caller's secret
+            return own
+        chosen: Runtime | None = getattr(request, "model_runtime", None)
+        if chosen is None:
+            turn = next(self._turns) if self.rotating else 0
+            chosen = self.rotated if turn % 2 and self.rotated is not None else own
+            request.model_runtime = chosen
+        return chosen
+
+    def reconfigure(self, read_delay: float) -> None:
+        """Step 1 of the roll-out: the worker's runtime keeps the rotated secret as its
+        previous one; the second runtime (rotated secret, the worker's as previous) shares its
+        lock backend (so its locks, records and decision log). ``read_delay``: each record
+        read of either answers that late (a slow link)."""
+        own = runtime_for(self.app)
+        if self.rotated is None:
+            settings = own.settings.model_copy(update={
+                "key_secret": SecretStr(ROTATED_SECRET),
+                "key_secret_previous": (own.settings.key_secret,),
+            })  # fmt: skip
+            self.rotated = Runtime(settings, backend=own.backend)
+        own.previous_secrets = (ROTATED_SECRET.encode(),)
+        self._turns = itertools.count()  # the first delivery after it: the worker's own
+        for rt in (own, self.rotated):
+            rt.executor.backend = (
+                cast("LockBackend", SlowRecordReads(rt.backend, read_delay))
+                if read_delay
+                else rt.backend
+            )
+
+    def unrotate(self) -> None:
+        """Back to the worker's own secret alone (a sequence's start)."""
+        self.rotating = False
+        own = runtime_for(self.app)
+        own.previous_secrets = own.settings.previous_secret_bytes()
+        own.executor.backend = own.backend
+
+    def runtimes(self) -> list[Runtime]:
+        own = runtime_for(self.app)
+        return [own] if self.rotated is None else [own, self.rotated]
+
+    def close(self) -> None:
+        """Stop the rotated runtime's threads (its backend is the worker's, closed with it)."""
+        if self.rotated is not None:
+            if self.rotated.executor.recorder is not None:
+                self.rotated.executor.recorder.close()
+            self.rotated.keeper.stop()
 
     def slot_events(self, group: str) -> list[dict[str, Any]]:
         return [json.loads(x) for x in self.ledger.lrange(f"model:slots:{group}", 0, -1)]
@@ -163,7 +233,8 @@ class ModelApp:
 
 def _body(model: ModelApp) -> Any:
     def job(self: Task, job_id: str, group: str, mode: str, hold: float) -> dict[str, Any]:
-        """The job: maybe retry or fail, hold its slot for ``hold`` s, then the fenced effect."""
+        """The job: maybe retry or fail, hold its slot for ``hold`` s, then the fenced effect
+        (mode ``checked``: after checking its lease, as a cooperative body does)."""
         if mode == "retry" and self.request.retries == 0:
             raise self.retry(countdown=BODY_RETRY_COUNTDOWN, exc=BodyFailed("asked a retry"))
         if mode == "fail":
@@ -176,6 +247,8 @@ def _body(model: ModelApp) -> Any:
         model.ledger.rpush(slots, json.dumps(enter))
         try:
             time.sleep(hold)
+            if mode == "checked":  # a cooperative body: stops on a lease lost while it held
+                ctx.check()
             with runtime_for(self.app).effects.transaction(ctx, ctx.lease.key) as tx:
                 if not tx.done:
                     tx.conn.execute(
@@ -228,7 +301,7 @@ def build_app(env: Mapping[str, str], *, lock_url: str, database_url: str) -> Mo
             visibility_timeout=VISIBILITY_TIMEOUT,
             max_countdown=MAX_COUNTDOWN,
             redelivery_delay=0.2,
-            redelivery_limit=5,
+            redelivery_limit=REDELIVERY_LIMIT,
         ),
     )
     engine = runtime_for(app).effects.engine
@@ -236,10 +309,17 @@ def build_app(env: Mapping[str, str], *, lock_url: str, database_url: str) -> Mo
     metadata.create_all(engine)
     model = ModelApp(app, redis.Redis.from_url(env["LEDGER_URL"], socket_timeout=5.0), engine)
     body = _body(model)
+
+    class ModelTask(SingletonTask):
+        """Gated by the runtime the model chose for the delivery (a rotation's two secrets)."""
+
+        def _runtime(self) -> Runtime:
+            return model.runtime_of(self.request)
+
     for options in valid_options():
         model.tasks[options] = singleton_task(
             app=app, name=options.task_name, bind=True, shared=False, max_retries=MAX_RETRIES,
-            wait_timeout=WAIT_TIMEOUT, **options.decorator_options(),
+            wait_timeout=WAIT_TIMEOUT, base=ModelTask, **options.decorator_options(),
         )(body)  # fmt: skip
 
     # The control: the same body as a plain Celery task (its options are never drawn).

@@ -11,10 +11,17 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from tests.model.app import MAX_COUNTDOWN, Options, valid_options
+from tests.model.beat import BeatRules
 from tests.model.known import known_defect, strict
-from tests.model.scenario import Harness, Scenario, Step
+from tests.model.scenario import CUT_AT, Harness, Scenario, Step
 
-__all__ = ["ModelMachine", "machine_settings"]
+__all__ = [
+    "ModelMachine",
+    "PostgresModelMachine",
+    "WorkerModelMachine",
+    "machine_for",
+    "machine_settings",
+]
 
 MODES = st.sampled_from(["ok", "ok", "retry", "fail"])
 #: Short bodies; now and then one longer than the lease TTL (the keeper must carry it), or
@@ -24,6 +31,9 @@ COUNTDOWNS = st.one_of(st.none(), st.sampled_from([0.3, MAX_COUNTDOWN]))
 PICKS = st.integers(min_value=0, max_value=7)
 #: A chain also starts a new job now and then (its first publish is the chain's head).
 CHAIN_PICKS = st.integers(min_value=-1, max_value=7)
+#: A rotation's record reads: prompt, or late by about a short body's hold (a slow link:
+#: a commit under one secret then lands between the other's record read and lock look).
+READ_DELAYS = st.sampled_from([0.0, 0.4])
 
 
 def machine_settings() -> settings:
@@ -90,6 +100,15 @@ class ModelMachine(RuleBasedStateMachine):
     def blip(self, seconds: float) -> None:
         self._run(Step("blip", seconds=seconds))
 
+    @rule()
+    def fork(self) -> None:
+        self._run(Step("fork"))
+
+    @precondition(lambda self: self.scenario is not None and not self.harness.model.rotating)
+    @rule(seconds=READ_DELAYS)
+    def rotate(self, seconds: float) -> None:
+        self._run(Step("rotate", seconds=seconds))
+
     @precondition(lambda self: self.harness.locks is not None)
     @rule()
     def flush(self) -> None:
@@ -100,6 +119,12 @@ class ModelMachine(RuleBasedStateMachine):
         if scenario is None or not scenario.steps:
             return
         scenario.drain()
+        tally = os.environ.get("FUZZ_TALLY")  # a long run's count of sequences checked
+        if tally:
+            with open(tally, "a") as out:
+                out.write(f"{scenario.harness.backend} {len(scenario.steps)}\n")
+        if scenario.cuts_fired():
+            event(f"database sessions cut: {scenario.cuts_fired()}")
         violations = []
         for violation in scenario.check():
             defect = None if strict() else known_defect(violation, scenario)
@@ -108,3 +133,67 @@ class ModelMachine(RuleBasedStateMachine):
             else:
                 event(f"tolerated ({defect}): {violation.kind}")
         assert not violations, "\n".join(map(str, violations)) + "\nseed: " + scenario.describe()
+
+
+class PostgresModelMachine(ModelMachine):
+    """The machine where the effects live on PostgreSQL: one step more, a database session
+    killed at a chosen statement of the next effect transaction. A class of its own, so the
+    other harness's rule list, and with it its derandomized sequences, stays as it was
+    (hypothesis draws a rule by its place in the list)."""
+
+    @precondition(lambda self: self.harness.cutter is not None)
+    @rule(at=st.sampled_from(sorted(CUT_AT)))
+    def cut_db(self, at: str) -> None:
+        event(f"cut_db armed at: {at}")
+        self._run(Step("cut_db", at=at))
+
+
+#: A pause past the lease and custody TTL (1.5 s): the put-back comes within ~2.5 s of it.
+PAUSES = st.sampled_from([3.0, 4.0])
+
+
+class WorkerModelMachine(PostgresModelMachine):
+    """The redis harness's machine: two steps more on its second worker process, a pause
+    past the TTL (custody's put-back, the stale ack) and a kill (the put-back delivered to
+    the restarted worker). A class of its own, as PostgresModelMachine is, so the memory
+    harness's rule list stays as it was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second_used = False
+
+    @precondition(lambda self: self.harness.second is not None and not self.harness.model.rotating)
+    @rule(seconds=PAUSES, hold=HOLDS)
+    def pause_worker(self, seconds: float, hold: float) -> None:
+        self.second_used = True
+        event(f"pause_worker: {seconds:g}s")
+        self._run(Step("pause_worker", seconds=seconds, hold=hold))
+
+    @precondition(lambda self: self.harness.second is not None and not self.harness.model.rotating)
+    @rule(hold=HOLDS)
+    def kill_worker(self, hold: float) -> None:
+        self.second_used = True
+        event("kill_worker")
+        self._run(Step("kill_worker", hold=hold))
+
+    # The second worker keeps one secret: a rotation's side-by-side phase is this process's
+    # own (ModelApp.reconfigure), so no rotation once a job has gone to the second worker.
+    @precondition(
+        lambda self: (
+            self.scenario is not None and not self.harness.model.rotating and not self.second_used
+        )
+    )
+    @rule(seconds=READ_DELAYS)
+    def rotate(self, seconds: float) -> None:
+        self._run(Step("rotate", seconds=seconds))
+
+
+def machine_for(harness: Harness) -> type[ModelMachine]:
+    """The machine whose steps `harness` can run (the worker processes' and the beat's on
+    the redis harness only)."""
+    base: type[ModelMachine] = PostgresModelMachine if harness.cutter is not None else ModelMachine
+    if harness.second is not None:
+        base = WorkerModelMachine
+    if harness.backend != "redis":
+        return base
+    return type(f"Beat{base.__name__}", (BeatRules, base), {})

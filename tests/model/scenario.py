@@ -8,22 +8,31 @@ code. :meth:`Scenario.check` returns every violation found, each named by its cl
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import chain
 from celery.result import AsyncResult
 from celery.worker import state as worker_state
 
+from jobfence.locks.decisions import DecisionLog
 from jobfence.tasks import DuplicatePublish, runtime_for
-from tests.model.app import ModelApp, Options
+from tests.model.app import REDELIVERY_LIMIT, ModelApp, Options
+from tests.model.second import BEGIN_TIMEOUT, QUEUE, SecondWorker
+from tests.pg_cut import SessionCutter
 from tests.servers import RedisServer
 
+if TYPE_CHECKING:
+    from tests.model.beat import BeatFleet
+
 __all__ = [
+    "CUT_AT",
     "DRAIN_TIMEOUT",
     "FAULTS",
     "Harness",
@@ -36,8 +45,24 @@ __all__ = [
 
 #: How long the drain waits for every AsyncResult to be ready and the worker to be idle.
 DRAIN_TIMEOUT = 20.0
+#: The longest a drain may take while results keep getting ready.
+DRAIN_LIMIT = 120.0
+#: How long a forked child may take to store its decisions and close (far above the ms it needs).
+FORK_DEADLINE = 10.0
+#: How long a rotation waits for the deliveries begun before it (its step 1's restart).
+ROTATE_TIMEOUT = 20.0
 #: Steps that break the lease or the lock server's data (they allow a given-up job).
 FAULTS = frozenset({"lose_leases", "blip", "flush"})
+#: Where a ``cut_db`` step kills the effects database's session: before each statement the
+#: effect's transaction sends on PostgreSQL (psycopg sends BEGIN with the first), by the
+#: text of its SQL. A replay (its DONE row found) sends the first two, then its COMMIT.
+CUT_AT = {
+    "fence": "INSERT INTO jobfence_fences",  # the fence's check-and-advance: one upsert
+    "lookup": "FROM jobfence_jobs",  # the DONE row looked up
+    "effect": "INSERT INTO model_effects",  # the body's own insert
+    "done": "INSERT INTO jobfence_jobs",  # the DONE row inserted
+    "commit": "COMMIT",
+}
 #: Failures a caller may see without a fault or a failing body: ``on_conflict="raise"``.
 CONFLICT_ERRORS = frozenset({"DuplicateJob", "DuplicatePublish"})
 #: Failures allowed after a fault: given up after the redelivery limit or the crash cap.
@@ -49,12 +74,24 @@ STOPS = frozenset(
 )
 
 
+#: Decisions that say a delivery's body ran (its effect may have committed).
+RAN_EVENTS = frozenset(
+    {"started", "done", "failed", "released", "lease_lost", "superseded", "stale", "redeliver",
+     "given_up", "poisoned", "commit_refused", "effect_replayed"}
+)
+
+
 @dataclass(frozen=True)
 class Step:
     """One action: ``publish`` / ``duplicate`` / ``redeliver`` / ``chain`` take ``job`` (an
     index into the jobs published so far, modulo their number; ``publish`` makes a new one
     with ``mode`` and ``hold``); ``countdown`` delays a publish; ``blip`` pauses the lock
-    server for ``seconds``; ``sleep`` lets time pass; ``lose_leases`` and ``flush`` take none."""
+    server for ``seconds``; ``sleep`` lets time pass; ``rotate`` starts a key-secret
+    rotation (``seconds``: how late each record read answers); ``cut_db`` kills the effects
+    database's session at statement ``at`` (a key of CUT_AT) of the next effect transaction
+    that sends it; ``lose_leases``, ``flush`` and ``fork`` take none; ``pause_worker`` and
+    ``kill_worker`` route a new job with ``hold`` to the worker processes (redis harness),
+    then pause its holder for ``seconds`` or kill them all."""
 
     kind: str
     job: int = 0
@@ -62,6 +99,7 @@ class Step:
     hold: float = 0.02
     countdown: float | None = None
     seconds: float = 0.0
+    at: str = ""
 
     def to_json(self) -> dict[str, Any]:
         default = Step(self.kind)
@@ -97,12 +135,16 @@ class Violation:
 
 @dataclass
 class Harness:
-    """The live worker's app and, on the Redis backend, the lock server the faults hit."""
+    """The live worker's app and, on the Redis backend, the lock server the faults hit and
+    the cutter of its PostgreSQL effects database's sessions (SQLite on the memory backend)."""
 
     model: ModelApp
     backend: str
     broker: RedisServer
     locks: RedisServer | None = None
+    cutter: SessionCutter | None = None
+    #: The redis harness's second worker process (pause_worker, kill_worker); None elsewhere.
+    second: SecondWorker | None = None
 
 
 @dataclass
@@ -115,6 +157,27 @@ class Scenario:
     steps: list[Step] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     publishes: list[Publish] = field(default_factory=list)
+    fork_faults: list[str] = field(default_factory=list)
+    #: How many cuts had fired before this sequence (the cutter counts for the harness).
+    cuts_before: int = 0
+    #: Deliveries whose decisions a kill_worker step may have lost (still in their
+    #: process's writer, stored every 0.2 s off the job's path: docs/how-to/why.md, "Cost").
+    unlogged: set[str] = field(default_factory=set)
+    #: When each kill_worker step killed the worker processes (time.monotonic, system-wide).
+    kills: list[float] = field(default_factory=list)
+    #: The beats of the ``beat_*`` steps (tests/model/beat.py), started by the first one.
+    beat: BeatFleet | None = None
+
+    def __post_init__(self) -> None:
+        self.harness.model.unrotate()  # every sequence starts under the worker's own secret
+        if self.harness.cutter is not None:  # an arming a failed sequence left never fires here
+            self.harness.cutter.disarm()
+            self.cuts_before = self.harness.cutter.fires
+
+    def cuts_fired(self) -> int:
+        """The database sessions this sequence's ``cut_db`` steps killed."""
+        cutter = self.harness.cutter
+        return 0 if cutter is None else cutter.fires - self.cuts_before
 
     @property
     def group(self) -> str:
@@ -138,6 +201,10 @@ class Scenario:
 
     def _args(self, job: Job) -> tuple[str, str, str, float]:
         return (job.job_id, self.group, job.mode, job.hold)
+
+    def args_of(self, job: Job) -> tuple[str, str, str, float]:
+        """The task's arguments for `job` (a beat's entry sends them)."""
+        return self._args(job)
 
     def _pick(self, step: Step) -> Job | None:
         return self.jobs[step.job % len(self.jobs)] if self.jobs else None
@@ -207,6 +274,125 @@ class Scenario:
             with self.harness.locks.suspended():
                 time.sleep(step.seconds)
 
+    def _do_fork(self, step: Step) -> None:
+        """Fork this process (the worker's threads mid-flight: the keeper, the decision
+        writer perhaps storing a batch): the child must store its pending decisions and
+        close its recorder within FORK_DEADLINE. A lock or condition held by a thread at the
+        fork and not rebuilt in the child hangs it (issue 29, defect 6)."""
+        recorder = runtime_for(self.harness.model.app).executor.recorder
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest, no assertions; its exit status is the verdict
+            code = 1
+            try:
+                if recorder is not None:
+                    recorder.close()
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + FORK_DEADLINE
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                if os.waitstatus_to_exitcode(status) != 0:
+                    self.fork_faults.append(f"the forked child failed ({status})")
+                return
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        self.fork_faults.append(f"the forked child hung for {FORK_DEADLINE:g}s in close()")
+
+    def _do_rotate(self, step: Step) -> None:
+        """A key-secret rotation's side-by-side phase (the two-step roll-out of the how-to):
+        the worker's runtime keeps the new secret B as previous (step 1; the deliveries it
+        had begun end first, as at a restart), then its deliveries alternate between it
+        (secret A, B previous) and a runtime under B (A previous) on the same lock server,
+        so copies of one job are gated under different secrets. ``seconds``: each record read
+        answers that late, a slow link (issue 29 defects 2 and 3 race in that window)."""
+        model = self.harness.model
+        if model.rotating:
+            return
+        begun = set(worker_state.active_requests)
+        model.reconfigure(step.seconds)
+        deadline = time.monotonic() + ROTATE_TIMEOUT
+        while begun & set(worker_state.active_requests) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        model.rotating = True
+
+    def _do_cut_db(self, step: Step) -> None:
+        """Arm the cut: the next effect transaction to send statement ``at`` loses its
+        session just before it (pg_terminate_backend from another connection). Nothing
+        committed, or at COMMIT the outcome is unknown: delivered again, never FAILED
+        (issue 29, defect 7). A later ``cut_db`` replaces an arming that has not fired."""
+        if self.harness.cutter is not None:
+            self.harness.cutter.arm(CUT_AT[step.at])
+
+    def _to_second(self, step: Step) -> int | None:
+        """Publish a new job (``hold``, mode ``checked``: it stops on a lease lost in a pause,
+        not committing a stale effect) to the worker processes' queue; the index of the one
+        that began it within BEGIN_TIMEOUT (None: no worker processes here, a publish refused,
+        or none began it yet)."""
+        second = self.harness.second
+        if second is None:
+            return None
+        second.ensure()
+        job = self._new_job(Step("publish", mode="checked", hold=step.hold))
+        publish = Publish(job, "publish")
+        self.publishes.append(publish)
+        task = self.harness.model.tasks[self.options]
+        try:
+            task_id = publish.task_id = task.apply_async(self._args(job), queue=QUEUE).id
+        except DuplicatePublish as exc:
+            publish.refused = type(exc).__name__
+            return None
+        deadline = time.monotonic() + BEGIN_TIMEOUT
+        while (holder := second.holder(task_id)) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return holder
+
+    def _do_pause_worker(self, step: Step) -> None:
+        """A job on a worker process, then that process SIGSTOPped for ``seconds`` (past its
+        lease and custody TTL) and resumed: the others' custody sweeps put its delivery back
+        under a fresh tag and the other process runs it; on resume the paused one finds its
+        lease lost and acks late, a stale ack that must not remove the put-back copy."""
+        second = self.harness.second
+        holder = self._to_second(step)
+        if second is None or holder is None:
+            return
+        second.pause(holder)
+        try:
+            time.sleep(step.seconds)  # the fault's length, not a synchronisation
+        finally:
+            second.resume(holder)
+
+    def _do_kill_worker(self, step: Step) -> None:
+        """A job on a worker process, then every worker process SIGKILLed (whatever they
+        hold: that job, an earlier pause's put-back copy) and started again: custody puts
+        their deliveries back; nothing lost, nothing twice."""
+        second = self.harness.second
+        self._to_second(step)
+        if second is not None:
+            self.unlogged |= second.restart()
+            # The instant every process was dead, not the step's start: a body that entered
+            # while the processes were being killed (reading their events took a while) was
+            # inside until then; the step's start would close it at the next kill, seconds on.
+            self.kills.append(second.killed_at)
+
+    def _fleet(self) -> BeatFleet:
+        from tests.model.beat import BeatFleet
+
+        if self.beat is None:
+            self.beat = BeatFleet(self)
+        return self.beat
+
+    def _do_beat_tick(self, step: Step) -> None:
+        self._fleet().beat_tick(step)
+
+    def _do_beat_restart(self, step: Step) -> None:
+        self._fleet().beat_restart(step)
+
+    def _do_beat_handover(self, step: Step) -> None:
+        self._fleet().beat_handover(step)
+
     def _do_flush(self, step: Step) -> None:
         if self.harness.locks is not None:
             self.harness.locks.client().flushall()
@@ -226,19 +412,34 @@ class Scenario:
         return not busy and not worker_state.active_requests and not worker_state.reserved_requests
 
     def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
-        """Wait until every result is ready and the worker idle twice in a row, or ``timeout``."""
-        deadline = time.monotonic() + timeout
-        quiet = 0
-        while time.monotonic() < deadline and quiet < 2:
-            ready = all(r.ready() for r in self._results())
-            quiet = quiet + 1 if ready and self._idle() else 0
+        """Wait until every result is ready and the worker idle twice in a row, or until
+        ``timeout`` passes with no result getting ready (at most DRAIN_LIMIT in all).
+
+        The deadline moves with progress, not from the start: under ``lock_until="start"``
+        every publish that meets a run queues behind it and runs after it, so a sequence of
+        several 5 s holds needs their sum, more than any fixed drain (the seed
+        ``wait-start-dedupe-chain-retry-pending``: four runs of 5 s, each ready in turn, were
+        reported PENDING "for ever" by a 12 s drain). A job that never runs still fails."""
+        if self.beat is not None:  # no slot falls during the drain
+            self.beat.close()
+        start = time.monotonic()
+        deadline = start + timeout
+        quiet, done = 0, -1
+        while time.monotonic() < min(deadline, start + DRAIN_LIMIT) and quiet < 2:
+            states = [r.ready() for r in self._results()]
+            if sum(states) > done:
+                done, deadline = sum(states), time.monotonic() + timeout
+            quiet = quiet + 1 if all(states) and self._idle() else 0
             time.sleep(0.25)
+        if self.harness.cutter is not None:  # an arming no transaction met ends here
+            self.harness.cutter.disarm()
 
     def check(self) -> list[Violation]:
         """Every invariant of the issue, over what the callers saw and what the stores hold."""
         model = self.harness.model
         effects = model.effects(self.prefix)
-        faulted = any(s.kind in FAULTS for s in self.steps)
+        # Each cut delivers its job again: enough of them spend its redeliveries.
+        faulted = any(s.kind in FAULTS for s in self.steps) or self.cuts_fired() >= REDELIVERY_LIMIT
         found: list[Violation] = []
         outcome: dict[str, tuple[str, Any]] = {}
         for p in self.publishes:
@@ -249,6 +450,10 @@ class Scenario:
         found += self._check_effects(effects)
         found += self._check_jobs(outcome, effects)
         found += self._check_chains(outcome)
+        found += self._check_decisions(effects)
+        found += [Violation("fork-hang", fault) for fault in self.fork_faults]
+        if self.beat is not None:
+            found += self.beat.check(effects)
         if self.options.concurrency and "flush" not in {s.kind for s in self.steps}:
             found += self._check_slots()
         return found
@@ -337,18 +542,94 @@ class Scenario:
                     found.append(Violation("chain-stalled", f"{p.tail_id} {tail.state}"))
         return found
 
+    def _check_decisions(self, effects: list[dict[str, Any]]) -> list[Violation]:
+        """The decision log agrees with what happened (`jobfence locks why` reads it): a
+        delivery whose body took effect says it ran; a "done" (the DONE record stored) is
+        true where the lock server keeps records (lock_until="finish", no unique_for, no
+        flush): the job's record is there, DONE."""
+        runtime = runtime_for(self.harness.model.app)
+        recorder = runtime.executor.recorder
+        if recorder is None or recorder.store is None:
+            return []
+        # A rotation's second runtime records into the same store (one lock backend).
+        for rt in self.harness.model.runtimes():
+            if rt.executor.recorder is not None:
+                rt.executor.recorder.flush()
+        ran = {e["task_id"]: e["job_key"] for e in effects}
+        # The decision log lives on the lock server: a `flush` (all its data lost) takes the
+        # decisions stored before it too (seed `decision-log-lost-with-the-lock-servers-data`).
+        flushed = "flush" in {s.kind for s in self.steps}
+        kept = (
+            self.options.lock_until == "finish" and self.options.unique_for is None and not flushed
+        )
+        found, store = [], recorder.store
+        for task_id in dict.fromkeys(p.task_id for p in self.publishes if p.task_id):
+            decisions = store.for_task(task_id)
+            events = {d.event for d in decisions}
+            key = ran.get(task_id)
+            if (
+                key is not None
+                and not flushed
+                and not events & RAN_EVENTS
+                and not self._log_full(store, key)
+                and task_id not in self.unlogged
+            ):
+                found.append(Violation(
+                    "decision-untrue", f"{task_id} took effect; the log says only {sorted(events)}"
+                ))  # fmt: skip
+            for d in decisions:
+                if d.event != "done" or not kept:
+                    continue
+                record = runtime.backend.job_record(d.key)
+                if record is None or record.state != "DONE":
+                    state = record.state if record is not None else "no record"
+                    found.append(Violation(
+                        "decision-untrue", f"{task_id} logged 'done' (DONE record stored); the "
+                        f"lock server has {state}",
+                    ))  # fmt: skip
+        return found
+
+    def _log_full(self, store: DecisionLog, key: str) -> bool:
+        """The key's log holds its bound of decisions: older ones may have been pushed out."""
+        bound = store.bounds.per_key
+        return len(store.for_key(key, bound)) >= bound
+
     def _check_slots(self) -> list[Violation]:
         events = self.harness.model.slot_events(self.group)
+        # A body killed inside its slot never records its exit: it left at the kill (its
+        # slot then lapses at its TTL; seed `a-killed-slot-holder-never-exits`).
+        by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in events:
+            by_task[e["task_id"]].append(e)
+        for mine in by_task.values():  # the put-back copy runs under the same task id
+            mine.sort(key=lambda e: (e["t"], e["kind"] == "enter"))
+            open_at: float | None = None
+            for e in [*mine, None]:
+                if open_at is not None and (e is None or e["kind"] == "enter"):
+                    killed = [k for k in self.kills if k >= open_at]
+                    if killed:  # entered, never exited: it left at the kill
+                        events.append({"kind": "exit", "task_id": "", "t": killed[0]})
+                if e is not None:
+                    open_at = e["t"] if e["kind"] == "enter" else None
         # At one instant an exit counts before an enter: intervals that only touch never overlap.
         events.sort(key=lambda e: (e["t"], e["kind"] == "enter"))
         inside, most = 0, 0
         for event in events:
             inside += 1 if event["kind"] == "enter" else -1
             most = max(most, inside)
-        if most > self.options.concurrency:
-            return [
-                Violation("slot-overlap", f"{most} inside a limit of {self.options.concurrency}")
-            ]
+        limit = self.options.concurrency
+        if any(s.kind == "rotate" for s in self.steps):
+            # A group's semaphore key is an HMAC under the current secret, not looked up
+            # under the previous one: during a rotation a group may admit up to twice its
+            # limit (docs/how-to/rotate-key-secret.md), never more.
+            limit *= 2
+        # A holder paused past its slot's TTL loses the slot (another job takes it) while its
+        # body, frozen, still counts as inside here until it resumes and finds its lease
+        # lost: one more per pause, as a frozen lock holder beside its successor (the fence,
+        # not the slot, keeps their writes apart; seed `a-paused-slot-holder-beside-two`).
+        limit += sum(1 for s in self.steps if s.kind == "pause_worker")
+        if most > limit:
+            return [Violation("slot-overlap", f"{most} inside a limit of {limit}")]
         return []
 
 

@@ -12,8 +12,8 @@ from jobfence.locks import Backoff, LeaseKeeper, MemoryBackend, RedisBackend
 from jobfence.locks.decisions import Decision, DecisionBounds, RedisDecisionLog, RingDecisionLog
 from jobfence.locks.outage import WarningLimiter
 from jobfence.tasks import Executor
-from jobfence.tasks import lifecycle as lifecycle_module
-from jobfence.tasks.decisions import DecisionRecorder
+from jobfence.tasks.decisions import DecisionRecorder, describe
+from jobfence.tasks.middleware import Decisions, OutageLines
 from jobfence.worker.redis_server import free_port
 from tests.tasks.conftest import spec_for, unique
 
@@ -103,7 +103,8 @@ def test_an_executor_records_a_skipped_duplicate_with_its_holder() -> None:
     keeper = LeaseKeeper()
     executor = Executor(backend, keeper, backoff=Backoff(0.005, 0.05))
     store = backend.decision_log(DecisionBounds())
-    executor.recorder = DecisionRecorder(store)
+    recorder = DecisionRecorder(store)
+    executor.use(Decisions(recorder))
     key = unique("tests.job:k")
     try:
         holder = executor.begin(spec_for(key, task_id="holder"))
@@ -112,10 +113,43 @@ def test_an_executor_records_a_skipped_duplicate_with_its_holder() -> None:
     finally:
         keeper.stop()
     assert store is not None
-    executor.recorder.flush()  # the writer thread stores within FLUSH_INTERVAL; now, here
+    recorder.flush()  # the writer thread stores within FLUSH_INTERVAL; now, here
     (conflict,) = store.for_task("copy")
     assert (conflict.event, conflict.holder, conflict.reason) == ("conflict", "holder", "skip")
     executor.release(holder)  # type: ignore[arg-type]
+
+
+def test_a_body_ending_after_its_lock_was_removed_is_recorded_as_what_happened() -> None:
+    """Not "done ... stored its DONE record": the commit was refused, and it comes back."""
+    backend = MemoryBackend()
+    keeper = LeaseKeeper()
+    executor = Executor(backend, keeper, backoff=Backoff(0.005, 0.05))
+    store = backend.decision_log(DecisionBounds())
+    assert store is not None
+    recorder = DecisionRecorder(store)
+    executor.use(Decisions(recorder))
+    key = unique("tests.job:k")
+    try:  # the body's lock removed under it (`jobfence locks release KEY --force`)
+        out = executor.run(spec_for(key, task_id="t1"), lambda ctx: backend.force_release(ctx.key))
+    finally:
+        keeper.stop()
+    assert out.status == "redeliver"
+    assert backend.job_record(key) is None
+    recorder.flush()
+    said = [(d.event, describe(d)) for d in store.for_task("t1")]
+    assert said == [
+        ("started", "granted the lease (fence 1) and started the body"),
+        ("commit_refused", "lease lost (fence 1) before its commit: the body ran to its end; "
+                           "DONE record not stored"),
+        ("redeliver", "redelivered: lease lost before commit; DONE record not stored"),
+    ]  # fmt: skip
+
+
+def test_a_failure_whose_record_was_not_stored_says_so() -> None:
+    failed = Decision(1000.0, "failed", "k", "tests.job", "t", fence=3,
+                      reason="record not stored: lease lost")  # fmt: skip
+    assert describe(failed) == ("failed: granted the lease (fence 3), the body raised; FAILED "
+                                "record not stored: lease lost")  # fmt: skip
 
 
 # -- outage warnings ----------------------------------------------------------------
@@ -161,17 +195,19 @@ def dead_redis_executor() -> Iterator[Executor]:
 
 @pytest.mark.parametrize("limited", [True, False], ids=["limited", "naive"])
 def test_an_outage_writes_a_handful_of_lines_and_a_summary(
-    dead_redis_executor: Executor, monkeypatch: pytest.MonkeyPatch, limited: bool
+    dead_redis_executor: Executor, limited: bool
 ) -> None:
     """Control (naive): without the limiter every job writes its own warning."""
     limiter = WarningLimiter("lock server unavailable", burst=3 if limited else 10**6)
-    monkeypatch.setattr(lifecycle_module, "OUTAGE", limiter)
+    dead = dead_redis_executor
+    executor = Executor(dead.backend, dead.keeper, backoff=dead.backoff,
+                        middleware=[OutageLines(limiter)])  # fmt: skip
     lines = _Lines()
     logger = logging.getLogger("jobfence.tasks.executor")
     logger.addHandler(lines)
     try:
         for _ in range(40):
-            out = dead_redis_executor.run(spec_for(unique("tests.job:k")), lambda _ctx: None)
+            out = executor.run(spec_for(unique("tests.job:k")), lambda _ctx: None)
             assert out.status == "redeliver"
         limiter.flush()
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import threading
 import time
@@ -370,3 +371,59 @@ def test_sqlite_engine_survives_concurrent_writer_processes(sqlite_url: str) -> 
     for w in range(workers):
         assert last_fence(effects, f"writer:{w}") == count
     engine.dispose()
+
+
+# -- a key rotation: two copies of one job under two secrets ---------------------------------
+
+
+def _blocked_on_a_row_lock(effects: SqlEffects) -> bool:
+    """Some session of this database waits for a row lock (the second copy's transaction)."""
+    query = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND datname = current_database()"
+    )
+    watcher = sa.create_engine(effects.engine.url, poolclass=sa.pool.NullPool)
+    try:  # a connection of its own: never one the copies' pool hands out
+        with watcher.connect() as conn:
+            return int(conn.execute(sa.text(query)).scalar_one()) > 0
+    finally:
+        watcher.dispose()
+
+
+@pytest.mark.parametrize("sql_url", ["postgresql"], indirect=True)  # where a wait shows
+def test_two_copies_under_two_secrets_take_effect_once_side_by_side(effects: SqlEffects) -> None:
+    """Found by the model's long run (issue 29): during a key rotation, after the lock
+    server lost its data, a copy gated under each secret held a different key and ran at
+    once; their effect transactions looked up each other's DONE row before either
+    committed, and both wrote. Now a copy's transaction locks a row per key of the job
+    under each secret: the second waits for the first, then finds its DONE row."""
+    first_key, second_key = unique("under-a"), unique("under-b")
+    first = dataclasses.replace(job(first_key, 10), previous=((second_key, "fp"),))
+    # After the data loss: a higher fence, under the other secret.
+    second = dataclasses.replace(job(second_key, 20), previous=((first_key, "fp"),))
+    opened, go, second_opened = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+
+    def run_first() -> None:
+        seen["first"] = pay(effects, first, during=lambda: (opened.set(), go.wait(10)))
+
+    def run_second() -> None:
+        with effects.transaction(second) as tx:
+            second_opened.set()
+            seen["second_done"] = tx.done
+            if not tx.done:
+                tx.conn.execute(ledger.insert().values(job=second_key, amount=100))
+                tx.result = {"paid": 100}
+
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(run_first)
+        assert opened.wait(10)
+        b = pool.submit(run_second)
+        wait_for(lambda: second_opened.is_set() or _blocked_on_a_row_lock(effects), 10.0,
+                 interval=0.05)
+        go.set()
+        a.result(timeout=20)
+        b.result(timeout=20)
+    assert seen["first"][0] is False
+    assert seen["second_done"] is True, "the second copy took effect beside the first"
+    assert effect_rows(effects, first_key) + effect_rows(effects, second_key) == 1

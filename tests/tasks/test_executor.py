@@ -300,6 +300,24 @@ def test_busy_by_the_same_task_id_defers_whatever_the_policy(
 # -- failures ------------------------------------------------------------------------------
 
 
+def test_a_failed_record_keeps_the_message_only_when_asked(
+    executor: Executor, backend: LockBackend
+) -> None:
+    def boom(ctx: JobContext) -> None:
+        raise RuntimeError("card 4111111111111111 declined")
+
+    for keep, expected in [
+        (False, {"error": "RuntimeError"}),
+        (True, {"error": "RuntimeError", "message": "card 4111111111111111 declined"}),
+    ]:
+        key = unique()
+        with pytest.raises(RuntimeError, match="declined"):
+            executor.run(spec_for(key, failed_message=keep), boom)
+        record = backend.job_record(key)
+        assert record is not None and record.state == "FAILED"
+        assert json.loads(record.result) == expected
+
+
 def test_body_exception_records_failed_and_allows_a_fresh_run(
     executor: Executor, backend: LockBackend
 ) -> None:
@@ -312,7 +330,7 @@ def test_body_exception_records_failed_and_allows_a_fresh_run(
         executor.run(spec_for(key), boom)
     record = backend.job_record(key)
     assert record is not None and record.state == "FAILED"
-    assert json.loads(record.result) == {"error": "RuntimeError", "message": "card declined"}
+    assert json.loads(record.result) == {"error": "RuntimeError"}  # the message is not kept
     assert backend.inspect(key) is None
     first_fence = record.fence
 
@@ -383,7 +401,7 @@ def test_lease_lost_in_the_body_is_superseded_and_spares_the_new_holder(
     assert thief[0].fence > (out.fence or 0)
 
 
-def test_commit_is_refused_when_the_lease_was_stolen(
+def test_commit_is_refused_when_the_lease_was_stolen_and_the_job_superseded(
     executor: Executor, backend: LockBackend, request: pytest.FixtureRequest
 ) -> None:
     key = unique()
@@ -396,8 +414,9 @@ def test_commit_is_refused_when_the_lease_was_stolen(
         return "stale result"
 
     out = executor.run(spec_for(key, task_id="victim"), finishes_late)
-    # The body finished, but the owner-checked commit stored nothing for the stale holder.
-    assert out.status == "ran"
+    # The body finished, but the owner-checked commit stored nothing for the stale holder:
+    # never reported done; the new holder is the proof it moved on (superseded).
+    assert out.status == "superseded"
     assert backend.job_record(key) is None
     info = other.inspect(key)
     assert info is not None and info.fence == thief[0].fence

@@ -118,8 +118,8 @@ def test_different_secret_gives_different_key_and_fingerprint() -> None:
 
 
 def test_different_key_secret_setting_gives_different_task_key(make_app: AppFactory) -> None:
-    app1 = make_app(key_secret="first-secret")
-    app2 = make_app(key_secret="second-secret")
+    app1 = make_app(key_secret="first-secret-" + "1" * 32)
+    app2 = make_app(key_secret="second-secret-" + "2" * 32)
     name = unique("tests.secret")
 
     def body(x: int) -> int:

@@ -2,9 +2,9 @@
 
 Each test is a list of (expected op, reply) pairs: the op the flow must yield next (a type,
 or an op to compare equal) and what the store (or the shell) answers; an exception as the
-reply is thrown into the flow, a function is called with the script and the op. `Note`,
-`Now` and `Sleep` are answered by the script itself (observers told, a scripted clock read
-and moved), so a test lists only what decides.
+reply is thrown into the flow, a function is called with the script and the op. `Event`,
+`Now` and `Sleep` are answered by the script itself (the job's log and metrics middleware
+told, a scripted clock read and moved), so a test lists only what decides.
 """
 
 from __future__ import annotations
@@ -38,17 +38,18 @@ from jobfence.locks.ops import (
 )
 from jobfence.locks.slots import SlotLease, SlotWait
 from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict, PoisonMessage
+from jobfence.tasks.events import TABLE, Event
 from jobfence.tasks.lifecycle import (
     COMMIT_ATTEMPTS,
     DUPLICATE,
     RATE_HORIZON,
+    ROTATION_GRACE,
     START_SUFFIX,
     AfterOuterCommit,
     Drop,
     Job,
     JobSpec,
     Keep,
-    Note,
     Outcome,
     RateSpec,
     Redelivery,
@@ -57,6 +58,7 @@ from jobfence.tasks.lifecycle import (
     job_flow,
 )
 from jobfence.tasks.metrics import Metrics
+from jobfence.tasks.middleware import Counting, LogLines, Middleware
 from tests.tasks import conftest
 
 KEY, FP, ME, TTL = "job-key", "fp-1", "task-me", 30.0
@@ -66,10 +68,20 @@ NEVER_ASKED = MemoryBackend(clock=CLOCK)  # leases are made here, never granted 
 
 class Script:
     """Runs a job flow by hand: each op it yields must match the next step, which answers
-    it. Note, Now and Sleep are answered here: notes are kept, time is `now` (Sleep moves it)."""
+    it. Event, Now and Sleep are answered here: each event goes to `middleware` (as the
+    shell's would) and its decision is kept in `notes`, time is `now` (Sleep moves it)."""
 
-    def __init__(self, flow: Generator[Any, Any, Any], *, now: float = 1000.0) -> None:
+    def __init__(
+        self,
+        flow: Generator[Any, Any, Any],
+        *,
+        now: float = 1000.0,
+        spec: JobSpec | None = None,
+        middleware: tuple[Middleware, ...] = (),
+    ) -> None:
         self.flow = flow
+        self.spec = spec or spec_for()  # what the middleware see of the delivery
+        self.middleware = middleware
         self.now = now
         self.ops: list[Any] = []
         self.notes: list[str] = []
@@ -91,8 +103,13 @@ class Script:
                 raise
             reply = error = None
             self.ops.append(op)
-            if isinstance(op, Note):
-                self.notes.append(op.event)
+            if isinstance(op, Event):
+                row = TABLE[op.kind]
+                if row.decision is not None:
+                    self.notes.append(row.decision)
+                for m in self.middleware:
+                    if m.wants(row):
+                        m.on_event(self, op, row)
                 continue
             if isinstance(op, Now):
                 reply = self.now
@@ -124,17 +141,25 @@ def spec_for(**overrides: Any) -> JobSpec:
     return conftest.spec_for(KEY, **fields)
 
 
-def job(metrics: Metrics | None = None, limit: int = 20, **overrides: Any) -> Job:
-    return Job(
+class Observed(Job):
+    """A job with the metrics its script's middleware count into (the flow counts nothing)."""
+
+    metrics: Metrics
+
+
+def job(metrics: Metrics | None = None, limit: int = 20, **overrides: Any) -> Observed:
+    j = Observed(
         spec_for(**overrides),
         backoff=Backoff(0.01, 0.1, rng=random.Random(7)),
         redelivery=Redelivery(limit=limit, rng=random.Random(7)),
-        metrics=metrics or Metrics(),
     )
+    j.metrics = metrics or Metrics()
+    return j
 
 
-def run_flow(j: Job, passthrough: tuple[type[BaseException], ...] = ()) -> Script:
-    return Script(j.run(passthrough))
+def run_flow(j: Observed, passthrough: tuple[type[BaseException], ...] = ()) -> Script:
+    """`j`'s flow under a script, its events told to the log lines and metrics middleware."""
+    return Script(j.run(passthrough), spec=j.spec, middleware=(LogLines(), Counting(j.metrics)))
 
 
 def lease(fence: int = 7, key: str = KEY, left: float = TTL) -> Lease:
@@ -182,7 +207,7 @@ def test_a_job_runs_in_two_round_trips_and_commits_its_record() -> None:
 
 def test_job_flow_is_the_job_run() -> None:
     held = lease()
-    flow = job_flow(spec_for(), backoff=Backoff(), redelivery=Redelivery(), metrics=Metrics())
+    flow = job_flow(spec_for(), backoff=Backoff(), redelivery=Redelivery())
     assert Script(flow).run((Begin, held), *runs(held)).status == "ran"
 
 
@@ -215,6 +240,19 @@ def test_busy_wait_waits_for_the_release_then_runs() -> None:
     assert out.status == "ran"
     (wait,) = s.of(WaitRelease)
     assert wait.key == KEY and 0.001 <= wait.timeout <= 0.005  # bounded by the holder's TTL
+
+
+def test_a_wait_notes_one_conflict_per_holder_not_one_per_look() -> None:
+    """Each look of a wait's loop noted a conflict: a waiter behind a long run wrote one per
+    backoff step, pushing the decisions worth explaining out of the key's bounded log."""
+    metrics, held = Metrics(), lease()
+    s = run_flow(job(metrics, on_conflict="wait"))
+    looks = [(Begin, Busy(5.0, "first", FP)), (WaitRelease, None)] * 3
+    looks += [(Begin, Busy(5.0, "second", FP)), (WaitRelease, None)] * 2
+    out = s.run(*looks, (Begin, held), *runs(held))
+    assert out.status == "ran"
+    assert s.notes.count("conflict") == 2  # one for each holder waited on
+    assert count(metrics, "jobfence_conflicts_total", task="tests.job", policy="wait") == 2
 
 
 def passes(seconds: float) -> Any:
@@ -298,17 +336,97 @@ def test_per_run_a_running_copy_of_other_arguments_is_busy_not_a_conflict() -> N
 def test_a_done_record_under_the_previous_secret_answers_with_our_fingerprint() -> None:
     held = lease()
     s = run_flow(job(previous=(("old-key", "old-fp"),)))
-    out = s.run((Begin, held), (ReadRecord("old-key"), record("old", fingerprint="old-fp")),
+    out = s.run((Begin, held), (Inspect("old-key"), None),
+                (ReadRecord("old-key"), record("old", fingerprint="old-fp")),
                 (Release(held), True))  # fmt: skip
     assert out == Outcome("replayed", "old", 5)
 
 
-def test_a_live_holder_under_the_previous_secret_is_busy() -> None:
+# -- a key-secret rotation: two grants of one job, one under each secret -----------------
+# KEY ("job-key") sorts before "old-key" and after "a-old-key": the grant under the greater
+# key keeps its lease, whichever secret a worker calls current.
+
+
+def test_the_lock_under_the_previous_secret_is_looked_at_before_its_record() -> None:
+    # A run under the other secret that commits (record written, lock freed in one step)
+    # between the two looks is seen by one of them: looked at lock first, it is seen.
     held = lease()
     s = run_flow(job(previous=(("old-key", "old-fp"),)))
-    out = s.run((Begin, held), (ReadRecord, None), (Inspect("old-key"), holder(3)),
+    out = s.run((Begin, held), (Inspect("old-key"), None),
+                (ReadRecord("old-key"), record("old", fingerprint="old-fp")),
                 (Release(held), True))  # fmt: skip
+    assert out.status == "replayed" and not s.of(RunBody)
+
+
+def test_a_grant_under_the_lesser_key_yields_to_the_other_secrets_holder() -> None:
+    held = lease()
+    s = run_flow(job(previous=(("old-key", "old-fp"),)))
+    out = s.run((Begin, held), (Inspect("old-key"), holder(3)), (Release(held), True))
     assert out.status == "duplicate" and out.holder == "other"
+    assert not s.of(ReadRecord) and not s.of(RunBody)
+
+
+def test_a_grant_under_the_greater_key_waits_for_the_other_grant_to_go_then_runs() -> None:
+    # The other grant's worker sees ours and gives its grant back: neither may skip both.
+    held = lease()
+    s = run_flow(job(previous=(("a-old-key", "old-fp"),)))
+    out = s.run((Begin, held), (Inspect("a-old-key"), holder(3)),
+                (Inspect("a-old-key"), None), (ReadRecord("a-old-key"), None),
+                *runs(held))  # fmt: skip
+    assert out.status == "ran" and len(s.of(RunBody)) == 1
+    assert s.of(Sleep) and not s.of(Release)
+
+
+def test_a_grant_under_the_greater_key_replays_the_other_grants_run() -> None:
+    held = lease()
+    s = run_flow(job(previous=(("a-old-key", "old-fp"),)))
+    out = s.run((Begin, held), (Inspect("a-old-key"), holder(3)), (Inspect("a-old-key"), None),
+                (ReadRecord("a-old-key"), record("old", fingerprint="old-fp")),
+                (Release(held), True))  # fmt: skip
+    assert out == Outcome("replayed", "old", 5) and not s.of(RunBody)
+
+
+def stays(script: Script, _op: Inspect) -> LockInfo:
+    script.now += ROTATION_GRACE  # the other grant stayed all the while
+    return holder(3)
+
+
+def test_a_grant_under_the_greater_key_comes_back_later_if_the_other_stays() -> None:
+    # The other grant runs its body (or its worker stalls): this copy is never acked as its
+    # duplicate, as that grant may yet yield to ours; it comes back and replays or runs.
+    held = lease()
+    s = run_flow(job(previous=(("a-old-key", "old-fp"),)))
+    out = s.run((Begin, held), (Inspect("a-old-key"), holder(3)), (Inspect("a-old-key"), stays),
+                (Release(held), True))  # fmt: skip
+    assert out.status == "requeue" and out.countdown >= 10.0  # the holder's lease left
+    assert s.notes == ["queued"] and not s.of(RunBody)
+
+
+def test_per_run_a_record_of_another_run_under_the_previous_secret_does_not_answer() -> None:
+    held = lease()
+    s = run_flow(job(lock_until="start", previous=(("old-key", "old-fp"),)))
+    out = s.run((Begin, held), (Inspect("old-key"), None),
+                (ReadRecord("old-key"), record(fingerprint="old-fp#earlier-task")),
+                *runs(held))  # fmt: skip
+    assert out.status == "ran"
+
+
+def test_per_run_our_own_copy_under_the_other_secret_defers_this_one() -> None:
+    own = LockInfo("old-key", 3, 10.0, "host", 1, ME, "tests.job", 0.0, 0.0)
+    held = lease()
+    s = run_flow(job(lock_until="start", previous=(("old-key", "old-fp"),)))
+    out = s.run((Begin, held), (Inspect("old-key"), own), (Release(held), True))
+    assert out.status == "defer" and s.notes == ["defer"]
+
+
+def test_wait_waits_for_the_other_secrets_holder_not_for_our_own_key() -> None:
+    held, again = lease(), lease(fence=8)
+    s = run_flow(job(on_conflict="wait", previous=(("old-key", "old-fp"),)))
+    out = s.run((Begin, held), (Inspect("old-key"), holder(3)), (Release(held), True),
+                (WaitRelease, None), (Begin, again), (Inspect("old-key"), None),
+                (ReadRecord("old-key"), None), *runs(again))  # fmt: skip
+    assert out.status == "ran"
+    assert [w.key for w in s.of(WaitRelease)] == ["old-key"]
 
 
 # -- the lock server unavailable ---------------------------------------------------------
@@ -380,16 +498,88 @@ def test_a_commit_unanswered_past_the_lease_redelivers_commit_outcome_unknown() 
     assert out.fence == 7 and "done" not in s.notes
 
 
-def test_a_repeat_commit_finding_another_record_says_not_stored(
+def test_a_repeat_commit_finding_another_record_is_superseded_by_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     held = lease(fence=7)
     s = run_flow(job())
     out = s.run((Begin, held), (Keep(held), None), (RunBody, "ok"), (Drop(held), None),
                 (Commit, BackendUnavailable("x")), (Commit, False),
-                (ReadRecord, record(fence=8)))  # fmt: skip
-    assert out.status == "ran"  # the body ran; its record is a newer holder's
+                (ReadRecord, record(fence=8)),  # not ours: a newer holder's ...
+                (Drop(held), None), (ReadRecord(KEY), record(fence=8)),  # ... is the proof
+                (Drop(held), None), (Release(held), False))  # fmt: skip
+    assert out.status == "superseded" and out.fence == 7
+    assert s.notes[-2:] == ["commit_refused", "superseded"] and "done" not in s.notes
     assert any("record not stored" in r.getMessage() for r in caplog.records)
+
+
+# -- the commit refused: the lease was gone before it --------------------------------------
+
+
+def test_a_commit_refused_without_proof_is_delivered_again_never_reported_done() -> None:
+    held = lease(fence=7)
+    metrics = Metrics()
+    s = run_flow(job(metrics))
+    out = s.run((Begin, held), *runs(held, "ok", stored=False),  # force-released mid-body
+                (Drop(held), None), (ReadRecord(KEY), None), (Inspect(KEY), None),
+                (Drop(held), None), (Release(held), False))  # fmt: skip
+    assert out.status == "redeliver" and out.fence == 7
+    assert out.reason == "lease lost before commit; DONE record not stored"
+    assert s.notes == ["started", "commit_refused", "redeliver"]
+    assert count(metrics, "jobfence_executions_total", task="tests.job", outcome="done") == 0
+    assert count(metrics, "jobfence_executions_total", task="tests.job", outcome="lease_lost") == 1
+
+
+@pytest.mark.parametrize(
+    "proof", [[(ReadRecord(KEY), record())], [(ReadRecord(KEY), None), (Inspect(KEY), holder(8))]]
+)
+def test_a_commit_refused_with_a_newer_holder_in_sight_is_superseded(
+    proof: list[tuple[Any, Any]],
+) -> None:
+    held = lease(fence=7)
+    metrics = Metrics()
+    s = run_flow(job(metrics))
+    out = s.run((Begin, held), *runs(held, "ok", stored=False), (Drop(held), None), *proof,
+                (Drop(held), None), (Release(held), False))  # fmt: skip
+    assert out.status == "superseded" and out.fence == 7
+    assert s.notes == ["started", "commit_refused", "superseded"]
+    assert count(metrics, "jobfence_executions_total", task="tests.job", outcome="done") == 0
+
+
+def test_a_commit_refused_under_on_lease_lost_drop_is_dropped_not_done() -> None:
+    held = lease(fence=7)
+    s = run_flow(job(on_lease_lost="drop"))
+    out = s.run((Begin, held), *runs(held, "ok", stored=False), (Drop(held), None),
+                (ReadRecord, None), (Inspect, None), (Drop(held), None),
+                (Release(held), False))  # fmt: skip
+    assert out.status == "dropped" and s.notes == ["started", "commit_refused"]
+
+
+@pytest.mark.parametrize(
+    ("stored", "reason"),
+    [(True, ""), (False, "record not stored: lease lost")],
+)
+def test_a_failed_body_says_whether_its_failed_record_was_stored(stored: bool, reason: str) -> None:
+    held = lease()
+    s = run_flow(job())
+    with pytest.raises(ValueError):
+        s.run((Begin, held), (Keep(held), None), (RunBody, ValueError("boom")),
+              (Drop(held), None), (Commit, stored))  # fmt: skip
+    (failed,) = [op for op in s.ops if isinstance(op, Event) and op.kind == "failed"]
+    assert failed.reason == reason
+
+
+def test_a_body_its_effects_answered_from_their_done_rows_is_noted() -> None:
+    held = lease()
+
+    def answered(_s: Script, op: RunBody) -> str:
+        op.ctx.effect_opened(True)  # SqlEffects found the job's own DONE row
+        return "ok"
+
+    s = run_flow(job())
+    out = s.run((Begin, held), (Keep(held), None), (RunBody, answered), (Drop(held), None),
+                (Commit, True))  # fmt: skip
+    assert out.status == "ran" and s.notes == ["started", "effect_replayed", "done"]
 
 
 # -- the body: failures, lost leases, stale fences ----------------------------------------
@@ -403,8 +593,7 @@ def test_a_failing_body_is_recorded_failed_and_raised() -> None:
         s.run((Begin, held), (Keep(held), None), (RunBody, ValueError("boom")),
               (Drop(held), None), (Commit, True))  # fmt: skip
     commit = s.of(Commit)[0]
-    assert commit.state == "FAILED" and json.loads(commit.result) == {
-        "error": "ValueError", "message": "boom"}  # fmt: skip
+    assert commit.state == "FAILED" and json.loads(commit.result) == {"error": "ValueError"}
     assert s.notes == ["started", "failed"]
     assert count(metrics, "jobfence_executions_total", task="tests.job", outcome="failed") == 1
 

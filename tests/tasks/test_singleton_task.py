@@ -13,7 +13,7 @@ from celery.exceptions import MaxRetriesExceededError
 from kombu.exceptions import OperationalError
 
 from jobfence.config import JobfenceError
-from jobfence.locks import AcquireTimeout, Lease, LockError
+from jobfence.locks import AcquireTimeout, Lease, LockError, RedisBackend
 from jobfence.locks.backend import default_meta
 from jobfence.tasks import (
     DUPLICATE,
@@ -313,6 +313,40 @@ def test_a_failed_run_may_run_again(make_app: AppFactory) -> None:
     assert record is not None and record.state == "FAILED"
     assert task.delay(1).get() == "ok"
     assert calls == [1, 1]
+
+
+CARD = "4111111111111111"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_failed_record_keeps_the_exception_type_not_its_message(
+    make_app: AppFactory, keep: bool
+) -> None:
+    # The key's HMAC hides the arguments; a message quoting them must not undo it on the
+    # lock server for JOBFENCE_RESULT_TTL. Control: the opt-in stores the message (main did
+    # so always).
+    app = make_app(failed_record_message=True) if keep else make_app()
+
+    def body(card: str) -> None:
+        raise ValueError(f"card {card} was declined")
+
+    task = define(app, body)
+    with pytest.raises(ValueError, match="was declined"):
+        task.delay(CARD).get()
+    key, _ = task.identity((CARD,), {})
+    backend = runtime_for(app).backend
+    record = backend.job_record(key)
+    assert record is not None and record.state == "FAILED"
+    assert isinstance(backend, RedisBackend)  # the raw bytes on the lock server, read back
+    raw = backend.client.get(backend.keys.record(key))
+    assert raw is not None
+    if keep:
+        assert json.loads(record.result) == {
+            "error": "ValueError", "message": f"card {CARD} was declined"}  # fmt: skip
+        assert CARD in raw
+    else:
+        assert json.loads(record.result) == {"error": "ValueError"}  # the type still says why
+        assert CARD not in raw
 
 
 def test_self_retry_does_not_wait_on_its_own_lock(make_app: AppFactory) -> None:

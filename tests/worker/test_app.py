@@ -14,6 +14,7 @@ import pytest
 from celery import Celery, signals
 
 from jobfence.config import Settings, UnsafeSettings
+from jobfence.config.errors import EX_CONFIG
 from jobfence.locks import RedisBackend
 from jobfence.tasks import runtime_for, singleton_task
 from jobfence.worker.app import (
@@ -25,7 +26,6 @@ from jobfence.worker.app import (
     redis_db_url,
 )
 from jobfence.worker.checks import (
-    EX_CONFIG,
     StartupRefused,
     StartupWarning,
     enforce,

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from jobfence.config.errors import EX_CONFIG
 from jobfence.locks import (
     Lease,
     NotOwner,
@@ -314,7 +315,7 @@ def test_the_check_command_reports_an_evicting_lock_server(fresh_redis):
     assert run_cli("check", env=env).returncode == 0
     fresh_redis.client().config_set("maxmemory-policy", "allkeys-random")
     done = run_cli("check", env=env)
-    assert done.returncode == 1
+    assert done.returncode == EX_CONFIG
     assert "REFUSED" in done.stdout and "allkeys-random" in done.stdout
 
 

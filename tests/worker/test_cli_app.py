@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from jobfence.config.errors import EX_CONFIG
 from jobfence.worker import procs
 from jobfence.worker.app import redis_db_url
 from jobfence.worker.cli import build_parser
@@ -76,7 +77,7 @@ def test_check_refuses_a_set_up_user_app_that_accepts_pickle(project):
     root, env = project
     done = _jobfence(root, {**env, "USER_SETUP": "1", "USER_ACCEPT_PICKLE": "1"}, "check",
                      "--app", "tasks")  # fmt: skip
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == EX_CONFIG, done.stdout + done.stderr
     assert "REFUSED: accept_content" in done.stdout
     assert "start-up checks: refused" in done.stdout
     assert "not set up" not in done.stdout
@@ -156,9 +157,45 @@ def test_a_redis_url_answered_by_another_server_is_refused(project, port, server
     root, env = project
     env = {**env, "USER_SETUP": "1", "JOBFENCE_LOCK_URL": f"redis://127.0.0.1:{port}/0"}
     done = _jobfence(root, env, "check", "--app", "tasks")
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == EX_CONFIG, done.stdout + done.stderr
     assert f"REFUSED: JOBFENCE_LOCK_URL: redis://127.0.0.1:{port}/0 answers, but as" in done.stdout
     assert server in done.stdout and "starting anyway" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("url", "server"),
+    [
+        ("postgresql://127.0.0.1:6379/x", "Redis"),
+        ("postgresql://127.0.0.1:5672/x", "RabbitMQ"),
+        ("postgresql://127.0.0.1:3306/x", "MySQL/MariaDB"),
+        ("mysql://root@127.0.0.1:6379/x", "Redis"),
+        ("mysql://root@127.0.0.1:5432/x", "PostgreSQL"),
+    ],
+)
+def test_a_sql_url_answered_by_another_server_is_refused(project, url, server):
+    """The reverse of the above (issue 31, item 8): refused at once, where it used to warn
+    "cannot reach the lock database ... starting anyway" after the connect timeout."""
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    if not _listening(port):
+        pytest.skip(f"nothing listens on {port}")
+    root, env = project
+    env = {**env, "USER_SETUP": "1", "JOBFENCE_LOCK_URL": url}
+    done = _jobfence(root, env, "check", "--app", "tasks")
+    assert done.returncode == EX_CONFIG, done.stdout + done.stderr
+    assert f"REFUSED: JOBFENCE_LOCK_URL: {url} answers, but as" in done.stdout, done.stdout
+    assert server in done.stdout and "starting anyway" not in done.stdout
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "mysql"])
+def test_control_a_sql_url_where_nothing_listens_is_an_outage_not_a_refusal(project, scheme):
+    from jobfence.worker.redis_server import free_port
+
+    root, env = project
+    url = f"{scheme}://root@127.0.0.1:{free_port()}/x"
+    env = {**env, "USER_SETUP": "1", "JOBFENCE_LOCK_URL": url}
+    done = _jobfence(root, env, "check", "--app", "tasks")
+    assert "starting anyway" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0
 
 
 def test_control_a_redis_url_where_nothing_listens_is_an_outage_not_a_refusal(project):

@@ -223,3 +223,33 @@ def test_events_are_counted_only_for_the_demo_jobs() -> None:
         report.stale_writes_refused,
         report.retries,
     ) == (3, 7, 1, 1)
+
+
+def test_without_redis_server_the_demo_says_how_to_install_it_in_one_line(tmp_path: Path) -> None:
+    """Issue 31, item 5: on a machine with no redis-server the demo printed a 28-line
+    traceback. Now one line names the package and the flags for servers of one's own;
+    `make demo` itself installs it first (.ci/setup --demo)."""
+    bin_dir = tmp_path / "bin"  # a PATH with no redis-server on it
+    bin_dir.mkdir()
+    env = {**os.environ, "PATH": str(bin_dir)}
+    env.pop("JOBFENCE_BROKER_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobfence", "demo", "--jobs", "2"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "redis-server" in lines[0], lines
+    assert "apt-get install redis-server" in lines[0] and "--broker" in lines[0]
+
+
+def test_make_demo_installs_redis_server_when_it_is_missing() -> None:
+    """The README's `make demo` runs `.ci/setup --demo`, whose step installs redis-server."""
+    root = Path(__file__).resolve().parents[2]
+    makefile = (root / "Makefile").read_text()
+    demo = makefile.split("\ndemo:\n", 1)[1].split("\n\n", 1)[0]
+    assert "./.ci/setup --demo" in demo
+    setup = (root / ".ci" / "setup").read_text()
+    step = setup.split("--demo ]]; then", 1)[1].split("\nfi\n", 1)[0]
+    assert "apt-get install" in step and "redis-server" in step

@@ -140,7 +140,8 @@ def test_setup_defers_an_unusable_variable_to_each_use_and_the_workers_start(
 ):
     """An import must not fail (a Django project imports its Celery app in every manage.py
     command); every use, and a worker's start, names the variable."""
-    from jobfence.worker.checks import EX_CONFIG, enforce_or_exit
+    from jobfence.config.errors import EX_CONFIG
+    from jobfence.worker.checks import enforce_or_exit
     from jobfence.worker.setup import is_set_up, unsettled
 
     monkeypatch.setenv("JOBFENCE_HEARTBEAT_FRACTION", "0.9")

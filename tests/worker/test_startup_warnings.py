@@ -11,9 +11,9 @@ import pytest
 from celery import Celery
 
 from jobfence.config import Settings
+from jobfence.config.errors import EX_CONFIG
 from jobfence.tasks import install
 from jobfence.worker.checks import (
-    EX_CONFIG,
     StartupWarning,
     _same_server,
     check_broker,
@@ -114,7 +114,7 @@ def test_the_check_command_refuses_bad_settings_without_showing_secrets() -> Non
         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     output = done.stdout + done.stderr
-    assert done.returncode == 2, output
+    assert done.returncode == EX_CONFIG, output
     assert "JOBFENCE_LOCK_URL" in output and "JOBFENCE_DEFAULT_TTL" in output
     assert "s3cr3t-Key-Value-0042" not in output and "hunter2-Pa55" not in output
     assert "Traceback" not in output

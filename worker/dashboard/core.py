@@ -5,7 +5,12 @@ Actions are read-only unless enabled, each behind a confirmation page whose form
 action token: an HMAC over the action, the lock id, the fence and holder the page showed, and
 the browser's own cookie. A forged or replayed POST, a missing confirmation, a stale view (the
 holder changed since the page was drawn) and a holder not provably dead are refused, and
-nothing changes."""
+nothing changes.
+
+Before any page: the Host must be one the dashboard answers to (421 otherwise: a DNS-rebinding
+page names its own host), a POST's Origin must be one of them too, and with a token (`guard`)
+the request must carry it (a bearer header or the login form's cookie). An action needs a login:
+the token's, or the shell's own (Django's staff login)."""
 
 from __future__ import annotations
 
@@ -19,8 +24,8 @@ import time
 import urllib.parse
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,6 +40,16 @@ from jobfence.worker.dashboard.data import (
     check_cursor,
     check_glob,
     check_key_id,
+    key_label,
+)
+from jobfence.worker.dashboard.find import job_key
+from jobfence.worker.dashboard.guard import (
+    LOGIN_COOKIE,
+    LOOPBACK_HOSTS,
+    TOKEN_ENV,
+    HostList,
+    Login,
+    check_token,
 )
 
 log = logging.getLogger("jobfence.dashboard")
@@ -62,6 +77,9 @@ class Request:
     root: str = ""
     user: str = "anonymous"  # who acts, for the action log (Django: the admin user)
     csrf_input: str = ""  # a shell's own CSRF field (Django's), put into every form
+    authorization: str = ""  # the Authorization header ("Bearer <token>")
+    host_checked: bool = False  # the shell vetted the Host (Django's ALLOWED_HOSTS)
+    authenticated: bool = False  # the shell's own login passed (Django's staff login)
 
 
 @dataclass
@@ -70,6 +88,8 @@ class Response:
     body: str
     content_type: str = "text/html; charset=utf-8"
     set_cookie: tuple[str, str] | None = None  # (name, value), HttpOnly, SameSite=Strict
+    login_cookie: str | None = None  # set it (HttpOnly, SameSite=Strict); "" clears it
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,7 +105,14 @@ class ActionRecord:
 
 
 class Dashboard:
-    """The pages over one lock backend. `actions` False (the default) makes it read-only."""
+    """The pages over one lock backend. `actions` False (the default) makes it read-only.
+
+    `allowed_hosts`: the Host values it answers (default: the loopback names, any port; a
+    shell that vets the Host itself says so per request). `token`: the login (at least 32
+    random characters, e.g. from JOBFENCE_DASHBOARD_TOKEN); without one, only a shell's own
+    login (Django's) can act. `app`: the Celery app, to find a job by its task and arguments
+    (keyed as its workers key them) and to read its beat schedule. `hide_names`: show plain
+    locks by their hash, not the name their owner gave them."""
 
     def __init__(
         self,
@@ -97,9 +124,15 @@ class Dashboard:
         app: Any = None,
         metrics_url: str = "",
         refresh: float = 5.0,
+        allowed_hosts: Iterable[str] = LOOPBACK_HOSTS,
+        token: str | None = None,
+        hide_names: bool = False,
     ) -> None:
+        self.hosts = HostList(allowed_hosts)
+        checked = check_token(token)
+        self.login = Login(checked) if checked is not None else None
         self.backend = backend
-        self.view = LockView(backend, hostname=hostname)
+        self.view = LockView(backend, hostname=hostname, hide_names=hide_names)
         self.actions = actions
         self.secret = secret or secrets.token_bytes(32)
         self.app = app  # a Celery app: its beat schedule fills the beat table
@@ -117,6 +150,30 @@ class Dashboard:
 
     # ------------------------------------------------------------------- dispatch
     def handle(self, req: Request) -> Response:
+        if not req.host_checked and not self.hosts.allows(req.host):
+            return _plain(421, f"421 Misdirected Request: this dashboard does not answer to the "
+                               f"host name {printable(req.host)!r}. If that is the name you "
+                               f"browse it by, start it with --allowed-host NAME.")  # fmt: skip
+        if req.method.upper() == "POST" and req.origin and not self._origin_ok(req):
+            return _plain(403, "403 Forbidden: the request came from another site (its Origin "
+                               "is not this dashboard); nothing was changed.")  # fmt: skip
+        authed = req.authenticated
+        if self.login is not None and not authed:
+            authed = self.login.bearer_ok(req.authorization) or self.login.cookie_ok(
+                req.cookies.get(LOGIN_COOKIE, "")
+            )
+            if not authed:
+                if (req.method.upper(), req.path) == ("POST", "/login"):
+                    return self.do_login(req)
+                return self.login_page(req, "")
+        return self.dispatch(replace(req, authenticated=authed))
+
+    def _origin_ok(self, req: Request) -> bool:
+        if req.host_checked:  # the shell's Host: the Origin must name it
+            return urllib.parse.urlsplit(req.origin).netloc.lower() == req.host.lower()
+        return self.hosts.allows_origin(req.origin)
+
+    def dispatch(self, req: Request) -> Response:
         routes: dict[tuple[str, str], Callable[[Request], Response]] = {
             ("GET", "/"): self.locks_page,
             ("GET", "/lock"): self.lock_page,
@@ -125,7 +182,12 @@ class Dashboard:
             ("GET", "/records"): self.records_page,
             ("GET", "/live"): self.live,
             ("GET", "/confirm"): self.confirm_page,
+            ("GET", "/find"): self.find_form,
+            ("POST", "/find"): self.find_page,
             ("POST", "/release"): self.release,
+            ("GET", "/login"): self.logged_in,
+            ("POST", "/login"): self.logged_in,
+            ("POST", "/logout"): self.logout,
         }
         page = routes.get((req.method.upper(), req.path or "/"))
         if page is None:
@@ -143,12 +205,48 @@ class Dashboard:
     def render(self, req: Request, template: str, status: int = 200, **ctx: Any) -> Response:
         html = self.env.get_template(template).render(
             root=req.root, backend=self.backend.name, actions=self.actions, req=req,
-            refresh=self.refresh, csrf_input=markupsafe.Markup(req.csrf_input), **ctx,
+            login=self.login is not None, refresh=self.refresh,
+            metrics=bool(self.metrics_url),
+            csrf_input=markupsafe.Markup(req.csrf_input), **ctx,
         )  # fmt: skip
         return Response(status, html)
 
     def _error(self, req: Request, status: int, title: str, detail: str) -> Response:
         return self.render(req, "error.html", status, title=title, detail=detail)
+
+    # ------------------------------------------------------------------- login
+    def login_page(self, req: Request, why: str) -> Response:
+        """401 with the login form (a browser) and a Bearer challenge (a script)."""
+        if req.method.upper() == "GET":
+            nxt = req.path + ("?" + urllib.parse.urlencode(dict(req.query)) if req.query else "")
+        else:  # a failed login: on to where it was going
+            nxt = _safe_next(req.form.get("next", "/"))
+        html = self.env.get_template("login.html").render(
+            root=req.root, next=nxt, why=why, csrf_input=markupsafe.Markup(req.csrf_input),
+            variable=TOKEN_ENV,
+        )  # fmt: skip
+        return Response(401, html, headers={"WWW-Authenticate": 'Bearer realm="jobfence"'})
+
+    def do_login(self, req: Request) -> Response:
+        assert self.login is not None
+        if not self.login.token_matches(req.form.get("token", "")):
+            log.warning("dashboard: a failed login from %s", printable(req.user))
+            return self.login_page(req, "That is not the token this dashboard was started with.")
+        log.info("dashboard: a login from %s", printable(req.user))
+        resp = _redirect(req, _safe_next(req.form.get("next", "/")))
+        resp.login_cookie = self.login.mint_cookie()
+        return resp
+
+    def logged_in(self, req: Request) -> Response:
+        """/login once logged in (by the token, or the shell): on to the page asked for."""
+        if self.login is None and not req.authenticated:
+            return self._error(req, 404, "no such page", "this dashboard has no login")
+        return _redirect(req, _safe_next(req.form.get("next", req.query.get("next", "/"))))
+
+    def logout(self, req: Request) -> Response:
+        resp = _redirect(req, "/")
+        resp.login_cookie = ""
+        return resp
 
     # ------------------------------------------------------------------- pages
     def locks_page(self, req: Request) -> Response:
@@ -175,6 +273,28 @@ class Dashboard:
         return self.render(req, "lock.html", row=row, info=info,
                            highest=self.view.highest_fence(info.key),
                            decisions=self.view.decisions(info.key))  # fmt: skip
+
+    def find_form(self, req: Request) -> Response:
+        return self.render(req, "find.html", app=self.app is not None, task="", problem="")
+
+    def find_page(self, req: Request) -> Response:
+        """The lock, record and decisions of the job a task name and arguments make: keyed
+        here as the worker keys them (the app's key function and secret). A POST, so the
+        arguments stay out of URLs and access logs; neither they nor the key secret are
+        shown back or logged."""
+        task = req.form.get("task", "")
+        try:
+            key = job_key(self.app, task, req.form.get("arguments", ""),
+                          req.form.get("idempotency_key", ""))  # fmt: skip
+        except BadInput as exc:
+            return self.render(req, "find.html", 400, app=self.app is not None,
+                               task=printable(task.strip()[:200]), problem=str(exc))  # fmt: skip
+        info = self.backend.inspect(key)
+        row = self.view.row(info, self.view_now()) if info is not None else None
+        return self.render(req, "job.html", key=key, label=key_label(key, task.strip()),
+                           row=row, info=info, record=self.backend.job_record(key),
+                           highest=self.view.highest_fence(key),
+                           decisions=self.view.decisions(key))  # fmt: skip
 
     def slots_page(self, req: Request) -> Response:
         return self.render(req, "slots.html", semaphores=self.view.semaphores(),
@@ -270,7 +390,7 @@ class Dashboard:
 
     def _check_token(self, req: Request, action: str, lock_id: str, fence: int) -> str:
         """Empty if the form's token is good for this action, lock, fence and browser; else why."""
-        if req.origin and urllib.parse.urlsplit(req.origin).netloc != req.host:
+        if req.origin and not self._origin_ok(req):  # (`handle` refused it already)
             return "the request came from another site (its Origin is not this dashboard)"
         token, cookie = req.form.get("token", ""), req.cookies.get(COOKIE, "")
         issued, _, rest = token.partition(".")
@@ -297,6 +417,12 @@ class Dashboard:
         if not self.actions:
             why = "actions are off; start it with --allow-actions to enable them"
             return self._error(req, 403, "read-only dashboard", why)
+        if not req.authenticated:
+            why = (
+                f"actions need a login: set {TOKEN_ENV} (32+ random characters) where the "
+                f"dashboard starts and log in with it, or mount it in Django's admin"
+            )
+            return self._error(req, 403, "action refused", why)
         lock_id = check_key_id(req.form.get("id", ""))
         fence_text = req.form.get("fence", "")
         if not fence_text.isdigit():
@@ -326,7 +452,7 @@ class Dashboard:
             return self._refused(req, 409, lock_id, fence,
                                  "the lock changed hands while it was being released")  # fmt: skip
         floor = advance_fence(self.backend, info.key)
-        self._record(req, "release", row.label, fence, f"released; fence advanced to {floor}")
+        self._record(req, "release", row.hidden, fence, f"released; fence advanced to {floor}")
         self._decide(info, fence, floor, req.user)
         return self.render(req, "done.html", row=row, floor=floor)
 
@@ -353,6 +479,23 @@ class Dashboard:
         self.log.append(entry)
         log.warning("dashboard: %s by %s on %s (fence %d): %s", action, entry.user, lock, fence,
                     outcome)  # fmt: skip
+
+
+def _plain(status: int, text: str) -> Response:
+    """A refusal before the login: plain text, nothing of the lock server in it."""
+    return Response(status, text + "\n", "text/plain; charset=utf-8")
+
+
+def _safe_next(nxt: str) -> str:
+    """A page below the dashboard's root to go on to after the login; "/" for anything else
+    (another site, a scheme, a backslash or control character)."""
+    if not nxt.startswith("/") or nxt.startswith("//") or any(c in nxt for c in "\\\r\n\t"):
+        return "/"
+    return nxt
+
+
+def _redirect(req: Request, below_root: str) -> Response:
+    return Response(303, "", headers={"Location": (req.root or "") + below_root})
 
 
 def _when(epoch: float) -> str:

@@ -17,10 +17,11 @@ from jobfence.locks.backends.redis import parse_record
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.locks.backends.redis_semaphore import semaphore_keys
 from jobfence.locks.leader import LEADER_KEY_PREFIX
-from jobfence.worker.admin import liveness, printable, server_time
+from jobfence.worker.admin import liveness, lock_name, printable, server_time
 
 BEAT_LEADER_KEY = "beat-leader"  # worker/beat.py's default (not imported: it needs Celery)
 PAGE_SIZE = 50
+REASON_CHARS = 60  # a reason's length on a list; the lock page shows all of it
 MAX_FILTER = 200  # characters of a filter
 _HEX = re.compile(r"[0-9a-f]{16,}")
 _KEY_ID = re.compile(r"[0-9a-f]{24}")
@@ -46,6 +47,28 @@ def key_label(key: str, task_name: str) -> str:
     if task_name and head == task_name and _HEX.fullmatch(tail):
         return printable(key)
     return f"{printable(task_name or 'lock')} #{key_id(key)[:12]}"
+
+
+def row_label(info: LockInfo, *, names: bool = True) -> str:
+    """How a held lock is shown: a plain lock (no task: `Locker.lock("report:monthly")`) by the
+    name its owner gave it, as `jobfence locks list` shows it (`names` False: as its hash); a
+    task's lock as `key_label` shows it (its key may be made of arguments)."""
+    if names and not info.task_name:
+        return lock_name(info)
+    return key_label(info.key, info.task_name)
+
+
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
+    """`text` cut to one line of at most `limit` characters (at a word where one is near),
+    ending in "…" when cut."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    space = cut.rfind(" ")
+    if space >= limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ;,:") + "…"
 
 
 def check_key_id(value: str) -> str:
@@ -80,7 +103,8 @@ def check_cursor(value: str) -> str:
 
 @dataclass(frozen=True)
 class LockRow:
-    """One held lock as the pages show it. `info` (which holds the key) is never rendered."""
+    """One held lock as the pages show it. `info` (which holds the key) is never rendered;
+    `label` is a plain lock's name unless names are hidden, `hidden` never a name."""
 
     info: LockInfo = field(repr=False)
     id: str
@@ -88,10 +112,16 @@ class LockRow:
     verdict: str
     reason: str
     heartbeat_age: float | None
+    hidden: str = ""  # the label without a plain lock's name (task name and hash): for logs
 
     @property
     def holder(self) -> str:
         return printable(f"{self.info.host or '?'}:{self.info.pid or '?'}")
+
+    @property
+    def short_reason(self) -> str:
+        """The reason on one line, for a list; the lock page shows all of it."""
+        return one_line(self.reason)
 
 
 @dataclass(frozen=True)
@@ -104,9 +134,12 @@ class LockPage:
 class LockView:
     """Reads one backend for the dashboard; `hostname` is where liveness is judged from."""
 
-    def __init__(self, backend: LockBackend, *, hostname: str | None = None) -> None:
+    def __init__(
+        self, backend: LockBackend, *, hostname: str | None = None, hide_names: bool = False
+    ) -> None:
         self.backend = backend
         self.hostname = hostname or socket.gethostname()
+        self.hide_names = hide_names  # plain locks by their hash, not their owner's name
 
     # ----------------------------------------------------------------------- locks
     @property
@@ -120,8 +153,9 @@ class LockView:
         live = liveness(info, now=now, hostname=self.hostname)
         age = max(0.0, now - info.last_heartbeat) if info.last_heartbeat > 0 else None
         key = info.key
-        return LockRow(info, key_id(key), key_label(key, info.task_name), live.verdict,
-                       printable(live.reason), age)  # fmt: skip
+        return LockRow(info, key_id(key), row_label(info, names=not self.hide_names),
+                       live.verdict, printable(live.reason), age,
+                       key_label(key, info.task_name))  # fmt: skip
 
     def locks(
         self, *, match: str = "*", task: str = "*", cursor: str = "", size: int = PAGE_SIZE
@@ -238,7 +272,7 @@ class LockView:
     def _leader_row(self, info: LockInfo, now: float) -> LockRow:
         row = self.row(info, now)  # an election's name is no argument: shown as it is
         return LockRow(info, row.id, printable(info.key), row.verdict, row.reason,
-                       row.heartbeat_age)  # fmt: skip
+                       row.heartbeat_age, printable(info.key))  # fmt: skip
 
     # ----------------------------------------------------------------------- records
     def records(self, *, task: str = "*", limit: int = 200) -> list[dict[str, Any]] | None:

@@ -1,5 +1,6 @@
 """The dashboard in a Django project: `path("admin/jobfence/", include(dashboard_urls(...)))`,
-behind the admin login and a permission; Django's own CSRF check runs before the dashboard's."""
+behind the admin login and a permission; Django's own CSRF check runs before the dashboard's.
+Django vets the Host (ALLOWED_HOSTS), and its staff login is the dashboard's login."""
 
 from __future__ import annotations
 
@@ -30,10 +31,17 @@ def to_request(request: HttpRequest, rest: str, root: str) -> Request:
         host=request.get_host(),
         root=root,
         user=str(getattr(request, "user", "anonymous")),
+        host_checked=True,  # get_host() raised DisallowedHost for a Host not in ALLOWED_HOSTS
+        authenticated=_is_staff(request),
         csrf_input=format_html(
             '<input type="hidden" name="csrfmiddlewaretoken" value="{}">', get_token(request)
         ),
     )
+
+
+def _is_staff(request: HttpRequest) -> bool:
+    user = getattr(request, "user", None)
+    return bool(user is not None and user.is_active and user.is_staff)
 
 
 def dashboard_urls(
@@ -58,6 +66,8 @@ def dashboard_urls(
         resp = get().handle(to_request(request, rest, root.rstrip("/")))
         out = HttpResponse(resp.body, status=resp.status, content_type=resp.content_type)
         out["Cache-Control"] = "no-store"
+        for name, value in resp.headers.items():
+            out[name] = value
         if resp.set_cookie:
             name, value = resp.set_cookie
             out.set_cookie(name, value, httponly=True, samesite="Strict", path=root or "/")

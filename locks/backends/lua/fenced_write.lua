@@ -2,8 +2,14 @@
 -- the given commands, at most once per (fence, write id): a resend gets the first reply.
 -- KEYS[1] fence record of the resource (a string: the last accepted token)
 -- KEYS[2] write record of the resource (a hash: 'fence', and per write id the stored answer)
--- KEYS[3..n] keys the writes touch (declared for the server, not read here)
+-- KEYS[3..n] keys the writes touch (declared for the server, not read here); with a job
+--          record (ARGV[4] not empty) KEYS[3] is that record and the touched keys follow it
 -- ARGV[1] fencing token  ARGV[2] write id  ARGV[3] JSON list of commands, e.g. [["HSET","k","f","v"]]
+-- ARGV[4] '' or the job's argument fingerprint: then the job's DONE record (KEYS[3], a hash:
+--         fingerprint, result, fence) is read first and written with the commands, so a
+--         re-run of a finished job (granted again after the lock server lost its data, with
+--         a higher fence) is answered from it and applies nothing
+-- ARGV[5] the job's result (JSON) to store  ARGV[6] the record's lifetime in ms (0: kept)
 -- Returns {1, fence, replies...}   applied now
 --         {2, fence, replies...}   a resend of the write already applied under this fence and
 --                                  write id: its stored reply; nothing applied
@@ -14,6 +20,9 @@
 --         {5, fence, index, reason, replies...}  command `index` failed in a way the check
 --                                  cannot foresee, after commands 1..index-1 were applied;
 --                                  stored like a reply, so a resend answers the same
+--         {6, fence, result}       the job's DONE record was there (the job took effect under
+--                                  `fence`): its stored result; nothing applied
+--         {7, fence}               the record holds another fingerprint: nothing applied
 -- Tokens are compared as decimal strings (shorter is smaller), not as Lua doubles,
 -- which stop telling neighbours apart above 2^53.
 local function less(a, b)
@@ -22,6 +31,14 @@ local function less(a, b)
 end
 
 local fence, wid, body = ARGV[1], 'w:' .. ARGV[2], ARGV[3]
+local job = ARGV[4] ~= nil and ARGV[4] ~= ''
+if job then
+  local done = redis.call('HMGET', KEYS[3], 'fingerprint', 'result', 'fence')
+  if done[1] then
+    if done[1] ~= ARGV[4] then return {7, done[3]} end
+    return {6, done[3], done[2]}
+  end
+end
 local last = redis.call('GET', KEYS[1])
 if last and less(fence, last) then
   return {0, last}
@@ -175,4 +192,8 @@ end
 local answer = {digest, unpack(out, 1)}
 table.remove(answer, 3)  -- the fence is not stored: a replay answers with the current one
 redis.call('HSET', KEYS[2], wid, cmsgpack.pack(answer))
+if job and out[1] == 1 then
+  redis.call('HSET', KEYS[3], 'fingerprint', ARGV[4], 'result', ARGV[5], 'fence', fence)
+  if tonumber(ARGV[6]) > 0 then redis.call('PEXPIRE', KEYS[3], ARGV[6]) end
+end
 return out

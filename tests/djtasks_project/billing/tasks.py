@@ -6,9 +6,14 @@ import os
 import time
 
 from django.db import connection
-from django_tasks import task
 
 import jobfence
+from jobfence.tasks.django_tasks import fenced
+
+try:  # Django 6
+    from django.tasks import task
+except ImportError:  # the backport, Django 4.2-5.x
+    from django_tasks import task
 
 #: Seconds each charge takes: past the broker's visibility timeout, so copies overlap and
 #: the broker redelivers running ones.
@@ -25,7 +30,8 @@ def _write(invoice_id: int, amount: int, via: str, fence: int | None) -> None:
         )
 
 
-@task(key="invoice_id")
+@task()  # the gate's options under it: Django 6.0's task() takes no extra keywords
+@fenced(key="invoice_id")
 def charge(invoice_id: int, amount: int) -> int:
     _write(invoice_id, amount, "jobfence", jobfence.current_job().fence)
     return invoice_id

@@ -1,0 +1,63 @@
+"""The publish claim at start: marked started (or dropped), a replaced copy skipped, a throttle."""
+
+from __future__ import annotations
+
+from jobfence.locks.errors import BackendUnavailable
+from jobfence.locks.lease import Lease
+from jobfence.locks.ops import SwapPublish
+from jobfence.tasks.events import Event, Kind
+from jobfence.tasks.flow.ending import Ending
+from jobfence.tasks.flow.ops import JobFlow
+from jobfence.tasks.flow.spec import DUPLICATE, SUPERSEDED, Outcome
+
+#: Prefix of a publish claim whose job has started (or finished): it can no longer be replaced.
+STARTED = "!"
+
+
+class Claim(Ending):
+    """The key's publish claim, read and updated when the job starts and after it ran."""
+
+    def claim_at_start(self, lease: Lease) -> JobFlow[Outcome | None]:
+        """Mark the publish claim started (or drop it, lock_until="start"), holding the
+        lease; None to run. A claim another copy holds proves this copy was replaced
+        (supersede), or, marked started, that the key ran within `unique_for` (throttled)."""
+        spec = self.spec
+        try:
+            kept = yield from self.swap_claim()
+        except BackendUnavailable as exc:
+            yield Event(Kind.UNAVAILABLE_AT_START, detail=type(exc).__name__)
+            yield from self.release_quietly(lease)
+            return (yield from self.redeliver("lock server unavailable before the body ran", None))
+        if kept is None or kept == STARTED + spec.task_id:
+            return None
+        if spec.supersede:
+            return (yield from self.superseded_copy(lease, kept))
+        if spec.unique_for and kept.startswith(STARTED):
+            yield Event(Kind.THROTTLED, lease.fence, kept.removeprefix(STARTED))
+            yield from self.release_quietly(lease)
+            return Outcome("duplicate", DUPLICATE, lease.fence, holder=kept.removeprefix(STARTED))
+        return None
+
+    def swap_claim(self) -> JobFlow[str | None]:
+        """Our claim marked started (dropped under lock_until="start"); else who holds it."""
+        spec = self.spec
+        new = None if spec.lock_until == "start" else STARTED + spec.task_id
+        kept: str | None = yield SwapPublish(spec.key, spec.task_id, new, spec.claim_ttl)
+        return kept
+
+    def superseded_copy(self, lease: Lease | None, holder: str) -> JobFlow[Outcome]:
+        """A newer publish replaced this copy before it started: skip, acked, never run."""
+        fence = None if lease is None else lease.fence
+        yield Event(Kind.REPLACED, fence, holder.removeprefix(STARTED), reason="replaced")
+        if lease is not None:
+            yield from self.release_quietly(lease)
+        return Outcome("superseded", SUPERSEDED, fence)
+
+    def throttle(self) -> JobFlow[None]:
+        """unique_for: the claim, marked started, lasts that long after the run finished."""
+        spec = self.spec
+        mine = STARTED + spec.task_id
+        try:
+            yield SwapPublish(spec.key, mine, mine, spec.unique_for)
+        except BackendUnavailable as exc:  # the job is done; only the throttle is lost
+            yield Event(Kind.THROTTLE_NOT_SET, detail=type(exc).__name__)

@@ -1,0 +1,212 @@
+"""The gate: the job's lease granted, or a replay, a duplicate, a wait, a deferral, a redelivery."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jobfence.locks.backend import Busy, JobRecord, LockInfo, default_meta
+from jobfence.locks.errors import AcquireTimeout, BackendUnavailable
+from jobfence.locks.lease import Lease, OwnerMeta
+from jobfence.locks.ops import Begin, Inspect, Now, ReadRecord, Release, Sleep, WaitRelease
+from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict
+from jobfence.tasks.events import Event, Kind
+from jobfence.tasks.flow.claim import STARTED, Claim
+from jobfence.tasks.flow.ending import fingerprints_met
+from jobfence.tasks.flow.ops import JobFlow
+from jobfence.tasks.flow.spec import DUPLICATE, Outcome
+
+#: During a key-secret rotation, how long (seconds, at most a third of the TTL) a grant
+#: waits for the job's grant under another secret to go before it comes back later: the
+#: other worker gives its grant back within a round trip once it sees ours.
+ROTATION_GRACE = 1.0
+
+
+class Gate(Claim):
+    """Begin: the DONE check and the grant in one round trip, and what a refused grant means."""
+
+    def begin(self) -> JobFlow[Lease | Outcome]:
+        """Acquire the job's lease, or say why not (replay, duplicate, defer, retry, redeliver)."""
+        spec = self.spec
+        started: float = yield Now()
+        deadline = started + spec.wait_timeout
+        meta = default_meta(task_id=spec.task_id, task_name=spec.name)
+        attempt = 0
+        noted: str | None = "?"  # the holder whose conflict was noted last
+        try:
+            while True:
+                got, waited_on = yield from self.look(meta)
+                if isinstance(got, Outcome):
+                    return got
+                if isinstance(got, Lease):
+                    yield Event(Kind.GRANTED, seconds=(yield Now()) - started)
+                    return got
+                if isinstance(got, JobRecord):
+                    return (yield from self.answered(got))
+                busy: Busy = got
+                ours = yield from self.held(busy, attempt)
+                if ours is not None:
+                    return ours
+                if busy.task_id != noted:
+                    # Once per holder, not once per look of a wait's loop: a waiter looks
+                    # every backoff step, and each look noted would flood the key's bounded
+                    # log (50 decisions) and push out the decisions worth explaining.
+                    noted = busy.task_id
+                    yield Event(Kind.CONFLICT, None, busy.task_id or "", reason=spec.on_conflict)
+                decided = yield from self.conflict(busy, attempt, deadline, waited_on)
+                if decided is not None:
+                    return decided
+                attempt += 1
+        except BackendUnavailable as exc:
+            yield Event(Kind.UNAVAILABLE_BEFORE_RUN, detail=type(exc).__name__)
+            return (yield from self.redeliver("lock server unavailable before the body ran", None))
+
+    def look(self, meta: OwnerMeta) -> JobFlow[tuple[Lease | Busy | JobRecord | Outcome, str]]:
+        """The DONE check and the grant in one round trip (the job under an earlier secret
+        looked at too), with the key whose holder a "wait" waits for."""
+        spec = self.spec
+        fingerprint = spec.record_fingerprint
+        got = yield Begin(spec.key, spec.ttl, meta, record=True, fingerprint=fingerprint)
+        if isinstance(got, JobRecord) and spec.per_run and got.fingerprint != fingerprint:
+            # An earlier run's record: this publish is a run of its own (the lock still
+            # keeps it from running beside another).
+            got = yield Begin(spec.key, spec.ttl, meta, False, fingerprint)
+        if isinstance(got, Lease) and spec.previous:
+            return (yield from self.under_previous_secret(got))
+        return got, spec.key
+
+    def answered(self, record: JobRecord) -> JobFlow[Outcome]:
+        """The job's record answers: replayed, unless this copy was replaced (supersede)."""
+        spec = self.spec
+        if spec.supersede and spec.claims and record.fingerprint != spec.record_fingerprint:
+            # Replaced, and the replacement (other arguments) already finished.
+            kept = yield from self.swap_claim()
+            if kept is not None and kept != STARTED + spec.task_id:
+                return (yield from self.superseded_copy(None, kept))
+        return (yield from self.replay(record))
+
+    def held(self, busy: Busy, attempt: int) -> JobFlow[Outcome | None]:
+        """A holder with other arguments is a conflict; our own earlier delivery, a deferral."""
+        spec = self.spec
+        if (
+            not spec.per_run  # per run, another copy's arguments are another run's
+            and busy.fingerprint
+            and spec.fingerprint
+            and busy.fingerprint != spec.fingerprint
+        ):
+            met = fingerprints_met(spec.fingerprint, busy.fingerprint)
+            yield Event(Kind.IDEMPOTENCY_CONFLICT, None, busy.task_id or "", reason=met)
+            raise IdempotencyConflict(
+                "idempotency key in use by a running job with different arguments "
+                f"({met}); use a new key or the original arguments",
+                key=spec.key,
+            )
+        if spec.task_id and busy.task_id == spec.task_id:
+            # Our own earlier delivery holds it (redelivered or crashed): come back when
+            # its lease ends. Dropping this copy could lose the job if that holder died.
+            yield Event(Kind.DEFER, None, busy.task_id or "")
+            return Outcome("defer", countdown=self.after(busy, attempt))
+        return None
+
+    def conflict(
+        self, busy: Busy, attempt: int, deadline: float, waited_on: str
+    ) -> JobFlow[Outcome | None]:
+        """Another delivery holds the job: the conflict policy says; None once waited a step."""
+        spec = self.spec
+        if spec.on_conflict == "skip":
+            return Outcome("duplicate", DUPLICATE, holder=busy.task_id or "")
+        if spec.on_conflict == "raise":
+            raise DuplicateJob("job is running elsewhere", key=spec.key)
+        behind = spec.lock_until == "start" or spec.queues
+        if spec.on_conflict == "retry":
+            if behind:
+                return (yield from self.behind(busy, attempt))
+            return Outcome("retry", countdown=self.after(busy, attempt))
+        left = deadline - (yield Now())
+        if left <= 0:
+            if behind:
+                return (yield from self.behind(busy, attempt))
+            yield Event(Kind.TIMEOUT)
+            raise AcquireTimeout(f"job still running after {spec.wait_timeout:g}s", key=spec.key)
+        pause = min(left, busy.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
+        yield WaitRelease(waited_on, pause)
+        return None
+
+    def after(self, busy: Busy, attempt: int) -> float:
+        """When to come back: the holder's lease left, plus a jittered step."""
+        return min(busy.ttl_left, 3600.0) + self.backoff.delay(attempt)
+
+    def behind(self, busy: Busy, attempt: int) -> JobFlow[Outcome]:
+        """Another delivery holds the key (lock_until="start": another run of it; "finish"
+        through a broker: a copy of this job). This one queues behind it, as long as that
+        holder lives (its lease renewed), spending neither Celery's retries nor the
+        redelivery bound; it then replays the holder's DONE record ("finish") or runs. A
+        holder that dies frees the key at its lease's expiry."""
+        yield Event(Kind.QUEUED, None, busy.task_id or "")
+        return Outcome(
+            "requeue",
+            countdown=self.after(busy, attempt),
+            reason="another run of the key holds it",
+        )
+
+    def under_previous_secret(
+        self, lease: Lease
+    ) -> JobFlow[tuple[Lease | Busy | JobRecord | Outcome, str]]:
+        """Our grant, unless the job's key under an earlier secret has a live holder or its
+        DONE record (then that, our grant released), with the key whose holder it names.
+
+        Looked at after the grant, the lock before the record: a commit writes the record
+        and frees the lock in one step, so a run under the other secret is seen by one of
+        the two looks, and two workers (one on each secret) never both miss the other's run.
+        """
+        spec = self.spec
+        for key, fingerprint in spec.previous:
+            held = yield from self.against_other_grant(lease, key)
+            if held is not None:
+                return held, key
+            record: JobRecord | None = yield ReadRecord(key)
+            run = f"{fingerprint}#{spec.task_id}" if spec.per_run else fingerprint
+            if record is not None and record.state == "DONE":
+                if record.fingerprint == run:  # the same job: answer with our fingerprint
+                    yield Release(lease)
+                    return dataclasses.replace(record, fingerprint=spec.record_fingerprint), key
+                if not spec.per_run:  # other arguments under the key: a conflict
+                    yield Release(lease)
+                    return record, key
+        return lease, spec.key
+
+    def against_other_grant(self, lease: Lease, key: str) -> JobFlow[Busy | Outcome | None]:
+        """None once `key` (the job under another secret) has no holder; else our grant
+        released and why. Of two grants of one job under two secrets, each worker sees the
+        other's; the tie is broken by an order every worker computes alike, whichever secret
+        it calls current: the grant under the greater key keeps its lease and waits for the
+        other to go, and never yields as a duplicate of it (that one may be about to yield to
+        ours). If it does not go within ROTATION_GRACE, the job comes back later (requeue),
+        never dropped. The grant under the lesser key yields to the greater at once."""
+        spec = self.spec
+        until: float | None = None
+        attempt = 0
+        while True:
+            info: LockInfo | None = yield Inspect(key)
+            if info is None:
+                return None
+            busy = Busy(info.ttl_left, info.task_id)
+            if spec.key < key:  # the other grant ranks first: yield (our on_conflict applies)
+                yield Release(lease)
+                return busy
+            now: float = yield Now()
+            if until is None:  # our lease is not kept yet: wait well inside its TTL
+                grace = max(ROTATION_GRACE, spec.wait_timeout if spec.on_conflict == "wait" else 0)
+                until = now + min(grace, spec.ttl / 3)
+            if now >= until:
+                yield Release(lease)
+                if spec.task_id and info.task_id == spec.task_id:
+                    return busy  # our own message's other copy: deferred as ever
+                yield Event(Kind.QUEUED, None, info.task_id)
+                return Outcome(
+                    "requeue",
+                    countdown=self.after(busy, attempt),
+                    reason="a grant of the job under another key secret holds it",
+                )
+            # A sleep, not WaitRelease: only a lock that refused a grant signals its release.
+            yield Sleep(min(until - now, max(self.backoff.delay(attempt), 0.001)))
+            attempt += 1

@@ -1,0 +1,68 @@
+"""One delivery of a job, start to end: `run()` is the safety argument's table of contents."""
+
+from __future__ import annotations
+
+from jobfence.locks.flows import Backoff
+from jobfence.tasks.flow.admission import Admission
+from jobfence.tasks.flow.body import Body
+from jobfence.tasks.flow.gate import Gate
+from jobfence.tasks.flow.ops import JobFlow, Keep
+from jobfence.tasks.flow.spec import JobSpec, Outcome, Redelivery
+
+
+def job_flow(
+    spec: JobSpec,
+    *,
+    backoff: Backoff,
+    redelivery: Redelivery,
+    passthrough: tuple[type[BaseException], ...] = (),
+) -> JobFlow[Outcome]:
+    """One delivery of `spec`, start to end: the body run once under the job's lease, its
+    record committed, or why not. Exceptions in `passthrough` release without a record."""
+    return Job(spec, backoff=backoff, redelivery=redelivery).run(passthrough)
+
+
+class Job(Gate, Admission, Body):
+    """The decisions for one delivery of a job, as flows (generator methods): what it does
+    and what it has to tell (an `Event`, for the shell's middleware) are ops.
+
+    Round trips on Redis for a job that runs: one `Begin` (DONE check and grant), one
+    `Commit` (DONE record and release), plus the keeper's batched extensions.
+    """
+
+    def run(self, passthrough: tuple[type[BaseException], ...] = ()) -> JobFlow[Outcome]:
+        """Begin, claim, cap, keep, rate gate, slot, body, commit (design §1's three layers)."""
+        spec = self.spec
+        # gate.py: the record replays (layer 3) or the lease is granted (layer 1), with its fence
+        got = yield from self.begin()
+        if isinstance(got, Outcome):
+            return got
+        lease = got
+        # claim.py: the publish claim marked started; admission.py: crash cap, rate turn, slot
+        if spec.claims and not spec.claim_at_body:
+            skipped = yield from self.claim_at_start(lease)
+            if skipped is not None:
+                return skipped
+        if spec.suspect and spec.max_crashed:
+            yield from self.cap_crashes(lease)
+        yield Keep(lease)
+        if spec.rate is not None:
+            held = yield from self.rate_gate(spec.rate, lease)
+            if held is not None:
+                return held
+        # body.py, in the slot if any: the body once under the kept lease, its writes fenced
+        # (layer 2); settle.py: its record committed as the lease goes (layer 3), or why not
+        if not spec.concurrency:
+            return (yield from self.run_held(lease, passthrough))
+        slot = yield from self.take_slot(lease)
+        if isinstance(slot, Outcome):
+            return slot
+        try:
+            out = yield from self.run_held(lease, passthrough, slot)
+        except GeneratorExit:
+            raise  # closed unrun: nothing to send
+        except BaseException:
+            yield from self.release_slot(slot)
+            raise
+        yield from self.release_slot(slot)
+        return out
