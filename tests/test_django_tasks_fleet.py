@@ -133,13 +133,22 @@ def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
             os.environ.update(saved)
 
 
-def test_a_storm_of_one_django_task_charges_each_invoice_once(billing: Billing) -> None:
-    invoices = billing.storm("charge", 1)
+#: Storms at most, until one has a message come back (a redelivery past the 1 s visibility
+#: timeout, or a retry): on a loaded machine a storm may have none, and then proves less.
+STORMS = 3
 
-    assert billing.charges("jobfence", invoices) == Counter(dict.fromkeys(invoices, 1))
-    assert all(f > 0 for f in billing.fences(invoices))
-    runs = Counter(e.task_id for e in billing.fleet.events() if e.kind == "prerun")
-    print(f"deliveries: {sum(runs.values())} of {len(runs)} messages")
+
+def test_a_storm_of_one_django_task_charges_each_invoice_once(billing: Billing) -> None:
+    runs: Counter[str] = Counter()
+    for storm in range(STORMS):
+        invoices = billing.storm("charge", 1 + 1000 * storm)
+        # Every storm holds the promise, whether or not a message of it came back.
+        assert billing.charges("jobfence", invoices) == Counter(dict.fromkeys(invoices, 1))
+        assert all(f > 0 for f in billing.fences(invoices))
+        runs = Counter(e.task_id for e in billing.fleet.events() if e.kind == "prerun")
+        print(f"after storm {storm + 1}: {sum(runs.values())} deliveries of {len(runs)} messages")
+        if max(runs.values()) > 1:
+            break
     assert max(runs.values()) > 1, "no message came back (redelivery or retry): proves less"
 
 
