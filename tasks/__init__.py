@@ -6,7 +6,7 @@ Redis locks never loads SQLAlchemy."""
 from typing import TYPE_CHECKING
 
 from jobfence.lazy import lazy_exports
-from jobfence.tasks.celery_task import HEADER, JobNotSettled, SingletonTask, singleton_task
+from jobfence.tasks.celery_task import HEADER, SingletonTask, singleton_task
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
@@ -16,6 +16,7 @@ from jobfence.tasks.errors import (
     DuplicateSkipped,
     IdempotencyConflict,
     JobDropped,
+    JobNotSettled,
     JobSkipped,
     JobSuperseded,
     PoisonMessage,

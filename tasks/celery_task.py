@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, overload
 
 from celery import Task, shared_task
@@ -16,23 +13,19 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
 from jobfence.locks.drive import run_sync
-from jobfence.locks.errors import BackendUnavailable, LockError, RateLimitUnsupported
+from jobfence.locks.errors import LockError, RateLimitUnsupported
 from jobfence.locks.lease import Lease
-from jobfence.locks.ops import SwapPublish
-from jobfence.locks.outage import OUTAGE
 from jobfence.locks.registry import backends_with
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
-    DuplicateSkipped,
-    JobDropped,
+    JobNotSettled,
     JobSkipped,
-    JobSuperseded,
-    RateLimitSkipped,
     TaskDefinitionError,
-    TaskError,
 )
-from jobfence.tasks.executor import RATE_HORIZON, STARTED, JobSpec, Outcome, RateSpec, Status
+from jobfence.tasks.executor import RATE_HORIZON, JobSpec, RateSpec
+from jobfence.tasks.flow.marks import KEY_HEADER, REPUBLISHED_HEADER, Marks
+from jobfence.tasks.flow.verdict import ComeBack, NotSettled, Stop, Value
 from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity, job_key
 from jobfence.tasks.options import (
     DEFAULTS,
@@ -53,64 +46,12 @@ from jobfence.tasks.options import (
 from jobfence.tasks.publish import give_back_flow, publish_flow
 from jobfence.tasks.runtime import Runtime, runtime_for
 
-HEADER = "jobfence_idempotency_key"
-#: How often the job came back because its fate was unknown (apart from Celery's retries).
-REDELIVERIES = "jobfence_redeliveries"
-#: Set on the copy a delivery re-publishes when its own earlier delivery holds the lease
-#: (it crashed, or still runs): a grant of that copy counts towards the poison cap.
-DEFERRED_HEADER = "jobfence_deferred"
-#: Set by `_copy_headers` on every copy of a delivered message published again (a requeue, a
-#: rate turn, a deferred copy, a redelivery, a retry): apply_async takes it off and makes no
-#: publish claim, so the copy is never de-duplicated away against a newer publish.
-REPUBLISHED = "jobfence_republished"
-#: Set on the copy a rate-limited delivery re-publishes: the server time of the turn it
-#: reserved, so the copy starts then without spending another.
-RATE_SLOT_HEADER = "jobfence_rate_slot"
+#: The header of an explicit idempotency key (`apply_async(idempotency_key=...)`).
+HEADER = KEY_HEADER
 PASSTHROUGH = (Retry, Ignore, Reject)
 #: Publish options that make a workflow wait on the published task id (chain, group, chord).
 WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
-#: Outcomes that end a delivery with no result of its own: the typed stop each raises, so a
-#: chain, group, chord or link never takes a marker as the task's result (design §9).
-_STOPS: dict[str, type[JobSkipped]] = {
-    "duplicate": DuplicateSkipped,
-    "superseded": JobSuperseded,
-    "dropped": JobDropped,
-    "rate_skipped": RateLimitSkipped,
-}
-
 log = logging.getLogger(__name__)
-
-
-def _plain_warning(logger: logging.Logger, msg: str, *args: object) -> None:
-    logger.warning(msg, *args)
-
-
-class JobNotSettled(TaskError):
-    """Eager or direct call: the job's fate is unknown and there is no broker to come back
-    through (lock server unavailable, lease lost, commit unanswered). Call it again."""
-
-
-@dataclass(frozen=True)
-class _Delivery:
-    """One delivery's outcome and what an action needs to answer it."""
-
-    rt: Runtime
-    spec: JobSpec
-    out: Outcome
-    req: Any
-    explicit: str | None
-    redeliveries: int
-
-    @property
-    def countdown(self) -> float:
-        """The outcome's countdown, capped: a countdown the broker would outwait redelivers
-        the message while it waits; coming back early only means deferring once more."""
-        return min(self.out.countdown, max(0.1, self.rt.settings.visibility_timeout / 2))
-
-    def headers(self, *, deferred: bool = False, redeliveries: int | None = None) -> dict[str, Any]:
-        """Headers for this message published again (_copy_headers)."""
-        count = self.redeliveries if redeliveries is None else redeliveries
-        return _copy_headers(self.req, self.explicit, count, deferred=deferred)
 
 
 #: Serializers a singleton task may send: JSON, or JSON signed by Celery's `auth` serializer.
@@ -206,7 +147,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             headers[HEADER] = explicit
         key, _ = self.identity(args, kwargs, headers.get(HEADER))  # refuses non-JSON arguments
         # A delivered message published again (same task id): it holds or held the claim.
-        again = bool(headers.pop(REPUBLISHED, None)) or REDELIVERIES in headers
+        again = Marks.republished(headers)
+        headers.pop(REPUBLISHED_HEADER, None)
         if self.jobfence_options.dedupe_on_publish and not (self.app.conf.task_always_eager
                                                             or again):  # fmt: skip
             task_id = task_id or uuid()
@@ -275,64 +217,52 @@ class SingletonTask(Task):  # type: ignore[misc]
         # Bound before the runtime is asked for: a wrong argument is the caller's TypeError.
         arguments = bind_arguments(self.run, args, kwargs, name=self.name)
         rt = self._runtime()
-        headers = req.headers or {}
-        fields = _fields(req)
-        explicit, redeliveries = _marks(req)
-        key, fp = self._identity(rt, arguments, explicit)
+        marks = Marks.read(req.headers, _fields(req))
+        key, fp = self._identity(rt, arguments, marks.key)
         s, o = rt.settings, self.jobfence_options
+        queues = not (req.called_directly or req.is_eager)
         spec = JobSpec(
             name=self.name,
             key=key,
             fingerprint=fp,
             task_id=req.id or "",
             failed_message=s.failed_record_message,
-            redeliveries=redeliveries,
-            suspect=_after_a_crash(req),
+            redeliveries=marks.redeliveries,
+            suspect=marks.deferred or _redelivered(req),
             max_crashed=s.max_crashed_deliveries,
             claim_ttl=o.dedupe_ttl or s.visibility_timeout,
             supersede=o.dedupe_on_publish and o.on_duplicate_publish == "replace",
             publish_claim=o.dedupe_on_publish,
-            queues=not (req.called_directly or req.is_eager),
+            queues=queues,
             concurrency_key=(
                 concurrency_key(rt.secret, self.name, arguments, o.concurrency_key)
                 if o.concurrency
                 else ""
             ),
-            rate=self._rate_spec(rt, arguments, req, headers, fields),
-            previous=_previous_identities(self, rt, arguments, explicit),
+            rate=self._rate_spec(rt, arguments, queues, marks.rate_slot),
+            previous=_previous_identities(self, rt, arguments, marks.key),
+            marks=marks,
+            countdown_cap=max(0.1, s.visibility_timeout / 2),
+            in_workflow=bool(req.callbacks or req.chain or req.chord or req.group),
             **o.job_fields(s),
         )
-        try:
-            out = rt.executor.run(
-                spec, lambda _ctx: self.run(*args, **kwargs), passthrough=PASSTHROUGH
-            )
-        except PASSTHROUGH:
-            raise
-        except BaseException:
-            if spec.claims:  # owner-checked: the claim may be a newer copy's by now
-                # lock_until="start" keeps the claim unmarked until the body starts.
-                mine = spec.task_id if spec.claim_at_body else STARTED + spec.task_id
-                self._drop_claim(rt, spec, mine)
-            elif self.jobfence_options.dedupe_on_publish:
-                # A failed job may be submitted afresh; owner-checked, as a copy published
-                # around the claim (a workflow's duplicate) must not free the holder's claim.
-                self._drop_claim(rt, spec, spec.task_id)
-            raise
-        return self.ACTIONS[out.status](self, _Delivery(rt, spec, out, req, explicit, redeliveries))
-
-    def _drop_claim(self, rt: Runtime, spec: JobSpec, mine: str) -> None:
-        """Drop the publish claim of a delivery that ends without running (or failed), never
-        letting the lock server's failure replace the delivery's own outcome: the claim then
-        expires by its TTL, and until then a publish of the key answers with this task's
-        (visible) result. The body's own fate is already settled (design section 7)."""
-        try:
-            rt.backend.execute(SwapPublish(spec.key, mine, None, spec.claim_ttl))
-        except Exception as exc:  # the cleanup's failure, whatever it is, must not win
-            log.warning("%s: publish claim not cleared (%s); it expires by its TTL",
-                        self.name, type(exc).__name__)  # fmt: skip
+        verdict = rt.executor.deliver(
+            spec, lambda _ctx: self.run(*args, **kwargs), passthrough=PASSTHROUGH
+        )
+        match verdict:  # the flow decided (tasks/flow/verdict.py); here it is carried out
+            case Value(value=value):
+                return value
+            case Stop(error=error):
+                raise error
+            case ComeBack(retry=True):
+                raise self.retry(countdown=verdict.countdown)
+            case ComeBack(countdown=countdown, marks=copy):
+                self._publish_again(req, countdown, copy.onto(req.headers))
+            case NotSettled(reason=reason, fence=fence):
+                raise JobNotSettled(f"{reason}; call it again", key=spec.key, fence=fence)
 
     def _rate_spec(
-        self, rt: Runtime, arguments: dict[str, Any], req: Any, headers: Any, fields: Any
+        self, rt: Runtime, arguments: dict[str, Any], queues: bool, slot: float | None
     ) -> RateSpec | None:
         """The job's global rate limit, if the task has one: limiter key, policy, turn."""
         o = self.jobfence_options
@@ -350,9 +280,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         else:  # a digest of the chosen arguments, never the arguments themselves
             limiter = job_key(rt.secret, self.name, arguments, selector=o.rate_key)
         policy, wait = o.on_rate_limited, o.wait_timeout
-        if policy == "retry" and (req.called_directly or req.is_eager):
+        if policy == "retry" and not queues:
             policy, wait = "wait", RATE_HORIZON  # no broker to come back through: wait here
-        slot = headers.get(RATE_SLOT_HEADER) or fields.get(RATE_SLOT_HEADER)
         return RateSpec(
             key=limiter,
             label=self.name,
@@ -360,104 +289,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             burst=rate.burst,
             on_limited=policy,
             wait_timeout=rt.settings.acquire_timeout if wait is None else wait,
-            slot=float(slot) if slot else None,
+            slot=slot,
         )
-
-    # -- the outcome table: one action per executor status ------------------------
-    def _return_value(self, d: _Delivery) -> Any:
-        """The job ran, or its DONE record answers: its result."""
-        return d.out.value
-
-    def _stop(self, d: _Delivery) -> Any:
-        """No result of its own: the typed stop (a superseded copy may answer with DONE)."""
-        return _result_of(d.rt, d.spec, d.out)
-
-    def _follow_or_stop(self, d: _Delivery) -> Any:
-        """A duplicate: come back for the running copy's result where `_follows`; else the
-        typed stop."""
-        req, spec, out = d.req, d.spec, d.out
-        if self._follows(req, spec, out):
-            # Back once the running copy's lease would have ended, when its DONE record
-            # answers; if that copy failed, the comeback runs the job, as a fresh publish would.
-            countdown = min(spec.ttl, max(0.1, d.rt.settings.visibility_timeout / 2))
-            log.info("%s[%s]: a copy runs as task %s; this one comes back for its result",
-                     self.name, req.id, out.holder)  # fmt: skip
-            self._publish_again(req, countdown, d.headers())
-        return self._stop(d)
-
-    def _follows(self, req: Any, spec: JobSpec, out: Outcome) -> bool:
-        """Whether a skipped duplicate waits for the running copy's result: only where a
-        workflow needs data from it (a chain, group, chord or link), through a broker, and
-        where that copy's DONE record will answer this very job (not a run of its own)."""
-        return bool(
-            out.holder
-            and self.jobfence_options.on_conflict == "skip"
-            and not (spec.per_run or spec.claims)
-            and not (req.called_directly or req.is_eager)
-            and (req.callbacks or req.chain or req.chord or req.group)
-        )
-
-    def _skip_rate(self, d: _Delivery) -> Any:
-        """No rate turn free (on_rate_limited="skip"): it never ran, so a new submission may
-        go out (the claim is freed), then the typed stop."""
-        if self.jobfence_options.dedupe_on_publish:
-            self._drop_claim(d.rt, d.spec, d.spec.task_id)
-        return self._stop(d)
-
-    def _defer(self, d: _Delivery) -> NoReturn:
-        """Our own earlier delivery holds the lease: come back after it ends, and let this
-        copy go without a result (the real one is stored under the same id); a grant of the
-        copy counts towards the poison cap."""
-        self._publish_again(d.req, d.countdown, d.headers(deferred=True))
-
-    def _republish_at_turn(self, d: _Delivery) -> NoReturn:
-        """Rate-limited: publish this message again for its turn (same id, counted neither
-        as a Celery retry nor as a redelivery) and ack this one."""
-        headers = d.headers()
-        if d.out.slot is not None:
-            headers[RATE_SLOT_HEADER] = d.out.slot
-        self._publish_again(d.req, d.countdown, headers)
-
-    def _celery_retry(self, d: _Delivery) -> NoReturn:
-        """on_conflict="retry": a Celery retry, counted against max_retries."""
-        raise self.retry(countdown=d.countdown)
-
-    def _requeue(self, d: _Delivery) -> NoReturn:
-        """No concurrency slot came free in time, or (lock_until="start") another run of the
-        key holds it: publish this message again (same id, key and counts; neither a retry
-        nor a redelivery), then ack this one."""
-        if d.req.called_directly or d.req.is_eager:
-            raise JobNotSettled(f"{d.out.reason}; call it again", fence=d.out.fence)
-        self._publish_again(d.req, d.countdown, d.headers())
-
-    def _redeliver(self, d: _Delivery) -> NoReturn:
-        """The job's fate is unknown: publish this message again, same id and key, its
-        redelivery count (apart from `max_retries`) one more. A new message survives a
-        broker restart and carries its countdown and count."""
-        req, out = d.req, d.out
-        if req.called_directly or req.is_eager:
-            raise JobNotSettled(f"{out.reason}; call it again", key=d.spec.key, fence=out.fence)
-        # An outage redelivers every job at once: those lines go through the outage limiter.
-        warn = OUTAGE.warning if "unavailable" in out.reason else _plain_warning
-        warn(log, "redelivering %s[%s] in %.2fs (redelivery %d): %s",
-             self.name, req.id, d.countdown, d.redeliveries + 1, out.reason)  # fmt: skip
-        self._publish_again(req, d.countdown, d.headers(redeliveries=d.redeliveries + 1))
-
-    #: Every executor status to its Celery action (design §8): return the value, raise a
-    #: typed stop, publish again (which headers, when), retry, redeliver, follow a copy.
-    ACTIONS: ClassVar[dict[Status, Callable[[SingletonTask, _Delivery], Any]]] = {
-        "ran": _return_value,
-        "replayed": _return_value,
-        "duplicate": _follow_or_stop,
-        "superseded": _stop,
-        "dropped": _stop,
-        "rate_skipped": _skip_rate,
-        "defer": _defer,
-        "rate_limited": _republish_at_turn,
-        "retry": _celery_retry,
-        "requeue": _requeue,
-        "redeliver": _redeliver,
-    }
 
     def _publish_again(self, req: Any, countdown: float, headers: dict[str, Any]) -> NoReturn:
         """Publish the delivered message `req` again (same id; `headers` from _copy_headers,
@@ -481,29 +314,22 @@ class SingletonTask(Task):  # type: ignore[misc]
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Release our lease before the retry is published, so it never waits on itself."""
+        """Give the lease back before the retry is published, so it never waits on itself."""
         req = self.request
         limit = self.max_retries if max_retries is None else max_retries
         final = limit is not None and req.retries + 1 > limit
-        if not final and not req.called_directly and not req.is_eager:
-            try:
-                job = current_job()
-            except LockError:  # no body running (a conflict retry): no lease to release
-                job = None
-            if job is not None:
-                try:
-                    self._runtime().executor.release(job.lease)
-                except BackendUnavailable:
-                    # The lock server does not answer now: the retry goes out all the same,
-                    # and the lease it would have freed ends at its TTL (the retried copy,
-                    # this task id, defers until then). A retry never fails on its release.
-                    log.warning("task %s: its lease could not be released before its retry "
-                                "(lock server not answering); it ends at its TTL", self.name)
         if not req.called_directly and not req.is_eager:
+            if not final:
+                try:
+                    job = current_job()
+                except LockError:  # no body running (a conflict retry): no lease to give back
+                    job = None
+                if job is not None:
+                    job.release_now()  # the job's flow; unanswered, the lease ends at its TTL
             # The retry is this delivered message again: marked, never de-duplicated away.
-            explicit, redeliveries = _marks(req)
-            copied = _copy_headers(req, explicit, redeliveries, deferred=False)
-            options["headers"] = {**copied, **(options.get("headers") or {}), REPUBLISHED: 1}
+            copied = Marks.read(req.headers, _fields(req)).copy().onto(req.headers)
+            options["headers"] = {**copied, **(options.get("headers") or {}),
+                                  REPUBLISHED_HEADER: 1}  # fmt: skip
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
@@ -521,72 +347,6 @@ def _previous_identities(
     )
 
 
-def _result_of(rt: Runtime, spec: JobSpec, out: Outcome) -> Any:
-    """What the caller and the workflow get: the job's own result (ran, replayed), else the
-    typed stop. A superseded copy answers with the job's DONE record when it is already
-    there (the newer holder ran this very job), as a later delivery would."""
-    stop = _STOPS.get(out.status)
-    if stop is None:
-        return out.value
-    if out.status == "superseded":
-        with contextlib.suppress(BackendUnavailable):  # no answer: the typed stop says why
-            record = rt.backend.job_record(spec.key)
-            if (
-                record is not None
-                and record.state == "DONE"
-                and record.fingerprint == spec.record_fingerprint
-            ):
-                return json.loads(record.result) if record.result else None
-    reason = _STOP_REASONS[out.status]
-    if stop is DuplicateSkipped:
-        held = f" (task {out.holder})" if out.holder else ""
-        raise DuplicateSkipped(f"{spec.name}: {reason}{held}", out.holder, key=spec.key)
-    if stop is RateLimitSkipped:
-        after = float((out.value or {}).get("retry_after", 0.0))
-        raise RateLimitSkipped(f"{spec.name}: {reason} (retry after {after:g}s)", after,
-                               key=spec.key)  # fmt: skip
-    raise stop(f"{spec.name}: {reason}", key=spec.key)
-
-
-_STOP_REASONS = {
-    "duplicate": "a copy of this job is running, or ran within unique_for; acked without "
-    "running (on_conflict='skip'); that copy's AsyncResult answers with the result",
-    "superseded": "a newer copy took this job over before its result was on record",
-    "dropped": "the lease was lost mid-body and the job is not run again "
-    "(on_lease_lost='drop'); it may have run in part",
-    "rate_skipped": "no global rate limit turn was free; not run (on_rate_limited='skip')",
-}
-
-
-def _copy_headers(
-    req: Any, explicit: str | None, redeliveries: int, *, deferred: bool
-) -> dict[str, Any]:
-    """Headers for a copy of this message published again: marked as such (REPUBLISHED), the
-    same idempotency key (Celery may expose it only as a request attribute) and redelivery
-    count; the crash marker only on a deferred copy, so a redelivery never counts towards the
-    poison cap by inheritance."""
-    # Neither marker is inherited: a reserved rate turn is spent by the copy it was made for.
-    headers = {
-        k: v for k, v in (req.headers or {}).items() if k not in (DEFERRED_HEADER, RATE_SLOT_HEADER)
-    }
-    if explicit:
-        headers[HEADER] = explicit
-    if redeliveries:
-        headers[REDELIVERIES] = redeliveries
-    if deferred:
-        headers[DEFERRED_HEADER] = 1
-    headers[REPUBLISHED] = 1
-    return headers
-
-
-def _marks(req: Any) -> tuple[str | None, int]:
-    """The delivery's explicit idempotency key and redelivery count, from its headers or (as
-    Celery may expose custom headers) its attributes."""
-    headers, fields = req.headers or {}, _fields(req)
-    explicit = headers.get(HEADER) or fields.get(HEADER)
-    return explicit, int(headers.get(REDELIVERIES) or fields.get(REDELIVERIES) or 0)
-
-
 def _fields(req: Any) -> dict[str, Any]:
     """The request's own attributes. Celery may put a message's custom headers there; read
     as a dict, a missing one costs no AttributeError (getattr with a default raises one)."""
@@ -594,17 +354,11 @@ def _fields(req: Any) -> dict[str, Any]:
     return fields
 
 
-def _after_a_crash(req: Any) -> bool:
-    """True if this delivery may follow one that died mid-body: the broker redelivered it
-    (acks_late, reject_on_worker_lost, visibility timeout), or it is our deferred copy."""
+def _redelivered(req: Any) -> bool:
+    """True if the broker redelivered this message (acks_late, reject_on_worker_lost, the
+    visibility timeout): it may follow a delivery that died mid-body."""
     info = req.delivery_info or {}
-    headers = req.headers or {}
-    return bool(
-        info.get("redelivered")
-        or headers.get("redelivered")
-        or headers.get(DEFERRED_HEADER)
-        or _fields(req).get(DEFERRED_HEADER)
-    )
+    return bool(info.get("redelivered") or (req.headers or {}).get("redelivered"))
 
 
 @overload

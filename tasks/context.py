@@ -53,10 +53,18 @@ class JobContext:
     # The job's (key, fingerprint) under each previous key secret of a rotation: its
     # effects' DONE rows written under an older secret answer it too.
     previous: tuple[tuple[str, str], ...] = ()
+    # Set by the shell that runs the body: gives the lease back through the job's flow.
+    let_go: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def fence(self) -> int:
         return self.lease.fence
+
+    def release_now(self) -> None:
+        """Give the lease back before the body ends (a retry goes out, and its copy must not
+        wait on it); the job's flow does it, and later does not release it twice."""
+        if self.let_go is not None:
+            self.let_go()
 
     def check(self) -> None:
         """Raise LeaseLost if the lease is gone; call before long or unfenced steps."""

@@ -43,16 +43,10 @@ except ImportError:
         ) from exc
     FRAMEWORK = "django_tasks"
 
-from jobfence.tasks.celery_task import SINGLETON_SERIALIZERS, JobNotSettled
-from jobfence.tasks.errors import (
-    DuplicateSkipped,
-    JobDropped,
-    JobSkipped,
-    JobSuperseded,
-    RateLimitSkipped,
-    TaskDefinitionError,
-)
-from jobfence.tasks.executor import JobSpec, Outcome, Redelivery
+from jobfence.tasks.celery_task import SINGLETON_SERIALIZERS
+from jobfence.tasks.errors import JobNotSettled, JobSkipped, TaskDefinitionError
+from jobfence.tasks.executor import JobSpec, Redelivery
+from jobfence.tasks.flow.verdict import ComeBack, NotSettled, Stop, Value
 from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity
 from jobfence.tasks.options import (
     DEFAULTS,
@@ -79,11 +73,6 @@ CARRIER = "jobfence.django_task"
 _CARRIED: set[str] = set()
 #: Where `@fenced(...)` leaves its options on the function, for the task class to read.
 OPTIONS_ATTRIBUTE = "__jobfence_options__"
-_STOPS: dict[str, tuple[type[JobSkipped], str]] = {
-    "superseded": (JobSuperseded, "a newer copy took this job over"),
-    "dropped": (JobDropped, "the lease was lost mid-body (on_lease_lost='drop')"),
-    "rate_skipped": (RateLimitSkipped, "no rate limit turn was free"),
-}
 
 
 @dataclass(frozen=True)
@@ -159,8 +148,16 @@ class FencedTask(Task):  # type: ignore[misc]
             self.func, own, kwargs, skip_first=self.takes_context, name=self.job_name
         )
         spec = self._spec(rt, arguments, _delivery.get() or _Delivery(""))
-        out = rt.executor.run(spec, lambda _job: Task.call(self, *args, **kwargs))
-        return _answer(spec, out)
+        verdict = rt.executor.deliver(spec, lambda _job: Task.call(self, *args, **kwargs))
+        match verdict:  # the flow decided (tasks/flow/verdict.py); here it is carried out
+            case Value(value=value):
+                return value
+            case Stop(error=error):
+                raise error
+            case ComeBack(reason=reason, fence=fence) | NotSettled(reason=reason, fence=fence):
+                # No broker of its own to come back through: CeleryBackend retries on it.
+                raise JobNotSettled(f"{spec.name}: {reason}; enqueue it again (same arguments, "
+                                    "same key)", key=spec.key, fence=fence)  # fmt: skip
 
     def _spec(self, rt: Runtime, arguments: dict[str, Any], delivery: _Delivery) -> JobSpec:
         s, name, o = rt.settings, self.job_name, self.jobfence_options
@@ -188,28 +185,6 @@ class FencedTask(Task):  # type: ignore[misc]
 
 #: Each of the gate's options an attribute of the task too (`task.key`), read from its options.
 add_option_attributes(FencedTask, "jobfence_options", DJANGO_OPTION_NAMES, renamed=False)
-
-
-def _answer(spec: JobSpec, out: Outcome) -> Any:
-    """The body's result (ran, or its DONE record replayed), else a typed stop; an outcome
-    that needs the job delivered again is JobNotSettled (CeleryBackend retries on it)."""
-    if out.status in ("ran", "replayed"):
-        return out.value
-    if out.status == "duplicate":
-        held = f" (task {out.holder})" if out.holder else ""
-        raise DuplicateSkipped(
-            f"{spec.name}: a copy of this job is running, or ran within unique_for{held}",
-            out.holder,
-            key=spec.key,
-        )
-    if out.status in _STOPS:
-        stop, reason = _STOPS[out.status]
-        raise stop(f"{spec.name}: {reason}", key=spec.key)
-    raise JobNotSettled(
-        f"{spec.name}: {out.reason or out.status}; enqueue it again (same arguments, same key)",
-        key=spec.key,
-        fence=out.fence,
-    )
 
 
 if TYPE_CHECKING:  # the keywords, for type checkers and editors; DJANGO_OPTION_NAMES

@@ -110,3 +110,8 @@ class RateLimitSkipped(JobSkipped):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class JobNotSettled(TaskError):
+    """Eager or direct call: the job's fate is unknown and there is no broker to come back
+    through (lock server unavailable, lease lost, commit unanswered). Call it again."""

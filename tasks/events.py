@@ -67,6 +67,12 @@ class Kind(StrEnum):
     UNAVAILABLE_AT_START = auto()
     UNAVAILABLE_BEFORE_SLOT = auto()
     THROTTLE_NOT_SET = auto()
+    FOLLOW = auto()  # a duplicate in a workflow comes back for the running copy's result
+    COMES_BACK = auto()  # its fate unknown: published again, counted as a redelivery
+    COMES_BACK_IN_OUTAGE = auto()  # the same for an outage (every job at once): limited
+    CLAIM_KEPT = auto()  # a publish claim the flow gave up could not be dropped
+    RELEASE_UNANSWERED = auto()  # the lease a retry gives back before it goes out
+    ENDED = auto()  # the delivery's outcome (its status in `reason`), for its span
 
 
 class Event(NamedTuple):
@@ -102,6 +108,7 @@ class Row:
     level: int = 0  # 0: no log line
     line: str = ""
     metric: Count | None = None
+    ends: bool = False  # the delivery's last event: its outcome
 
     @property
     def span(self) -> str | None:
@@ -134,6 +141,8 @@ def _denied(action: str) -> Count:
 
 _SUPERSEDED_LINE = "job %(key)s superseded by a newer holder (fence=%(fence)s): %(detail)s"
 _UNAVAILABLE = "lock server unavailable "
+_COMES_BACK = ("redelivering %(name)s[%(task_id)s] in %(seconds).2fs (redelivery %(attempts)d): "
+               "%(reason)s")
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
 K = Kind
 #: The table: every kind's decision, phrase, log line and metric (a test checks it is whole).
@@ -214,6 +223,15 @@ TABLE: dict[Kind, Row] = {
                                    "slot: %(detail)s"),
     K.THROTTLE_NOT_SET: Row(level=OUTAGE, line="job %(key)s: unique_for window not set: "
                             "%(detail)s"),
+    K.FOLLOW: Row(level=INFO, line="%(name)s[%(task_id)s]: a copy runs as task %(holder)s; this "
+                  "one comes back for its result"),
+    K.COMES_BACK: Row(level=WARNING, line=_COMES_BACK),
+    K.COMES_BACK_IN_OUTAGE: Row(level=OUTAGE, line=_COMES_BACK),
+    K.CLAIM_KEPT: Row(level=WARNING, line="%(name)s: publish claim not cleared (%(detail)s); it "
+                      "expires by its TTL"),
+    K.RELEASE_UNANSWERED: Row(level=WARNING, line="task %(name)s: its lease could not be released "
+                              "before its retry (lock server not answering); it ends at its TTL"),
+    K.ENDED: Row(ends=True),
 }
 # fmt: on
 #: The decision log's words for each decision, by its name there (the first row that has some).

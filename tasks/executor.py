@@ -25,6 +25,7 @@ from jobfence.locks.ops import Commit, StoreOp
 from jobfence.tasks.context import JobContext, reset_current, set_current
 from jobfence.tasks.decisions import DecisionRecorder
 from jobfence.tasks.events import TABLE, Event
+from jobfence.tasks.flow.verdict import Verdict
 from jobfence.tasks.lifecycle import (
     DROPPED,
     DUPLICATE,
@@ -174,7 +175,22 @@ class Executor:
         """Run `body` once for `spec.key`. Exceptions in `passthrough` release without a record."""
         job = self._job(spec)
         shell = _Shell(self, job, body)
-        run = partial(self._drive_in, shell, job.run(passthrough))
+        run = partial(self._drive_in, shell, job.ended(passthrough))
+        for m in reversed(self._runs):  # the first registered outermost
+            run = partial(m.around_run, shell, run)
+        return run()
+
+    def deliver(
+        self,
+        spec: JobSpec,
+        body: Callable[[JobContext], Any],
+        *,
+        passthrough: tuple[type[BaseException], ...] = (),
+    ) -> Verdict:
+        """Run `body` once for `spec.key`, to the delivery's verdict: what the shell does."""
+        job = self._job(spec)
+        shell = _Shell(self, job, body)
+        run = partial(self._drive_in, shell, job.deliver(passthrough))
         for m in reversed(self._runs):  # the first registered outermost
             run = partial(m.around_run, shell, run)
         return run()
@@ -191,12 +207,6 @@ class Executor:
                 m.close()
             except Exception:
                 log.exception("executor middleware %s failed to close", type(m).__name__)
-
-    def release(self, lease: Lease) -> None:
-        """Release without a record (a retry is on its way, or the body was interrupted)."""
-        self.keeper.drop(lease)
-        if not lease.released:
-            lease.release()
 
     def _job(self, spec: JobSpec) -> Job:
         return Job(spec, backoff=self.backoff, redelivery=self.redelivery, noting=self._routine)
@@ -277,11 +287,18 @@ class _Shell:
 
     def call_body(self, ctx: JobContext) -> Any:
         assert self.body is not None, "RunBody from a flow that runs no body"
+        # The context is frozen for the body; its way to give the lease back early (a
+        # retry) is the shell's to set: the job's own flow, driven here.
+        object.__setattr__(ctx, "let_go", partial(self.let_go, ctx.lease))
         token = set_current(ctx)
         try:
             return self.body(ctx)
         finally:
             reset_current(token)
+
+    def let_go(self, lease: Lease) -> None:
+        """The job's `let_go` flow (its lease released early), its events told as any."""
+        run_sync(cast("Flow[None]", self.job.let_go(lease)), self, self.executor.backend.clock)
 
     def keep(self, op: Keep) -> None:
         self.executor.keeper.keep(op.lease)

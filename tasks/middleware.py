@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from jobfence.locks.decisions import Decision
 from jobfence.locks.outage import OUTAGE as OUTAGE_LIMITER
@@ -25,12 +25,13 @@ if TYPE_CHECKING:
     from jobfence.locks.ops import Commit
     from jobfence.tasks.context import JobContext
     from jobfence.tasks.decisions import DecisionRecorder
-    from jobfence.tasks.lifecycle import JobSpec, Outcome
+    from jobfence.tasks.lifecycle import JobSpec
     from jobfence.tasks.metrics import Metrics
     from jobfence.tasks.tracing import JobTrace, JobTracer
 
 # The job flow's log lines keep the executor's logger: operators' filters and tests name it.
 log = logging.getLogger("jobfence.tasks.executor")
+T = TypeVar("T")
 #: A plain-callable observer (the demo's journal, tests): event name, job, fence.
 Observer = Callable[[str, "JobSpec", int | None], None]
 
@@ -64,8 +65,8 @@ class Middleware:
         """The runtime closes: write out what is pending."""
 
     # Around hooks wrap what the shell does (they must call on): a tracer's spans.
-    def around_run(self, delivery: Delivery, run: Callable[[], Outcome]) -> Outcome:
-        """Around one whole delivery (`Executor.run`): its outcome is `run()`'s."""
+    def around_run(self, delivery: Delivery, run: Callable[[], T]) -> T:
+        """Around one whole delivery (`Executor.deliver`): its verdict is `run()`'s."""
         return run()
 
     def around_body(
@@ -205,14 +206,14 @@ class Tracing(Middleware):
     def wants(self, row: Row) -> bool:
         return row.span is not None
 
-    def around_run(self, delivery: Delivery, run: Callable[[], Outcome]) -> Outcome:
+    def around_run(self, delivery: Delivery, run: Callable[[], T]) -> T:
         trace = self.tracer.start(delivery.spec)
         if trace is None:
             return run()
         self._traces[id(delivery)] = trace
         try:
             with trace:
-                return trace.outcome(run())
+                return run()
         finally:
             del self._traces[id(delivery)]
 

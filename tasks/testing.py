@@ -28,7 +28,8 @@ from jobfence.locks.backends.memory import MemoryBackend
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
 from jobfence.tasks import runtime as runtimes
-from jobfence.tasks.celery_task import JobNotSettled, SingletonTask
+from jobfence.tasks.celery_task import SingletonTask
+from jobfence.tasks.errors import JobNotSettled
 from jobfence.tasks.executor import JobSpec
 
 _log = logging.getLogger(__name__)

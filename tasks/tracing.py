@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from jobfence.locks.ops import Commit
     from jobfence.tasks.context import JobContext
-    from jobfence.tasks.lifecycle import JobSpec, Outcome
+    from jobfence.tasks.lifecycle import JobSpec
 
 TRACER_NAME = "jobfence"
 JOB_SPAN = "jobfence.job"
@@ -125,13 +125,12 @@ class JobTrace:
             _error(self._job, exc)
         self._job.end()
 
-    def outcome(self, out: Outcome) -> Outcome:
+    def outcome(self, status: str, fence: int | None) -> None:
         """Record what the delivery came to (`ran`, `replayed`, `duplicate`, ...)."""
-        self._decide("granted" if out.status == "ran" else out.status)
-        self._job.set_attribute("jobfence.outcome", out.status)
-        if out.fence is not None:
-            self._job.set_attribute("jobfence.fence", out.fence)
-        return out
+        self._decide("granted" if status == "ran" else status)
+        self._job.set_attribute("jobfence.outcome", status)
+        if fence is not None:
+            self._job.set_attribute("jobfence.fence", fence)
 
     def _decide(self, decision: str, fence: int | None = None) -> None:
         """End the gate (once) with its decision, the wait it took and the fence granted."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jobfence.tasks.errors import TaskError
+from jobfence.tasks.flow.marks import UNMARKED, Marks
 from jobfence.tasks.options import (
     DEFAULTS,
     ConflictPolicy,
@@ -125,6 +127,14 @@ class JobSpec:
     # (key, fingerprint) of the job under each earlier key secret (a rotation): looked up
     # for its DONE record or a live holder, never granted.
     previous: tuple[tuple[str, str], ...] = ()
+    # What the delivered message carries (its explicit key, counts), for a copy of it.
+    marks: Marks = UNMARKED
+    # The longest a copy may wait to come back: one the broker would outwait is redelivered
+    # while it waits (half its visibility timeout).
+    countdown_cap: float = math.inf
+    # A chain, group, chord or link waits on this delivery's result (a skipped duplicate
+    # then comes back for the running copy's).
+    in_workflow: bool = False
 
     @property
     def per_run(self) -> bool:

@@ -31,7 +31,7 @@ from jobfence.tasks import (
     make_engine,
     singleton_task,
 )
-from jobfence.tasks.celery_task import REDELIVERIES
+from jobfence.tasks.flow.marks import REDELIVERIES_HEADER as REDELIVERIES
 from tests.pg_cut import CommitReplyCutter, kill_session_at
 from tests.servers import HOST
 from tests.tasks.conftest import AppFactory, job_with_fence, spec_for, unique

@@ -116,7 +116,7 @@ def test_an_executor_records_a_skipped_duplicate_with_its_holder() -> None:
     recorder.flush()  # the writer thread stores within FLUSH_INTERVAL; now, here
     (conflict,) = store.for_task("copy")
     assert (conflict.event, conflict.holder, conflict.reason) == ("conflict", "holder", "skip")
-    executor.release(holder)  # type: ignore[arg-type]
+    holder.release()  # type: ignore[union-attr]
 
 
 def test_a_body_ending_after_its_lock_was_removed_is_recorded_as_what_happened() -> None:

@@ -36,7 +36,9 @@ from jobfence.tasks import (
     install,
     singleton_task,
 )
-from jobfence.tasks.celery_task import HEADER, REDELIVERIES, JobNotSettled
+from jobfence.tasks.celery_task import HEADER
+from jobfence.tasks.errors import JobNotSettled
+from jobfence.tasks.flow.marks import REDELIVERIES_HEADER as REDELIVERIES
 from tests.proxy import FaultProxy, ReplyRule, evalsha
 from tests.servers import RedisServer, wait_for
 from tests.tasks.conftest import AppFactory, spec_for, sql_effects, unique

@@ -30,8 +30,8 @@ from jobfence.tasks import (
     TaskDefinitionError,
     runtime_for,
 )
-from jobfence.tasks.celery_task import REPUBLISHED
 from jobfence.tasks.executor import STARTED, RateSpec
+from jobfence.tasks.flow.marks import REPUBLISHED_HEADER as REPUBLISHED
 from tests.tasks.conftest import AppFactory, spec_for, unique
 from tests.tasks.test_singleton_task import define
 

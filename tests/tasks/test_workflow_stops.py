@@ -22,8 +22,9 @@ from jobfence.tasks import (
     RateLimitSkipped,
     runtime_for,
 )
-from jobfence.tasks.celery_task import _result_of
-from jobfence.tasks.executor import RATE_SKIPPED
+from jobfence.tasks.executor import RATE_SKIPPED, JobSpec
+from jobfence.tasks.flow.job import Job
+from jobfence.tasks.flow.verdict import ComeBack, Stop, Value, Verdict
 from tests.tasks.conftest import AppFactory, spec_for, unique
 from tests.tasks.test_singleton_task import define, occupy
 
@@ -89,17 +90,23 @@ def test_direct_call_of_a_duplicate_raises_duplicate_skipped(make_app: AppFactor
 def test_every_marker_outcome_becomes_its_typed_stop(
     make_app: AppFactory, outcome: Outcome, stop: type[JobSkipped]
 ) -> None:
-    rt = runtime_for(make_app())
-    with pytest.raises(stop) as caught:
-        _result_of(rt, spec_for(unique("job")), outcome)
-    assert caught.value.marker == {"jobfence": outcome.value["jobfence"]}
+    verdict = _verdict(make_app(), spec_for(unique("job")), outcome)
+    assert isinstance(verdict, Stop) and type(verdict.error) is stop
+    assert verdict.error.marker == {"jobfence": outcome.value["jobfence"]}
+
+
+def _verdict(app: Celery, spec: JobSpec, outcome: Outcome) -> Verdict:
+    """The flow's verdict on `outcome`, on the app's own lock server."""
+    executor = runtime_for(app).executor
+    job = Job(spec, backoff=executor.backoff, redelivery=executor.redelivery)
+    return executor._drive(job, job.verdict(outcome), None)
 
 
 def test_ran_and_replayed_outcomes_pass_their_value(make_app: AppFactory) -> None:
-    rt = runtime_for(make_app())
+    app = make_app()
     spec = spec_for(unique("job"))
-    assert _result_of(rt, spec, Outcome("ran", {"jobfence": "mine"})) == {"jobfence": "mine"}
-    assert _result_of(rt, spec, Outcome("replayed", 5)) == 5
+    assert _verdict(app, spec, Outcome("ran", {"jobfence": "mine"})) == Value({"jobfence": "mine"})
+    assert _verdict(app, spec, Outcome("replayed", 5)) == Value(5)
 
 
 def test_a_superseded_copy_answers_with_the_jobs_done_record(make_app: AppFactory) -> None:
@@ -108,10 +115,11 @@ def test_a_superseded_copy_answers_with_the_jobs_done_record(make_app: AppFactor
     assert head(7) == 70  # the newer holder's run: its DONE record is this job's result
     key, fp = head.identity((7,), {})
     spec = spec_for(key, name=head.name, fingerprint=fp)
-    assert _result_of(runtime_for(app), spec, Outcome("superseded", SUPERSEDED)) == 70
+    answered = _verdict(app, spec, Outcome("superseded", SUPERSEDED))
+    assert isinstance(answered, Value) and answered.value == 70
     other = spec_for(key, name=head.name, fingerprint=fp + "-other-arguments")
-    with pytest.raises(JobSuperseded):
-        _result_of(runtime_for(app), other, Outcome("superseded", SUPERSEDED))
+    stopped = _verdict(app, other, Outcome("superseded", SUPERSEDED))
+    assert isinstance(stopped, Stop) and isinstance(stopped.error, JobSuperseded)
 
 
 @pytest.mark.parametrize(
@@ -150,8 +158,15 @@ def test_a_stop_survives_the_json_result_backend(make_app: AppFactory, exc: JobS
 def test_a_skipped_duplicate_follows_the_running_copy_only_inside_a_workflow(
     make_app: AppFactory, fields: dict[str, Any], spec_options: dict[str, Any], follows: bool
 ) -> None:
-    head = define(make_app(), _times_ten, key=["n"], on_conflict="skip")
+    app = make_app()
     req = Context({"id": "dup", "called_directly": False, "is_eager": False, **fields})
-    spec = spec_for(unique("job"), **spec_options)
-    assert head._follows(req, spec, Outcome("duplicate", DUPLICATE, holder="running")) is follows
-    assert not head._follows(req, spec, Outcome("duplicate", DUPLICATE))  # no copy known
+    # What the Celery shell reads off the request for the spec (tasks/celery_task.py)
+    spec = spec_for(unique("job"), task_id="dup", on_conflict="skip",
+                    queues=not (req.called_directly or req.is_eager),
+                    in_workflow=bool(req.callbacks or req.chain or req.chord or req.group),
+                    **spec_options)  # fmt: skip
+    known = _verdict(app, spec, Outcome("duplicate", DUPLICATE, holder="running"))
+    assert isinstance(known, ComeBack) is follows
+    assert isinstance(known, Stop) is not follows
+    unknown = _verdict(app, spec, Outcome("duplicate", DUPLICATE))  # no copy known: no follow
+    assert isinstance(unknown, Stop)
