@@ -204,7 +204,7 @@ class Tracing(Middleware):
         self._traces: dict[int, JobTrace] = {}  # by delivery, while it runs
 
     def wants(self, row: Row) -> bool:
-        return row.span is not None
+        return row.span is not None or row.ends
 
     def around_run(self, delivery: Delivery, run: Callable[[], T]) -> T:
         trace = self.tracer.start(delivery.spec)
@@ -229,7 +229,11 @@ class Tracing(Middleware):
 
     def on_event(self, delivery: Delivery, event: Event, row: Row) -> None:
         trace = self._traces.get(id(delivery))
-        if trace is not None:
+        if trace is None:
+            return
+        if row.ends:
+            trace.outcome(event.reason, event.fence)
+        else:
             trace.note(row.span or "", event.fence)
 
 
