@@ -30,6 +30,7 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
+from jobfence.locks.backends.common import flag_value
 from jobfence.locks.backends.etcd_gateway import (
     AuthFailed,
     Gateway,
@@ -125,11 +126,8 @@ class Target:
 
 
 def _flag(name: str, value: str) -> bool:
-    low = value.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
+    if (flag := flag_value(value)) is not None:
+        return flag
     raise ValueError(f"etcd lock URL option {name}={value!r} is not true or false")
 
 

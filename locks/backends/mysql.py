@@ -37,6 +37,7 @@ from jobfence.locks.backend import (
     Security,
     poll_until_free,
 )
+from jobfence.locks.backends.common import flag_value
 from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
@@ -659,14 +660,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         sets = self._run(self._sql["begin_job" if record else "begin"], params, key)
         rows = [s for s in sets if isinstance(s, list)]
         if record and rows[1]:
-            state, fp, result, fence, finished_us = rows[1][0]
-            return JobRecord(
-                state=state,
-                fingerprint=fp,
-                result=result,
-                fence=int(fence),
-                finished_at=int(finished_us) / 1e6,
-            )
+            return _job_record(rows[1][0])
         if not rows[0]:
             raise BackendUnavailable("mysql begin: the lock row vanished", key=key)
         is_mine, fence, left_us, task_id, fp = rows[0][0]
@@ -760,16 +754,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
 
     def job_record(self, key: str) -> JobRecord | None:
         rows = self._run(self._sql["job_record"], (key_hash(key),), key)[0]
-        if not rows:
-            return None
-        state, fp, result, fence, finished_us = rows[0]
-        return JobRecord(
-            state=state,
-            fingerprint=fp,
-            result=result,
-            fence=int(fence),
-            finished_at=int(finished_us) / 1e6,
-        )
+        return _job_record(rows[0]) if rows else None
 
     def forget(self, key: str) -> bool:
         return bool(self._run(self._sql["forget"], (key_hash(key),), key)[0])
@@ -958,12 +943,21 @@ def parse_url(url: str) -> dict[str, Any]:
     return args
 
 
+def _job_record(row: Sequence[Any]) -> JobRecord:
+    """A job record from its row: (state, fingerprint, result, fence, finished µs)."""
+    state, fp, result, fence, finished_us = row
+    return JobRecord(
+        state=state,
+        fingerprint=fp,
+        result=result,
+        fence=int(fence),
+        finished_at=int(finished_us) / 1e6,
+    )
+
+
 def _flag(name: str, value: str, where: str = "the MySQL lock URL") -> bool:
-    low = value.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
+    if (flag := flag_value(value)) is not None:
+        return flag
     raise LockError(f"option {name}={value!r} in {where} is not true or false")
 
 

@@ -27,6 +27,7 @@ from jobfence.locks.backend import (
     Security,
     validate_key,
 )
+from jobfence.locks.backends.common import settings_options
 from jobfence.locks.backends.redis_scripts import load_scripts
 from jobfence.locks.backends.redis_semaphore import RedisSemaphores
 from jobfence.locks.backends.redis_url import CA_FILE_HINT as CA_FILE_HINT
@@ -415,13 +416,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
 
     @classmethod
     def from_settings(cls, settings: Settings, *, clock: Clock = SYSTEM_CLOCK) -> RedisBackend:
-        return cls.from_url(
-            settings.lock_url,
-            prefix=settings.key_prefix,
-            socket_timeout=settings.socket_timeout,
-            fence_retention=settings.fence_retention,
-            clock=clock,
-        )
+        return cls.from_url(settings.lock_url, clock=clock, **settings_options(settings))
 
     def security(self) -> Security:
         """TLS and login as the client's connections are configured (the pool's options)."""

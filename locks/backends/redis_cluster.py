@@ -32,6 +32,7 @@ from jobfence.config.security import refuse_node
 from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_target
 from jobfence.locks.backend import JobRecord, LockInfo, Security, validate_ttl
+from jobfence.locks.backends.common import settings_options
 from jobfence.locks.backends.redis import (
     BLPOP_LATE,
     DEFAULT_FENCE_RETENTION,
@@ -233,13 +234,7 @@ class RedisClusterBackend(RedisBackend):
     def from_settings(
         cls, settings: Settings, *, clock: Clock = SYSTEM_CLOCK
     ) -> RedisClusterBackend:
-        return cls.from_url(
-            settings.lock_url,
-            prefix=settings.key_prefix,
-            socket_timeout=settings.socket_timeout,
-            fence_retention=settings.fence_retention,
-            clock=clock,
-        )
+        return cls.from_url(settings.lock_url, clock=clock, **settings_options(settings))
 
     def security(self) -> Security:
         """TLS and login of every node's connections, as the cluster client was built."""

@@ -33,6 +33,7 @@ from jobfence.locks.backend import (
     Security,
     validate_key,
 )
+from jobfence.locks.backends.common import settings_options
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.backends.redis_url import (
     security,
@@ -500,13 +501,7 @@ class RedlockBackend(LockBackend):
 
     @classmethod
     def from_settings(cls, settings: Settings, *, clock: Clock = SYSTEM_CLOCK) -> RedlockBackend:
-        return cls.from_url(
-            settings.lock_url,
-            prefix=settings.key_prefix,
-            socket_timeout=settings.socket_timeout,
-            fence_retention=settings.fence_retention,
-            clock=clock,
-        )
+        return cls.from_url(settings.lock_url, clock=clock, **settings_options(settings))
 
     # -- the parallel round trip ----------------------------------------------------
     def _checkout(self) -> list[_Link | None]:

@@ -58,6 +58,7 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
+from jobfence.locks.backends.common import flag_value
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LeaseLost, LockError, NotOwner
 from jobfence.locks.lease import DRIFT_FLOOR, DRIFT_FRACTION, Lease, OwnerMeta, new_owner_token
@@ -186,11 +187,8 @@ def parse_target(url: str) -> Target:
 
 
 def _flag(name: str, value: str) -> bool:
-    low = value.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
+    if (flag := flag_value(value)) is not None:
+        return flag
     raise ValueError(f"zookeeper:// option {name}={value!r} is not true or false")
 
 
