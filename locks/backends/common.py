@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:  # only a type here: the backends that parse flags need no settings
     from jobfence.config.settings import Settings
@@ -21,7 +21,15 @@ def flag_value(value: str) -> bool | None:
     return None
 
 
-def settings_options(settings: Settings) -> dict[str, Any]:
+class SettingsOptions(TypedDict):
+    """The keywords (typed, so each `from_url` is checked against them)."""
+
+    prefix: str
+    socket_timeout: float
+    fence_retention: float
+
+
+def settings_options(settings: Settings) -> SettingsOptions:
     """The `from_url` keywords a URL-built backend takes from the settings, beside the URL."""
     return {
         "prefix": settings.key_prefix,
