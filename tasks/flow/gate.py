@@ -7,7 +7,16 @@ import dataclasses
 from jobfence.locks.backend import Busy, JobRecord, LockInfo, default_meta
 from jobfence.locks.errors import AcquireTimeout, BackendUnavailable
 from jobfence.locks.lease import Lease, OwnerMeta
-from jobfence.locks.ops import Begin, Inspect, Now, ReadRecord, Release, Sleep, WaitRelease
+from jobfence.locks.ops import (
+    Begin,
+    Inspect,
+    Now,
+    ReadRecord,
+    Release,
+    Sleep,
+    SwapPublish,
+    WaitRelease,
+)
 from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict
 from jobfence.tasks.events import Event, Kind
 from jobfence.tasks.flow.claim import STARTED, Claim
@@ -112,6 +121,10 @@ class Gate(Claim):
     ) -> JobFlow[Outcome | None]:
         """Another delivery holds the job: the conflict policy says; None once waited a step."""
         spec = self.spec
+        if spec.on_conflict in ("skip", "raise") and spec.supersede and spec.claims:
+            replaced = yield from self.replaced_holder(busy, attempt)
+            if replaced is not None:
+                return replaced
         if spec.on_conflict == "skip":
             return Outcome("duplicate", DUPLICATE, holder=busy.task_id or "")
         if spec.on_conflict == "raise":
@@ -130,6 +143,23 @@ class Gate(Claim):
         pause = min(left, busy.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
         yield WaitRelease(waited_on, pause)
         return None
+
+    def replaced_holder(self, busy: Busy, attempt: int) -> JobFlow[Outcome | None]:
+        """on_duplicate_publish="replace": the key's claim still names this copy, unstarted,
+        so the holder is not a run of this publish but a copy it replaced, which gives way
+        once it sees the claim (issue 29, the long run: both ended without running). Come
+        back in a moment, not skipped as its duplicate, nor refused; None otherwise."""
+        spec = self.spec
+        kept = yield SwapPublish(spec.key, spec.task_id, spec.task_id, spec.claim_ttl)
+        if kept is not None:
+            return None  # another publish's claim, or a started run's: a real duplicate
+        yield Event(Kind.QUEUED, None, busy.task_id or "")
+        return Outcome(
+            "requeue",
+            # Soon: it gives way within a round trip; if it died, its lease ends in time.
+            countdown=min(self.after(busy, attempt), 0.5),
+            reason="a copy this publish replaced holds the key, and gives way",
+        )
 
     def after(self, busy: Busy, attempt: int) -> float:
         """When to come back: the holder's lease left, plus a jittered step."""
