@@ -21,7 +21,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from jobfence.config import security
+import jobfence.config.security as security
 from jobfence.config.django_source import django_settings, django_sources
 from jobfence.config.errors import InsecureSettings, UnsafeSettings
 from jobfence.config.security import DEV_SECRET, is_loopback
