@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from pydantic.fields import FieldInfo
@@ -51,12 +52,17 @@ def django_settings() -> Any | None:
     return settings
 
 
+#: (name, closest known name or None) of each unread JOBFENCE_* name in Django settings.
+Unknown = Callable[[], list[tuple[str, str | None]]]
+
+
 class DjangoSettingsSource(PydanticBaseSettingsSource):
     """``JOBFENCE_LOCK_URL = "redis://..."`` in settings.py feeds ``Settings.lock_url``."""
 
-    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+    def __init__(self, settings_cls: type[BaseSettings], unknown: Unknown | None = None) -> None:
         super().__init__(settings_cls)
         self.prefix = str(self.config.get("env_prefix") or "")
+        self.unknown = unknown
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         name = f"{self.prefix}{field_name}".upper()
@@ -74,10 +80,8 @@ class DjangoSettingsSource(PydanticBaseSettingsSource):
             value, name, _ = self.get_field_value(field, field_name)
             if hasattr(conf, name):  # None in settings.py is a value too
                 values[field_name] = value
-        if self.prefix:
-            from jobfence.config.settings import unknown_django_settings
-
-            for name, close in unknown_django_settings():
+        if self.prefix and self.unknown is not None:
+            for name, close in self.unknown():
                 fix = f"did you mean {close}?" if close else SETTINGS_FIX
                 warnings.warn(
                     f"{name} (in Django settings): is not a jobfence setting, so it is "
@@ -102,6 +106,10 @@ def _outside_pydantic() -> int:
     return level
 
 
-def django_sources(settings_cls: type[BaseSettings]) -> tuple[PydanticBaseSettingsSource, ...]:
-    """The sources to place between the ``.env`` file and secret files."""
-    return (DjangoSettingsSource(settings_cls),)
+def django_sources(
+    settings_cls: type[BaseSettings], unknown: Unknown | None = None
+) -> tuple[PydanticBaseSettingsSource, ...]:
+    """The sources to place between the ``.env`` file and secret files; `unknown` lists the
+    JOBFENCE_* names in Django settings that jobfence never reads, each warned about (passed
+    in by config/settings.py, which knows the names: importing it here would be a cycle)."""
+    return (DjangoSettingsSource(settings_cls, unknown),)

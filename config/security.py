@@ -10,6 +10,12 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from jobfence.config.errors import UnsafeSettings
+from jobfence.config.schemes import (
+    UNIX_SCHEME,
+    backend_schemes,
+    redis_family_schemes,
+    tls_schemes,
+)
 from jobfence.config.urls import _host_port, _split_userinfo, redact
 
 ALLOW_VARIABLE = "JOBFENCE_ALLOW_INSECURE"
@@ -27,17 +33,18 @@ MIN_KEY_SECRET = 32
 DEV_SECRET = "jobfence-insecure-dev-secret"
 
 # Schemes whose server lives in this process or on this host's file system: nothing to check.
-_LOCAL_SCHEMES = frozenset({"memory", "sqlite", "rpc", "file", "cache+memory", "db+sqlite"})
-_REDIS = frozenset({"redis", "rediss", "redis+sentinel", "redis+cluster", "redlock",
-                    "sentinel", "rediss+sentinel", "rediss+cluster", "redlocks"})  # fmt: skip
+# The lock schemes come from config/schemes.py; the others here are Celery's broker and
+# result-backend spellings, which no lock backend takes.
+_LOCAL_SCHEMES = frozenset({*backend_schemes("memory").schemes, "sqlite", "rpc", "file",
+                            "cache+memory", "db+sqlite"})  # fmt: skip
+_REDIS = (redis_family_schemes() - {UNIX_SCHEME}) | {"sentinel"}
 _POSTGRES = frozenset({
-    "postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2", "db+postgresql",
+    *backend_schemes("postgres").schemes, "postgresql+psycopg2", "db+postgresql",
     "db+postgresql+psycopg", "db+postgresql+psycopg2",
 })  # fmt: skip
-_MYSQL = frozenset({"mysql", "mariadb", "mysql+pymysql", "mariadb+pymysql", "db+mysql",
+_MYSQL = frozenset({*backend_schemes("mysql").schemes, "mariadb+pymysql", "db+mysql",
                     "db+mysql+pymysql"})  # fmt: skip
-_TLS_SCHEMES = frozenset({"rediss", "amqps", "https", "etcds", "rediss+sentinel",
-                          "rediss+cluster", "redlocks", "sqs"})  # fmt: skip
+_TLS_SCHEMES = tls_schemes() | {"amqps", "https", "sqs"}
 _FALSE = frozenset({"false", "0", "no", "off", "none", "cert_none", "optional",
                     "cert_optional"})  # fmt: skip
 _TRUE = frozenset({"true", "1", "yes", "on", "required", "cert_required"})
@@ -159,7 +166,7 @@ def url_posture(url: str | None, variable: str) -> UrlPosture | None:
     if not url or "://" not in url:
         return None
     scheme = url.split("://", 1)[0].lower()
-    if scheme in _LOCAL_SCHEMES or scheme.startswith("unix") or scheme.endswith("+socket"):
+    if scheme in _LOCAL_SCHEMES or scheme.startswith(UNIX_SCHEME) or scheme.endswith("+socket"):
         return None
     query = _query(url)
     userinfo = _split_userinfo(url)[0]

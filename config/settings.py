@@ -21,8 +21,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from jobfence.config import security
-from jobfence.config.django_source import django_sources
+import jobfence.config.security as security
+from jobfence.config.django_source import django_settings, django_sources
 from jobfence.config.errors import InsecureSettings, UnsafeSettings
 from jobfence.config.security import DEV_SECRET, is_loopback
 from jobfence.config.urls import check_lock_url, check_url, redact
@@ -220,7 +220,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """init > env > .env > Django settings (config/django_source.py) > secret files."""
-        django = django_sources(settings_cls)
+        django = django_sources(settings_cls, unknown_django_settings)
         return (init_settings, env_settings, dotenv_settings, *django, file_secret_settings)
 
     @field_validator("key_prefix")
@@ -601,8 +601,6 @@ def closest_name(name: str, known: Iterable[str] | None = None) -> str | None:
 def unknown_django_settings() -> list[tuple[str, str | None]]:
     """(name, closest known name or None) for each JOBFENCE_* name in Django settings that
     jobfence never reads; empty when this process uses no Django settings."""
-    from jobfence.config.django_source import django_settings
-
     conf = django_settings()
     if conf is None:
         return []
@@ -622,8 +620,6 @@ def setting_source(field: str, overrides: Mapping[str, Any] | None = None) -> st
         return f"the environment ({variable})"
     if variable in _env_file_names():
         return f"the .env file ({variable})"
-    from jobfence.config.django_source import django_settings
-
     conf = django_settings()
     if conf is not None and hasattr(conf, variable):
         module = os.environ.get("DJANGO_SETTINGS_MODULE") or "settings.configure()"

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, quote, unquote, urlencode
 
 from jobfence.config.errors import UnsafeSettings
+from jobfence.config.schemes import LOCK_SCHEMES, REDIS_FAMILY, UNIX_SCHEME, backend_schemes
 
 # Query parameters that carry a credential (redis-py and kombu pass unknown ones through).
+#: A lock URL check: raises UnsafeSettings naming the variable (its second argument).
+UrlCheck = Callable[[str, str], object]
+
 _SECRET_QUERY = re.compile(r"(pass(word|wd)?|pwd|secret|token|auth|credential|key)", re.I)
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _REDACTED = "***"
@@ -179,8 +184,7 @@ def _multi_host(
 
 
 #: TLS spellings of the Redis family's schemes, and the plain scheme of each.
-REDIS_TLS_SCHEMES = {"rediss": "redis", "rediss+sentinel": "redis+sentinel",
-                     "rediss+cluster": "redis+cluster", "redlocks": "redlock"}  # fmt: skip
+REDIS_TLS_SCHEMES = {row.tls: row.plain for row in map(backend_schemes, REDIS_FAMILY) if row.tls}
 #: The TLS options every Redis-family URL takes, named as redis-py's keyword arguments.
 REDIS_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
                      "ssl_check_hostname")  # fmt: skip
@@ -291,7 +295,7 @@ def _host_list(
             raise UnsafeSettings(
                 variable, f"{shown!r} has an empty {what} in its list (it names no host)", fix
             )
-        probe = f"redis://{entry}"
+        probe = f"{backend_schemes('redis').plain}://{entry}"  # parsed as a one-host URL
         host, port = _host_port(probe)
         problem = _port_problem(probe)
         if problem or not host.strip("[]"):
@@ -314,8 +318,8 @@ def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
     of their own: RedlockBackend takes a list of redis:// or rediss:// URLs).
     """
     fix = f"set {variable} to a URL such as {REDLOCK_EXAMPLE}"
-    shown, userinfo, rest, options = _multi_host(url, "redlock", variable, fix,
-                                                 REDIS_TLS_OPTIONS)  # fmt: skip
+    scheme = backend_schemes("redlock").plain
+    shown, userinfo, rest, options = _multi_host(url, scheme, variable, fix, REDIS_TLS_OPTIONS)
     tls = redis_tls(url, options, variable)
     hosts, _, tail = rest.partition("/")
     db = tail.strip("/")
@@ -340,8 +344,9 @@ def redlock_masters(url: str, variable: str = "JOBFENCE_LOCK_URL") -> list[str]:
         )
     auth = f"{userinfo}@" if userinfo else ""
     query = f"?{urlencode(tls.query(), safe='/', quote_via=quote)}" if tls.on else ""
-    scheme = "rediss" if tls.on else "redis"
-    return [f"{scheme}://{auth}{m}/{db or 0}{query}" for m in masters]
+    redis = backend_schemes("redis")  # each master is a one-node Redis URL
+    each = (redis.tls or redis.plain) if tls.on else redis.plain
+    return [f"{each}://{auth}{m}/{db or 0}{query}" for m in masters]
 
 
 CLUSTER_EXAMPLE = "redis+cluster://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
@@ -365,8 +370,8 @@ def cluster_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> ClusterTarg
     will do, so list several. A cluster has database 0 only: no path but '/' or '/0'.
     """
     fix = f"set {variable} to a URL such as {CLUSTER_EXAMPLE}"
-    shown, userinfo, rest, options = _multi_host(url, "redis+cluster", variable, fix,
-                                                 REDIS_TLS_OPTIONS)  # fmt: skip
+    scheme = backend_schemes("redis-cluster").plain
+    shown, userinfo, rest, options = _multi_host(url, scheme, variable, fix, REDIS_TLS_OPTIONS)
     tls = redis_tls(url, options, variable)
     hosts, _, tail = rest.partition("/")
     if tail.strip("/") not in ("", "0"):
@@ -423,8 +428,8 @@ def sentinel_target(url: str, variable: str = "JOBFENCE_LOCK_URL") -> SentinelTa
     sentinels monitor (`sentinel monitor <master-name> ...`) and optionally its database.
     """
     fix = f"set {variable} to a URL such as {SENTINEL_EXAMPLE}"
-    shown, userinfo, rest, options = _multi_host(url, "redis+sentinel", variable, fix,
-                                                 SENTINEL_OPTIONS)  # fmt: skip
+    scheme = backend_schemes("redis-sentinel").plain
+    shown, userinfo, rest, options = _multi_host(url, scheme, variable, fix, SENTINEL_OPTIONS)
     tls = redis_tls(url, options, variable)
     if "sentinel_username" in options and not options.get("sentinel_password"):
         raise UnsafeSettings(
@@ -470,10 +475,28 @@ def has_scheme(url: str) -> bool:
 
 def check_lock_url(url: str, variable: str) -> None:
     """The lock URL: a scheme a registered backend takes, then that backend's URL checks."""
-    # The schemes are listed once, in the backend registry (imports no client library).
-    from jobfence.locks.registry import check_lock_url as check_registered
+    check = _LOCK_URL_CHECKS.get(url.split("://", 1)[0].lower()) if has_scheme(url) else None
+    if check is None:  # refused here: no scheme, or one no backend takes
+        check_url(url, variable=variable, schemes=tuple(_LOCK_URL_CHECKS), example=LOCK_EXAMPLE,
+                  what="lock backend")  # fmt: skip
+        return
+    check(url, variable)
 
-    check_registered(url, variable)
+
+def accept_lock_scheme(scheme: str, check: UrlCheck) -> None:
+    """Take lock URLs of `scheme` (lower case), checked by `check` (the registry's register)."""
+    _LOCK_URL_CHECKS[scheme] = check
+
+
+def forget_lock_scheme(scheme: str) -> None:
+    """Refuse lock URLs of `scheme` again (the registry's unregister)."""
+    _LOCK_URL_CHECKS.pop(scheme, None)
+
+
+def check_one_host(url: str, variable: str) -> None:
+    """The lock URL checks of a backend with none of its own: a host, a numeric port, no '/'
+    or '#' in the password."""
+    check_url(url, variable=variable, schemes=None, example=LOCK_EXAMPLE, what="lock backend")
 
 
 def check_redis_url(url: str, variable: str) -> None:
@@ -481,7 +504,7 @@ def check_redis_url(url: str, variable: str) -> None:
     check_url(url, variable=variable, schemes=None, example=LOCK_EXAMPLE, what="lock backend")
     fix = f"set {variable} to a URL such as {LOCK_EXAMPLE}"
     scheme, rest = url.split("://", 1)
-    if scheme.lower() in ("redis", "rediss"):
+    if scheme.lower() != UNIX_SCHEME:  # redis:// or rediss:// (the backend's only others)
         if not _host_port(url)[0].strip("[]"):
             raise UnsafeSettings(variable, f"{redact(url)!r} names no host", fix)
         path = rest.split("?", 1)[0].split("#", 1)[0]
@@ -539,7 +562,7 @@ def check_etcd_url(url: str, variable: str) -> None:
                 variable, f"{shown!r} has option {name!r}, which etcd URLs do not take",
                 f"use only {', '.join(ETCD_OPTIONS)} (TLS, with etcds://) in the query",
             )
-        if scheme != "etcds":
+        if scheme != backend_schemes("etcd").tls:
             raise UnsafeSettings(
                 variable, f"{shown!r} gives TLS option {name!r} to etcd://, which is plain HTTP",
                 f"set {variable} to a URL such as etcds://10.0.0.1:2379?cacert=/path/ca.pem",
@@ -598,3 +621,26 @@ def check_zookeeper_url(url: str, variable: str) -> None:
             raise UnsafeSettings(variable, f"{shown!r} has port {port!r} in {item!r}", fix)
     if chroot and any(p in ("", ".", "..") for p in chroot.rstrip("/").split("/")):
         raise UnsafeSettings(variable, f"{shown!r} has chroot /{chroot}, not a node path", fix)
+
+
+#: Each backend's own lock URL check, by backend name (config/schemes.py); the others get
+#: `check_one_host`. The registry gives each built-in backend its check from here.
+LOCK_URL_CHECKS: dict[str, UrlCheck] = {
+    "redis": check_redis_url,
+    "mysql": check_mysql_url,
+    "redlock": redlock_masters,
+    "etcd": check_etcd_url,
+    "redis-cluster": cluster_target,
+    "redis-sentinel": sentinel_target,
+    "zookeeper": check_zookeeper_url,
+}
+
+# Scheme -> check, for the settings check. Built here from the schemes' table, so checking
+# settings needs no import of the locks package (which imports this module: the other way
+# would be a cycle); locks/registry.py's register and unregister keep it in step with
+# backends added or removed at run time, in registration order.
+_LOCK_URL_CHECKS: dict[str, UrlCheck] = {
+    scheme.lower(): LOCK_URL_CHECKS.get(name, check_one_host)
+    for name, row in LOCK_SCHEMES.items()
+    for scheme in row.schemes
+}

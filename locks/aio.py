@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, cast
 
-from jobfence.locks import registry
+import jobfence.locks.registry as registry
 from jobfence.locks.api import open_backend
 from jobfence.locks.backend import LockBackend, RateGrant, default_meta, validate_seconds
 from jobfence.locks.clock import Clock

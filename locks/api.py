@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
-from jobfence.locks import registry
+import jobfence.locks.registry as registry
 from jobfence.locks.backend import LockBackend, default_meta, validate_seconds
 from jobfence.locks.drive import run_sync
 from jobfence.locks.errors import AcquireTimeout, LeaseLost

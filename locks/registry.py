@@ -1,9 +1,12 @@
 """The one registry of lock backends: URL scheme → module, class, extra, URL check, capabilities.
 
-Every list of schemes (settings checks, `open_backend`, refusals naming the backends that can)
-is read from here, and a backend's module is imported only when its scheme is asked for, with
-an install hint when its extra is missing (as dramatiq's `rate_limits/backends/__init__.py`).
-Adding a backend is one module plus one `register(BackendEntry(...))` line below.
+Each built-in backend's schemes are its row of the one schemes' table, config/schemes.py (in
+config, so the settings checks read it without importing this package); every list of schemes
+(settings checks, `open_backend`, refusals naming the backends that can) is read from there or
+here. A backend's module is imported only when its scheme is asked for, with an install hint
+when its extra is missing (as dramatiq's `rate_limits/backends/__init__.py`). Adding a backend
+is one module plus one `register(BackendEntry(...))` line (a built-in one: a `_builtin` line
+below and its row in config/schemes.py).
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from jobfence.config import urls
+from jobfence.config.schemes import LOCK_SCHEMES
 
 if TYPE_CHECKING:
     from jobfence.locks.backend import LockBackend
@@ -80,11 +84,7 @@ class BackendEntry:
         return cls
 
     def validate_url(self, url: str, variable: str) -> None:
-        if self.check_url is not None:
-            self.check_url(url, variable)
-        else:
-            urls.check_url(url, variable=variable, schemes=None, example=urls.LOCK_EXAMPLE,
-                           what="lock backend")  # fmt: skip
+        (self.check_url or urls.check_one_host)(url, variable)
 
 
 class MissingExtra(ModuleNotFoundError):
@@ -107,6 +107,8 @@ def register(entry: BackendEntry) -> BackendEntry:
                          f"is already registered by {owner!r}; pick another")  # fmt: skip
     _ENTRIES[entry.name] = entry
     _BY_SCHEME.update(dict.fromkeys(schemes, entry))
+    for scheme in schemes:  # the settings check (config/urls.py) takes it from now on
+        urls.accept_lock_scheme(scheme, entry.validate_url)
     return entry
 
 
@@ -115,6 +117,7 @@ def unregister(name: str) -> None:
     entry = _ENTRIES.pop(name)
     for scheme in entry.schemes:
         _BY_SCHEME.pop(scheme.lower(), None)
+        urls.forget_lock_scheme(scheme.lower())
 
 
 def entry(name: str) -> BackendEntry:
@@ -146,12 +149,7 @@ def entry_for(url: str) -> BackendEntry:
 
 def check_lock_url(url: str, variable: str) -> None:
     """Raise UnsafeSettings (one line naming `variable`) unless a backend takes `url`."""
-    entry = _BY_SCHEME.get(scheme_of(url)) if urls.has_scheme(url) else None
-    if entry is None:  # refused here: no scheme, or one no backend takes
-        urls.check_url(url, variable=variable, schemes=lock_schemes(), example=urls.LOCK_EXAMPLE,
-                       what="lock backend")  # fmt: skip
-        return
-    entry.validate_url(url, variable)
+    urls.check_lock_url(url, variable)  # kept in step with this registry by `register`
 
 
 def backends_with(feature: Feature, *, fleet: bool = True) -> str:
@@ -177,48 +175,47 @@ _FULL = Capabilities(
 )  # fmt: skip
 _LEASES = Capabilities(native_fencing=True, durable_fence=True, ha=True, release_notify=True)
 
-register(BackendEntry(
-    "redis", ("redis", "rediss", "unix"), _BACKENDS + "redis", "RedisBackend", _FULL,
-    check_url=urls.check_redis_url, default_port=6379, tls_scheme="rediss",
+
+def _builtin(
+    name: str, module: str, class_name: str, capabilities: Capabilities, **options: Any
+) -> BackendEntry:
+    """A built-in backend's entry: its schemes from the schemes' table (config/schemes.py),
+    its URL check from config/urls.py's."""
+    row = LOCK_SCHEMES[name]
+    return BackendEntry(
+        name, row.schemes, _BACKENDS + module, class_name, capabilities,
+        check_url=urls.LOCK_URL_CHECKS.get(name), tls_scheme=row.tls, **options,
+    )  # fmt: skip
+
+
+register(_builtin(
+    "redis", "redis", "RedisBackend", _FULL, default_port=6379,
     async_store=_BACKENDS + "redis_async:AsyncRedisStore",
 ))  # fmt: skip
-register(BackendEntry(
-    "memory", ("memory",), _BACKENDS + "memory", "MemoryBackend",
-    replace(_FULL, durable_fence=False), fleet=False,
+register(_builtin("memory", "memory", "MemoryBackend", replace(_FULL, durable_fence=False),
+                  fleet=False))  # fmt: skip
+register(_builtin(
+    "postgres", "postgres", "PostgresBackend", _FULL, extra="postgres", requires="psycopg",
+    default_port=5432, async_store=_BACKENDS + "postgres_async:AsyncPostgresStore",
 ))  # fmt: skip
-register(BackendEntry(
-    "postgres", ("postgresql", "postgres", "postgresql+psycopg"), _BACKENDS + "postgres",
-    "PostgresBackend", _FULL, extra="postgres", requires="psycopg", default_port=5432,
-    async_store=_BACKENDS + "postgres_async:AsyncPostgresStore",
+register(_builtin(
+    "mysql", "mysql", "MySQLBackend", replace(_FULL, release_notify=False), extra="mysql",
+    requires="pymysql", default_port=3306,
 ))  # fmt: skip
-register(BackendEntry(
-    "mysql", ("mysql", "mariadb", "mysql+pymysql"), _BACKENDS + "mysql", "MySQLBackend",
-    replace(_FULL, release_notify=False), extra="mysql", requires="pymysql",
-    check_url=urls.check_mysql_url, default_port=3306,
+register(_builtin(
+    "redlock", "redlock", "RedlockBackend", replace(_LEASES, durable_fence=False),
+    default_port=6379, async_store=_BACKENDS + "redlock_async:AsyncRedlockStore",
 ))  # fmt: skip
-register(BackendEntry(
-    "redlock", ("redlock", "redlocks"), _BACKENDS + "redlock", "RedlockBackend",
-    replace(_LEASES, durable_fence=False), check_url=urls.redlock_masters, default_port=6379,
-    tls_scheme="redlocks",
-    async_store=_BACKENDS + "redlock_async:AsyncRedlockStore",
-))  # fmt: skip
-register(BackendEntry(
-    "etcd", ("etcd", "etcds"), _BACKENDS + "etcd", "EtcdBackend", replace(_LEASES, ha=False),
-    check_url=urls.check_etcd_url, default_port=2379, tls_scheme="etcds",
-))  # fmt: skip
-register(BackendEntry(
-    "redis-cluster", ("redis+cluster", "rediss+cluster"), _BACKENDS + "redis_cluster",
-    "RedisClusterBackend", _FULL, check_url=urls.cluster_target, default_port=6379,
-    tls_scheme="rediss+cluster",
+register(_builtin("etcd", "etcd", "EtcdBackend", replace(_LEASES, ha=False), default_port=2379))
+register(_builtin(
+    "redis-cluster", "redis_cluster", "RedisClusterBackend", _FULL, default_port=6379,
     async_store=_BACKENDS + "redis_cluster_async:AsyncClusterStore",
 ))  # fmt: skip
-register(BackendEntry(
-    "redis-sentinel", ("redis+sentinel", "rediss+sentinel"), _BACKENDS + "redis_sentinel",
-    "RedisSentinelBackend", replace(_FULL, ha=True), check_url=urls.sentinel_target,
-    default_port=26379, tls_scheme="rediss+sentinel",
-    async_store=_BACKENDS + "redis_sentinel_async:AsyncSentinelStore",
+register(_builtin(
+    "redis-sentinel", "redis_sentinel", "RedisSentinelBackend", replace(_FULL, ha=True),
+    default_port=26379, async_store=_BACKENDS + "redis_sentinel_async:AsyncSentinelStore",
 ))  # fmt: skip
-register(BackendEntry(
-    "zookeeper", ("zookeeper",), _BACKENDS + "zookeeper", "ZooKeeperBackend", _LEASES,
-    extra="zookeeper", requires="kazoo", check_url=urls.check_zookeeper_url, default_port=2181,
+register(_builtin(
+    "zookeeper", "zookeeper", "ZooKeeperBackend", _LEASES, extra="zookeeper", requires="kazoo",
+    default_port=2181,
 ))  # fmt: skip

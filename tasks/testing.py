@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from uuid import uuid4
 
+from jobfence.config.schemes import backend_schemes
 from jobfence.config.settings import Settings, load_settings
 from jobfence.locks.backend import BeginResult
 from jobfence.locks.backends.memory import MemoryBackend
@@ -155,7 +156,7 @@ class JobfenceTesting:
                 return found[1]
             own = runtimes.installed(app)
             base = self._settings or (own.settings if own is not None else load_settings())
-            settings = base.model_copy(update={"lock_url": "memory://"})
+            settings = base.model_copy(update={"lock_url": f"{backend_schemes('memory').plain}://"})
             runtime = runtimes.Runtime(settings, backend=self.lock_server)
             runtime.executor.observers.append(self._observe)
             self._runtimes[id(app)] = (app, runtime)

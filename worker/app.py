@@ -12,6 +12,7 @@ from celery import Celery
 from celery.schedules import crontab
 
 from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.config.schemes import backend_schemes
 from jobfence.config.settings import ENV_PREFIX
 from jobfence.worker import journal
 from jobfence.worker.setup import BEAT_SCHEDULER, JSON_ONLY, safe_config, setup, transport_options
@@ -46,9 +47,10 @@ def redis_db_url(url: str, db: int) -> str:
 def broker_urls(settings: Settings) -> tuple[str, str]:
     """(broker, result backend): the settings', else databases 1 and 2 of the lock server."""
     scheme = urlsplit(settings.lock_url).scheme
-    if scheme == "memory":
-        defaults = ("memory://", "cache+memory://")
-    elif scheme in ("redis", "rediss"):
+    redis = backend_schemes("redis")
+    if scheme == backend_schemes("memory").plain:
+        defaults = ("memory://", "cache+memory://")  # Celery's in-process broker and results
+    elif scheme in (redis.plain, redis.tls):
         defaults = (redis_db_url(settings.lock_url, 1), redis_db_url(settings.lock_url, 2))
     elif settings.broker_url and settings.result_backend:
         defaults = (settings.broker_url, settings.result_backend)

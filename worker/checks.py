@@ -19,6 +19,7 @@ from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings, security
 from jobfence.config.errors import EX_CONFIG, SETTINGS_FIX
+from jobfence.config.schemes import UNIX_SCHEME, backend_schemes
 from jobfence.config.settings import ENV_PREFIX, unknown_django_settings, unknown_variables
 from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, RedisBackend, registry
@@ -166,7 +167,8 @@ def check_lock_backend(
 ) -> Iterator[Finding]:
     settings = runtime.settings
     setting = f"{ENV_PREFIX}LOCK_URL"
-    if urlsplit(settings.lock_url).scheme == "memory" and not conf.task_always_eager:
+    memory = urlsplit(settings.lock_url).scheme == backend_schemes("memory").plain
+    if memory and not conf.task_always_eager:
         yield _refuse(
             setting,
             "memory:// locks live in one process; worker processes would not see each "
@@ -245,7 +247,7 @@ def _foreign_lock_server(url: str, timeout: float) -> str | None:
     from jobfence.worker.probe import foreign_server
 
     parts = urlsplit(url)
-    if parts.scheme != "redis" or not parts.hostname:
+    if parts.scheme != backend_schemes("redis").plain or not parts.hostname:
         return None
     return foreign_server(parts.hostname, parts.port or 6379, timeout)
 
@@ -261,16 +263,16 @@ def _foreign_fix(foreign: str, expected: str = "Redis", port: int = 6379) -> str
     return fix + (f", or use a {scheme} URL to keep locks in {foreign}" if scheme else "")
 
 
-#: What a SQL lock URL's scheme expects to answer, and its default port.
-SQL_SERVERS = {"postgresql": ("PostgreSQL", 5432), "mysql": ("MySQL/MariaDB", 3306)}
+#: What a SQL lock backend (by name) expects to answer, and its default port.
+SQL_SERVERS = {"postgres": ("PostgreSQL", 5432), "mysql": ("MySQL/MariaDB", 3306)}
 
 
-def _foreign_sql_refusal(setting: str, url: str, family: str) -> Finding | None:
+def _foreign_sql_refusal(setting: str, url: str, backend: str) -> Finding | None:
     """The refusal of a SQL lock URL whose address answers as another server (a
     `postgresql://` URL at Redis's port): a wrong setting, never an outage to wait out."""
     from jobfence.worker.probe import foreign_sql_server
 
-    expected, default_port = SQL_SERVERS[family]
+    expected, default_port = SQL_SERVERS[backend]
     parts = urlsplit(url)
     if not parts.hostname:  # a socket directory or ?host=: nothing to probe by address
         return None
@@ -428,7 +430,7 @@ def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Findin
             yield _refuse(setting, f"the lock database at {redact(url)}: {OPTIONS_FIX}",
                           "add `ignore_startup_parameters = options` to pgbouncer.ini")  # fmt: skip
             return
-        foreign = _foreign_sql_refusal(setting, url, "postgresql")
+        foreign = _foreign_sql_refusal(setting, url, "postgres")
         if foreign is not None:
             yield foreign
             return
@@ -521,12 +523,12 @@ def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threa
 
 def _same_server(a: str, b: str) -> bool:
     """Whether Redis URL `a` names the server (or a Redlock master) of lock URL `b`."""
-    if urlsplit(b).scheme in ("redlock", "redlocks"):  # each master checked as the lock server
+    if urlsplit(b).scheme in backend_schemes("redlock").schemes:  # each master, as a lock server
         return any(_same_server(a, master) for master in redlock_masters(b))
     pa, pb = urlsplit(a), urlsplit(b)
     if pb.scheme not in REDIS_SCHEMES:  # a database, etcd, ZooKeeper: never the Redis broker
         return False
-    if pa.scheme == "unix" or pb.scheme == "unix":
+    if UNIX_SCHEME in (pa.scheme, pb.scheme):
         return pa.path == pb.path
     return (pa.hostname, pa.port or 6379) == (pb.hostname, pb.port or 6379)
 

@@ -22,6 +22,7 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.config.schemes import backend_schemes
 from jobfence.config.settings import ENV_PREFIX
 from jobfence.tasks.effects import jobs as jobs_table
 from jobfence.tasks.effects import make_engine
@@ -219,9 +220,11 @@ def servers(
 def journal_url(urls: dict[str, str]) -> str:
     """Where workers count executor events: database 3 of the broker's Redis (it survives
     the lock server's restart), else of the lock server."""
+    redis = backend_schemes("redis")
+    redis_urls = (f"{redis.plain}://", f"{redis.tls}://")
     for name in (f"{ENV_PREFIX}BROKER_URL", f"{ENV_PREFIX}LOCK_URL"):
         url = urls.get(name, "")
-        if url.startswith(("redis://", "rediss://")):
+        if url.startswith(redis_urls):
             return url.rsplit("/", 1)[0] + "/3"
     raise UnsafeSettings(f"{ENV_PREFIX}BROKER_URL", "the demo journal needs a Redis server",
                          "use a redis:// broker or lock server")

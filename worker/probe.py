@@ -11,6 +11,8 @@ from __future__ import annotations
 import socket
 import struct
 
+from jobfence.config.schemes import backend_schemes
+
 #: PostgreSQL's SSLRequest: length 8, code 80877103; a PostgreSQL server answers b"S" or b"N".
 PG_SSL_REQUEST = struct.pack("!II", 8, 80877103)
 
@@ -84,4 +86,8 @@ def foreign_sql_server(host: str, port: int, expected: str, timeout: float = 1.0
 
 
 #: The scheme to use for each server named above, where jobfence has one.
-SCHEME_FOR = {"PostgreSQL": "postgresql://", "MySQL/MariaDB": "mysql://", "Redis": "redis://"}
+SCHEME_FOR = {
+    "PostgreSQL": f"{backend_schemes('postgres').plain}://",
+    "MySQL/MariaDB": f"{backend_schemes('mysql').plain}://",
+    "Redis": f"{backend_schemes('redis').plain}://",
+}

@@ -13,6 +13,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from jobfence.config.schemes import backend_schemes
 from jobfence.worker import procs
 
 __all__ = ["HOST", "RedisServer", "RedisServerError", "free_port"]
@@ -107,7 +108,7 @@ class RedisServer(procs.SingleServer):
         """``redis://`` URL of database ``db`` through ``host``, one of the bound addresses."""
         if host not in self._bind:
             raise ValueError(f"host {host!r} is not one of the bound addresses {self._bind}")
-        return f"redis://{host}:{self.port}/{db}"
+        return f"{backend_schemes('redis').plain}://{host}:{self.port}/{db}"
 
     @property
     def url(self) -> str:

@@ -46,7 +46,7 @@ from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import Lease, OwnerMeta
 
 SCHEMES = registry.entry("etcd").schemes  # the registry is the one list
-TLS_SCHEME = "etcds"  # as https:// in etcdctl's --endpoints
+TLS_SCHEME = registry.entry("etcd").tls_scheme  # as https:// in etcdctl's --endpoints
 #: TLS options in the URL's query, named as etcdctl's flags (--cacert, --cert, --key,
 #: --insecure-skip-tls-verify).
 TLS_OPTIONS = ("cacert", "cert", "key", "insecure_skip_tls_verify")
