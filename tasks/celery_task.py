@@ -24,7 +24,7 @@ from jobfence.tasks.errors import (
     TaskDefinitionError,
 )
 from jobfence.tasks.executor import RATE_HORIZON, JobSpec, RateSpec
-from jobfence.tasks.flow.marks import KEY_HEADER, REPUBLISHED_HEADER, Marks
+from jobfence.tasks.flow.marks import BROKER_REDELIVERED, KEY_HEADER, REPUBLISHED_HEADER, Marks
 from jobfence.tasks.flow.verdict import ComeBack, NotSettled, Stop, Value
 from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity, job_key
 from jobfence.tasks.options import (
@@ -363,7 +363,7 @@ def _redelivered(req: Any) -> bool:
     """True if the broker redelivered this message (acks_late, reject_on_worker_lost, the
     visibility timeout): it may follow a delivery that died mid-body."""
     info = req.delivery_info or {}
-    return bool(info.get("redelivered") or (req.headers or {}).get("redelivered"))
+    return bool(info.get("redelivered") or (req.headers or {}).get(BROKER_REDELIVERED))
 
 
 @overload
