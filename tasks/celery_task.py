@@ -24,7 +24,7 @@ from jobfence.tasks.errors import (
     TaskDefinitionError,
 )
 from jobfence.tasks.executor import RATE_HORIZON, JobSpec, RateSpec
-from jobfence.tasks.flow.marks import KEY_HEADER, REPUBLISHED_HEADER, Marks
+from jobfence.tasks.flow.marks import BROKER_REDELIVERED, KEY_HEADER, REPUBLISHED_HEADER, Marks
 from jobfence.tasks.flow.verdict import ComeBack, NotSettled, Stop, Value
 from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity, job_key
 from jobfence.tasks.options import (
@@ -217,11 +217,30 @@ class SingletonTask(Task):  # type: ignore[misc]
         # Bound before the runtime is asked for: a wrong argument is the caller's TypeError.
         arguments = bind_arguments(self.run, args, kwargs, name=self.name)
         rt = self._runtime()
+        spec = self._spec(rt, arguments, req)
+        verdict = rt.executor.deliver(
+            spec, lambda _ctx: self.run(*args, **kwargs), passthrough=PASSTHROUGH
+        )
+        match verdict:  # the flow decided (tasks/flow/verdict.py); here it is carried out
+            case Value(value=value):
+                return value
+            case Stop(error=error):
+                raise error
+            case ComeBack(retry=True):
+                raise self.retry(countdown=verdict.countdown)
+            case ComeBack(countdown=countdown, marks=copy):
+                self._publish_again(req, countdown, copy.onto(req.headers))
+            case NotSettled(reason=reason, fence=fence):
+                raise JobNotSettled(f"{reason}; call it again", key=spec.key, fence=fence)
+
+    def _spec(self, rt: Runtime, arguments: dict[str, Any], req: Any) -> JobSpec:
+        """This delivery as the flow needs it: the job's identity, its options, what the
+        message carries (`Marks`) and what the broker and the workflow around it are."""
         marks = Marks.read(req.headers, _fields(req))
         key, fp = self._identity(rt, arguments, marks.key)
         s, o = rt.settings, self.jobfence_options
         queues = not (req.called_directly or req.is_eager)
-        spec = JobSpec(
+        return JobSpec(
             name=self.name,
             key=key,
             fingerprint=fp,
@@ -246,20 +265,6 @@ class SingletonTask(Task):  # type: ignore[misc]
             in_workflow=bool(req.callbacks or req.chain or req.chord or req.group),
             **o.job_fields(s),
         )
-        verdict = rt.executor.deliver(
-            spec, lambda _ctx: self.run(*args, **kwargs), passthrough=PASSTHROUGH
-        )
-        match verdict:  # the flow decided (tasks/flow/verdict.py); here it is carried out
-            case Value(value=value):
-                return value
-            case Stop(error=error):
-                raise error
-            case ComeBack(retry=True):
-                raise self.retry(countdown=verdict.countdown)
-            case ComeBack(countdown=countdown, marks=copy):
-                self._publish_again(req, countdown, copy.onto(req.headers))
-            case NotSettled(reason=reason, fence=fence):
-                raise JobNotSettled(f"{reason}; call it again", key=spec.key, fence=fence)
 
     def _rate_spec(
         self, rt: Runtime, arguments: dict[str, Any], queues: bool, slot: float | None
@@ -358,7 +363,7 @@ def _redelivered(req: Any) -> bool:
     """True if the broker redelivered this message (acks_late, reject_on_worker_lost, the
     visibility timeout): it may follow a delivery that died mid-body."""
     info = req.delivery_info or {}
-    return bool(info.get("redelivered") or (req.headers or {}).get("redelivered"))
+    return bool(info.get("redelivered") or (req.headers or {}).get(BROKER_REDELIVERED))
 
 
 @overload

@@ -20,6 +20,8 @@ REPUBLISHED_HEADER: Final = "jobfence_republished"
 #: Set on the copy a rate-limited delivery publishes: the server time of the turn it
 #: reserved, so the copy starts then without spending another.
 RATE_SLOT_HEADER: Final = "jobfence_rate_slot"
+#: The header a broker sets on a message it delivers again (kombu's Redis transport).
+BROKER_REDELIVERED: Final = "redelivered"
 #: Every header jobfence writes.
 HEADERS: Final = (KEY_HEADER, REDELIVERIES_HEADER, DEFERRED_HEADER, REPUBLISHED_HEADER,
                   RATE_SLOT_HEADER)  # fmt: skip
@@ -69,8 +71,12 @@ class Marks:
 
     def onto(self, headers: Mapping[str, Any] | None) -> dict[str, Any]:
         """`headers` (the delivered message's) with these marks in place of its own, marked
-        as a copy published again."""
-        out = {k: v for k, v in (headers or {}).items() if k not in HEADERS}
+        as a copy published again. The broker's `redelivered` flag (kombu's Redis transport
+        sets it on a message it restores, custody on one it puts back) is not inherited: the
+        copy is a new message, and a copy of a once-restored message counted as a crash at
+        every grant (a job requeued behind a slot five times was dead-lettered, with no crash)."""
+        out = {k: v for k, v in (headers or {}).items()
+               if k not in HEADERS and k != BROKER_REDELIVERED}  # fmt: skip
         if self.key:
             out[KEY_HEADER] = self.key
         if self.redeliveries:
