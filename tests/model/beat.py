@@ -258,7 +258,11 @@ class BeatFleet:
             for job_id, n in counts.items()
             if n > 1
         ]
-        if not {s.kind for s in self.scenario.steps} & RERUN_STEPS:
+        rerun = bool({s.kind for s in self.scenario.steps} & RERUN_STEPS)
+        # A delivery whose lease lapsed mid-body (its keeper starved past the TTL on a loaded
+        # machine, per the decision log) is run again as after `lose_leases`: its effect
+        # still once (counted above), its body twice.
+        if not rerun and not self.scenario._lapsed_holders():
             # The fenced effect's DONE row replays a second run's effect: count the runs
             # themselves, the bodies entered (no step here delivers a message again).
             slot_of = {task_id: job_id for job_id, task_id, _ in self.dispatched if task_id}
