@@ -9,24 +9,13 @@ the job was lost. The long redis run's seed: publish and duplicate, each with co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from jobfence.locks import Backoff, Lease, LeaseKeeper, MemoryBackend
+from jobfence.locks import Lease
 from jobfence.tasks import Executor
 from jobfence.tasks.errors import DuplicateJob
 from jobfence.tasks.executor import JobSpec
 from tests.tasks.conftest import spec_for, unique
-
-
-@pytest.fixture
-def executor() -> Iterator[Executor]:
-    keeper = LeaseKeeper()
-    try:
-        yield Executor(MemoryBackend(), keeper, backoff=Backoff(0.005, 0.05))
-    finally:
-        keeper.stop()
 
 
 def _replaced(executor: Executor, key: str) -> None:

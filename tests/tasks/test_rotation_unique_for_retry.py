@@ -10,11 +10,8 @@ and is skipped as "ran within unique_for". Neither finishes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from jobfence.locks import Backoff, LeaseKeeper, MemoryBackend
 from jobfence.tasks import Executor
 from jobfence.tasks.executor import JobSpec
 from tests.tasks.conftest import spec_for, unique
@@ -22,15 +19,6 @@ from tests.tasks.conftest import spec_for, unique
 
 class BodyRetried(Exception):
     """Stands for Celery's Retry: a passthrough that releases without a record."""
-
-
-@pytest.fixture
-def executor() -> Iterator[Executor]:
-    keeper = LeaseKeeper()
-    try:
-        yield Executor(MemoryBackend(), keeper, backoff=Backoff(0.005, 0.05))
-    finally:
-        keeper.stop()
 
 
 def _spec(key: str, other: str, task_id: str) -> JobSpec:
