@@ -39,11 +39,27 @@ class Claim(Ending):
         return None
 
     def swap_claim(self) -> JobFlow[str | None]:
-        """Our claim marked started (dropped under lock_until="start"); else who holds it."""
+        """Our claim marked started (dropped under lock_until="start") under each of the
+        job's claim keys; else who holds one, the marks made on the way taken back.
+
+        In a rotation the claim is marked under every secret's key, so a run under either
+        secret meets the other's mark (issue 29: two runs that retried under two secrets,
+        each throttled by the other's mark under its own key, and the job never ran)."""
         spec = self.spec
         new = None if spec.lock_until == "start" else STARTED + spec.task_id
-        kept: str | None = yield SwapPublish(spec.key, spec.task_id, new, spec.claim_ttl)
-        return kept
+        made: list[str] = []
+        for key in spec.claim_keys:
+            kept: str | None = yield SwapPublish(key, spec.task_id, new, spec.claim_ttl)
+            if kept is None or kept == STARTED + spec.task_id:
+                made.append(key)
+            elif key == spec.key or (spec.unique_for and kept.startswith(STARTED)):
+                # Under an earlier secret only a run's throttle counts: a queued claim
+                # there is another publish's, and its record and lock are looked at anyway.
+                if new is not None:
+                    for ours in made:  # owner-checked: only our own mark goes
+                        yield SwapPublish(ours, new, None, spec.claim_ttl)
+                return kept
+        return None
 
     def superseded_copy(self, lease: Lease | None, holder: str) -> JobFlow[Outcome]:
         """A newer publish replaced this copy before it started: skip, acked, never run."""
@@ -58,6 +74,7 @@ class Claim(Ending):
         spec = self.spec
         mine = STARTED + spec.task_id
         try:
-            yield SwapPublish(spec.key, mine, mine, spec.unique_for)
+            for key in spec.claim_keys:
+                yield SwapPublish(key, mine, mine, spec.unique_for)
         except BackendUnavailable as exc:  # the job is done; only the throttle is lost
             yield Event(Kind.THROTTLE_NOT_SET, detail=type(exc).__name__)

@@ -152,6 +152,12 @@ class JobSpec:
         return self.lock_until == "start"
 
     @property
+    def claim_keys(self) -> tuple[str, ...]:
+        """Where the job's publish claim may be: its key, then its key under each earlier
+        secret (a rotation: a run under either secret marks and reads both)."""
+        return (self.key, *(key for key, _ in self.previous))
+
+    @property
     def claims(self) -> bool:
         """Whether this delivery reads and updates the key's publish claim at start."""
         return bool(self.task_id) and (

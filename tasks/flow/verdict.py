@@ -177,7 +177,8 @@ class Verdicts(Ending):
         failure replace the delivery's own outcome: the claim then expires by its TTL."""
         spec = self.spec
         try:
-            yield SwapPublish(spec.key, mine, None, spec.claim_ttl)
+            for key in spec.claim_keys:  # owner-checked under each secret's key
+                yield SwapPublish(key, mine, None, spec.claim_ttl)
         except Exception as exc:  # the clean-up's failure, whatever it is, must not win
             yield Event(Kind.CLAIM_KEPT, detail=type(exc).__name__)
 

@@ -1,11 +1,11 @@
 """A job lost under `unique_for` + a key rotation + a body that retries (issue 29, the long run).
 
-Diagnosed, not yet fixed (the closing note of the session that found it): the publish claim
-and its started mark are kept per key, and during a rotation each secret has its own key. Run
-T marks claim A and retries; another publish C of the job, under secret B, finds claim B
-empty (the previous-secret look reads lock A and record A, not claim A), marks it and
-retries too; each retry copy then lands under the other secret, meets the other run's mark
-and is skipped as "ran within unique_for". Neither finishes.
+The publish claim and its started mark were kept per key, and during a rotation each secret has
+its own key. Run T marks claim A and retries; another publish C of the job, under secret B,
+finds claim B empty (the previous-secret look reads lock A and record A, not claim A), marks it
+and retries too; each retry copy then landed under the other secret, met the other run's mark
+and was skipped as "ran within unique_for": neither finished. Now a run marks (and reads) the
+claim under every secret's key, so C is throttled by T's mark and T's retry copy runs.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ def _retries(_ctx: object) -> None:
     raise BodyRetried
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29: claims are not looked up under the previous "
-                   "secret's key; both retried runs are throttled by each other's mark")
 def test_two_runs_under_two_secrets_that_retry_are_not_both_throttled(executor: Executor) -> None:
     a, b = unique("tests.job:secret-a"), unique("tests.job:secret-b")
     ran: list[str] = []
