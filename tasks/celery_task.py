@@ -238,20 +238,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         message carries (`Marks`) and what the broker and the workflow around it are."""
         marks = Marks.read(req.headers, _fields(req))
         key, fp = self._identity(rt, arguments, marks.key)
-        s, o = rt.settings, self.jobfence_options
+        o = self.jobfence_options
         queues = not (req.called_directly or req.is_eager)
-        return JobSpec(
-            name=self.name,
+        return self._template(rt).but(
             key=key,
             fingerprint=fp,
             task_id=req.id or "",
-            failed_message=s.failed_record_message,
             redeliveries=marks.redeliveries,
             suspect=marks.deferred or _redelivered(req),
-            max_crashed=s.max_crashed_deliveries,
-            claim_ttl=o.dedupe_ttl or s.visibility_timeout,
-            supersede=o.dedupe_on_publish and o.on_duplicate_publish == "replace",
-            publish_claim=o.dedupe_on_publish,
             queues=queues,
             concurrency_key=(
                 concurrency_key(rt.secret, self.name, arguments, o.concurrency_key)
@@ -261,10 +255,30 @@ class SingletonTask(Task):  # type: ignore[misc]
             rate=self._rate_spec(rt, arguments, queues, marks.rate_slot),
             previous=_previous_identities(self, rt, arguments, marks.key),
             marks=marks,
-            countdown_cap=max(0.1, s.visibility_timeout / 2),
             in_workflow=bool(req.callbacks or req.chain or req.chord or req.group),
+        )
+
+    def _template(self, rt: Runtime) -> JobSpec:
+        """What every delivery's spec shares: the task's options under the runtime's
+        settings, built once per (runtime, options)."""
+        s, o = rt.settings, self.jobfence_options
+        made = self.__dict__.get("_jobfence_template")
+        if made is not None and made[0] is s and made[1] is o:
+            return made[2]  # type: ignore[no-any-return]
+        template = JobSpec(
+            name=self.name,
+            key="",
+            fingerprint="",
+            failed_message=s.failed_record_message,
+            max_crashed=s.max_crashed_deliveries,
+            claim_ttl=o.dedupe_ttl or s.visibility_timeout,
+            supersede=o.dedupe_on_publish and o.on_duplicate_publish == "replace",
+            publish_claim=o.dedupe_on_publish,
+            countdown_cap=max(0.1, s.visibility_timeout / 2),
             **o.job_fields(s),
         )
+        self.__dict__["_jobfence_template"] = (s, o, template)
+        return template
 
     def _rate_spec(
         self, rt: Runtime, arguments: dict[str, Any], queues: bool, slot: float | None
