@@ -12,8 +12,10 @@ fences and fixed phrases: never an argument, an owner token or a secret.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -99,6 +101,12 @@ class RingDecisionLog(DecisionLog):
         self._clock = clock
         self._keys: OrderedDict[str, tuple[deque[Decision], float]] = OrderedDict()
         self._count = 0
+        self._lock = threading.Lock()
+        # The child's copy of a lock the parent's writer held mid-batch stays held for ever.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (r := ref()) and r._forked())  # type: ignore[func-returns-value]
+
+    def _forked(self) -> None:
         self._lock = threading.Lock()
 
     def append_many(self, entries: Sequence[Decision]) -> None:

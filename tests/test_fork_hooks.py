@@ -13,6 +13,8 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from jobfence.locks import RedisBackend
+from jobfence.locks.backends.memory import MemoryBackend
+from jobfence.locks.decisions import Decision, DecisionBounds, RingDecisionLog
 from jobfence.locks.outage import WarningLimiter
 from jobfence.tasks.metrics import Metrics
 from tests.forked import CHILD_DEADLINE, run_in_child
@@ -114,3 +116,25 @@ def test_a_redis_backend_answers_in_a_child_forked_while_a_thread_was_connecting
         assert code == 0
     finally:
         backend.close()
+
+
+def test_the_memory_backend_and_its_decision_ring_answer_in_a_child_forked_mid_write() -> None:
+    """memory://'s condition and its decision ring's lock, held by a thread of the parent (the
+    decision writer storing a batch, the keeper extending) when the process forks: the child's
+    recorder stores and closes, its locks answer (issue 29, the long run: a forked child
+    hung 10 s in close() on memory://). The control above shows a held lock stays held."""
+    backend = MemoryBackend()
+    ring = backend.decision_log(DecisionBounds())
+    assert isinstance(ring, RingDecisionLog)
+    key = f"k{time.time_ns()}"
+
+    def child() -> None:
+        ring.append_many([Decision(time.time(), "done", key, "tests.fork", "t1")])
+        assert [d.task_id for d in ring.for_key(key)] == ["t1"]
+        lease = backend.try_acquire(key, 5.0)
+        assert lease is not None and lease.release()
+
+    with held_by_a_thread(backend._cond, ring._lock):
+        code = run_in_child(child, deadline=10.0)
+    assert code is not None, "the child hung: killed after 10s"
+    assert code == 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -60,6 +62,13 @@ class MemoryBackend(LockBackend):
         self._waiters: dict[str, dict[str, float]] = {}
         self._slot_fences: dict[str, int] = {}
         self._decisions: RingDecisionLog | None = None
+        # A forked child has its own copy of the dicts; a thread of the parent inside one of
+        # our methods at the fork would leave the copied condition held for ever.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (b := ref()) and b._forked())  # type: ignore[func-returns-value]
+
+    def _forked(self) -> None:
+        self._cond = threading.Condition()
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock = SYSTEM_CLOCK, **options: Any) -> MemoryBackend:
