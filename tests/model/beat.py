@@ -180,7 +180,16 @@ class BeatFleet:
         self.clock.now += timedelta(seconds=step.seconds)
         self.leader = self._start()
         self._lead(self.leader)
+        self._standby_tick()
+
+    def _standby_tick(self) -> None:
+        """The standby polls once. It leads only if the leader's lease lapsed meanwhile (its
+        keeper starved on a loaded machine): then it has taken over, as a fleet's standby
+        does, and the two swap roles; the steps after act on the beat that leads (a long run
+        under load: the next restart waited on a beat that no longer led)."""
         self.standby.tick()
+        if self.standby.is_leader:
+            self.leader, self.standby = self.standby, self.leader
 
     def beat_handover(self, step: Step) -> None:
         """The leader frozen (no release); the standby takes over; the old one wakes."""
