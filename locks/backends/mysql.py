@@ -26,6 +26,7 @@ from pymysql.err import Error as PyMySQLError  # type: ignore[import-untyped]
 from pymysql.err import MySQLError  # type: ignore[import-untyped]
 from pymysql.err import OperationalError as PyMySQLOperationalError  # type: ignore[import-untyped]
 
+from jobfence.config.findings import Finding, LockTarget
 from jobfence.locks import registry
 from jobfence.locks.backend import (
     Busy,
@@ -37,13 +38,15 @@ from jobfence.locks.backend import (
     Security,
     poll_until_free,
 )
-from jobfence.locks.backends.common import flag_value
+from jobfence.locks.backends.common import flag_value, server_findings
 from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
+from jobfence.locks.backends.probe import foreign_sql_refusal
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import OwnerMeta
 
 SCHEMES = registry.entry("mysql").schemes  # the registry is the one list
+DEFAULT_PORT = 3306
 RETRY_ERRORS = {1213, 1205}  # deadlock, lock wait timeout: the transaction was rolled back
 NO_SUCH_TABLE = 1146  # someone dropped our tables: make them again
 ATTEMPTS = 5
@@ -831,6 +834,12 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         with contextlib.suppress(BackendUnavailable):  # a sweep can wait for the next minute
             self.purge()
 
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        def foreign() -> Finding | None:
+            return foreign_sql_refusal(target, "MySQL/MariaDB", DEFAULT_PORT)
+
+        return server_findings(target, self.server_problems, foreign)
+
     def server_problems(self) -> list[tuple[str, str]]:
         """What about the server breaks this backend, as (problem, fix) pairs; for start-up.
 
@@ -923,7 +932,7 @@ def parse_url(url: str) -> dict[str, Any]:
         )
     args: dict[str, Any] = {
         "host": parts.hostname or "127.0.0.1",
-        "port": parts.port or 3306,
+        "port": parts.port or DEFAULT_PORT,
         "database": database,
     }
     if parts.username:
