@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import hashlib
 import os
 import random
 import select
@@ -39,7 +38,8 @@ from jobfence.locks.backend import (
     poll_until_free,
 )
 from jobfence.locks.backends.common import flag_value, server_findings
-from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
+from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores, extend_many
+from jobfence.locks.backends.mysql_semaphore import key_hash as key_hash
 from jobfence.locks.backends.probe import foreign_sql_refusal
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
@@ -65,11 +65,6 @@ TLS_FILES = ("ssl_ca", "ssl_cert", "ssl_key")
 # Server microseconds since the epoch: the session runs at time_zone '+00:00', so NOW(6) is
 # UTC and this is plain arithmetic (no time zone table, no DST gap).
 NOW_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6))"
-
-
-def key_hash(key: str) -> str:
-    """The primary key of `key`'s rows: SHA-256 hex (keys run to 512 characters)."""
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def _quote(name: str) -> str:
@@ -678,29 +673,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         return bool(self._run(self._sql["extend"], (ttl_ms * 1000, key_hash(key), owner), key)[0])
 
     def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        # One stamp for the batch: the rows extended now carry it, so the SELECT after the
-        # UPDATE (same round trip) names exactly them. Owner tokens are unique per lease.
-        lk = self.tables["locks"]
-        hashes = [key_hash(k) for k, _, _ in items]
-        pairs = ", ".join(["(%s, %s)"] * len(items))
-        ins = ", ".join(["%s"] * len(items))
-        case = " ".join(["WHEN %s THEN %s"] * len(items))
-        sql = ";".join(
-            [
-                "SET @jf_t = NOW(6)",
-                f"UPDATE {lk} SET heartbeat_at = @jf_t, expires_at = @jf_t + INTERVAL"
-                f" (CASE owner {case} END) MICROSECOND WHERE key_hash IN ({ins})"
-                f" AND (key_hash, owner) IN ({pairs}) AND expires_at > @jf_t",
-                f"SELECT key_hash, owner FROM {lk} WHERE key_hash IN ({ins})"
-                f" AND (key_hash, owner) IN ({pairs}) AND heartbeat_at = @jf_t",
-            ]
-        )
-        flat = [x for h, (_, o, _) in zip(hashes, items, strict=True) for x in (h, o)]
-        params: list[Any] = [x for _, o, t in items for x in (o, t * 1000)]
-        params += hashes + flat + hashes + flat
-        sets = self._run(sql, params, None)
-        done = {(h, o) for h, o in sets[2]}
-        return [(h, o) in done for h, (_, o, _) in zip(hashes, items, strict=True)]
+        return extend_many(self._run, self.tables["locks"], items, by_key=True)
 
     def _release(self, key: str, owner: str) -> bool:
         return bool(self._run(self._sql["release"], (key_hash(key), owner), key)[0])
