@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from jobfence.config.findings import Finding, LockTarget, OutageProbe
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.decisions import DecisionBounds, DecisionLog
 from jobfence.locks.errors import (
@@ -604,6 +605,18 @@ class LockBackend(ABC):
     def security(self) -> Security | None:
         """TLS and authentication as configured, for the start-up check; None: unknown
         (a backend that can say overrides it)."""
+        return None
+
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        """What a worker's start-up finds about this lock server (reachable as the URL says,
+        with credentials that work, unable to lose a lease): refusals and warnings, checked
+        by `jobfence.worker.checks`. This default finds nothing (a backend that can say
+        overrides it)."""
+        return iter(())
+
+    def outage_probe(self, target: LockTarget) -> OutageProbe | None:
+        """A probe of a lock server the start-up found down (a LOCK_SERVER_DOWN finding),
+        which the worker polls until it answers and then logs its findings; None: none."""
         return None
 
     def decision_log(self, bounds: DecisionBounds) -> DecisionLog | None:

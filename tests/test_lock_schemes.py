@@ -41,8 +41,6 @@ ALLOWED = {
     "LOCK_URL_CHECKS, each backend's own URL check",
     ("locks/advisory.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
     ("locks/guards.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
-    ("worker/checks.py", "mysql, etcd"): "backend names (backend.name)",
-    ("worker/checks.py", "postgres, mysql"): "backend names: the keys of SQL_SERVERS",
     ("worker/cli.py", "postgres, mysql"): "backend names (the registry entry's name)",
 }
 

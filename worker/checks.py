@@ -7,26 +7,30 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from jobfence.config import UnsafeSettings, security
 from jobfence.config.errors import EX_CONFIG, SETTINGS_FIX
+from jobfence.config.findings import LOCK_SERVER_DOWN as LOCK_SERVER_DOWN
+from jobfence.config.findings import Finding as Finding
+from jobfence.config.findings import LockTarget
+from jobfence.config.findings import refuse as _refuse
+from jobfence.config.findings import warn as _warn
 from jobfence.config.schemes import UNIX_SCHEME, backend_schemes
 from jobfence.config.settings import ENV_PREFIX, unknown_django_settings, unknown_variables
 from jobfence.config.urls import check_url, redact, redlock_masters
-from jobfence.locks import BackendUnavailable, RedisBackend, registry
-from jobfence.locks.backends.redis import tls_hint
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
-from jobfence.locks.backends.redlock import RedlockBackend
+from jobfence.locks import BackendUnavailable, registry
+from jobfence.locks.backends.redis_checks import CREDENTIALS_FIX as CREDENTIALS_FIX
+from jobfence.locks.backends.redis_checks import check_eviction as check_eviction
+from jobfence.locks.backends.redis_checks import credentials_refused as credentials_refused
+from jobfence.locks.backends.redis_url import tls_hint
 from jobfence.locks.registry import backends_with
 from jobfence.tasks import Runtime, SingletonTask
 from jobfence.tasks.keys import secret_id
@@ -36,7 +40,6 @@ log = logging.getLogger(__name__)
 
 #: Longest pause between two probes of a lock server that was down at start-up.
 LOCK_PROBE_CAP = 30.0
-LOCK_SERVER_DOWN = "lock-server-down"
 UNKNOWN_NAME = "unknown-name"  # a JOBFENCE_* name jobfence never reads (a typo, usually)
 #: Where the lock server keeps the key secret's id (no job key: those hold a ':').
 SECRET_ID_KEY = "key-secret-id"
@@ -54,20 +57,6 @@ class StartupWarning(UserWarning):
     """A start-up check could not verify something, or found a risky but legal setting."""
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One problem found at start-up; `refuse` ones stop the process."""
-
-    refuse: bool
-    setting: str
-    problem: str
-    fix: str
-    code: str = ""  # a stable name for findings the start-up acts on (LOCK_SERVER_DOWN)
-
-    def __str__(self) -> str:
-        return f"{self.setting}: {self.problem}. Fix: {self.fix}"
-
-
 class StartupRefused(UnsafeSettings):
     """Start-up found settings that break the safety argument; lists every refusal."""
 
@@ -77,14 +66,6 @@ class StartupRefused(UnsafeSettings):
         self.findings = findings
         self.args = ("\n".join(f"  - {f}" for f in findings),)
 
-
-
-def _refuse(setting: str, problem: str, fix: str) -> Finding:
-    return Finding(True, setting, problem, fix)
-
-
-def _warn(setting: str, problem: str, fix: str) -> Finding:
-    return Finding(False, setting, problem, fix)
 
 
 # --------------------------------------------------------------------------- the checks
@@ -133,180 +114,37 @@ def check_signed_carrier(conf: Any, tasks: Iterable[Any] = ()) -> Iterator[Findi
         )
 
 
-def _policy(client: redis.Redis) -> str:
-    reply = client.config_get("maxmemory-policy")
-    value = reply.get("maxmemory-policy", "")
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def check_eviction(client: redis.Redis, what: str, setting: str, url: str) -> Iterator[Finding]:
-    """Refuse a Redis that may evict keys; warn if CONFIG is disabled (cannot tell)."""
-    try:
-        policy = _policy(client)
-    except ResponseError as exc:
-        yield _warn(
-            setting,
-            f"cannot read maxmemory-policy of the {what} at {redact(url)} ({exc}; CONFIG is "
-            "disabled or not permitted), so eviction of lock and fence keys is not ruled out",
-            "make sure the server runs with maxmemory-policy noeviction",
-        )
-        return
-    if policy != "noeviction":
-        yield _refuse(
-            setting,
-            f"the {what} at {redact(url)} has maxmemory-policy {policy!r}: under memory "
-            "pressure it may evict lock, fence and job-record keys, and then two holders or "
-            "a repeated effect follow",
-            "run redis-server with --maxmemory-policy noeviction "
-            "(CONFIG SET maxmemory-policy noeviction, and in redis.conf)",
-        )
-
-
 def check_lock_backend(
     conf: Any, runtime: Runtime, tasks: Iterable[Any] = ()
 ) -> Iterator[Finding]:
-    settings = runtime.settings
-    setting = f"{ENV_PREFIX}LOCK_URL"
-    memory = urlsplit(settings.lock_url).scheme == backend_schemes("memory").plain
-    if memory and not conf.task_always_eager:
+    """A lock server a fleet can share, and what its backend's own start-up checks find
+    (`LockBackend.startup_findings`, in each backend's module)."""
+    target = lock_target(runtime, tasks)
+    entry = _entry(target.url)
+    if entry is not None and not entry.fleet and not conf.task_always_eager:
         yield _refuse(
-            setting,
-            "memory:// locks live in one process; worker processes would not see each "
-            "other's locks",
+            target.setting,
+            f"{entry.schemes[0]}:// locks live in one process; worker processes would not "
+            "see each other's locks",
             "point it at a Redis server, e.g. redis://127.0.0.1:6379/0",
         )
         return
-    backend = runtime.backend
-    if backend.name == "postgres":
-        yield from check_postgres_lock(backend, setting, settings.lock_url)
-        return
-    if backend.name in ("mysql", "etcd"):
-        yield from _check_lock_server(backend, setting, settings.lock_url)
-        return
-    if isinstance(backend, RedisClusterBackend):
-        # Every node, replicas too (they become masters): refuse eviction; warn when one
-        # is down, the cluster state is not ok, or no replica can take over a failed master.
-        for refuse, problem, fix in backend.check_servers():
-            yield Finding(refuse, setting, problem, fix)
-        return
-    if isinstance(backend, RedlockBackend):
-        # Per master: refuse eviction; warn when one is down or keeps no crash-proof AOF
-        # (its fence is then not durable, and the backend's capabilities say so).
-        for refuse, problem, fix in backend.check_servers():
-            yield Finding(refuse, setting, problem, fix)
-        return
-    if isinstance(backend, RedisSentinelBackend):
-        yield from check_sentinel_lock(backend, setting, settings.lock_url)
-        return
-    if backend.name == "zookeeper":
-        ttls = [settings.default_ttl, *(ttl for _, ttl in _singleton_ttls(tasks))]
-        yield from _check_lock_server(backend, setting, settings.lock_url, ttls)
-        return
-    if not isinstance(backend, RedisBackend):
-        return
+    yield from runtime.backend.startup_findings(target)
+
+
+def lock_target(runtime: Runtime, tasks: Iterable[Any] = ()) -> LockTarget:
+    """What the lock backend's start-up checks are told: its URL's variable and value, the
+    socket timeout, and every lease TTL the app asks for (the default and each task's)."""
+    settings = runtime.settings
+    ttls = (settings.default_ttl, *(ttl for _, ttl in _singleton_ttls(tasks)))
+    return LockTarget(f"{ENV_PREFIX}LOCK_URL", settings.lock_url, settings.socket_timeout, ttls)
+
+
+def _entry(url: str) -> registry.BackendEntry | None:
     try:
-        backend.client.ping()
-    except RedisError as exc:
-        wrong = credentials_refused(exc)
-        if wrong:  # a wrong password is a wrong setting, not an outage: waiting never helps
-            yield _refuse(setting, f"the lock server at {redact(settings.lock_url)} {wrong}",
-                          CREDENTIALS_FIX)  # fmt: skip
-            return
-        tls = urlsplit(settings.lock_url).scheme == registry.entry("redis").tls_scheme
-        hint = tls_hint(exc) if tls else None
-        if hint:  # a TLS set-up that cannot work: no amount of waiting helps
-            yield _refuse(
-                setting,
-                f"cannot reach the lock server at {redact(settings.lock_url)}: {exc}",
-                hint,
-            )
-            return
-        foreign = _foreign_lock_server(settings.lock_url, settings.socket_timeout)
-        if foreign:  # it answers, as something else: a wrong URL, not an outage
-            yield _refuse(setting, f"{redact(settings.lock_url)} answers, but as {foreign}, "
-                          f"not a Redis server ({type(exc).__name__}: {exc})",
-                          _foreign_fix(foreign))  # fmt: skip
-            return
-        # Not a refusal: a fleet restarted during a lock-server outage must come up and
-        # wait, not crash-loop. Jobs delivered meanwhile are redelivered until it answers.
-        yield Finding(
-            False,
-            setting,
-            f"cannot reach the lock server at {redact(settings.lock_url)} at start-up "
-            f"({type(exc).__name__}: {exc}); starting anyway: jobs wait and are redelivered "
-            "until it answers, and its eviction policy is checked when it does",
-            "start the lock server, or fix the URL if it is wrong",
-            code=LOCK_SERVER_DOWN,
-        )
-        return
-    yield from check_eviction(backend.client, "lock server", setting, settings.lock_url)
-
-
-def _foreign_lock_server(url: str, timeout: float) -> str | None:
-    """What other server answers at a plain redis:// URL's address, if one positively does."""
-    from jobfence.worker.probe import foreign_server
-
-    parts = urlsplit(url)
-    if parts.scheme != backend_schemes("redis").plain or not parts.hostname:
-        return None
-    return foreign_server(parts.hostname, parts.port or 6379, timeout)
-
-
-def _foreign_fix(foreign: str, expected: str = "Redis", port: int = 6379) -> str:
-    from jobfence.worker.probe import SCHEME_FOR
-
-    fix = (
-        f"point {ENV_PREFIX}LOCK_URL at your {expected} server's address and port "
-        f"({port} by default)"
-    )
-    scheme = SCHEME_FOR.get(foreign)
-    return fix + (f", or use a {scheme} URL to keep locks in {foreign}" if scheme else "")
-
-
-#: What a SQL lock backend (by name) expects to answer, and its default port.
-SQL_SERVERS = {"postgres": ("PostgreSQL", 5432), "mysql": ("MySQL/MariaDB", 3306)}
-
-
-def _foreign_sql_refusal(setting: str, url: str, backend: str) -> Finding | None:
-    """The refusal of a SQL lock URL whose address answers as another server (a
-    `postgresql://` URL at Redis's port): a wrong setting, never an outage to wait out."""
-    from jobfence.worker.probe import foreign_sql_server
-
-    expected, default_port = SQL_SERVERS[backend]
-    parts = urlsplit(url)
-    if not parts.hostname:  # a socket directory or ?host=: nothing to probe by address
-        return None
-    try:
-        port = parts.port or default_port
+        return registry.entry_for(url)
     except ValueError:
         return None
-    foreign = foreign_sql_server(parts.hostname, port, expected)
-    if foreign is None:
-        return None
-    return _refuse(
-        setting,
-        f"{redact(url)} answers, but as {foreign}, not a {expected} server",
-        _foreign_fix(foreign, expected, default_port),
-    )
-
-
-CREDENTIALS_FIX = (
-    "put the right user and password in the URL (percent-encoded), or grant the user "
-    "its commands in the server's ACL"
-)
-
-
-def credentials_refused(exc: BaseException) -> str | None:
-    """Why a Redis server refused these credentials, or None if `exc` is something else."""
-    text = str(exc)
-    words = ("WRONGPASS", "NOAUTH", "NOPERM", "invalid password",
-             "called without any password configured")  # fmt: skip
-    if isinstance(exc, AuthenticationError) or any(word in text for word in words):
-        what = "asks for a password the URL does not give" if (
-            "NOAUTH" in text or "HELLO must be called" in text or "Authentication required" in text
-        ) else "refused the credentials in the URL"
-        return f"{what} ({type(exc).__name__}): wrong credentials, not an outage"
-    return None
 
 
 def check_security(conf: Any, runtime: Runtime) -> Iterator[Finding]:
@@ -357,164 +195,37 @@ def posture_lines(conf: Any, settings: Any, lock: Any = None) -> list[str]:
     return lines
 
 
-def check_sentinel_lock(backend: RedisSentinelBackend, setting: str, url: str) -> Iterator[Finding]:
-    """The master the sentinels name, as a single lock server, and each replica (one is
-    promoted on failover, with its own policy); warn of a master with no replica to fail
-    over to, or fewer than 3 sentinels (a quorum that survives the loss of one)."""
-    topo = backend.topology()
-    if topo.master is None and topo.hint:  # TLS or a login that cannot work: no outage
-        yield _refuse(setting, f"the sentinels of {redact(url)} cannot be used: "
-                      f"{topo.error}", topo.hint)  # fmt: skip
-        return
-    if topo.master is None:
-        # As for one server: come up and wait rather than crash-loop during an outage.
-        yield _warn(
-            setting,
-            f"the sentinels of {redact(url)} name no master for {backend.service!r} at "
-            f"start-up ({topo.error}); starting anyway: jobs wait and are redelivered until "
-            "one answers, and its eviction policy is unchecked",
-            "start the sentinels and the master, or fix the URL (sentinel addresses and the "
-            "master's name as in 'sentinel monitor <name>') if it is wrong",
-        )
-        return
-    try:
-        yield from check_eviction(backend.client, "Sentinel master", setting, url)
-    except RedisError as exc:
-        hint = tls_hint(exc)
-        if hint:  # the sentinels answer, the master's TLS or login cannot work
-            yield _refuse(setting, f"the Sentinel master of {redact(url)} cannot be used "
-                          f"({exc})", hint)  # fmt: skip
-            return
-        yield _warn(setting, f"the Sentinel master of {redact(url)} does not answer ({exc}); "
-                    "its eviction policy is unchecked",
-                    "make sure it runs with maxmemory-policy noeviction")  # fmt: skip
-    for address in topo.replicas:
-        client = backend.node_client(address)
-        where = f"{address[0]}:{address[1]}"
-        try:
-            what = f"replica {where} (promoted on failover)"
-            yield from check_eviction(client, what, setting, url)
-        except RedisError as exc:
-            yield _warn(
-                setting,
-                f"replica {where} of {redact(url)} does not answer ({exc}); its eviction "
-                "policy is unchecked",
-                "make sure every replica runs with maxmemory-policy noeviction",
-            )
-        finally:
-            client.close()
-    if not topo.replicas:
-        yield _warn(
-            setting,
-            f"the Sentinel master of {redact(url)} has no live replica: if it fails there is "
-            "nothing to promote, and locks wait for it to come back",
-            "run at least one replica (two, so one survives a failover)",
-        )
-    if topo.sentinels < 3:
-        yield _warn(
-            setting,
-            f"only {topo.sentinels} sentinel(s) watch {backend.service!r}: fewer than 3 "
-            "cannot keep a majority through the loss of one, so a failover may never happen",
-            "run at least 3 sentinels on separate hosts",
-        )
-
-
-def check_postgres_lock(backend: Any, setting: str, url: str) -> Iterator[Finding]:
-    """A PostgreSQL lock backend: reachable, and its sessions as its statements need them."""
-    try:
-        problems = backend.session_problems()
-    except BackendUnavailable as exc:
-        from jobfence.locks.backends.postgres import OPTIONS_FIX
-
-        if OPTIONS_FIX in str(exc.cause):  # a pooler that refuses them for good: no outage
-            yield _refuse(setting, f"the lock database at {redact(url)}: {OPTIONS_FIX}",
-                          "add `ignore_startup_parameters = options` to pgbouncer.ini")  # fmt: skip
-            return
-        foreign = _foreign_sql_refusal(setting, url, "postgres")
-        if foreign is not None:
-            yield foreign
-            return
-        # As for Redis: come up and wait rather than crash-loop during an outage.
-        yield _warn(
-            setting,
-            f"cannot reach the lock database at {redact(url)} at start-up ({exc.cause}); "
-            "starting anyway: jobs wait and are redelivered until it answers",
-            "start the database, or fix the URL if it is wrong",
-        )
-        return
-    for problem in problems:
-        yield _refuse(
-            setting,
-            f"the lock database at {redact(url)}: {problem}",
-            "use PostgreSQL 11 or later; behind a pooler that drops the startup options, "
-            "ALTER ROLE ... SET default_transaction_isolation = 'read committed'",
-        )
-
-
-def _check_lock_server(
-    backend: Any, setting: str, url: str, ttls: Sequence[float] | None = None
-) -> Iterator[Finding]:
-    """A lock server whose version or state makes every grant fail (its backend's
-    `server_problems`: locks.backends.mysql, locks.backends.etcd), or a ZooKeeper that would
-    stretch the lease TTLs `ttls` to its session bounds."""
-    try:
-        problems = backend.server_problems() if ttls is None else backend.server_problems(ttls)
-    except BackendUnavailable as exc:
-        foreign = _foreign_sql_refusal(setting, url, "mysql") if backend.name == "mysql" else None
-        if foreign is not None:
-            yield foreign
-            return
-        yield Finding(
-            False,
-            setting,
-            f"cannot reach the lock server at {redact(url)} at start-up ({exc}); starting "
-            "anyway: jobs wait and are redelivered until it answers",
-            "start the database, or fix the URL if it is wrong",
-            code=LOCK_SERVER_DOWN,
-        )
-        return
-    for problem, fix in problems:
-        yield _refuse(setting, problem, fix)
-
-
 def lock_server_down(findings: Iterable[Finding]) -> bool:
     """True if the findings say the lock server did not answer at start-up."""
     return any(f.code == LOCK_SERVER_DOWN for f in findings)
 
 
-def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threading.Thread:
+def watch_lock_server(runtime: Runtime, *, cap: float = LOCK_PROBE_CAP) -> threading.Thread | None:
     """Probe a lock server that was down at start-up until it answers, then check it.
 
-    Logs one line when it answers, and an ERROR naming the fix if it may evict keys (the
-    worker cannot be refused any more by then). Runs in a daemon thread of its own client.
+    Logs one line when it answers, and an ERROR naming the fix for each refusal it then
+    finds (the worker cannot be refused any more by then). Runs in a daemon thread, on the
+    backend's `outage_probe` (a client of its own); None where the backend gives none.
     """
-    settings = runtime.settings
-    setting = f"{ENV_PREFIX}LOCK_URL"
+    target = lock_target(runtime)
+    prober = runtime.backend.outage_probe(target)
+    if prober is None:
+        return None
 
     def probe() -> None:
-        client = redis.Redis.from_url(
-            settings.lock_url,
-            socket_timeout=settings.socket_timeout,
-            socket_connect_timeout=settings.socket_timeout,
-            retry=Retry(NoBackoff(), 0),
-        )
         delay = min(0.5, cap)
         try:
-            while True:
-                try:
-                    client.ping()
-                    break
-                except RedisError:
-                    time.sleep(delay)
-                    delay = min(cap, delay * 2)
+            while not prober.answers():
+                time.sleep(delay)
+                delay = min(cap, delay * 2)
             log.warning("jobfence: the lock server at %s answers again; jobs proceed",
-                        redact(settings.lock_url))
-            for finding in check_eviction(client, "lock server", setting, settings.lock_url):
+                        redact(target.url))
+            for finding in prober.findings():
                 (log.error if finding.refuse else log.warning)("jobfence: %s", finding)
         except Exception:  # a probe must never take the worker down
             log.exception("jobfence: lock-server probe failed")
         finally:
-            client.close()
+            prober.close()
 
     thread = threading.Thread(target=probe, name="jobfence-lock-probe", daemon=True)
     thread.start()
@@ -708,7 +419,7 @@ def check_key_secret(runtime: Runtime) -> Iterator[Finding]:
             backend.swap_publish(SECRET_ID_KEY, stored, mine, SECRET_ID_RETENTION)
             return
     except BackendUnavailable:
-        return  # _check_lock_server reports the lock server down; nothing to compare with
+        return  # the lock backend's own check reports the lock server down; nothing to compare with
     p = ENV_PREFIX
     yield _refuse(
         f"{p}KEY_SECRET",
@@ -830,11 +541,7 @@ def enforce_or_exit(app: Any, runtime: Runtime, what: str) -> None:
             flush=True,
         )
         raise SystemExit(EX_CONFIG) from None
-    if (
-        lock_server_down(findings)
-        and isinstance(runtime.backend, RedisBackend)
-        and not isinstance(runtime.backend, RedisClusterBackend)  # its URL is no redis://
-    ):
+    if lock_server_down(findings):
         watch_lock_server(runtime)
 
 

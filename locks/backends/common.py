@@ -1,8 +1,14 @@
-"""Small pure helpers the lock backends share: URL option flags and options from settings."""
+"""Small helpers the lock backends share: URL option flags, options from settings, and the
+start-up finding of a lock server that states its own problems (`server_problems`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypedDict
+
+from jobfence.config.findings import LOCK_SERVER_DOWN, Finding, LockTarget, refuse
+from jobfence.config.urls import redact
+from jobfence.locks.errors import BackendUnavailable
 
 if TYPE_CHECKING:  # only a type here: the backends that parse flags need no settings
     from jobfence.config.settings import Settings
@@ -36,3 +42,31 @@ def settings_options(settings: Settings) -> SettingsOptions:
         "socket_timeout": settings.socket_timeout,
         "fence_retention": settings.fence_retention,
     }
+
+
+def server_findings(
+    target: LockTarget,
+    problems: Callable[[], Sequence[tuple[str, str]]],
+    foreign: Callable[[], Finding | None] | None = None,
+) -> Iterator[Finding]:
+    """A lock server whose version or state makes every grant fail (`problems()`, its
+    backend's `server_problems`: (problem, fix) pairs); or one that does not answer: an
+    outage to wait out, unless `foreign()` refuses the other server answering at its address."""
+    try:
+        found = problems()
+    except BackendUnavailable as exc:
+        refusal = foreign() if foreign is not None else None
+        if refusal is not None:
+            yield refusal
+            return
+        yield Finding(
+            False,
+            target.setting,
+            f"cannot reach the lock server at {redact(target.url)} at start-up ({exc}); "
+            "starting anyway: jobs wait and are redelivered until it answers",
+            "start the database, or fix the URL if it is wrong",
+            code=LOCK_SERVER_DOWN,
+        )
+        return
+    for problem, fix in found:
+        yield refuse(target.setting, problem, fix)

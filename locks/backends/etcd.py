@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote
 
+from jobfence.config.findings import Finding, LockTarget
 from jobfence.config.urls import redact
 from jobfence.locks import registry
 from jobfence.locks.backend import (
@@ -30,7 +31,7 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
-from jobfence.locks.backends.common import flag_value
+from jobfence.locks.backends.common import flag_value, server_findings
 from jobfence.locks.backends.etcd_gateway import (
     AuthFailed,
     Gateway,
@@ -1038,6 +1039,9 @@ class EtcdBackend(LockBackend):
     # -- checks and housekeeping ------------------------------------------------------------
     def _ping(self) -> str:
         return f"etcd {self.gateway.get('/version').get('etcdserver', '?')}"
+
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        return server_findings(target, self.server_problems)
 
     def server_problems(self) -> list[tuple[str, str]]:
         """What in the server breaks this backend (start-up check): (problem, fix) pairs."""

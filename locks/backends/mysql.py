@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import hashlib
 import os
 import random
 import select
@@ -26,6 +25,7 @@ from pymysql.err import Error as PyMySQLError  # type: ignore[import-untyped]
 from pymysql.err import MySQLError  # type: ignore[import-untyped]
 from pymysql.err import OperationalError as PyMySQLOperationalError  # type: ignore[import-untyped]
 
+from jobfence.config.findings import Finding, LockTarget
 from jobfence.locks import registry
 from jobfence.locks.backend import (
     Busy,
@@ -37,13 +37,16 @@ from jobfence.locks.backend import (
     Security,
     poll_until_free,
 )
-from jobfence.locks.backends.common import flag_value
-from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores
+from jobfence.locks.backends.common import flag_value, server_findings
+from jobfence.locks.backends.mysql_semaphore import MySQLSemaphores, extend_many
+from jobfence.locks.backends.mysql_semaphore import key_hash as key_hash
+from jobfence.locks.backends.probe import foreign_sql_refusal
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import OwnerMeta
 
 SCHEMES = registry.entry("mysql").schemes  # the registry is the one list
+DEFAULT_PORT = 3306
 RETRY_ERRORS = {1213, 1205}  # deadlock, lock wait timeout: the transaction was rolled back
 NO_SUCH_TABLE = 1146  # someone dropped our tables: make them again
 ATTEMPTS = 5
@@ -62,11 +65,6 @@ TLS_FILES = ("ssl_ca", "ssl_cert", "ssl_key")
 # Server microseconds since the epoch: the session runs at time_zone '+00:00', so NOW(6) is
 # UTC and this is plain arithmetic (no time zone table, no DST gap).
 NOW_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6))"
-
-
-def key_hash(key: str) -> str:
-    """The primary key of `key`'s rows: SHA-256 hex (keys run to 512 characters)."""
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def _quote(name: str) -> str:
@@ -675,29 +673,7 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         return bool(self._run(self._sql["extend"], (ttl_ms * 1000, key_hash(key), owner), key)[0])
 
     def _extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        # One stamp for the batch: the rows extended now carry it, so the SELECT after the
-        # UPDATE (same round trip) names exactly them. Owner tokens are unique per lease.
-        lk = self.tables["locks"]
-        hashes = [key_hash(k) for k, _, _ in items]
-        pairs = ", ".join(["(%s, %s)"] * len(items))
-        ins = ", ".join(["%s"] * len(items))
-        case = " ".join(["WHEN %s THEN %s"] * len(items))
-        sql = ";".join(
-            [
-                "SET @jf_t = NOW(6)",
-                f"UPDATE {lk} SET heartbeat_at = @jf_t, expires_at = @jf_t + INTERVAL"
-                f" (CASE owner {case} END) MICROSECOND WHERE key_hash IN ({ins})"
-                f" AND (key_hash, owner) IN ({pairs}) AND expires_at > @jf_t",
-                f"SELECT key_hash, owner FROM {lk} WHERE key_hash IN ({ins})"
-                f" AND (key_hash, owner) IN ({pairs}) AND heartbeat_at = @jf_t",
-            ]
-        )
-        flat = [x for h, (_, o, _) in zip(hashes, items, strict=True) for x in (h, o)]
-        params: list[Any] = [x for _, o, t in items for x in (o, t * 1000)]
-        params += hashes + flat + hashes + flat
-        sets = self._run(sql, params, None)
-        done = {(h, o) for h, o in sets[2]}
-        return [(h, o) in done for h, (_, o, _) in zip(hashes, items, strict=True)]
+        return extend_many(self._run, self.tables["locks"], items, by_key=True)
 
     def _release(self, key: str, owner: str) -> bool:
         return bool(self._run(self._sql["release"], (key_hash(key), owner), key)[0])
@@ -831,6 +807,12 @@ class MySQLBackend(MySQLSemaphores, LockBackend):
         with contextlib.suppress(BackendUnavailable):  # a sweep can wait for the next minute
             self.purge()
 
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        def foreign() -> Finding | None:
+            return foreign_sql_refusal(target, "MySQL/MariaDB", DEFAULT_PORT)
+
+        return server_findings(target, self.server_problems, foreign)
+
     def server_problems(self) -> list[tuple[str, str]]:
         """What about the server breaks this backend, as (problem, fix) pairs; for start-up.
 
@@ -923,7 +905,7 @@ def parse_url(url: str) -> dict[str, Any]:
         )
     args: dict[str, Any] = {
         "host": parts.hostname or "127.0.0.1",
-        "port": parts.port or 3306,
+        "port": parts.port or DEFAULT_PORT,
         "database": database,
     }
     if parts.username:

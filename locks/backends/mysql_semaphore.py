@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jobfence.locks.errors import BackendUnavailable
@@ -13,8 +13,44 @@ from jobfence.locks.slots import SlotInfo, SlotWait, holder_text, parse_holder
 NOW_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6))"
 
 
-def _hash(key: str) -> str:
+def key_hash(key: str) -> str:
+    """The primary key of `key`'s rows: SHA-256 hex (keys run to 512 characters)."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def extend_many(
+    run: Callable[[str, Any, str | None], Any],
+    table: str,
+    items: Sequence[tuple[str, str, int]],
+    *,
+    by_key: bool = False,
+) -> list[bool]:
+    """Extend the leases `items` ((key, owner, ttl ms)) held in `table` (the locks', or a
+    semaphore's slots) in one round trip of `run`; whether each is still held. `by_key`:
+    the WHERE names the key hashes alone too (the locks table's primary key).
+
+    One stamp for the batch: the rows extended now carry it, so the SELECT after the
+    UPDATE (same round trip) names exactly them. Owner tokens are unique per lease."""
+    hashes = [key_hash(k) for k, _, _ in items]
+    pairs = ", ".join(["(%s, %s)"] * len(items))
+    case = " ".join(["WHEN %s THEN %s"] * len(items))
+    keyed = f"key_hash IN ({', '.join(['%s'] * len(items))}) AND " if by_key else ""
+    sql = ";".join(
+        [
+            "SET @jf_t = NOW(6)",
+            f"UPDATE {table} SET heartbeat_at = @jf_t, expires_at = @jf_t + INTERVAL"
+            f" (CASE owner {case} END) MICROSECOND WHERE {keyed}(key_hash, owner) IN ({pairs})"
+            " AND expires_at > @jf_t",
+            f"SELECT key_hash, owner FROM {table} WHERE {keyed}(key_hash, owner) IN ({pairs})"
+            " AND heartbeat_at = @jf_t",
+        ]
+    )
+    flat = [x for h, (_, o, _) in zip(hashes, items, strict=True) for x in (h, o)]
+    params: list[Any] = [x for _, o, t in items for x in (o, t * 1000)]
+    params += [*(hashes if by_key else []), *flat] * 2
+    sets = run(sql, params, None)
+    done = {(h, o) for h, o in sets[2]}
+    return [(h, o) in done for h, (_, o, _) in zip(hashes, items, strict=True)]
 
 
 def semaphore_ddl(state: str, slots: str, waiters: str) -> list[str]:
@@ -114,7 +150,7 @@ class MySQLSemaphores:
                 "COMMIT",
             ]
         )
-        params = {"h": _hash(key), "o": owner, "limit": limit, "ttl": ttl_ms * 1000,
+        params = {"h": key_hash(key), "o": owner, "limit": limit, "ttl": ttl_ms * 1000,
                   "q": queue_ms * 1000, "floor": self.fence_floor,
                   "holder": holder_text(meta)}  # fmt: skip
         sets = self._run(sql, params, key)
@@ -133,25 +169,7 @@ class MySQLSemaphores:
         if not self._sem_ready:
             self.create_semaphore_tables()
         _, sl, _ = self._sem_tables()
-        hashes = [_hash(k) for k, _, _ in items]
-        pairs = ", ".join(["(%s, %s)"] * len(items))
-        case = " ".join(["WHEN %s THEN %s"] * len(items))
-        sql = ";".join(
-            [
-                "SET @jf_t = NOW(6)",
-                f"UPDATE {sl} SET heartbeat_at = @jf_t, expires_at = @jf_t + INTERVAL"
-                f" (CASE owner {case} END) MICROSECOND"
-                f" WHERE (key_hash, owner) IN ({pairs}) AND expires_at > @jf_t",
-                f"SELECT key_hash, owner FROM {sl}"
-                f" WHERE (key_hash, owner) IN ({pairs}) AND heartbeat_at = @jf_t",
-            ]
-        )
-        flat = [x for h, (_, o, _) in zip(hashes, items, strict=True) for x in (h, o)]
-        params: list[Any] = [x for _, o, t in items for x in (o, t * 1000)]
-        params += flat + flat
-        sets = self._run(sql, params, None)
-        done = {(h, o) for h, o in sets[2]}
-        return [(h, o) in done for h, (_, o, _) in zip(hashes, items, strict=True)]
+        return extend_many(self._run, sl, items)
 
     def _sem_release(self, key: str, owner: str) -> bool:
         if not self._sem_ready:
@@ -168,7 +186,7 @@ class MySQLSemaphores:
                 "SELECT @jf_r",
             ]
         )
-        sets = self._run(sql, {"h": _hash(key), "o": owner}, key)
+        sets = self._run(sql, {"h": key_hash(key), "o": owner}, key)
         return bool(sets[-1][0][0])
 
     def _sem_holders(self, key: str) -> list[SlotInfo]:
@@ -178,7 +196,7 @@ class MySQLSemaphores:
         rows = self._run(
             f"SELECT fence, TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at), holder FROM {sl}"
             " WHERE key_hash = %s AND expires_at > NOW(6)",
-            (_hash(key),),
+            (key_hash(key),),
             key,
         )[0]
         return [parse_holder(int(f), int(us) / 1e6, h) for f, us, h in rows]

@@ -15,6 +15,8 @@ import psycopg
 from psycopg import errors as pgerrors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from jobfence.config.findings import Finding, LockTarget, refuse, warn
+from jobfence.config.urls import redact
 from jobfence.locks import registry
 from jobfence.locks.backend import (
     Busy,
@@ -26,6 +28,7 @@ from jobfence.locks.backend import (
     poll_until_free,
 )
 from jobfence.locks.backends.postgres_semaphore import PostgresSemaphores
+from jobfence.locks.backends.probe import foreign_sql_refusal
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import OwnerMeta
@@ -34,6 +37,7 @@ TABLE = "jobfence_locks"
 FENCE_SEQUENCE = "jobfence_lock_fence_seq"
 CHANNEL = "jobfence_release"
 SCHEMES = registry.entry("postgres").schemes  # the registry is the one list
+DEFAULT_PORT = 5432
 
 # One row per (prefix, key): the lease, the job's final record, the queued-task marker and the
 # crash-suspect delivery count. Rows outlive their lease (owner '' once released), so a key's
@@ -610,6 +614,39 @@ class PostgresBackend(PostgresSemaphores, LockBackend):
         with self._conn("health", None) as conn:
             row = conn.execute("SHOW server_version").fetchone()
         return f"PostgreSQL {row[0] if row else '?'}"
+
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        """Reachable, and its sessions as its statements need them (`session_problems`)."""
+        setting, url = target.setting, target.url
+        try:
+            problems = self.session_problems()
+        except BackendUnavailable as exc:
+            if OPTIONS_FIX in str(exc.cause):  # a pooler that refuses them for good: no outage
+                yield refuse(
+                    setting,
+                    f"the lock database at {redact(url)}: {OPTIONS_FIX}",
+                    "add `ignore_startup_parameters = options` to pgbouncer.ini",
+                )
+                return
+            foreign = foreign_sql_refusal(target, "PostgreSQL", DEFAULT_PORT)
+            if foreign is not None:
+                yield foreign
+                return
+            # As for Redis: come up and wait rather than crash-loop during an outage.
+            yield warn(
+                setting,
+                f"cannot reach the lock database at {redact(url)} at start-up ({exc.cause}); "
+                "starting anyway: jobs wait and are redelivered until it answers",
+                "start the database, or fix the URL if it is wrong",
+            )
+            return
+        for problem in problems:
+            yield refuse(
+                setting,
+                f"the lock database at {redact(url)}: {problem}",
+                "use PostgreSQL 11 or later; behind a pooler that drops the startup options, "
+                "ALTER ROLE ... SET default_transaction_isolation = 'read committed'",
+            )
 
     def session_problems(self) -> list[str]:
         """What in this server or session breaks the backend's statements (start-up check).

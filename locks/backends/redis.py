@@ -16,6 +16,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from jobfence.config.findings import Finding, LockTarget, OutageProbe
 from jobfence.config.settings import Settings
 from jobfence.locks.backend import (
     Busy,
@@ -27,6 +28,7 @@ from jobfence.locks.backend import (
     Security,
     validate_key,
 )
+from jobfence.locks.backends import redis_checks
 from jobfence.locks.backends.common import settings_options
 from jobfence.locks.backends.redis_scripts import load_scripts
 from jobfence.locks.backends.redis_semaphore import RedisSemaphores
@@ -422,6 +424,12 @@ class RedisBackend(RedisSemaphores, LockBackend):
         """TLS and login as the client's connections are configured (the pool's options)."""
         pool: Any = self.client.connection_pool
         return security_of_kwargs(pool.connection_kwargs, self._tls)
+
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        return redis_checks.server_findings(self, target)
+
+    def outage_probe(self, target: LockTarget) -> OutageProbe | None:
+        return redis_checks.ServerProbe(target)
 
     def _hint(self, exc: BaseException) -> str | None:
         """What to fix when `exc` says the TLS set-up or the login cannot work, else None."""

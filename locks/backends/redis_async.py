@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import redis
 import redis.asyncio
@@ -143,6 +143,7 @@ class AsyncRedisStore(NativeAsyncStore):
     """
 
     backend: RedisBackend  # the sync twin (NativeAsyncStore)
+    sync_class: ClassVar[type[RedisBackend]] = RedisBackend
     name: ClassVar[str] = "redis"
     capabilities: ClassVar[Capabilities] = RedisBackend.capabilities
 
@@ -180,9 +181,19 @@ class AsyncRedisStore(NativeAsyncStore):
         socket_timeout: float = 2.0,
         max_connections: int = 32,
         clock: Clock = SYSTEM_CLOCK,
-    ) -> AsyncRedisStore:
-        backend = RedisBackend.from_url(url, prefix=prefix, socket_timeout=socket_timeout,
-                                        clock=clock)  # fmt: skip
+    ) -> Self:
+        """The store of `url`, beside its sync twin (`sync_class`, built from the same URL);
+        each Redis topology's store connects in its own `_connect`."""
+        backend = cls.sync_class.from_url(
+            url, prefix=prefix, socket_timeout=socket_timeout, clock=clock
+        )
+        return cls._connect(url, backend, socket_timeout, max_connections)
+
+    @classmethod
+    def _connect(
+        cls, url: str, backend: RedisBackend, socket_timeout: float, max_connections: int
+    ) -> Self:
+        """The asyncio clients of `url` (one server's), around the sync twin `backend`."""
         # The sync client's options, with redis.asyncio's own (no-)retry object. A waiter
         # holds a connection in BLPOP, so many coroutines need many: past the cap an op
         # waits for a free one rather than fail.

@@ -28,6 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from jobfence.config.findings import Finding, LockTarget, OutageProbe
 from jobfence.config.security import refuse_node
 from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_target
@@ -480,6 +481,15 @@ class RedisClusterBackend(RedisBackend):
         return [reply if reply is not None else [] for reply in replies]
 
     # -- servers ---------------------------------------------------------------------------
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        # Every node, replicas too (they become masters): refuse eviction; warn when one
+        # is down, the cluster state is not ok, or no replica can take over a failed master.
+        for refuse, problem, fix in self.check_servers():
+            yield Finding(refuse, target.setting, problem, fix)
+
+    def outage_probe(self, target: LockTarget) -> OutageProbe | None:
+        return None  # its URL is no redis:// one, and its findings never say it is down
+
     def check_servers(self) -> list[tuple[bool, str, str]]:
         """What about the cluster is unsafe (refuse) or weakens a guarantee (warn), per node.
 

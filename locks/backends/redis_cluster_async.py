@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 
 from jobfence.config.security import refuse_node
 from jobfence.locks.backend import Capabilities, settle_extensions, validate_ttl
-from jobfence.locks.backends.redis import EXTEND_CHUNK
+from jobfence.locks.backends.redis import EXTEND_CHUNK, RedisBackend
 from jobfence.locks.backends.redis_async import AsyncRedisStore
 from jobfence.locks.backends.redis_cluster import (
     RedisClusterBackend,
@@ -25,7 +25,6 @@ from jobfence.locks.backends.redis_cluster import (
 )
 from jobfence.locks.backends.redis_scripts import script_source
 from jobfence.locks.backends.redis_semaphore import SEMAPHORE_SCRIPTS, sem_extend_call
-from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
 from jobfence.locks.slots import SlotLease
@@ -65,23 +64,16 @@ class AsyncClusterStore(AsyncRedisStore):
 
     name: ClassVar[str] = "redis-cluster"
     capabilities: ClassVar[Capabilities] = RedisClusterBackend.capabilities
+    sync_class: ClassVar[type[RedisBackend]] = RedisClusterBackend
 
     backend: RedisClusterBackend
     client: Any  # a RedisCluster: redis-py leaves it largely untyped
 
     @classmethod
-    def from_url(  # type: ignore[override]
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        max_connections: int = 32,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> AsyncClusterStore:
-        backend = RedisClusterBackend.from_url(
-            url, prefix=prefix, socket_timeout=socket_timeout, clock=clock
-        )
+    def _connect(
+        cls, url: str, backend: RedisBackend, socket_timeout: float, max_connections: int
+    ) -> Self:
+        assert isinstance(backend, RedisClusterBackend)
         client = _JudgedAsyncCluster(
             **cluster_options(url, socket_timeout, _Node),
             retry=Retry(NoBackoff(), 0),  # per node: a waiter holds one connection

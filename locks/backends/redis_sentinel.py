@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -17,9 +17,11 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
+from jobfence.config.findings import Finding, LockTarget
 from jobfence.config.security import refuse_node
 from jobfence.config.urls import sentinel_target
 from jobfence.locks.backend import Capabilities
+from jobfence.locks.backends import redis_checks
 from jobfence.locks.backends.redis import RedisBackend, _Lane, client_options
 from jobfence.locks.backends.redis_url import tls_hint, tls_kwargs
 from jobfence.locks.errors import BackendUnavailable
@@ -473,6 +475,9 @@ class RedisSentinelBackend(RedisBackend):
             decode_responses=True,
             **tls,
         )
+
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        return redis_checks.sentinel_findings(self, target)
 
     def close(self) -> None:
         self.watch.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import redis.asyncio
 from redis.asyncio.connection import BlockingConnectionPool
@@ -14,13 +14,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from jobfence.locks.backend import Capabilities
+from jobfence.locks.backends.redis import RedisBackend
 from jobfence.locks.backends.redis_async import POOL_WAIT, AsyncRedisStore
 from jobfence.locks.backends.redis_sentinel import (
     MasterWatch,
     RedisSentinelBackend,
     sentinel_setup,
 )
-from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
 
 
@@ -58,20 +58,12 @@ class AsyncSentinelStore(AsyncRedisStore):
 
     name: ClassVar[str] = "redis-sentinel"
     capabilities: ClassVar[Capabilities] = RedisSentinelBackend.capabilities
+    sync_class: ClassVar[type[RedisBackend]] = RedisSentinelBackend
 
     @classmethod
-    def from_url(  # type: ignore[override]
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        max_connections: int = 32,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> AsyncSentinelStore:
-        backend = RedisSentinelBackend.from_url(
-            url, prefix=prefix, socket_timeout=socket_timeout, clock=clock
-        )
+    def _connect(
+        cls, url: str, backend: RedisBackend, socket_timeout: float, max_connections: int
+    ) -> Self:
         assert isinstance(backend, RedisSentinelBackend)
         sentinel_args, service, master_args = sentinel_setup(url, socket_timeout,
                                                              Retry(NoBackoff(), 0))  # fmt: skip

@@ -21,6 +21,7 @@ from redis.connection import parse_url
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
+from jobfence.config.findings import Finding, LockTarget
 from jobfence.config.settings import Settings
 from jobfence.config.urls import redlock_masters
 from jobfence.locks.backend import (
@@ -1179,6 +1180,12 @@ class RedlockBackend(LockBackend):
             hostname_checked=all(s.hostname_checked for s in each),
             auth=all(s.auth for s in each),
         )
+
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        # Per master: refuse eviction; warn when one is down or keeps no crash-proof AOF
+        # (its fence is then not durable, and the backend's capabilities say so).
+        for refuse, problem, fix in self.check_servers():
+            yield Finding(refuse, target.setting, problem, fix)
 
     def check_servers(self) -> list[tuple[bool, str, str]]:
         """What about the masters is unsafe (refuse) or weakens a guarantee (warn).

@@ -44,6 +44,7 @@ from kazoo.security import (
     make_digest_acl_credential,
 )
 
+from jobfence.config.findings import Finding, LockTarget
 from jobfence.locks import registry
 from jobfence.locks.backend import (
     BeginResult,
@@ -58,7 +59,7 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
-from jobfence.locks.backends.common import flag_value
+from jobfence.locks.backends.common import flag_value, server_findings
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LeaseLost, LockError, NotOwner
 from jobfence.locks.lease import DRIFT_FLOOR, DRIFT_FRACTION, Lease, OwnerMeta, new_owner_token
@@ -1725,6 +1726,10 @@ class ZooKeeperBackend(LockBackend):
         return removed
 
     # -- start-up checks and closing ------------------------------------------------------------
+    def startup_findings(self, target: LockTarget) -> Iterator[Finding]:
+        """Its session bounds would stretch none of the app's lease TTLs (`server_problems`)."""
+        return server_findings(target, lambda: self.server_problems(target.ttls))
+
     def server_problems(self, ttls: Sequence[float] = ()) -> list[tuple[str, str]]:
         """(problem, fix) pairs: TTLs the server would stretch (its session bounds).
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import socket
 import struct
+from urllib.parse import urlsplit
 
+from jobfence.config.findings import Finding, LockTarget, refuse
 from jobfence.config.schemes import backend_schemes
+from jobfence.config.urls import redact
 
 #: PostgreSQL's SSLRequest: length 8, code 80877103; a PostgreSQL server answers b"S" or b"N".
 PG_SSL_REQUEST = struct.pack("!II", 8, 80877103)
@@ -91,3 +94,30 @@ SCHEME_FOR = {
     "MySQL/MariaDB": f"{backend_schemes('mysql').plain}://",
     "Redis": f"{backend_schemes('redis').plain}://",
 }
+
+
+def foreign_fix(foreign: str, setting: str, expected: str = "Redis", port: int = 6379) -> str:
+    """The fix of a lock URL (`setting`) whose address answers as `foreign`, not `expected`."""
+    fix = f"point {setting} at your {expected} server's address and port ({port} by default)"
+    scheme = SCHEME_FOR.get(foreign)
+    return fix + (f", or use a {scheme} URL to keep locks in {foreign}" if scheme else "")
+
+
+def foreign_sql_refusal(target: LockTarget, expected: str, default_port: int) -> Finding | None:
+    """The refusal of a SQL lock URL whose address answers as another server (a
+    `postgresql://` URL at Redis's port): a wrong setting, never an outage to wait out."""
+    parts = urlsplit(target.url)
+    if not parts.hostname:  # a socket directory or ?host=: nothing to probe by address
+        return None
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        return None
+    foreign = foreign_sql_server(parts.hostname, port, expected)
+    if foreign is None:
+        return None
+    return refuse(
+        target.setting,
+        f"{redact(target.url)} answers, but as {foreign}, not a {expected} server",
+        foreign_fix(foreign, target.setting, expected, default_port),
+    )
