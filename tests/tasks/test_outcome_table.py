@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Where a status may be named: the flow that decides, and the types it decides with.
 DECIDERS = ("tasks/flow/",)
 #: The shells and observers: they match a verdict or read an event's row, never a status.
-SHELLS = ("tasks/celery_task.py", "tasks/django_tasks.py", "tasks/tracing.py",
-          "tasks/middleware.py", "tasks/testing/", "worker/why.py")  # fmt: skip
+SHELLS = ("tasks/celery_task.py", "tasks/celery_spec.py", "tasks/celery_publish.py",
+          "tasks/django_tasks.py", "tasks/tracing.py", "tasks/middleware.py", "tasks/testing/",
+          "worker/why.py")  # fmt: skip
 
 
 def verdict_of(out: Outcome, **spec: object) -> Verdict:
