@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DECIDERS = ("tasks/flow/",)
 #: The shells and observers: they match a verdict or read an event's row, never a status.
 SHELLS = ("tasks/celery_task.py", "tasks/celery_spec.py", "tasks/celery_publish.py",
-          "tasks/django_tasks.py", "tasks/tracing.py", "tasks/middleware.py", "tasks/testing/",
-          "worker/why.py")  # fmt: skip
+          "tasks/django_tasks.py", "tasks/django_carrier.py", "tasks/tracing.py",
+          "tasks/middleware.py", "tasks/testing/", "worker/why.py")  # fmt: skip
 
 
 def verdict_of(out: Outcome, **spec: object) -> Verdict:
