@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
-from typing import Any, ClassVar, NoReturn, overload
+from typing import Any, ClassVar, overload
 
 from celery import Task, shared_task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from jobfence.locks.drive import run_sync
-from jobfence.locks.errors import LockError, RateLimitUnsupported
+from jobfence.locks.errors import LockError
 from jobfence.locks.lease import Lease
-from jobfence.locks.registry import backends_with
+from jobfence.tasks.celery_publish import publish_again, publish_once
+from jobfence.tasks.celery_spec import delivery_spec, request_fields
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
@@ -23,10 +22,9 @@ from jobfence.tasks.errors import (
     JobSkipped,
     TaskDefinitionError,
 )
-from jobfence.tasks.executor import RATE_HORIZON, JobSpec, RateSpec
-from jobfence.tasks.flow.marks import BROKER_REDELIVERED, KEY_HEADER, REPUBLISHED_HEADER, Marks
+from jobfence.tasks.flow.marks import KEY_HEADER, REPUBLISHED_HEADER, Marks
 from jobfence.tasks.flow.verdict import ComeBack, NotSettled, Stop, Value
-from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity, job_key
+from jobfence.tasks.keys import KeySelector, bind_arguments, identity
 from jobfence.tasks.options import (
     DEFAULTS,
     OPTION_NAMES,
@@ -43,15 +41,11 @@ from jobfence.tasks.options import (
     refuse_unknown,
     split_options,
 )
-from jobfence.tasks.publish import give_back_flow, publish_flow
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 #: The header of an explicit idempotency key (`apply_async(idempotency_key=...)`).
 HEADER = KEY_HEADER
 PASSTHROUGH = (Retry, Ignore, Reject)
-#: Publish options that make a workflow wait on the published task id (chain, group, chord).
-WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
-log = logging.getLogger(__name__)
 
 
 #: Serializers a singleton task may send: JSON, or JSON signed by Celery's `auth` serializer.
@@ -158,45 +152,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                     args, kwargs, task_id, *rest, headers=headers, **options
                 )
 
-            workflow = any(options.get(name) for name in WORKFLOW_OPTIONS)
-            return self._publish_once(key, task_id, self._dedupe_ttl(self._runtime(), options),
-                                      publish, workflow=workflow)  # fmt: skip
+            return publish_once(self, key, task_id, options, publish)
         return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
-
-    def _publish_once(
-        self, key: str, task_id: str, ttl: float, publish: Callable[[], Any], *, workflow: bool
-    ) -> Any:
-        """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`
-        (tasks/publish.py decides). A workflow's duplicate goes out unclaimed and meets the
-        running copy at the gate (docs/explanation/delivery-policy.md)."""
-        backend = self._runtime().backend
-        flow = publish_flow(key, task_id, ttl, policy=self.jobfence_options.on_duplicate_publish,
-                            workflow=workflow, name=self.name)  # fmt: skip
-        decision = run_sync(flow, backend, backend.clock)
-        if decision.action == "result":
-            return self.AsyncResult(decision.holder)
-        if decision.action == "unclaimed":
-            log.info("%s: a copy is queued or running as task %s; this publish carries a "
-                     "workflow, so it goes out and meets that copy at the gate",
-                     self.name, decision.holder)  # fmt: skip
-            return publish()
-        try:
-            out = publish()
-        except BaseException:
-            # Nothing of ours was queued: the claim goes back, so the next publish goes out.
-            flow_back = give_back_flow(key, task_id, ttl, previous=decision.previous)
-            if not run_sync(flow_back, backend, backend.clock):
-                log.error("%s: replacing task %s failed and its claim could not be given "
-                          "back", self.name, decision.previous)  # fmt: skip
-            raise
-        if decision.previous is not None:
-            log.info("%s: task %s replaced queued task %s", self.name, task_id,
-                     decision.previous)  # fmt: skip
-        return out
-
-    def _dedupe_ttl(self, rt: Runtime, options: dict[str, Any]) -> float:
-        base = self.jobfence_options.dedupe_ttl or rt.settings.visibility_timeout
-        return base + float(options.get("countdown") or 0)
 
     # -- executing ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -217,7 +174,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         # Bound before the runtime is asked for: a wrong argument is the caller's TypeError.
         arguments = bind_arguments(self.run, args, kwargs, name=self.name)
         rt = self._runtime()
-        spec = self._spec(rt, arguments, req)
+        spec = delivery_spec(self, rt, arguments, req)
         verdict = rt.executor.deliver(
             spec, lambda _ctx: self.run(*args, **kwargs), passthrough=PASSTHROUGH
         )
@@ -229,98 +186,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             case ComeBack(retry=True):
                 raise self.retry(countdown=verdict.countdown)
             case ComeBack(countdown=countdown, marks=copy):
-                self._publish_again(req, countdown, copy.onto(req.headers))
+                publish_again(self, req, countdown, copy.onto(req.headers))
             case NotSettled(reason=reason, fence=fence):
                 raise JobNotSettled(f"{reason}; call it again", key=spec.key, fence=fence)
-
-    def _spec(self, rt: Runtime, arguments: dict[str, Any], req: Any) -> JobSpec:
-        """This delivery as the flow needs it: the job's identity, its options, what the
-        message carries (`Marks`) and what the broker and the workflow around it are."""
-        marks = Marks.read(req.headers, _fields(req))
-        key, fp = self._identity(rt, arguments, marks.key)
-        o = self.jobfence_options
-        queues = not (req.called_directly or req.is_eager)
-        return self._template(rt).but(
-            key=key,
-            fingerprint=fp,
-            task_id=req.id or "",
-            redeliveries=marks.redeliveries,
-            suspect=marks.deferred or _redelivered(req),
-            queues=queues,
-            concurrency_key=(
-                concurrency_key(rt.secret, self.name, arguments, o.concurrency_key)
-                if o.concurrency
-                else ""
-            ),
-            rate=self._rate_spec(rt, arguments, queues, marks.rate_slot),
-            previous=_previous_identities(self, rt, arguments, marks.key),
-            marks=marks,
-            in_workflow=bool(req.callbacks or req.chain or req.chord or req.group),
-        )
-
-    def _template(self, rt: Runtime) -> JobSpec:
-        """What every delivery's spec shares: the task's options under the runtime's
-        settings, built once per (runtime, options)."""
-        s, o = rt.settings, self.jobfence_options
-        made = self.__dict__.get("_jobfence_template")
-        if made is not None and made[0] is s and made[1] is o:
-            return made[2]  # type: ignore[no-any-return]
-        template = JobSpec(
-            name=self.name,
-            key="",
-            fingerprint="",
-            failed_message=s.failed_record_message,
-            max_crashed=s.max_crashed_deliveries,
-            claim_ttl=o.dedupe_ttl or s.visibility_timeout,
-            supersede=o.dedupe_on_publish and o.on_duplicate_publish == "replace",
-            publish_claim=o.dedupe_on_publish,
-            countdown_cap=max(0.1, s.visibility_timeout / 2),
-            **o.job_fields(s),
-        )
-        self.__dict__["_jobfence_template"] = (s, o, template)
-        return template
-
-    def _rate_spec(
-        self, rt: Runtime, arguments: dict[str, Any], queues: bool, slot: float | None
-    ) -> RateSpec | None:
-        """The job's global rate limit, if the task has one: limiter key, policy, turn."""
-        o = self.jobfence_options
-        rate = o.rate
-        if rate is None:
-            return None
-        if not rt.backend.capabilities.rate_limit:
-            raise RateLimitUnsupported(
-                f"{self.name} has global_rate_limit={str(rate)!r}, but the "
-                f"{rt.backend.name} lock backend keeps no shared rate limits; use "
-                f"{backends_with('rate_limit')}"
-            )
-        if o.rate_key is None:
-            limiter = self.name
-        else:  # a digest of the chosen arguments, never the arguments themselves
-            limiter = job_key(rt.secret, self.name, arguments, selector=o.rate_key)
-        policy, wait = o.on_rate_limited, o.wait_timeout
-        if policy == "retry" and not queues:
-            policy, wait = "wait", RATE_HORIZON  # no broker to come back through: wait here
-        return RateSpec(
-            key=limiter,
-            label=self.name,
-            interval=rate.interval,
-            burst=rate.burst,
-            on_limited=policy,
-            wait_timeout=rt.settings.acquire_timeout if wait is None else wait,
-            slot=slot,
-        )
-
-    def _publish_again(self, req: Any, countdown: float, headers: dict[str, Any]) -> NoReturn:
-        """Publish the delivered message `req` again (same id; `headers` from _copy_headers,
-        so no publish claim is made for it), then ack this delivery. If the publish fails,
-        the message goes back to the broker instead (Reject with requeue): never dropped."""
-        try:
-            self.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
-        except Exception as exc:
-            log.warning("re-publish of %s[%s] failed (%s): requeued", self.name, req.id, exc)
-            raise Reject(exc, requeue=True) from exc
-        raise Ignore()
 
     def retry(
         self,
@@ -346,7 +214,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if job is not None:
                     job.release_now()  # the job's flow; unanswered, the lease ends at its TTL
             # The retry is this delivered message again: marked, never de-duplicated away.
-            copied = Marks.read(req.headers, _fields(req)).copy().onto(req.headers)
+            copied = Marks.read(req.headers, request_fields(req)).copy().onto(req.headers)
             options["headers"] = {**copied, **(options.get("headers") or {}),
                                   REPUBLISHED_HEADER: 1}  # fmt: skip
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
@@ -355,29 +223,6 @@ class SingletonTask(Task):  # type: ignore[misc]
 #: Each option an attribute of the task too (`task.on_conflict`), read from its options.
 add_option_attributes(SingletonTask, "jobfence_options")
 
-
-def _previous_identities(
-    task: SingletonTask, rt: Runtime, arguments: dict[str, Any], explicit: str | None
-) -> tuple[tuple[str, str], ...]:
-    """(key, fingerprint) of the job under each earlier secret (JOBFENCE_KEY_SECRET_PREVIOUS)."""
-    return tuple(
-        identity(old, task.name, arguments, selector=task.jobfence_options.key, explicit=explicit)
-        for old in rt.previous_secrets
-    )
-
-
-def _fields(req: Any) -> dict[str, Any]:
-    """The request's own attributes. Celery may put a message's custom headers there; read
-    as a dict, a missing one costs no AttributeError (getattr with a default raises one)."""
-    fields: dict[str, Any] = getattr(req, "__dict__", {})
-    return fields
-
-
-def _redelivered(req: Any) -> bool:
-    """True if the broker redelivered this message (acks_late, reject_on_worker_lost, the
-    visibility timeout): it may follow a delivery that died mid-body."""
-    info = req.delivery_info or {}
-    return bool(info.get("redelivered") or (req.headers or {}).get(BROKER_REDELIVERED))
 
 
 @overload
@@ -434,6 +279,22 @@ def singleton_task(
     task options pass through unchanged; a keyword that is neither is refused, naming the
     nearest valid one.
     """
+    attributes = _task_attributes(base, options)
+    checked: TaskOptions = attributes["jobfence_options"]
+
+    def decorate(func: Callable[..., Any]) -> Any:
+        checked.check_names(func, bound=bool(attributes.get("bind")))
+        return (app.task(**attributes) if app is not None else shared_task(**attributes))(func)
+
+    if fn:
+        return decorate(fn[0])
+    return decorate
+
+
+def _task_attributes(base: type[SingletonTask], options: dict[str, Any]) -> dict[str, Any]:
+    """The task class's attributes from the decorator's keywords: the jobfence options
+    checked (`jobfence_options`), Celery's passed through; a keyword that is neither is
+    refused, and so is a serializer other than JSON or signed JSON."""
     given, celery_options = split_options(options)
     known = celery_option_names(base)
     refuse_unknown("@singleton_task", set(celery_options) - known, {*OPTION_NAMES, *known},
@@ -445,12 +306,4 @@ def singleton_task(
             "singleton tasks use the json serializer (or auth, Celery's signed JSON); pickle "
             "runs broker data"
         )
-    attributes = {"base": base, "jobfence_options": checked, **celery_options}
-
-    def decorate(func: Callable[..., Any]) -> Any:
-        checked.check_names(func, bound=bool(celery_options.get("bind")))
-        return (app.task(**attributes) if app is not None else shared_task(**attributes))(func)
-
-    if fn:
-        return decorate(fn[0])
-    return decorate
+    return {"base": base, "jobfence_options": checked, **celery_options}

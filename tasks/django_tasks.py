@@ -6,46 +6,36 @@ does (look up DONE, take the lease, run with the fence, commit). Options come as
 keywords (the backport and Django 6.1 pass them to the backend's task class) or from
 `@fenced(...)` under `@task` (Django 6.0). `CeleryBackend` is a plain backend that carries
 tasks to Celery workers, which the gate's unsettled outcomes come back through.
+
+This module is the gate (`FencedTask`, `@fenced`, `FencedBackend`); CeleryBackend and its
+carrier are in tasks/django_carrier.py, the framework's import in tasks/django_framework.py,
+and every public name is importable from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery import Task as CeleryTask
-from celery import shared_task
-from celery.utils import uuid
-from django.utils import timezone
 from django.utils.module_loading import import_string
 
-# Django 6's own framework first: a Django that has it never runs the backport, even where
-# the backport is installed too. The backport serves Django 4.2-5.x.
-try:
-    from django.tasks.backends.base import BaseTaskBackend
-    from django.tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
-    from django.tasks.signals import task_enqueued, task_finished, task_started
-
-    FRAMEWORK = "django.tasks"  # the module the framework in use is imported from
-except ImportError:
-    try:
-        from django_tasks.backends.base import BaseTaskBackend
-        from django_tasks.base import Task, TaskContext, TaskResult, TaskResultStatus
-        from django_tasks.signals import task_enqueued, task_finished, task_started
-    except ImportError as exc:
-        raise ImportError(
-            "jobfence's Django tasks support needs django.tasks (Django 6) or the backport: "
-            "pip install 'jobfence[django-tasks]'"
-        ) from exc
-    FRAMEWORK = "django_tasks"
-
-from jobfence.tasks.celery_task import SINGLETON_SERIALIZERS
-from jobfence.tasks.errors import JobNotSettled, JobSkipped, TaskDefinitionError
-from jobfence.tasks.executor import JobSpec, Redelivery
+from jobfence.tasks.django_carrier import CARRIER, CeleryBackend
+from jobfence.tasks.django_carrier import carried_task as carried_task
+from jobfence.tasks.django_carrier import carrier_serializer as carrier_serializer
+from jobfence.tasks.django_carrier import run_django_task as run_django_task
+from jobfence.tasks.django_framework import (
+    FRAMEWORK,
+    BaseTaskBackend,
+    Delivery,
+    Task,
+    delivery_now,
+    task_finished,
+    task_started,
+)
+from jobfence.tasks.errors import JobNotSettled, TaskDefinitionError
+from jobfence.tasks.executor import JobSpec
 from jobfence.tasks.flow.verdict import ComeBack, NotSettled, Stop, Value
 from jobfence.tasks.keys import KeySelector, bind_arguments, concurrency_key, identity
 from jobfence.tasks.options import (
@@ -63,28 +53,8 @@ from jobfence.tasks.runtime import Runtime, runtime_for
 
 __all__ = ["CARRIER", "FRAMEWORK", "CeleryBackend", "FencedBackend", "FencedTask", "fenced"]
 
-log = logging.getLogger(__name__)
-
-#: The Celery task that carries a Django task to a worker (CeleryBackend).
-CARRIER = "jobfence.django_task"
-#: The module paths of the Django tasks defined in this process on a CeleryBackend (directly
-#: or wrapped): the carrier imports what a message names only if it is one of these, or lives
-#: in an installed Django app.
-_CARRIED: set[str] = set()
 #: Where `@fenced(...)` leaves its options on the function, for the task class to read.
 OPTIONS_ATTRIBUTE = "__jobfence_options__"
-
-
-@dataclass(frozen=True)
-class _Delivery:
-    """The task result a worker is running now: its id, and whether it may follow a crash."""
-
-    result_id: str
-    redeliveries: int = 0
-    suspect: bool = False
-
-
-_delivery: ContextVar[_Delivery | None] = ContextVar("jobfence_django_delivery", default=None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,7 +117,7 @@ class FencedTask(Task):  # type: ignore[misc]
         arguments = bind_arguments(
             self.func, own, kwargs, skip_first=self.takes_context, name=self.job_name
         )
-        spec = self._spec(rt, arguments, _delivery.get() or _Delivery(""))
+        spec = self._spec(rt, arguments, delivery_now.get() or Delivery(""))
         verdict = rt.executor.deliver(spec, lambda _job: Task.call(self, *args, **kwargs))
         match verdict:  # the flow decided (tasks/flow/verdict.py); here it is carried out
             case Value(value=value):
@@ -159,7 +129,7 @@ class FencedTask(Task):  # type: ignore[misc]
                 raise JobNotSettled(f"{spec.name}: {reason}; enqueue it again (same arguments, "
                                     "same key)", key=spec.key, fence=fence)  # fmt: skip
 
-    def _spec(self, rt: Runtime, arguments: dict[str, Any], delivery: _Delivery) -> JobSpec:
+    def _spec(self, rt: Runtime, arguments: dict[str, Any], delivery: Delivery) -> JobSpec:
         s, name, o = rt.settings, self.job_name, self.jobfence_options
         key, fp = identity(rt.secret, name, arguments, selector=o.key)
         return JobSpec(
@@ -294,165 +264,14 @@ class FencedBackend(BaseTaskBackend):  # type: ignore[misc]
 def _delivery_started(sender: Any, task_result: Any, **_: Any) -> None:
     """A backend's worker starts a task result: the gate takes its id (and whether it is a
     second attempt, which may follow a crash). CeleryBackend's carrier sets it itself."""
-    now = _delivery.get()
+    now = delivery_now.get()
     mine = now is not None and now.result_id == task_result.id
     if isinstance(task_result.task, FencedTask) and not mine:
         attempts = len(task_result.worker_ids)
-        _delivery.set(_Delivery(str(task_result.id), suspect=attempts > 1))
+        delivery_now.set(Delivery(str(task_result.id), suspect=attempts > 1))
 
 
 def _delivery_finished(sender: Any, task_result: Any, **_: Any) -> None:
-    now = _delivery.get()
+    now = delivery_now.get()
     if now is not None and now.result_id == task_result.id:
-        _delivery.set(None)
-
-
-class CeleryBackend(BaseTaskBackend):  # type: ignore[misc]
-    """A task backend that sends each task to Celery workers (OPTIONS: `app`, the dotted path
-    of the Celery app). The workers run the `jobfence.django_task` carrier: include
-    "jobfence.tasks.django_tasks" in the app. Queue "default" is Celery's default queue."""
-
-    supports_defer = True
-    supports_async_task = True
-
-    def __init__(self, alias: str, params: dict[str, Any]) -> None:
-        super().__init__(alias, params)
-        path = self.options.get("app")
-        if not isinstance(path, str) or not path:
-            raise TaskDefinitionError(
-                f"TASKS[{alias!r}] OPTIONS need 'app': the dotted path of your Celery app, "
-                "e.g. 'proj.celery.app'"
-            )
-        self.celery_app = import_string(path)
-
-    def validate_task(self, task: Any) -> None:
-        """Django's own checks; then the task is one the carrier may run (_CARRIED)."""
-        super().validate_task(task)
-        _CARRIED.add(task.module_path)
-
-    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
-        self.validate_task(task)
-        result = TaskResult(
-            task=task,
-            id=uuid(),
-            status=TaskResultStatus.READY,
-            enqueued_at=timezone.now(),
-            started_at=None,
-            last_attempted_at=None,
-            finished_at=None,
-            args=args,
-            kwargs=kwargs,
-            backend=self.alias,
-            errors=[],
-            worker_ids=[],
-        )
-        # The app's serializer where it is JSON or signed JSON (`auth`), as singleton tasks
-        # do: a worker that accepts only signed messages drops a plain JSON one.
-        options: dict[str, Any] = {"task_id": result.id, "serializer": carrier_serializer(
-            self.celery_app)}  # fmt: skip
-        if task.queue_name != "default":
-            options["queue"] = task.queue_name
-        if task.run_after is not None:
-            options["eta"] = task.run_after
-        self.celery_app.send_task(
-            CARRIER, args=[task.module_path, result.args, result.kwargs], **options
-        )
-        task_enqueued.send(type(self), task_result=result)
-        return result
-
-
-def carrier_serializer(app: Any) -> str:
-    """The serializer the carrier's messages use: the app's when JSON or `auth`, else JSON."""
-    chosen = str(app.conf.task_serializer or "json")
-    return chosen if chosen in SINGLETON_SERIALIZERS else "json"
-
-
-class _Carrier(CeleryTask):  # type: ignore[misc]
-    """The carrier's class: it follows the app's serializer like a singleton task (its
-    retries are signed where the app signs)."""
-
-    serializer: str | None = None
-
-    @classmethod
-    def on_bound(cls, app: Any) -> None:
-        super().on_bound(app)
-        if cls.serializer not in SINGLETON_SERIALIZERS:
-            cls.serializer = "json"
-
-
-def carried_task(module_path: str) -> Any:
-    """The Django task `module_path` names, checked before anything is imported: a task this
-    process defined on a CeleryBackend, or one in an installed Django app's modules."""
-    known = isinstance(module_path, str) and (
-        module_path in _CARRIED or _in_an_app(module_path)
-    )
-    if not known:
-        shown = repr(module_path)[:200]
-        raise TaskDefinitionError(
-            f"{CARRIER}: {shown} is no Django task of this worker's (not defined on a "
-            "CeleryBackend here, not in an installed app): not imported; import the module "
-            "that defines the task in the worker, or list its app in INSTALLED_APPS"
-        )
-    task = import_string(module_path)
-    if not isinstance(task, Task) or task.module_path != module_path:
-        raise TaskDefinitionError(f"{module_path} is no Django task (got {type(task).__name__})")
-    return task
-
-
-def _in_an_app(module_path: str) -> bool:
-    from django.apps import apps
-    from django.core.exceptions import AppRegistryNotReady
-
-    try:
-        return apps.get_containing_app_config(module_path.rpartition(".")[0]) is not None
-    except AppRegistryNotReady:  # no django.setup(): only the tasks defined here
-        return False
-
-
-_REDELIVERY = Redelivery()
-
-
-@shared_task(  # type: ignore[untyped-decorator,misc]
-    base=_Carrier,
-    name=CARRIER,
-    bind=True,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    throws=(JobSkipped,),  # an expected end: one log line, no traceback
-    max_retries=None,  # the executor's redelivery limit bounds an unsettled job
-)
-def run_django_task(self: Any, module_path: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    """Run one Django task on a Celery worker; an unsettled job comes back as a retry."""
-    task = carried_task(module_path)
-    req = self.request
-    info = req.delivery_info or {}
-    delivery = _Delivery(req.id, req.retries, bool(info.get("redelivered")))
-    token = _delivery.set(delivery)
-    try:
-        if task.takes_context:
-            return task.call(TaskContext(task_result=_running(task, req, args, kwargs)),
-                             *args, **kwargs)  # fmt: skip
-        return task.call(*args, **kwargs)
-    except JobNotSettled as exc:
-        log.warning("%s[%s] comes back later: %s", module_path, req.id, type(exc).__name__)
-        raise self.retry(exc=exc, countdown=_REDELIVERY.delay(req.retries)) from None
-    finally:
-        _delivery.reset(token)
-
-
-def _running(task: Any, req: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    now = timezone.now()
-    return TaskResult(
-        task=task,
-        id=req.id,
-        status=TaskResultStatus.RUNNING,
-        enqueued_at=None,
-        started_at=now,
-        last_attempted_at=now,
-        finished_at=None,
-        args=args,
-        kwargs=kwargs,
-        backend=task.backend,
-        errors=[],
-        worker_ids=[str(req.hostname)] * (req.retries + 1),
-    )
+        delivery_now.set(None)

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -77,12 +78,60 @@ class _Names:
             return OTHER
 
 
-#: Every metric `Metrics` builds (by attribute), for `rebuild()` and the after-fork locks.
-_METRICS = (
-    "acquire_wait", "conflicts", "timeouts", "lost_leases", "stale_fences", "replays",
-    "executions", "heartbeat", "semaphore_held", "semaphore_limit", "semaphore_wait",
-    "semaphore_requeues", "rate_limit_wait", "rate_limit_denials", "leader", "leader_fence",
-    "leader_terms", "leadership_lost",
+class MetricRow(NamedTuple):
+    """One metric `Metrics` builds: its attribute, kind, series name, help and labels."""
+
+    attribute: str
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # a histogram's
+    mode: str = ""  # a gauge's multiprocess mode
+
+
+#: Every metric `Metrics` builds, in registry order: a table, read by `_build`, `rebuild()`
+#: and the after-fork locks. Each attribute is annotated on `Metrics` for type checkers.
+METRIC_TABLE: tuple[MetricRow, ...] = (
+    MetricRow("acquire_wait", Histogram, "jobfence_acquire_wait_seconds",
+              "Time from first attempt to grant", ("task",), buckets=WAIT_BUCKETS),
+    MetricRow("conflicts", Counter, "jobfence_conflicts_total",
+              "Deliveries that found the job busy", ("task", "policy")),
+    MetricRow("timeouts", Counter, "jobfence_acquire_timeouts_total", "Waits that gave up",
+              ("task",)),
+    MetricRow("lost_leases", Counter, "jobfence_lost_leases_total", "Leases marked lost"),
+    MetricRow("stale_fences", Counter, "jobfence_stale_fence_total",
+              "Writes refused for a stale fencing token", ("task",)),
+    MetricRow("replays", Counter, "jobfence_idempotent_replays_total",
+              "Deliveries answered from a stored result", ("task",)),
+    MetricRow("executions", Counter, "jobfence_executions_total", "Task bodies run",
+              ("task", "outcome")),
+    MetricRow("heartbeat", Histogram, "jobfence_heartbeat_seconds",
+              "Latency of one batched lease extension", ("backend",), buckets=HEARTBEAT_BUCKETS),
+    # livesum: a pool process that exits takes its slots with it (their leases end too).
+    MetricRow("semaphore_held", Gauge, "jobfence_semaphore_slots_held",
+              "Semaphore slots held by this worker's processes", ("semaphore",), mode="livesum"),
+    MetricRow("semaphore_limit", Gauge, "jobfence_semaphore_limit",
+              "Slots a semaphore allows fleet-wide", ("semaphore",), mode="livemax"),
+    MetricRow("rate_limit_wait", Histogram, "jobfence_rate_limit_wait_seconds",
+              "Time a call waited for a global rate limit to admit it", ("limit",),
+              buckets=WAIT_BUCKETS),
+    MetricRow("rate_limit_denials", Counter, "jobfence_rate_limit_denials_total",
+              "Calls a global rate limit refused, by what the caller did then",
+              ("limit", "action")),
+    MetricRow("semaphore_wait", Histogram, "jobfence_semaphore_wait_seconds",
+              "Time a job waited for a concurrency slot", ("semaphore",), buckets=WAIT_BUCKETS),
+    MetricRow("semaphore_requeues", Counter, "jobfence_semaphore_requeues_total",
+              "Jobs published again because no concurrency slot came free in time",
+              ("semaphore",)),
+    MetricRow("leader", Gauge, "jobfence_leader", "1 while this process leads the election",
+              ("election",), mode="livemax"),
+    MetricRow("leader_fence", Gauge, "jobfence_leader_fence",
+              "Fence of this process's latest term", ("election",), mode="max"),
+    MetricRow("leader_terms", Counter, "jobfence_leader_terms_total",
+              "Terms this process won", ("election",)),
+    MetricRow("leadership_lost", Counter, "jobfence_leadership_lost_total",
+              "Terms that ended by a lost lease (not a resignation)", ("election",)),
 )  # fmt: skip
 _RLOCK = type(threading.RLock())
 
@@ -103,6 +152,25 @@ class Metrics:
     prefork worker's /metrics endpoint aggregates every pool process).
     """
 
+    acquire_wait: Histogram
+    conflicts: Counter
+    timeouts: Counter
+    lost_leases: Counter
+    stale_fences: Counter
+    replays: Counter
+    executions: Counter
+    heartbeat: Histogram
+    semaphore_held: Gauge
+    semaphore_limit: Gauge
+    rate_limit_wait: Histogram
+    rate_limit_denials: Counter
+    semaphore_wait: Histogram
+    semaphore_requeues: Counter
+    leader: Gauge
+    leader_fence: Gauge
+    leader_terms: Counter
+    leadership_lost: Counter
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._build()
@@ -110,110 +178,11 @@ class Metrics:
         os.register_at_fork(after_in_child=lambda: (m := ref()) and m._forked())  # type: ignore[func-returns-value]
 
     def _build(self) -> None:
-        r = self.registry
-        self.acquire_wait = Histogram(
-            "jobfence_acquire_wait_seconds",
-            "Time from first attempt to grant",
-            ["task"],
-            registry=r,
-            buckets=WAIT_BUCKETS,
-        )
-        self.conflicts = Counter(
-            "jobfence_conflicts_total",
-            "Deliveries that found the job busy",
-            ["task", "policy"],
-            registry=r,
-        )
-        self.timeouts = Counter(
-            "jobfence_acquire_timeouts_total", "Waits that gave up", ["task"], registry=r
-        )
-        self.lost_leases = Counter("jobfence_lost_leases_total", "Leases marked lost", registry=r)
-        self.stale_fences = Counter(
-            "jobfence_stale_fence_total",
-            "Writes refused for a stale fencing token",
-            ["task"],
-            registry=r,
-        )
-        self.replays = Counter(
-            "jobfence_idempotent_replays_total",
-            "Deliveries answered from a stored result",
-            ["task"],
-            registry=r,
-        )
-        self.executions = Counter(
-            "jobfence_executions_total", "Task bodies run", ["task", "outcome"], registry=r
-        )
-        self.heartbeat = Histogram(
-            "jobfence_heartbeat_seconds",
-            "Latency of one batched lease extension",
-            ["backend"],
-            registry=r,
-            buckets=HEARTBEAT_BUCKETS,
-        )
-        # livesum: a pool process that exits takes its slots with it (their leases end too).
-        self.semaphore_held = Gauge(
-            "jobfence_semaphore_slots_held",
-            "Semaphore slots held by this worker's processes",
-            ["semaphore"],
-            registry=r,
-            multiprocess_mode="livesum",
-        )
-        self.semaphore_limit = Gauge(
-            "jobfence_semaphore_limit",
-            "Slots a semaphore allows fleet-wide",
-            ["semaphore"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self.rate_limit_wait = Histogram(
-            "jobfence_rate_limit_wait_seconds",
-            "Time a call waited for a global rate limit to admit it",
-            ["limit"],
-            registry=r,
-            buckets=WAIT_BUCKETS,
-        )
-        self.rate_limit_denials = Counter(
-            "jobfence_rate_limit_denials_total",
-            "Calls a global rate limit refused, by what the caller did then",
-            ["limit", "action"],
-            registry=r,
-        )
-        self.semaphore_wait = Histogram(
-            "jobfence_semaphore_wait_seconds",
-            "Time a job waited for a concurrency slot",
-            ["semaphore"],
-            registry=r,
-            buckets=WAIT_BUCKETS,
-        )
-        self.semaphore_requeues = Counter(
-            "jobfence_semaphore_requeues_total",
-            "Jobs published again because no concurrency slot came free in time",
-            ["semaphore"],
-            registry=r,
-        )
-        self.leader = Gauge(
-            "jobfence_leader",
-            "1 while this process leads the election",
-            ["election"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self.leader_fence = Gauge(
-            "jobfence_leader_fence",
-            "Fence of this process's latest term",
-            ["election"],
-            registry=r,
-            multiprocess_mode="max",
-        )
-        self.leader_terms = Counter(
-            "jobfence_leader_terms_total", "Terms this process won", ["election"], registry=r
-        )
-        self.leadership_lost = Counter(
-            "jobfence_leadership_lost_total",
-            "Terms that ended by a lost lease (not a resignation)",
-            ["election"],
-            registry=r,
-        )
+        for row in METRIC_TABLE:
+            extra = ({"buckets": row.buckets} if row.buckets
+                     else {"multiprocess_mode": row.mode} if row.mode else {})  # fmt: skip
+            metric = row.kind(row.name, row.doc, row.labels, registry=self.registry, **extra)
+            setattr(self, row.attribute, metric)
         self._series: dict[str, TaskSeries] = {}
         self._semaphores = _Names("jobfence_semaphore_slots_held")
         self._limits = _Names("jobfence_rate_limit_*")
@@ -225,8 +194,8 @@ class Metrics:
         exporter switches to multiprocess mode, the metrics built before must be built
         again. Holders of `Metrics` keep working; holders of a metric object do not.
         """
-        for name in _METRICS:
-            self.registry.unregister(getattr(self, name))
+        for row in METRIC_TABLE:
+            self.registry.unregister(getattr(self, row.attribute))
         self._build()
 
     def _forked(self) -> None:
@@ -236,8 +205,8 @@ class Metrics:
         for names in (self._semaphores, self._limits):
             names.lock = threading.Lock()
         _fresh_lock(self.registry)
-        for name in _METRICS:
-            metric = getattr(self, name)
+        for row in METRIC_TABLE:
+            metric = getattr(self, row.attribute)
             for series in (metric, *getattr(metric, "_metrics", {}).values()):
                 _fresh_lock(series)
                 for value in vars(series).values():  # a counter's value, a histogram's buckets

@@ -62,22 +62,7 @@ class Runtime:
             on_lost=self._on_lost,
             on_extend=self.metrics.observe_heartbeat,
         )
-        # Every delivery's decisions: logged, and kept by the lock server where it can.
-        recorder = DecisionRecorder(self.backend.decision_log(DecisionBounds(
-            per_key=settings.decision_log_size, total=settings.decision_log_total,
-            ttl=settings.decision_log_ttl,
-        ))) if settings.decision_log_size else None  # fmt: skip
-        self.executor = Executor(
-            self.backend,
-            self.keeper,
-            backoff=Backoff(settings.backoff_base, settings.backoff_cap),
-            metrics=self.metrics,
-            redelivery=Redelivery(
-                limit=settings.redelivery_limit, base=settings.redelivery_delay
-            ),
-            middleware=standard(self.metrics, recorder, job_tracer()),  # every observer, here
-        )
-
+        self.executor = _executor(settings, self.backend, self.keeper, self.metrics)
         self._effects: SqlEffects | None = None
 
     @property
@@ -105,6 +90,25 @@ class Runtime:
         self.backend.close()
         if self._effects is not None:
             self._effects.engine.dispose()
+
+
+def _executor(
+    settings: Settings, backend: LockBackend, keeper: LeaseKeeper, metrics: Metrics
+) -> Executor:
+    """The executor on `backend`, with every observer (metrics, the decision log, tracing)."""
+    # Every delivery's decisions: logged, and kept by the lock server where it can.
+    recorder = DecisionRecorder(backend.decision_log(DecisionBounds(
+        per_key=settings.decision_log_size, total=settings.decision_log_total,
+        ttl=settings.decision_log_ttl,
+    ))) if settings.decision_log_size else None  # fmt: skip
+    return Executor(
+        backend,
+        keeper,
+        backoff=Backoff(settings.backoff_base, settings.backoff_cap),
+        metrics=metrics,
+        redelivery=Redelivery(limit=settings.redelivery_limit, base=settings.redelivery_delay),
+        middleware=standard(metrics, recorder, job_tracer()),  # every observer, here
+    )
 
 
 _build_lock = threading.Lock()

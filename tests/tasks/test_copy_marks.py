@@ -14,6 +14,7 @@ from typing import Any
 from celery.app.task import Context
 
 from jobfence.tasks import runtime_for
+from jobfence.tasks.celery_spec import delivery_spec
 from jobfence.tasks.flow.marks import DEFERRED_HEADER, REDELIVERIES_HEADER, Marks
 from tests.tasks.conftest import AppFactory
 from tests.tasks.test_singleton_task import define
@@ -34,10 +35,10 @@ def test_a_copy_of_a_restored_message_is_not_taken_for_a_crash(make_app: AppFact
     rt = runtime_for(app)
     restored = _request({"redelivered": True, "trace": "kept"})
     # Control: the restored message itself may follow a crash, and is counted so.
-    assert task._spec(rt, {"x": 1}, restored).suspect
+    assert delivery_spec(task, rt, {"x": 1}, restored).suspect
     copy_headers = Marks.read(restored.headers).copy().onto(restored.headers)
     assert "redelivered" not in copy_headers and copy_headers["trace"] == "kept"
-    assert not task._spec(rt, {"x": 1}, _request(copy_headers)).suspect
+    assert not delivery_spec(task, rt, {"x": 1}, _request(copy_headers)).suspect
 
 
 def test_a_deferred_copy_is_suspect_by_its_own_mark_and_counts_carry_over() -> None:

@@ -1,0 +1,75 @@
+"""Publishing a singleton task once: the publish claim, given back when the publish fails,
+and a delivered message published again as itself (no claim made for it)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery.exceptions import Ignore, Reject
+
+from jobfence.locks.drive import run_sync
+from jobfence.tasks.publish import give_back_flow, publish_flow
+
+if TYPE_CHECKING:
+    from jobfence.tasks.celery_task import SingletonTask
+
+#: Publish options that make a workflow wait on the published task id (chain, group, chord).
+WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
+#: The Celery shell's logger, named as before the shell was split in files.
+log = logging.getLogger("jobfence.tasks.celery_task")
+
+
+def publish_once(
+    task: SingletonTask, key: str, task_id: str, options: dict[str, Any],
+    publish: Callable[[], Any],
+) -> Any:  # fmt: skip
+    """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`
+    (tasks/publish.py decides). A workflow's duplicate goes out unclaimed and meets the
+    running copy at the gate (docs/explanation/delivery-policy.md)."""
+    rt = task._runtime()
+    backend = rt.backend
+    ttl = _dedupe_ttl(task, rt.settings.visibility_timeout, options)
+    workflow = any(options.get(name) for name in WORKFLOW_OPTIONS)
+    flow = publish_flow(key, task_id, ttl, policy=task.jobfence_options.on_duplicate_publish,
+                        workflow=workflow, name=task.name)  # fmt: skip
+    decision = run_sync(flow, backend, backend.clock)
+    if decision.action == "result":
+        return task.AsyncResult(decision.holder)
+    if decision.action == "unclaimed":
+        log.info("%s: a copy is queued or running as task %s; this publish carries a "
+                 "workflow, so it goes out and meets that copy at the gate",
+                 task.name, decision.holder)  # fmt: skip
+        return publish()
+    try:
+        out = publish()
+    except BaseException:
+        # Nothing of ours was queued: the claim goes back, so the next publish goes out.
+        flow_back = give_back_flow(key, task_id, ttl, previous=decision.previous)
+        if not run_sync(flow_back, backend, backend.clock):
+            log.error("%s: replacing task %s failed and its claim could not be given "
+                      "back", task.name, decision.previous)  # fmt: skip
+        raise
+    if decision.previous is not None:
+        log.info("%s: task %s replaced queued task %s", task.name, task_id,
+                 decision.previous)  # fmt: skip
+    return out
+
+
+def _dedupe_ttl(task: SingletonTask, visibility_timeout: float, options: dict[str, Any]) -> float:
+    base = task.jobfence_options.dedupe_ttl or visibility_timeout
+    return base + float(options.get("countdown") or 0)
+
+
+def publish_again(task: SingletonTask, req: Any, countdown: float,
+                  headers: dict[str, Any]) -> NoReturn:  # fmt: skip
+    """Publish the delivered message `req` again (same id; `headers` from `Marks.onto`, so
+    no publish claim is made for it), then ack this delivery. If the publish fails, the
+    message goes back to the broker instead (Reject with requeue): never dropped."""
+    try:
+        task.signature_from_request(req, countdown=countdown, headers=headers).apply_async()
+    except Exception as exc:
+        log.warning("re-publish of %s[%s] failed (%s): requeued", task.name, req.id, exc)
+        raise Reject(exc, requeue=True) from exc
+    raise Ignore()
