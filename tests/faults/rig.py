@@ -25,10 +25,10 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from demo.shop.ledger import accounts, create_schema, open_account, payments
 from devstack.faults_report import Outcome, Side
+from devstack.redis_server import RedisServer, free_port
 from jobfence.tasks.effects import make_engine
-from jobfence.tasks.shop.ledger import accounts, create_schema, open_account, payments
-from jobfence.worker.redis_server import RedisServer, free_port
 from tests.faults import naive_app
 from tests.integration.celery_fleet import Fleet, broker_backlog
 from tests.servers import wait_for
