@@ -16,8 +16,12 @@ COPY jobfence ./jobfence
 # The ledger is PostgreSQL; Redis (locks, broker, results) is in the core; Flower for its UI.
 RUN pip install ".[postgres,flower]" \
     && useradd --create-home --uid 10001 jobfence
+# The demo shop the services run (celery -A demo.app): an example beside the install, not in
+# the wheel (demo/ of the repository).
+COPY demo /opt/jobfence-demo/demo
+ENV PYTHONPATH=/opt/jobfence-demo
 USER jobfence
 
 # Celery's warm shutdown on SIGTERM lets running jobs finish; give it time in compose.
 STOPSIGNAL SIGTERM
-CMD ["celery", "-A", "jobfence.worker.celery_app", "worker", "--loglevel=INFO"]
+CMD ["celery", "-A", "demo.app", "worker", "--loglevel=INFO"]

@@ -37,7 +37,7 @@ test-fast:
 
 lint:
 	./.ci/setup --venv-only
-	.venv/bin/ruff check jobfence config locks tasks worker devstack tests
+	.venv/bin/ruff check jobfence config locks tasks worker devstack demo tests
 	.venv/bin/mypy
 
 bench:

@@ -109,7 +109,11 @@ def cli_commands() -> list[tuple[str, argparse.ArgumentParser]]:
                     walk(f"{prog} {name}", child)
 
     walk("python -m jobfence", build_parser())
-    return found
+    # `fleet` parses its own arguments, beside the demo in the checkout the site is built from.
+    from demo.fleet import build_parser as fleet_parser
+
+    fleet = "python -m jobfence fleet"
+    return [(prog, fleet_parser() if prog == fleet else parser) for prog, parser in found]
 
 
 def _help_of(parent: argparse.ArgumentParser, name: str) -> str:
@@ -131,8 +135,10 @@ def cli_reference() -> str:
         GENERATED_NOTE,
         "",
         "`python -m jobfence COMMAND` (also the `jobfence` console script). Generated from "
-        "`jobfence.worker.cli.build_parser()` each time the site is built. `bench`, `demo` and "
-        "`faults` take their own options (`python -m jobfence demo --help`): see "
+        "`jobfence.worker.cli.build_parser()` (and `fleet`'s from `demo.fleet`) each time the "
+        "site is built. `fleet`, `demo`, `bench` and `faults` run from a checkout of the "
+        "repository (they live in `demo/` and `devstack/`, not in the wheel); `bench`, `demo` "
+        "and `faults` take their own options (`python -m jobfence demo --help`): see "
         "[the tutorial](../tutorial.md), [Benchmarks](../benchmarks.md) and "
         "[the fault report](../faults.md).",
         "",

@@ -24,8 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from devstack import pki as _pki
-from jobfence.worker import procs
-from jobfence.worker.redis_server import HOST, free_port
+from devstack import procs
+from devstack.redis_server import HOST, free_port
 
 __all__ = ["EtcdCluster", "EtcdServerError", "EtcdTLS", "client_certificate", "etcd_unavailable",
            "server_certificate"]

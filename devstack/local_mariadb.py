@@ -11,8 +11,8 @@ from typing import Any, Self
 
 import pymysql  # type: ignore[import-untyped]
 
-from jobfence.worker import procs
-from jobfence.worker.redis_server import HOST, free_port
+from devstack import procs
+from devstack.redis_server import HOST, free_port
 
 __all__ = ["MariaDBServer", "MariaDBServerError", "unavailable"]
 

@@ -8,8 +8,8 @@ import shutil
 from collections.abc import Sequence
 from typing import Any, Self
 
-from jobfence.worker import procs
-from jobfence.worker.redis_server import HOST, free_port
+from devstack import procs
+from devstack.redis_server import HOST, free_port
 
 __all__ = ["PgBouncer", "PgBouncerError", "unavailable"]
 

@@ -15,9 +15,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from devstack import procs
 from devstack.pki import Pki, redis_tls_args, tls_query
-from jobfence.worker import procs
-from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
+from devstack.redis_server import HOST, RedisServer, RedisServerError, free_port
 
 __all__ = ["LocalSentinel", "SentinelError"]
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from jobfence.worker import procs
-from jobfence.worker.redis_server import HOST, free_port
+from devstack import procs
+from devstack.redis_server import HOST, free_port
 
 __all__ = [
     "ZOOKEEPER_JAR",

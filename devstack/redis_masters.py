@@ -8,9 +8,9 @@ from urllib.parse import quote
 
 import redis
 
+from devstack import procs
 from devstack.pki import Pki, redis_tls_args, tls_query
-from jobfence.worker import procs
-from jobfence.worker.redis_server import RedisServer, free_port
+from devstack.redis_server import RedisServer, free_port
 
 __all__ = ["RedisMasters"]
 

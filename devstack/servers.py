@@ -23,10 +23,10 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
+from devstack import procs
 from devstack.local_etcd import EtcdCluster, EtcdServerError, etcd_unavailable
 from devstack.local_pgbouncer import PgBouncer, PgBouncerError
-from jobfence.worker import procs
-from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
+from devstack.redis_server import HOST, RedisServer, RedisServerError, free_port
 
 __all__ = [
     "ETCD_TIMING",

@@ -1,4 +1,4 @@
-"""Who a process is, beyond its pid: its boot, pid namespace and start time."""
+"""Who a process is, beyond its pid: whether it lives, its boot, pid namespace and start time."""
 
 from __future__ import annotations
 
@@ -39,3 +39,35 @@ def process_start(pid: int) -> str:
         return f"{where}/{stat.rsplit(')', 1)[1].split()[19]}"
     except (OSError, IndexError):
         return ""
+
+
+def _stat_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of `pid` in Linux /proc (R, S, T, Z...); None if there is none."""
+    try:
+        return _stat_state(pid)
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (Linux /proc; falls back to kill 0)."""
+    if pid <= 0:
+        return False
+    try:
+        return _stat_state(pid) not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -17,12 +17,12 @@ import pytest
 from celery import Celery
 
 from devstack.pki import Pki, make_pki
+from devstack.redis_server import RedisServer, free_port
 from jobfence.config import Settings, load_settings
 from jobfence.config.security import is_loopback
 from jobfence.worker import setup as jobfence_setup
 from jobfence.worker.app import create_app
 from jobfence.worker.checks import check_broker, check_security, posture_lines
-from jobfence.worker.redis_server import RedisServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = "Br0ker#TLS-pw"
@@ -223,7 +223,7 @@ def test_a_real_worker_refuses_an_untrusted_rediss_broker(
     env = {**_without_jobfence_variables(), "JOBFENCE_LOCK_URL": fresh_redis.url,
            "JOBFENCE_BROKER_URL": broker.url(), "JOBFENCE_KEY_SECRET": STRONG,
            "JOBFENCE_SOCKET_TIMEOUT": str(TIMEOUT)}  # fmt: skip
-    args = [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "worker",
+    args = [sys.executable, "-m", "celery", "-A", "demo.app", "worker",
             "--pool", "solo"]  # fmt: skip
     before = broker.logins()
     try:

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import redis
 
+from devstack.redis_server import HOST, RedisServer, free_port
 from devstack.servers import wait_for
 from jobfence.config.errors import UnsafeSettings
 from jobfence.config.settings import Settings
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
-from jobfence.worker.redis_server import HOST, RedisServer, free_port
 
 PASSWORD = "cluster-pw-not-to-leak-5c1e"
 SECRET = "a-real-random-secret-0123456789abcdef"

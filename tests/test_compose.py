@@ -112,7 +112,7 @@ def test_the_apps_and_modules_named_in_commands_exist(services):
     argvs = all_commands(services)
     apps = {option(a, "-A", "--app") for a in argvs} - {None}
     modules = {option(a, "-m") for a in argvs if a[0].startswith("python")} - {None}
-    assert apps == {"jobfence.worker.celery_app"}
+    assert apps == {"demo.app"}
     for module in modules:
         assert importlib.util.find_spec(str(module)) is not None, module
     # Import the app as `celery -A` does, in a clean process with no JOBFENCE_* set.
@@ -131,7 +131,7 @@ def test_the_worker_service_can_scale(services):
     assert "container_name" not in worker
     assert "ports" not in worker, "a fixed host port stops `--scale worker=N`"
     argv = words(worker["command"])
-    assert argv[:4] == ["celery", "-A", "jobfence.worker.celery_app", "worker"]
+    assert argv[:4] == ["celery", "-A", "demo.app", "worker"]
     hostname = option(argv, "--hostname", "-n")
     assert hostname is not None and "%h" in hostname, "replicas need distinct node names"
 
@@ -304,9 +304,9 @@ def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url
 ) -> None:
     """Run the profile's own commands (hosts and ports mapped to free local ones) and take a
     lock through the URL its comment gives, with the start-up checks passing."""
+    from devstack.redis_server import HOST, free_port
     from jobfence.config.urls import sentinel_target
     from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
-    from jobfence.worker.redis_server import HOST, free_port
     from tests.servers import stop_process, wait_for
 
     target = sentinel_target(_sentinel_url_in_comment())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobfence.worker.redis_server import RedisServer
+from devstack.redis_server import RedisServer
 from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase
 
 pytest.importorskip("django")

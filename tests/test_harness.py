@@ -12,7 +12,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from jobfence.worker.procs import pid_alive
+from devstack.procs import pid_alive
 from tests.servers import (
     MARIADB_ADMIN_URL,
     POSTGRES_ADMIN_URL,

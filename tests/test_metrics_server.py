@@ -20,12 +20,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from devstack.pki import Pki, make_pki
+from devstack.redis_server import free_port
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.tasks import Runtime
 from jobfence.tasks.metrics import MAX_NAMES, OTHER, Metrics
 from jobfence.worker import metrics_server
 from jobfence.worker.metrics_server import Exporter, MetricsPortUnavailable, PoolCollector
-from jobfence.worker.redis_server import free_port
 from tests.servers import wait_for
 from tests.tasks.conftest import spec_for, unique
 
@@ -288,7 +288,7 @@ def test_a_zombie_counts_as_exited() -> None:
 
 
 def test_the_local_fleet_gives_each_worker_its_own_metrics_port() -> None:
-    from jobfence.worker.fleet import metrics_env
+    from demo.fleet import metrics_env
 
     env = {"JOBFENCE_METRICS_PORT": "9816", "OTHER": "x"}
     assert [metrics_env(env, i)["JOBFENCE_METRICS_PORT"] for i in (1, 2, 3)] == [

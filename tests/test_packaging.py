@@ -1,7 +1,7 @@
 """The image's install step, done for real: the Dockerfile's `pip install` in a fresh venv, from
 the files it copies, then every module the compose services run imported there, and the
 wheel's metadata (license, project URLs), and the wheel a checkout builds: no test or
-benchmark tooling in it."""
+benchmark tooling in it, no demo and no launcher."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Image:
     workdir: PurePosixPath
     copies: list[tuple[list[str], str]]  # (sources, destination) as written
     pip_install: list[str]  # the arguments after `pip install`
+    env: dict[str, str]  # the ENV instructions' variables
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -68,8 +69,11 @@ def read_image(text: str) -> Image:
     workdir = PurePosixPath("/")
     copies: list[tuple[list[str], str]] = []
     installs: list[list[str]] = []
+    env: dict[str, str] = {}
     for name, args in instructions(text):
-        if name == "WORKDIR":
+        if name == "ENV":
+            env.update(w.split("=", 1) for w in shlex.split(args) if "=" in w)
+        elif name == "WORKDIR":
             workdir = workdir / args
         elif name == "COPY":
             words = [w for w in shlex.split(args) if not w.startswith("--")]
@@ -82,17 +86,19 @@ def read_image(text: str) -> Image:
                 elif words[:4] == ["python", "-m", "pip", "install"]:
                     installs.append(words[4:])
     assert len(installs) == 1, f"expected one pip install step in the Dockerfile: {installs}"
-    return Image(workdir=workdir, copies=copies, pip_install=installs[0])
+    return Image(workdir=workdir, copies=copies, pip_install=installs[0], env=env)
 
 
 def test_the_dockerfile_reader_joins_continuations_and_finds_the_install() -> None:
     image = read_image(
         "FROM python:3.11-slim\nWORKDIR /app\nCOPY a b ./\nCOPY src ./src\n"
         "# a comment\nRUN pip install \".[x]\" 'y>=1' \\\n    && useradd z\n"
+        "COPY ex /opt/ex/ex\nENV A=1 \\\n    PYTHONPATH=/opt/ex\n"
     )
     assert image.workdir == PurePosixPath("/app")
-    assert image.copies == [(["a", "b"], "./"), (["src"], "./src")]
+    assert image.copies == [(["a", "b"], "./"), (["src"], "./src"), (["ex"], "/opt/ex/ex")]
     assert image.pip_install == [".[x]", "y>=1"]
+    assert image.env == {"A": "1", "PYTHONPATH": "/opt/ex"}
 
 
 # -- building the context and the venv -----------------------------------------------------
@@ -105,7 +111,8 @@ def dockerignore() -> list[str]:
 
 
 def copy_context(image: Image, dest_root: Path) -> Path:
-    """The files the Dockerfile COPYs, laid out under `dest_root` as in the image's WORKDIR."""
+    """The files the Dockerfile COPYs, laid out under `dest_root` as in the image: relative
+    destinations under its WORKDIR, absolute ones under `dest_root`."""
     ignored = dockerignore()
 
     def ignore(_dir: str, names: list[str]) -> set[str]:
@@ -114,7 +121,7 @@ def copy_context(image: Image, dest_root: Path) -> Path:
     workdir = dest_root / image.workdir.relative_to("/")
     workdir.mkdir(parents=True, exist_ok=True)
     for sources, dest in image.copies:
-        target = workdir / dest
+        target = dest_root / dest.lstrip("/") if dest.startswith("/") else workdir / dest
         into_dir = dest.endswith("/") or len(sources) > 1
         for source in sources:
             src = REPO_ROOT / source
@@ -140,7 +147,12 @@ def clean_env() -> dict[str, str]:
 class Installed:
     python: Path
     scratch: Path  # an empty directory to run in, so nothing imports from a source tree
-    env: dict[str, str]
+    env: dict[str, str]  # with the image's PYTHONPATH (the demo shop beside the install)
+
+    @property
+    def bare_env(self) -> dict[str, str]:
+        """A bare wheel install's: no PYTHONPATH, so no demo and no repository."""
+        return {k: v for k, v in self.env.items() if k != "PYTHONPATH"}
 
     def run(self, code: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -167,7 +179,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     assert done.returncode == 0, f"the Dockerfile's pip install failed:\n{done.stderr[-3000:]}"
     scratch = root / "run"
     scratch.mkdir()
-    yield Installed(python=python, scratch=scratch, env=env)
+    fs = root / "fs"  # the image's PYTHONPATH, mapped into the copied files
+    paths = [str(fs / p.lstrip("/")) for p in image.env.get("PYTHONPATH", "").split(":") if p]
+    run_env = {**env, "PYTHONPATH": os.pathsep.join(paths)} if paths else env
+    yield Installed(python=python, scratch=scratch, env=run_env)
 
 
 # -- what the compose services run ---------------------------------------------------------
@@ -249,6 +264,23 @@ def test_bench_from_the_install_says_the_devstack_is_absent(installed: Installed
     assert "devstack" in done.stderr and "not in the wheel" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("command", ["demo", "fleet"])
+def test_the_demo_and_the_fleet_from_a_bare_install_name_the_checkout(
+    installed: Installed, command: str
+) -> None:
+    """Issue 32, item 6: the demo and its fleet live in demo/ of the repository. From a wheel
+    alone, in one line: where they are and what to run instead, no traceback."""
+    for env in (installed.bare_env, installed.env):  # the image has the shop, not the demo
+        done = subprocess.run(
+            [str(installed.python), "-m", "jobfence", command, "--help"],
+            cwd=installed.scratch, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        assert "not in the wheel" in done.stderr and "checkout" in done.stderr, done.stderr
+        assert f"python -m jobfence {command}" in done.stderr, done.stderr
+
+
 # -- the wheel's metadata ------------------------------------------------------------------
 
 
@@ -288,15 +320,35 @@ def test_the_license_and_changelog_are_in_the_repository() -> None:
 # -- the wheel holds what users run, not the devstack --------------------------------------
 
 #: Test and benchmark tooling (devstack/, tests/): server launchers, the peers' benches,
-#: the fault report. The demo's own redis-server launcher and process helpers stay.
+#: the fault report.
 TOOLING = (
     "devstack/*", "*/devstack/*", "tests/*", "*/tests/*", "*/bench/*", "*/local_*.py",
     "*/redis_masters.py", "*/faults_report.py", "*/servers.py", "*conftest.py", "*/test_*.py",
 )  # fmt: skip
 
+#: The demo and its launchers (issue 32, item 6): demo/ (the shop, the storm, the fleet, its
+#: embedded stack and journal, the shop's app) and devstack's process and redis-server
+#: launchers, by the names they have and had (jobfence/worker/*.py, jobfence/tasks/shop/).
+DEMO = (
+    "demo/*", "*/demo/*", "*/shop/*", "*/demo.py", "*/storm.py", "*/fleet.py", "*/embedded.py",
+    "*/journal.py", "*/celery_app.py", "*/procs.py", "*/redis_server.py",
+)  # fmt: skip
+
+#: Product modules the wheel keeps: the CLI, the composition root, setup, the admin commands
+#: (and the pid checks they moved into), the lock API.
+PRODUCT = (
+    "jobfence/worker/cli.py", "jobfence/worker/app.py", "jobfence/worker/setup.py",
+    "jobfence/worker/admin.py", "jobfence/locks/procinfo.py", "jobfence/locks/api.py",
+    "jobfence/locks/backends/redis.py",
+)  # fmt: skip
+
+
+def _matching(names: list[str], patterns: tuple[str, ...]) -> list[str]:
+    return sorted(f for f in names if any(fnmatch.fnmatch(f, p) for p in patterns))
+
 
 def _tooling(names: list[str]) -> list[str]:
-    return sorted(f for f in names if any(fnmatch.fnmatch(f, p) for p in TOOLING))
+    return _matching(names, TOOLING)
 
 
 def test_the_tooling_patterns_catch_every_devstack_and_test_module_wherever_it_lands() -> None:
@@ -309,9 +361,25 @@ def test_the_tooling_patterns_catch_every_devstack_and_test_module_wherever_it_l
     for where in ("", "jobfence/"):
         packaged = [where + n for n in modules]
         assert _tooling(packaged) == sorted(packaged)
-    shipped = ["jobfence/worker/cli.py", "jobfence/worker/demo.py", "jobfence/locks/api.py",
-               "jobfence/worker/redis_server.py", "jobfence/locks/backends/redis.py"]  # fmt: skip
-    assert _tooling(shipped) == []
+    assert _tooling(list(PRODUCT)) == []
+
+
+def test_the_demo_patterns_catch_every_demo_and_launcher_module_and_no_product_one() -> None:
+    """The control of the wheel's demo check: every module of demo/ and the launchers, at
+    the top or mapped under jobfence/, and at the places they had in the wheel, is caught."""
+    tracked = subprocess.run(["git", "ls-files", "demo", "devstack/procs.py",
+                              "devstack/redis_server.py"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    modules = [n for n in tracked if n.endswith(".py")]
+    assert len(modules) >= 12 and "devstack/procs.py" in modules, modules
+    for where in ("", "jobfence/"):
+        packaged = [where + n for n in modules]
+        assert _matching(packaged, DEMO) == sorted(packaged)
+    were = [f"jobfence/worker/{m}.py" for m in ("demo", "fleet", "procs", "redis_server",
+                                                "embedded", "journal", "celery_app")]
+    were += [f"jobfence/tasks/shop/{m}.py" for m in ("payments", "stock", "ledger", "faults")]
+    assert _matching(were, DEMO) == sorted(were)
+    assert _matching(list(PRODUCT), DEMO) == []
 
 
 def copy_checkout(root: Path) -> Path:
@@ -349,9 +417,18 @@ def checkout_wheel(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def test_the_wheel_holds_no_test_or_benchmark_tooling(checkout_wheel: list[str]) -> None:
     tooling = _tooling(checkout_wheel)
     assert tooling == [], f"tooling in the wheel (it belongs in devstack/): {tooling}"
-    # What users run stays: the CLI, the demo and the private redis-server it starts.
-    for module in ("cli.py", "demo.py", "redis_server.py", "procs.py", "fleet.py"):
-        assert f"jobfence/worker/{module}" in checkout_wheel
+    for module in PRODUCT:  # what users import stays
+        assert module in checkout_wheel, module
+
+
+def test_the_wheel_holds_no_demo_and_no_launcher(checkout_wheel: list[str]) -> None:
+    """Issue 32, item 6: the wheel shipped 2,668 lines of demo and launchers (the demo, its
+    fleet, embedded stack, journal and app, the shop's tasks, the process and redis-server
+    launchers) that only the demo, devstack/ and tests used; they live in demo/ and
+    devstack/ now, and the wheel holds what users import."""
+    demo = _matching(checkout_wheel, DEMO)
+    assert demo == [], f"demo or launcher modules in the wheel (they belong in demo/): {demo}"
+    assert not [n for n in checkout_wheel if n.split("/")[0] in ("demo", "devstack")]
 
 
 # -- the README's install section, run as written ----------------------------------------------

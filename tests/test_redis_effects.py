@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import redis
 
+from devstack.redis_server import RedisServer
 from jobfence.locks import Backoff, LeaseKeeper, RedisBackend, RedisFenceGuard, StaleFence
 from jobfence.locks.errors import FencedWriteRefused, LockError
 from jobfence.tasks import Executor, IdempotencyConflict, JobContext, RedisEffects
 from jobfence.tasks.keys import identity
-from jobfence.worker.redis_server import RedisServer
 from tests.tasks.conftest import job_with_fence, spec_for
 
 TASK = "shop.tasks.reserve_stock"

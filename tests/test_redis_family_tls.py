@@ -15,6 +15,7 @@ from devstack.local_cluster import LocalCluster
 from devstack.local_sentinel import LocalSentinel
 from devstack.pki import Pki, make_pki, tls_query
 from devstack.redis_masters import RedisMasters
+from devstack.redis_server import RedisServer
 from jobfence.config.errors import UnsafeSettings
 from jobfence.config.urls import cluster_target, redlock_masters, sentinel_target
 from jobfence.locks import BackendUnavailable
@@ -23,7 +24,6 @@ from jobfence.locks.backend import LockBackend, Security
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
 from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.locks.backends.redlock import RedlockBackend
-from jobfence.worker.redis_server import RedisServer
 
 # Characters a URL must percent-encode, in both passwords: the tests also check the URLs.
 PASSWORD = "Fam1ly#TLS-pw"

@@ -149,7 +149,7 @@ def test_allowing_the_downgrade_opens_the_connection(remote: tuple[Listener, str
 def test_a_worker_exits_78_before_connecting(remote: tuple[Listener, str]) -> None:
     listener, url = remote
     done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "worker",
+        [sys.executable, "-m", "celery", "-A", "demo.app", "worker",
          "--pool", "solo", "--concurrency", "1"],
         env=env_for(url), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from devstack.redis_server import RedisServer, free_port
 from jobfence.config import Settings, UnsafeSettings, load_settings, redact
 from jobfence.config.errors import EX_CONFIG
 from jobfence.config.security import is_loopback, url_posture
@@ -29,7 +30,6 @@ from jobfence.config.settings import InsecureSettingsWarning
 from jobfence.locks import BackendUnavailable, OwnerMeta, RedisBackend, open_backend
 from jobfence.tasks import Runtime
 from jobfence.worker.checks import check_lock_backend, check_security, check_serializers
-from jobfence.worker.redis_server import RedisServer, free_port
 from tests.fake_sql_servers import FakePostgres
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -506,7 +506,7 @@ def test_metrics_tls_and_auth_settings_are_checked() -> None:
 
 
 def test_the_demo_takes_server_urls_from_the_environment_or_a_file(tmp_path: Path) -> None:
-    from jobfence.worker.demo import build_parser, server_urls
+    from demo.storm import build_parser, server_urls
 
     lock = "redis://:PWsecretXYZ@127.0.0.1:6379/3"
     env = {"JOBFENCE_LOCK_URL": lock, "JOBFENCE_BROKER_URL": "redis://127.0.0.1:6379/4"}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from devstack.local_sentinel import LocalSentinel
+from devstack.redis_server import free_port
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.config.urls import sentinel_target
 from jobfence.locks import BackendUnavailable, JobRecord, LockBackend, open_backend
@@ -20,7 +21,6 @@ from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.tasks import Runtime
 from jobfence.tasks.executor import JobSpec
 from jobfence.worker.checks import Finding, check_lock_backend
-from jobfence.worker.redis_server import free_port
 from tests.servers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from devstack.redis_server import HOST, RedisServer, free_port
 from devstack.servers import wait_for
 from jobfence.config.errors import UnsafeSettings
 from jobfence.config.security import refuse_node
 from jobfence.config.settings import Settings
 from jobfence.locks.backend import Security
 from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
-from jobfence.worker.redis_server import HOST, RedisServer, free_port
 
 PASSWORD = "master-pw-not-to-leak-7f3a"
 SECRET = "a-real-random-secret-0123456789abcdef"

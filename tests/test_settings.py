@@ -377,10 +377,10 @@ def test_a_typo_is_reported_with_the_closest_name() -> None:
 
 
 def test_variables_jobfence_reads_elsewhere_are_known() -> None:
+    from demo.journal import JOURNAL_ENV
+    from demo.shop.faults import ENV_PREFIX as DEMO_PREFIX
+    from demo.shop.faults import DemoFaults
     from devstack.bench.celery_bench_app import URL_ENV
-    from jobfence.tasks.shop.faults import ENV_PREFIX as DEMO_PREFIX
-    from jobfence.tasks.shop.faults import DemoFaults
-    from jobfence.worker.journal import JOURNAL_ENV
 
     read_elsewhere = {DEMO_PREFIX + f.upper() for f in DemoFaults.model_fields}
     read_elsewhere |= {JOURNAL_ENV, URL_ENV, "JOBFENCE_DASHBOARD_TOKEN"}  # the dashboard's login

@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from jobfence.worker.redis_server import RedisServer
+from devstack.redis_server import RedisServer
 
 pytest_plugins = ["pytester"]
 

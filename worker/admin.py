@@ -20,7 +20,7 @@ from jobfence.locks import (
     procinfo,
 )
 from jobfence.locks.backend import default_meta
-from jobfence.worker.procs import pid_alive, proc_state
+from jobfence.locks.procinfo import pid_alive, proc_state
 
 LATE_FRACTION = 0.5  # a heartbeat older than half the lock's TTL missed at least one beat
 ADVANCE_TTL = 5.0  # seconds the grant that advances a key's fence is held (released at once)

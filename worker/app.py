@@ -14,7 +14,6 @@ from celery.schedules import crontab
 from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.config.schemes import backend_schemes
 from jobfence.config.settings import ENV_PREFIX
-from jobfence.worker import journal
 from jobfence.worker.setup import BEAT_SCHEDULER, JSON_ONLY, safe_config, setup, transport_options
 
 log = logging.getLogger(__name__)
@@ -25,16 +24,10 @@ __all__ = [
     "broker_urls",
     "celery_config",
     "create_app",
-    "default_beat_schedule",
     "parse_crontab",
     "redis_db_url",
     "transport_options",
 ]
-
-TASK_MODULES: tuple[str, ...] = ("jobfence.tasks.shop.payments", "jobfence.tasks.shop.stock")
-RECONCILE_TASK = "tasks.stock.reconcile_stock"
-RECONCILE_ENTRY = "reconcile-stock-nightly"
-DEFAULT_RECONCILE_AT = "30 2 * * *"  # cron fields: minute hour day-of-month month day-of-week (UTC)
 
 
 def redis_db_url(url: str, db: int) -> str:
@@ -80,20 +73,6 @@ def parse_crontab(text: str) -> crontab:
     )
 
 
-def default_beat_schedule(reconcile_at: str | None = DEFAULT_RECONCILE_AT) -> dict[str, Any]:
-    """The shipped periodic jobs: stock reconciliation, nightly (None: no entry)."""
-    if reconcile_at is None:
-        return {}
-    return {
-        RECONCILE_ENTRY: {
-            "task": RECONCILE_TASK,
-            "schedule": parse_crontab(reconcile_at),
-            # A run that waited this long in the queue is stale; the next night's run is due.
-            "options": {"expires": 12 * 3600},
-        }
-    }
-
-
 def available_modules(names: Sequence[str]) -> list[str]:
     """The task modules that exist (imported by the worker later, never here)."""
     found = []
@@ -110,7 +89,7 @@ def available_modules(names: Sequence[str]) -> list[str]:
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    """The Celery settings of the bundled app: `setup`'s safe ones, its broker and backend, UTC."""
+    """The Celery settings `create_app` gives: `setup`'s safe ones, the broker and backend, UTC."""
     broker, backend = broker_urls(settings)
     return {
         "broker_url": broker,
@@ -125,27 +104,22 @@ def create_app(
     settings: Settings | None = None,
     *,
     main: str = "jobfence",
-    include: Sequence[str] | None = None,
+    include: Sequence[str] = (),
     beat_schedule: Mapping[str, Any] | None = None,
-    reconcile_at: str | None = DEFAULT_RECONCILE_AT,
     **conf: Any,
 ) -> Celery:
-    """Build the Celery app from `settings` (default: JOBFENCE_* from the environment).
+    """Build a Celery app from `settings` (default: JOBFENCE_* from the environment).
 
     Nothing here talks to a server: the start-up checks run when a worker or beat starts
-    (`celeryd_init` / `beat_init`). `include` defaults to the shipped task modules that
-    exist; `beat_schedule` replaces the shipped schedule (`reconcile_at` moves the nightly
-    reconciliation, None drops it); `conf` overrides Celery settings.
+    (`celeryd_init` / `beat_init`). The app holds only what its caller names: `include`, the
+    task modules its workers import (those not found are left out, with a warning), and
+    `beat_schedule`, its periodic jobs (none by default); `conf` overrides Celery settings.
     """
     settings = settings if settings is not None else load_settings()
-    modules = available_modules(TASK_MODULES if include is None else include)
-    app = Celery(main, include=modules)
+    app = Celery(main, include=available_modules(include))
     app.conf.update(celery_config(settings))
-    app.conf.beat_schedule = (
-        dict(beat_schedule) if beat_schedule is not None else default_beat_schedule(reconcile_at)
-    )
+    app.conf.beat_schedule = dict(beat_schedule) if beat_schedule is not None else {}
     if conf:
         app.conf.update(conf)
-    runtime = setup(app, settings)  # the same wiring a user's own app gets
-    journal.connect(runtime)  # the demo's execution journal, when JOBFENCE_DEMO_JOURNAL_URL is set
+    setup(app, settings)  # the same wiring a user's own app gets
     return app

@@ -1,4 +1,5 @@
-"""`python -m jobfence <command>`: fleet, locks admin, start-up check, benchmarks and the demo."""
+"""`python -m jobfence <command>`: locks admin, start-up check, migrations, the dashboard; the
+fleet, the demo, benchmarks and the fault report from a checkout."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.config.errors import EX_CONFIG, InsecureSettings
 from jobfence.locks import LockBackend, LockError
 from jobfence.locks.registry import MissingExtra
-from jobfence.worker.fleet import BUNDLED_APP
 
-PASSTHROUGH = ("bench", "demo", "faults")  # commands whose arguments belong to another program
+PASSTHROUGH = ("bench", "demo", "faults", "fleet")  # their arguments belong to another program
 BENCHES = {
     "locks": "devstack.bench.locks_bench",
     "celery": "devstack.bench.celery_bench",
@@ -38,62 +38,18 @@ BENCHES = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jobfence",
-        description="jobfence operations: a local fleet, lock administration, benchmarks.",
+        description="jobfence operations: lock administration, start-up checks, migrations, "
+        "the dashboard; from a checkout, a local fleet, the demo, benchmarks.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_migrate_parser(sub)
     _add_dashboard_parser(sub)
 
-    fleet = sub.add_parser(
+    sub.add_parser(
         "fleet",
-        help="run N real celery workers and the beat(s); Ctrl-C stops them cleanly",
-        description="Run real `celery worker` processes and beat(s) of your Celery app "
-        "(--app), or of the bundled one. For the bundled app with no broker or lock URL "
-        "(options or JOBFENCE_* variables) it starts an embedded stack: a private "
-        "redis-server and an SQLite ledger in a temporary directory.",
-    )
-    fleet.add_argument(
-        "--app",
-        "-A",
-        default=BUNDLED_APP,
-        metavar="MODULE[:ATTR]",
-        help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app, or a module "
-        "holding `app`), imported from the current directory (default: the bundled app, "
-        f"{BUNDLED_APP})",
-    )
-    fleet.add_argument("--workers", type=_positive_int, default=2, metavar="N")
-    fleet.add_argument(
-        "--concurrency",
-        type=_positive_int,
-        default=2,
-        metavar="C",
-        help="pool processes per worker (default 2)",
-    )
-    beats = fleet.add_mutually_exclusive_group()
-    beats.add_argument(
-        "--beats",
-        type=_positive_int,
-        default=1,
-        metavar="B",
-        help="beat processes; more than one shows the leader election",
-    )
-    beats.add_argument("--no-beat", action="store_true", help="start no beat")
-    fleet.add_argument(
-        "--broker",
-        metavar="URL",
-        help="the bundled app's Celery broker (JOBFENCE_BROKER_URL); your own app's broker "
-        "is set in your app",
-    )
-    fleet.add_argument("--lock-backend", metavar="URL", help="lock server (JOBFENCE_LOCK_URL)")
-    fleet.add_argument("--database", metavar="URL", help="ledger (JOBFENCE_DATABASE_URL)")
-    fleet.add_argument("--pool", default="prefork", choices=["prefork", "solo", "threads"])
-    fleet.add_argument("--loglevel", default="INFO")
-    fleet.add_argument(
-        "--shutdown-timeout",
-        type=_positive_seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="warm-shutdown deadline before SIGKILL (default 30)",
+        help="run N real celery workers and the beat(s) of your app or the demo shop; Ctrl-C "
+        "stops them cleanly (from a checkout: demo/fleet.py)",
+        add_help=False,
     )
 
     locks = sub.add_parser("locks", help="list, inspect, release locks; find orphans")
@@ -156,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and list every finding. Exit status 78 (EX_CONFIG, as a refused worker) if any "
         "refuses or the settings cannot be read; 0 if they pass, warnings included.",
     )
-    add_app_option(check, default="the bundled app")
+    add_app_option(check, default="create_app() from JOBFENCE_*: settings, no tasks")
     sub.add_parser(
         "bench",
         help="benchmarks: bench locks|celery|gate|leader|memory|keeper|server [ARGS...]",
@@ -194,7 +150,7 @@ def _add_dashboard_parser(sub: Any) -> None:
     )
     where.add_argument("--lock-url", help="the lock server's URL (default: JOBFENCE_LOCK_URL)")
     dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    dash.add_argument("--port", type=_positive_int, default=8099, help="port (default 8099)")
+    dash.add_argument("--port", type=positive_int, default=8099, help="port (default 8099)")
     dash.add_argument(
         "--allowed-host",
         action="append",
@@ -306,7 +262,7 @@ def _add_why_parser(lsub: Any) -> None:
         "other backends keep the worker's log lines only (logger jobfence.decisions).",
     )
     why.add_argument("subject", metavar="KEY_OR_TASK_ID")
-    why.add_argument("--limit", type=_positive_int, default=50, metavar="N",
+    why.add_argument("--limit", type=positive_int, default=50, metavar="N",
                      help="the last N decisions (default 50)")  # fmt: skip
     why.add_argument("--json", action="store_true")
 
@@ -345,8 +301,8 @@ def add_app_option(
     *,
     inner: bool = False,
 ) -> None:
-    """`--app`: the project whose settings a command reads (every command; fleet's own --app
-    also picks the workers to run). `inner`: on a sub-action, so `locks list --app X` and
+    """`--app`: the project whose settings a command reads (every command; the fleet's own
+    --app also picks the workers to run). `inner`: on a sub-action, so `locks list --app X` and
     `locks --app X list` both work (argparse would reset the outer value otherwise)."""
     parser.add_argument(
         "--app",
@@ -359,7 +315,7 @@ def add_app_option(
     )
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     """A finite number of seconds > 0: float() reads "nan" and "inf" too."""
     try:
         value = float(text)
@@ -372,7 +328,7 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -380,36 +336,6 @@ def _positive_int(text: str) -> int:
 
 
 # --------------------------------------------------------------------------- commands
-
-
-def cmd_fleet(args: argparse.Namespace) -> int:
-    from jobfence.worker.fleet import FleetOptions, run_fleet
-
-    if args.app != BUNDLED_APP:
-        if args.broker:
-            print(
-                "jobfence: --broker sets the bundled app's broker; your app "
-                f"{args.app} publishes to the broker it sets itself",
-                file=sys.stderr,
-            )
-            return 2
-        missing = missing_app_module(args.app)
-        if missing:
-            print(f"jobfence: {missing}", file=sys.stderr)
-            return 2
-    options = FleetOptions(
-        workers=args.workers,
-        concurrency=args.concurrency,
-        beats=0 if args.no_beat else args.beats,
-        broker=args.broker,
-        lock_url=args.lock_backend,
-        database=args.database,
-        app=args.app,
-        pool=args.pool,
-        loglevel=args.loglevel,
-        shutdown_timeout=args.shutdown_timeout,
-    )
-    return run_fleet(options)
 
 
 def project_settings(args: argparse.Namespace, lock_url: str | None = None) -> Settings:
@@ -681,7 +607,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         from jobfence.worker.app import create_app
 
-        print(f"app: the bundled {BUNDLED_APP} (no --app given)")
+        print("app: none given: create_app() from JOBFENCE_* (settings only, no tasks)")
         settings = load_settings()
         try:
             app = create_app(settings)
@@ -898,8 +824,12 @@ def _load_main(module: str, what: str, hint: str) -> Callable[[list[str]], int] 
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name is not None and module.startswith(exc.name):
-            print(f"{what} is not available: module {module} is missing ({hint})", file=sys.stderr)
+        # The module, or a repository folder it builds on (the demo on devstack/'s launchers).
+        if exc.name is not None and (
+            module.startswith(exc.name) or exc.name.split(".")[0] in ("demo", "devstack")
+        ):
+            print(f"{what} is not available: module {exc.name} is missing ({hint})",
+                  file=sys.stderr)  # fmt: skip
             return None
         print(f"{what} needs the module {exc.name}: pip install -e '.[bench]'", file=sys.stderr)
         return None
@@ -920,8 +850,25 @@ def cmd_bench(argv: list[str]) -> int:
     return 2 if main is None else int(main(argv[1:]) or 0)
 
 
+#: Where the demo's commands say they are, from a wheel.
+DEMO_HINT = (
+    "it lives in demo/ of the repository, not in the wheel: run `python -m jobfence {command}` "
+    "from the root of a checkout of jobfence"
+)
+
+
 def cmd_demo(argv: list[str]) -> int:
-    main = _load_main("jobfence.worker.demo", "the demo", "it is not written yet")
+    hint = DEMO_HINT.format(command="demo") + " (or `make demo` there, which sets it up)"
+    main = _load_main("demo.storm", "the demo", hint)
+    return 2 if main is None else int(main(argv) or 0)
+
+
+def cmd_fleet(argv: list[str]) -> int:
+    hint = DEMO_HINT.format(command="fleet") + (
+        "; for your own app alone, `celery -A proj worker` and `celery -A proj beat` "
+        "run the same processes"
+    )
+    main = _load_main("demo.fleet", "jobfence fleet", hint)
     return 2 if main is None else int(main(argv) or 0)
 
 
@@ -937,15 +884,13 @@ def cmd_faults(argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list and args_list[0] == "faults":
-        return cmd_faults(args_list[1:])
-    if args_list and args_list[0] == "bench":
-        return cmd_bench(args_list[1:])
-    if args_list and args_list[0] == "demo":
-        return cmd_demo(args_list[1:])
+    if args_list and args_list[0] in PASSTHROUGH:
+        passthrough: dict[str, Callable[[list[str]], int]] = {
+            "bench": cmd_bench, "demo": cmd_demo, "faults": cmd_faults, "fleet": cmd_fleet,
+        }  # fmt: skip
+        return passthrough[args_list[0]](args_list[1:])
     args = build_parser().parse_args(args_list)
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
-        "fleet": cmd_fleet,
         "locks": cmd_locks,
         "check": cmd_check,
         "migrate": cmd_migrate,

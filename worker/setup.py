@@ -1,4 +1,4 @@
-"""`jobfence.setup(app)`: give your own Celery app everything the bundled app has.
+"""`jobfence.setup(app)`: give your own Celery app everything an app of `create_app` has.
 
 That is: the safe Celery configuration (DESIGN §5), the start-up checks that refuse unsafe
 settings when a worker or beat starts (exit 78, every problem listed), the signals that run

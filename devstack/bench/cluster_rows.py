@@ -10,9 +10,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from devstack.local_cluster import LocalCluster
+from devstack.redis_server import RedisServer
 from jobfence.locks import LockBackend, RedisBackend
 from jobfence.locks.backends.redis_cluster import RedisClusterBackend
-from jobfence.worker.redis_server import RedisServer
 
 PREFIX = "clbench"
 KEYS_PER_PROCESS = 64

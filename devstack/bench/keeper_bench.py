@@ -23,9 +23,9 @@ from typing import Any
 
 import redis
 
+from devstack.redis_server import RedisServer
 from jobfence.config import Settings
 from jobfence.locks import Lease, LeaseKeeper, RedisBackend
-from jobfence.worker.redis_server import RedisServer
 
 PREFIX = "kbench"
 TARGET_CPU = 0.05  # of one core

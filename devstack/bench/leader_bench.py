@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from devstack.redis_server import RedisServer
 from jobfence.locks import Locker, open_backend
-from jobfence.worker.redis_server import RedisServer
 
 SCENARIOS = ("kill", "freeze", "clean")
 SIGNALS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "clean": signal.SIGTERM}

@@ -45,9 +45,9 @@ from devstack.bench import (
 )
 from devstack.bench import report as report_io
 from devstack.local_sentinel import SentinelError
+from devstack.redis_server import RedisServer
 from jobfence import locks
 from jobfence.locks import Lease, RedisBackend
-from jobfence.worker.redis_server import RedisServer
 
 # The options RedisBackend.from_url gives its client; every contender gets a client built
 # with exactly these, so the comparison is between lock algorithms, not client settings.
@@ -102,7 +102,7 @@ class Server(Protocol):
 
 
 def start_private_redis(executable: str = "redis-server") -> Server:
-    """Start a private, non-persistent redis-server (worker.redis_server) on a free port."""
+    """Start a private, non-persistent redis-server (devstack.redis_server) on a free port."""
     try:
         return RedisServer(executable=executable).start()
     except RuntimeError as exc:

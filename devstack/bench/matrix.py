@@ -706,7 +706,7 @@ def _start(
 
 @contextlib.contextmanager
 def _redis(executable: str) -> Iterator[str]:
-    from jobfence.worker.redis_server import RedisServer
+    from devstack.redis_server import RedisServer
 
     if shutil.which(executable) is None:
         raise MatrixError(f"{executable!r} is not on PATH")

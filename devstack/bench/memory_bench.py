@@ -30,10 +30,10 @@ import redis
 from celery import Celery
 
 from devstack.bench.gate_bench import as_worker_calls
+from devstack.redis_server import RedisServer
 from jobfence.config import Settings
 from jobfence.locks import Lease, RedisBackend
 from jobfence.tasks import install, singleton_task
-from jobfence.worker.redis_server import RedisServer
 
 PREFIX = "jobfence"
 TASK_NAME = "shop.tasks.charge_payment"  # a realistic name: it is part of every key

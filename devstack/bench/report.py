@@ -228,7 +228,7 @@ def main_on_private_redis(
     or `measure` raises one of `errors` (said in one line on stderr)."""
     import redis
 
-    from jobfence.worker.redis_server import RedisServer
+    from devstack.redis_server import RedisServer
 
     caught: tuple[type[Exception], ...] = (redis.RedisError, *errors)
     try:

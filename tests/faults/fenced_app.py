@@ -1,9 +1,9 @@
-"""The fault rows' jobfence side: the bundled app (payments, stock) plus a poison task.
+"""The fault rows' jobfence side: the demo shop's app (payments, stock) plus a poison task.
 
-``celery -A tests.faults.fenced_app worker`` builds the app with ``create_app()`` from the
-``JOBFENCE_*`` variables, exactly as ``jobfence.worker.celery_app`` does (start-up checks
-included), and registers ``fault.poison``: a ``@singleton_task`` whose body counts its
-delivery in ``LEDGER_URL`` and then kills its own pool process; and :mod:`tests.faults.hold`.
+``celery -A tests.faults.fenced_app worker`` builds the app with ``create_shop_app()`` from
+the ``JOBFENCE_*`` variables, exactly as ``demo.app`` does (start-up checks included), and
+registers ``fault.poison``: a ``@singleton_task`` whose body counts its delivery in
+``LEDGER_URL`` and then kills its own pool process; and :mod:`tests.faults.hold`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import redis
 from celery import Celery
 
+from demo.app import create_shop_app
 from jobfence.config import UnsafeSettings
 from jobfence.config.errors import EX_CONFIG
 from jobfence.tasks import SingletonTask, singleton_task
-from jobfence.worker.app import create_app
 from tests.faults import hold
 
 POISON = "fault.poison"
@@ -36,7 +36,7 @@ def poison(self: SingletonTask, job_id: str) -> None:
 
 
 def build() -> Celery:
-    app = create_app()
+    app = create_shop_app()
     singleton_task(app=app, name=POISON, bind=True, shared=False)(poison)
     hold.connect()
     return app

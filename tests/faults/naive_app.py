@@ -29,8 +29,8 @@ import redis
 import sqlalchemy as sa
 from celery import Celery, Task
 
+from demo.shop.ledger import accounts
 from jobfence.tasks.effects import make_engine
-from jobfence.tasks.shop.ledger import accounts
 from tests.faults import hold
 from tests.integration.apps.common import app_on_first_access, make_app
 

@@ -3,9 +3,9 @@
 A :class:`Rig` owns a private broker redis-server (optionally persistent, AOF on), a separate
 private lock redis-server (restarting it loses every lock, fence and record), an SQLite ledger
 with one well-funded account, and the worker fleets started on them. The naive side runs
-``tests.faults.naive_app``; the jobfence side runs ``tests.faults.fenced_app`` (the bundled
-app and its start-up checks) with the shipped payment task. Both sides are judged on the SQL
-ledger alone: a payment id charged twice is a double effect, a published payment with no
+``tests.faults.naive_app``; the jobfence side runs ``tests.faults.fenced_app`` (the demo
+shop's app and its start-up checks) with the shop's payment task. Both sides are judged on
+the SQL ledger alone: a payment id charged twice is a double effect, a published payment with no
 charge at the end is a lost job, and the account's balance must match its charges.
 """
 
@@ -25,10 +25,10 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from demo.shop.ledger import accounts, create_schema, open_account, payments
 from devstack.faults_report import Outcome, Side
+from devstack.redis_server import RedisServer, free_port
 from jobfence.tasks.effects import make_engine
-from jobfence.tasks.shop.ledger import accounts, create_schema, open_account, payments
-from jobfence.worker.redis_server import RedisServer, free_port
 from tests.faults import naive_app
 from tests.integration.celery_fleet import Fleet, broker_backlog
 from tests.servers import wait_for

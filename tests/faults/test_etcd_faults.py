@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from devstack import procs
 from jobfence.locks import (
     BackendUnavailable,
     Lease,
@@ -43,7 +44,6 @@ from jobfence.locks import (
 )
 from jobfence.locks.backends.etcd import EtcdBackend
 from jobfence.locks.guards import SqlFenceGuard
-from jobfence.worker import procs
 from tests.servers import ETCD_TIMING, EtcdCluster, EtcdServerError, ProcessGroup, wait_for
 
 pytestmark = pytest.mark.fault

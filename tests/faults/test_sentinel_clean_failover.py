@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from devstack.local_sentinel import LocalSentinel
+from devstack.redis_server import RedisServer
 from jobfence.locks import Lease, LeaseKeeper, LeaseLost, RedisFenceGuard
 from jobfence.locks.aio import AsyncLocker
 from jobfence.locks.backend import JobRecord, LockBackend
@@ -26,7 +27,6 @@ from jobfence.locks.backends import redis_sentinel
 from jobfence.locks.backends.redis import RedisBackend
 from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
 from jobfence.locks.errors import BackendUnavailable
-from jobfence.worker.redis_server import RedisServer
 from tests.servers import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]

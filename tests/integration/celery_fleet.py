@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import redis
 
-from jobfence.worker import procs
+from devstack import procs
 from tests.integration.fleet_hooks import INDEX_ENV, STATE_DIR_ENV, safe_name
 from tests.servers import ProcessGroup, wait_for
 

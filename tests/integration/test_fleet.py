@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobfence.worker.procs import pid_alive, proc_state
+from devstack.procs import pid_alive, proc_state
 from tests.integration.apps.common import app_env, make_app
 from tests.integration.celery_fleet import Fleet, FleetError
 from tests.integration.ledger import Ledger

@@ -26,11 +26,11 @@ import pytest
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
+from devstack.redis_server import free_port
 from tests.integration.apps.common import app_env, make_app
 from tests.integration.apps.metrics_app import BUSY_SUFFIX, SEMAPHORE, SLOTS, WORK_TASK
 from tests.integration.celery_fleet import FleetError, FleetFactory
 from tests.servers import RedisServer, wait_for
-from worker.redis_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -34,11 +34,11 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from demo.shop.ledger import balance_of, create_schema, open_account
+from demo.shop.payments import CHARGE
 from jobfence.config import Settings
 from jobfence.tasks import runtime_for
 from jobfence.tasks.effects import make_engine
-from jobfence.tasks.shop.ledger import balance_of, create_schema, open_account
-from jobfence.tasks.shop.payments import CHARGE
 from jobfence.worker.app import create_app
 from tests.integration.apps.one_database_app import NAIVE_CHARGE, naive_metadata
 from tests.integration.celery_fleet import Fleet, FleetFactory
@@ -93,7 +93,7 @@ def one_db(module_redis: RedisServer, fleet_factory: FleetFactory) -> Iterator[O
             "JOBFENCE_KEY_PREFIX": prefix,
         }
         fleet = fleet_factory(APP, env=env, workers=2, concurrency=2)
-        client = create_app(settings, include=["jobfence.tasks.shop.payments"])
+        client = create_app(settings, include=["demo.shop.payments"])
         broker = redis.Redis.from_url(f"{server}/0")
         try:
             yield OneDatabase(fleet, client, broker, engine, db.url, prefix)

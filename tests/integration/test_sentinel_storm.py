@@ -19,12 +19,12 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from demo.shop.ledger import balance_of, create_schema, open_account, payments
+from demo.shop.payments import CHARGE
 from devstack.local_sentinel import LocalSentinel
 from jobfence.config import Settings
 from jobfence.tasks import runtime_for
 from jobfence.tasks.effects import make_engine
-from jobfence.tasks.shop.ledger import balance_of, create_schema, open_account, payments
-from jobfence.tasks.shop.payments import CHARGE
 from jobfence.worker.app import create_app
 from tests.integration.celery_fleet import Fleet, FleetFactory
 from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer, wait_for
@@ -70,7 +70,7 @@ def sentinel_fleet(
         engine = make_engine(db.url)
         create_schema(engine)
         fleet = fleet_factory(APP, env=env, workers=2, concurrency=2)
-        client = create_app(settings, include=["jobfence.tasks.shop.payments"])
+        client = create_app(settings, include=["demo.shop.payments"])
         broker = redis.Redis.from_url(f"{server}/0")
         try:
             yield SentinelFleet(fleet, client, broker, engine, topology)

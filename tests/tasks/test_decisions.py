@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
+from devstack.redis_server import free_port
 from jobfence.locks import Backoff, LeaseKeeper, MemoryBackend, RedisBackend
 from jobfence.locks.decisions import Decision, DecisionBounds, RedisDecisionLog, RingDecisionLog
 from jobfence.locks.outage import WarningLimiter
 from jobfence.tasks import Executor
 from jobfence.tasks.decisions import DecisionRecorder, describe
 from jobfence.tasks.middleware import Decisions, OutageLines
-from jobfence.worker.redis_server import free_port
 from tests.tasks.conftest import spec_for, unique
 
 

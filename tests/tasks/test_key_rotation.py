@@ -190,7 +190,7 @@ def test_a_real_worker_with_an_unknown_secret_exits_with_how_to_rotate(
         seeded.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBFENCE_")}
     env.update(JOBFENCE_LOCK_URL=fresh_redis.url, JOBFENCE_KEY_SECRET=NEW)
-    args = [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "worker",
+    args = [sys.executable, "-m", "celery", "-A", "demo.app", "worker",
             "--pool", "solo"]  # fmt: skip
     done = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     output = done.stdout + done.stderr

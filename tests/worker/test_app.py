@@ -19,8 +19,6 @@ from jobfence.locks import RedisBackend
 from jobfence.tasks import runtime_for, singleton_task
 from jobfence.worker.app import (
     BEAT_SCHEDULER,
-    RECONCILE_ENTRY,
-    RECONCILE_TASK,
     broker_urls,
     create_app,
     redis_db_url,
@@ -108,23 +106,18 @@ def test_creating_the_app_talks_to_no_server(make_app):
     assert isinstance(runtime_for(app).backend, RedisBackend)
 
 
-def test_the_app_ships_the_nightly_reconciliation(make_app, redis_url):
-    app = make_app(_settings(redis_url), reconcile_at="15 4 * * *")
-    entry = app.conf.beat_schedule[RECONCILE_ENTRY]
-    assert entry["task"] == RECONCILE_TASK
-    assert entry["schedule"].hour == {4} and entry["schedule"].minute == {15}
-    assert make_app(_settings(redis_url), reconcile_at=None).conf.beat_schedule == {}
-
-
-def test_the_default_includes_are_the_shipped_task_modules_that_exist():
-    app = create_app(_settings("redis://127.0.0.1:7001/0"))
+def test_an_app_holds_only_the_task_modules_and_schedule_its_caller_names(redis_url):
+    """Issue 32, item 6: create_app() defaulted to the demo shop's task modules and its
+    nightly reconciliation; a user's app now gets neither unless it names them."""
+    app = create_app(_settings(redis_url))
     try:
-        expected = [
-            m
-            for m in ("jobfence.tasks.shop.payments", "jobfence.tasks.shop.stock")
-            if (REPO_ROOT / (m.replace(".", "/") + ".py")).exists()
-        ]
-        assert list(app.conf.include) == expected
+        assert list(app.conf.include) == []
+        assert app.conf.beat_schedule == {}
+    finally:
+        runtime_for(app).close()
+    app = create_app(_settings(redis_url), include=["tests.worker.slot_app", "no.such.module"])
+    try:  # a module that cannot be found is left out (with a warning), the rest kept
+        assert list(app.conf.include) == ["tests.worker.slot_app"]
     finally:
         runtime_for(app).close()
 
@@ -228,7 +221,7 @@ def test_checks_refuse_a_broker_that_may_evict_messages(make_app, redis_url):
 def test_a_real_worker_or_beat_refuses_to_start_with_a_clear_message(fresh_redis, program):
     fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
     env = {**os.environ, "JOBFENCE_LOCK_URL": fresh_redis.url}
-    args = [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", program]
+    args = [sys.executable, "-m", "celery", "-A", "demo.app", program]
     if program == "worker":
         args += ["--pool", "solo"]
     done = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

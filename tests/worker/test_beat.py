@@ -552,7 +552,7 @@ def test_two_real_beats_elect_one_and_the_standby_takes_over_after_a_kill(
     env = jobfence_env(settings, JOBFENCE_DEFAULT_TTL=str(ttl), JOBFENCE_SOCKET_TIMEOUT="0.5")
     beats = [
         process_group.spawn(
-            [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "beat",
+            [sys.executable, "-m", "celery", "-A", "demo.app", "beat",
              "-l", "INFO", "-s", str(tmp_path / f"beat-{i}-schedule")],
             env=env, cwd=REPO_ROOT, name=f"beat-{i}",
         )

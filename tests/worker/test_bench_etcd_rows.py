@@ -6,7 +6,7 @@ import pytest
 
 from devstack.bench import etcd_rows, locks_bench
 from devstack.local_etcd import etcd_unavailable
-from jobfence.worker.procs import pid_alive
+from devstack.procs import pid_alive
 
 
 def test_etcd_row_starts_its_own_etcd_measures_and_stops_it(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from devstack.bench import gate_bench
-from jobfence.worker.redis_server import RedisServer
+from devstack.redis_server import RedisServer
 
 
 def test_the_gate_bench_times_every_case_and_reports_the_ratio() -> None:

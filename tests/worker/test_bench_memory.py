@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from devstack.bench import keeper_bench, memory_bench
-from jobfence.worker.redis_server import RedisServer
+from devstack.redis_server import RedisServer
 
 
 def test_the_memory_bench_counts_one_record_key_per_finished_job() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from devstack.bench import publish_bench
-from jobfence.worker.redis_server import RedisServer
+from devstack.redis_server import RedisServer
 
 
 def test_the_publish_bench_counts_each_contenders_round_trips() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from devstack.bench import server_bench
-from jobfence.worker.redis_server import RedisServer
+from devstack.redis_server import RedisServer
 
 
 def test_the_server_bench_reports_every_operation_and_both_ratios() -> None:

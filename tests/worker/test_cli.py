@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from devstack.procs import pid_alive, proc_state
 from jobfence.config.errors import EX_CONFIG
 from jobfence.locks import (
     Lease,
@@ -29,7 +30,6 @@ from jobfence.locks import (
 )
 from jobfence.worker import admin
 from jobfence.worker.cli import _load_main
-from jobfence.worker.procs import pid_alive, proc_state
 from tests.servers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from demo.fleet import build_parser as fleet_parser
+from devstack import procs
 from jobfence.config.errors import EX_CONFIG
-from jobfence.worker import procs
 from jobfence.worker.app import redis_db_url
 from jobfence.worker.cli import build_parser
 from tests.servers import wait_for
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TASKS_PY = """
 import os
@@ -44,8 +47,11 @@ def project(tmp_path: Path, redis_url: str) -> tuple[Path, dict[str, str]]:
     root = tmp_path / "userproj"
     root.mkdir()
     (root / "tasks.py").write_text(textwrap.dedent(TASKS_PY))
+    # `jobfence fleet` lives beside the demo, in the checkout: on PYTHONPATH from elsewhere.
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {
         **os.environ,
+        "PYTHONPATH": path,
         "JOBFENCE_LOCK_URL": redis_url,
         "USER_BROKER_URL": redis_db_url(redis_url, 1),
         "PYTHONUNBUFFERED": "1",
@@ -66,8 +72,11 @@ def _jobfence(root: Path, env: dict[str, str], *args: str) -> subprocess.Complet
 
 @pytest.mark.parametrize("command", ["fleet", "check"])
 def test_the_app_option_is_in_the_help(command, capsys):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args([command, "--help"])
+    with pytest.raises(SystemExit):  # the fleet's own parser lives beside the demo
+        if command == "fleet":
+            fleet_parser().parse_args(["--help"])
+        else:
+            build_parser().parse_args([command, "--help"])
     out = capsys.readouterr().out
     assert "--app MODULE[:ATTR]" in out
     assert "your Celery app" in out
@@ -188,7 +197,7 @@ def test_a_sql_url_answered_by_another_server_is_refused(project, url, server):
 
 @pytest.mark.parametrize("scheme", ["postgresql", "mysql"])
 def test_control_a_sql_url_where_nothing_listens_is_an_outage_not_a_refusal(project, scheme):
-    from jobfence.worker.redis_server import free_port
+    from devstack.redis_server import free_port
 
     root, env = project
     url = f"{scheme}://root@127.0.0.1:{free_port()}/x"
@@ -199,7 +208,7 @@ def test_control_a_sql_url_where_nothing_listens_is_an_outage_not_a_refusal(proj
 
 
 def test_control_a_redis_url_where_nothing_listens_is_an_outage_not_a_refusal(project):
-    from jobfence.worker.redis_server import free_port
+    from devstack.redis_server import free_port
 
     root, env = project
     env = {**env, "USER_SETUP": "1", "JOBFENCE_LOCK_URL": f"redis://127.0.0.1:{free_port()}/0"}

@@ -17,10 +17,10 @@ import pymysql  # type: ignore[import-untyped]
 import pytest
 import sqlalchemy as sa
 
+from devstack.procs import proc_state
 from jobfence.locks import Lease, LockBackend, NotOwner, OwnerMeta, open_backend, procinfo
 from jobfence.locks.backends.mysql import MySQLBackend, key_hash
 from jobfence.locks.backends.postgres import TABLE as PG_TABLE
-from jobfence.worker.procs import proc_state
 from tests.servers import ProcessGroup, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

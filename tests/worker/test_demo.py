@@ -12,10 +12,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert, update
 
-from jobfence.tasks.effects import jobs as jobs_table
-from jobfence.tasks.effects import make_engine
-from jobfence.tasks.shop.ledger import accounts, payments, reservations, stock
-from jobfence.worker.demo import (
+from demo.app import (
+    RECONCILE_ENTRY,
+    RECONCILE_TASK,
+    SHOP_MODULES,
+    create_shop_app,
+)
+from demo.shop.ledger import accounts, payments, reservations, stock
+from demo.storm import (
     DemoOptions,
     Job,
     Report,
@@ -24,6 +28,10 @@ from jobfence.worker.demo import (
     plan_storm,
     seed_ledger,
 )
+from jobfence.config import Settings
+from jobfence.tasks import runtime_for
+from jobfence.tasks.effects import jobs as jobs_table
+from jobfence.tasks.effects import make_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REPORT_KEYS = {
@@ -37,6 +45,24 @@ REPORT_KEYS = {
     "oversold",
     "elapsed_s",
 }
+
+
+def test_the_shop_app_names_its_task_modules_and_its_nightly_reconciliation() -> None:
+    """What create_app() used to default to (issue 32, item 6), the demo names itself."""
+    settings = Settings(lock_url="redis://127.0.0.1:7001/0")  # nothing is contacted
+    app = create_shop_app(settings, reconcile_at="15 4 * * *")
+    try:
+        assert list(app.conf.include) == list(SHOP_MODULES)
+        entry = app.conf.beat_schedule[RECONCILE_ENTRY]
+        assert entry["task"] == RECONCILE_TASK
+        assert entry["schedule"].hour == {4} and entry["schedule"].minute == {15}
+    finally:
+        runtime_for(app).close()
+    app = create_shop_app(settings, reconcile_at=None)
+    try:
+        assert app.conf.beat_schedule == {}
+    finally:
+        runtime_for(app).close()
 
 
 def test_a_small_demo_run_passes_and_prints_one_json_object(tmp_path: Path) -> None:
@@ -141,7 +167,7 @@ def ledger(tmp_path: Path) -> tuple[object, list[Job], dict[Job, str], object]:
 
 
 def _now() -> object:
-    from jobfence.tasks.shop.ledger import now
+    from demo.shop.ledger import now
 
     return now()
 

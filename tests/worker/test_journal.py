@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from demo.journal import RedisJournal, read
 from jobfence.locks import Backoff, LeaseKeeper, MemoryBackend
 from jobfence.tasks.executor import Executor
-from jobfence.worker.journal import RedisJournal, read
 from tests.tasks.conftest import spec_for, unique
 
 

@@ -80,7 +80,7 @@ def test_a_real_worker_warns_at_start_up(fresh_redis: RedisServer) -> None:
     # the typo must be out by then, beside the refusal.
     fresh_redis.client().config_set("maxmemory-policy", "allkeys-lru")
     env = {**_without_jobfence_variables(), "JOBFENCE_LOCK_URL": fresh_redis.url, TYPO: VALUE}
-    args = [sys.executable, "-m", "celery", "-A", "jobfence.worker.celery_app", "worker",
+    args = [sys.executable, "-m", "celery", "-A", "demo.app", "worker",
             "--pool", "solo"]  # fmt: skip
     done = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     output = done.stdout + done.stderr

@@ -7,17 +7,17 @@ from typing import Any
 
 from celery import Celery
 
-import jobfence.tasks.shop.payments
-import jobfence.tasks.shop.stock
+import demo.shop.payments
+import demo.shop.stock
+from demo.shop.faults import DemoFaults, install_faults
+from demo.shop.ledger import create_schema
 from jobfence.config import Settings
 from jobfence.tasks import DUPLICATE, DuplicateSkipped, install, runtime_for
-from jobfence.tasks.shop.faults import DemoFaults, install_faults
-from jobfence.tasks.shop.ledger import create_schema
 
 __all__ = ["answer_or_duplicate", "eager_app", "reserve_in_process"]
 
 # imported: their shared tasks register
-WORKFLOW_MODULES = (jobfence.tasks.shop.payments, jobfence.tasks.shop.stock)
+WORKFLOW_MODULES = (demo.shop.payments, demo.shop.stock)
 
 
 def eager_app(
@@ -62,7 +62,7 @@ def reserve_in_process(
 ) -> None:
     """Process target: wait at the ``start`` barrier, reserve ``orders``, put the results."""
     app = eager_app(lock_url, database_url, create=False)
-    task = app.tasks[jobfence.tasks.shop.stock.RESERVE]
+    task = app.tasks[demo.shop.stock.RESERVE]
     results: list[tuple[str, Any]] = []
     try:
         start.wait(60)

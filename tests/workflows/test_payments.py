@@ -13,6 +13,16 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select, update
 
+from demo.shop.faults import DemoFaults, TransientError, install_faults
+from demo.shop.ledger import (
+    InvalidInput,
+    accounts,
+    balance_of,
+    open_account,
+    payment_rows,
+    payments,
+)
+from demo.shop.payments import CHARGE, apply_charge
 from jobfence.locks import StaleFence
 from jobfence.tasks import (
     DUPLICATE,
@@ -22,16 +32,6 @@ from jobfence.tasks import (
     JobSpec,
     runtime_for,
 )
-from jobfence.tasks.shop.faults import DemoFaults, TransientError, install_faults
-from jobfence.tasks.shop.ledger import (
-    InvalidInput,
-    accounts,
-    balance_of,
-    open_account,
-    payment_rows,
-    payments,
-)
-from jobfence.tasks.shop.payments import CHARGE, apply_charge
 from tests.workflows import answer_or_duplicate, eager_app
 
 
@@ -283,7 +283,7 @@ def test_a_demo_fault_fails_the_first_attempt_and_the_retry_charges_once(
         pid = _id("pay")
         with pytest.raises(TransientError):
             task(pid, account, 100, "EUR")  # called directly there is no retry: it shows
-        with caplog.at_level(logging.INFO, logger="jobfence.tasks.shop.faults"):
+        with caplog.at_level(logging.INFO, logger="demo.shop.faults"):
             result = task.delay(pid, account, 100, "EUR").get()  # fails, retries, charges
         assert result["status"] == "charged"
         assert [r for r in caplog.records if "fails its first attempt" in r.getMessage()]

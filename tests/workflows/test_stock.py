@@ -13,9 +13,7 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select, update
 
-from jobfence.locks import StaleFence
-from jobfence.tasks import DUPLICATE, IdempotencyConflict, JobContext, runtime_for
-from jobfence.tasks.shop.ledger import (
+from demo.shop.ledger import (
     InvalidInput,
     reservations,
     reserved_total,
@@ -24,7 +22,9 @@ from jobfence.tasks.shop.ledger import (
     stock_of,
     stock_reconciliations,
 )
-from jobfence.tasks.shop.stock import RECONCILE, RESERVE, apply_reservation, last_report
+from demo.shop.stock import RECONCILE, RESERVE, apply_reservation, last_report
+from jobfence.locks import StaleFence
+from jobfence.tasks import DUPLICATE, IdempotencyConflict, JobContext, runtime_for
 from tests.workflows import answer_or_duplicate, reserve_in_process
 
 

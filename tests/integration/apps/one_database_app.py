@@ -1,6 +1,6 @@
-"""The bundled app with its locks and its ledger in one PostgreSQL database, plus the control.
+"""The demo shop's app with its locks and its ledger in one PostgreSQL database, plus the control.
 
-``celery -A tests.integration.apps.one_database_app worker`` runs the shipped
+``celery -A tests.integration.apps.one_database_app worker`` runs the demo shop's
 ``tasks.payments.charge`` with JOBFENCE_LOCK_URL and JOBFENCE_DATABASE_URL naming the same
 database, and ``naive.charge``: the seed article's lock, a session advisory lock
 (``pg_try_advisory_lock``) in that same database, around a debit and a ledger row that
@@ -14,13 +14,13 @@ import os
 import sqlalchemy as sa
 from celery import Task
 
+from demo.app import create_shop_app
+from demo.shop.ledger import accounts
 from jobfence.tasks import make_engine, runtime_for
-from jobfence.tasks.shop.ledger import accounts
-from jobfence.worker.app import create_app
 
 NAIVE_CHARGE = "naive.charge"
 
-app = create_app()
+app = create_shop_app()
 
 naive_metadata = sa.MetaData()
 #: One row per naive charge that ran: no unique key, as in the seed article's ledger.

@@ -9,10 +9,10 @@ from typing import Any, Self, TypeVar
 
 import redis
 
+from devstack import procs
+from devstack.redis_server import HOST, RedisServer, RedisServerError, free_port
 from jobfence.config import Settings, load_settings
 from jobfence.config.settings import ENV_PREFIX
-from jobfence.worker import procs
-from jobfence.worker.redis_server import HOST, RedisServer, RedisServerError, free_port
 
 __all__ = ["HOST", "EmbeddedStack", "EmbeddedStackError", "free_port"]
 

@@ -47,14 +47,8 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import OperationalError
 
-from jobfence.tasks.celery_task import HEADER, SingletonTask, singleton_task
-from jobfence.tasks.context import JobContext
-from jobfence.tasks.effects import SqlEffects
-from jobfence.tasks.errors import IdempotencyConflict
-from jobfence.tasks.keys import canonical_json
-from jobfence.tasks.runtime import runtime_for
-from jobfence.tasks.shop.faults import TransientError, faults_for
-from jobfence.tasks.shop.ledger import (
+from demo.shop.faults import TransientError, faults_for
+from demo.shop.ledger import (
     QTY_MAX,
     InvalidInput,
     check_id,
@@ -66,6 +60,12 @@ from jobfence.tasks.shop.ledger import (
     stock,
     stock_reconciliations,
 )
+from jobfence.tasks.celery_task import HEADER, SingletonTask, singleton_task
+from jobfence.tasks.context import JobContext
+from jobfence.tasks.effects import SqlEffects
+from jobfence.tasks.errors import IdempotencyConflict
+from jobfence.tasks.keys import canonical_json
+from jobfence.tasks.runtime import runtime_for
 
 log = logging.getLogger(__name__)
 

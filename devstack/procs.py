@@ -18,6 +18,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
+# Re-exported: the launchers and their tests ask them here.
+from jobfence.locks.procinfo import pid_alive as pid_alive
+from jobfence.locks.procinfo import proc_state as proc_state
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -40,41 +44,6 @@ def _parent_death_signal(sig: int) -> Callable[[], None] | None:
             os._exit(1)
 
     return hook
-
-
-# -- any process, by pid -------------------------------------------------------------
-
-
-def _stat_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
-def proc_state(pid: int) -> str | None:
-    """The one-letter state of `pid` in Linux /proc (R, S, T, Z...); None if there is none."""
-    try:
-        return _stat_state(pid)
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie (Linux /proc; falls back to kill 0)."""
-    if pid <= 0:
-        return False
-    try:
-        return _stat_state(pid) not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def tail(path: str | os.PathLike[str], lines: int = 40) -> str:

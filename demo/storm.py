@@ -21,12 +21,11 @@ from typing import IO, Any
 import redis
 from sqlalchemy import Engine, func, select
 
-from jobfence.config import Settings, UnsafeSettings, load_settings
-from jobfence.config.schemes import backend_schemes
-from jobfence.config.settings import ENV_PREFIX
-from jobfence.tasks.effects import jobs as jobs_table
-from jobfence.tasks.effects import make_engine
-from jobfence.tasks.shop.ledger import (
+from demo import journal as journal_mod
+from demo.app import create_shop_app
+from demo.embedded import EmbeddedStack
+from demo.fleet import Fleet, FleetOptions
+from demo.shop.ledger import (
     accounts,
     create_schema,
     open_account,
@@ -34,13 +33,14 @@ from jobfence.tasks.shop.ledger import (
     reservations,
     seed_stock,
 )
-from jobfence.tasks.shop.ledger import stock as stock_table
-from jobfence.worker import journal as journal_mod
-from jobfence.worker import procs
-from jobfence.worker.app import create_app
-from jobfence.worker.embedded import EmbeddedStack
-from jobfence.worker.fleet import Fleet, FleetOptions
-from jobfence.worker.redis_server import RedisServer, RedisServerError
+from demo.shop.ledger import stock as stock_table
+from devstack import procs
+from devstack.redis_server import RedisServer, RedisServerError
+from jobfence.config import Settings, UnsafeSettings, load_settings
+from jobfence.config.schemes import backend_schemes
+from jobfence.config.settings import ENV_PREFIX
+from jobfence.tasks.effects import jobs as jobs_table
+from jobfence.tasks.effects import make_engine
 
 CURRENCY = "EUR"
 DEMO_TTL = 3.0  # short, so a frozen worker outlives its leases within seconds
@@ -337,7 +337,7 @@ def run_demo(opts: DemoOptions, log: IO[str], err: IO[str]) -> Report:
         settings = settings_from(env)
         engine = make_engine(env[f"{ENV_PREFIX}DATABASE_URL"])
         seed_ledger(engine, storm)
-        app = create_app(settings, reconcile_at=None)
+        app = create_shop_app(settings, reconcile_at=None)
         app.loader.import_default_modules()  # register the included task modules here too
         keys = {job: app.tasks[job.task].identity(job.args, {})[0] for job in storm.jobs}
         fleet = Fleet(FleetOptions(workers=opts.workers, concurrency=opts.concurrency, beats=0,

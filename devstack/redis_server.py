@@ -13,8 +13,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from devstack import procs
 from jobfence.config.schemes import backend_schemes
-from jobfence.worker import procs
 
 __all__ = ["HOST", "RedisServer", "RedisServerError", "free_port"]
 

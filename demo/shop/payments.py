@@ -14,13 +14,8 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 
-from jobfence.tasks.celery_task import SingletonTask, singleton_task
-from jobfence.tasks.context import JobContext
-from jobfence.tasks.effects import SqlEffects
-from jobfence.tasks.errors import IdempotencyConflict
-from jobfence.tasks.runtime import runtime_for
-from jobfence.tasks.shop.faults import TransientError, faults_for
-from jobfence.tasks.shop.ledger import (
+from demo.shop.faults import TransientError, faults_for
+from demo.shop.ledger import (
     AMOUNT_MAX,
     accounts,
     check_currency,
@@ -31,6 +26,11 @@ from jobfence.tasks.shop.ledger import (
     now,
     payments,
 )
+from jobfence.tasks.celery_task import SingletonTask, singleton_task
+from jobfence.tasks.context import JobContext
+from jobfence.tasks.effects import SqlEffects
+from jobfence.tasks.errors import IdempotencyConflict
+from jobfence.tasks.runtime import runtime_for
 
 CHARGE = "tasks.payments.charge"
 

@@ -1,7 +1,9 @@
-"""`python -m jobfence fleet`: N real `celery worker` processes and beats, stopped on Ctrl-C."""
+"""`python -m jobfence fleet`: N real `celery worker` processes and beats of your app or the demo
+shop, stopped on Ctrl-C. From a checkout: it lives beside the demo, not in the wheel."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -9,24 +11,27 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from demo.embedded import EmbeddedStack, EmbeddedStackError
+from devstack import procs
 from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.config.settings import ENV_PREFIX
-from jobfence.worker import procs
-from jobfence.worker.embedded import EmbeddedStack, EmbeddedStackError
+from jobfence.worker.cli import missing_app_module, positive_int, positive_seconds
 
-BUNDLED_APP = "jobfence.worker.celery_app"
+DEMO_APP = "demo.app"  # the demo shop's app, the fleet's default
+#: The checkout root, on the children's PYTHONPATH for the demo's app (whatever the directory).
+CHECKOUT = Path(__file__).resolve().parents[1]
 READY_LINE = re.compile(r"@\S+ ready\.\s*$")
 BEAT_READY_LINE = re.compile(r"beat: Starting\.\.\.")
 
 
 class FleetError(RuntimeError):
     """A fleet process exited during start-up or did not get ready in time."""
-
 
 
 METRICS_PORT = f"{ENV_PREFIX}METRICS_PORT"
@@ -43,6 +48,7 @@ def metrics_env(env: Mapping[str, str], index: int) -> Mapping[str, str]:
         return env
     return {**env, METRICS_PORT: str(int(raw) + index - 1)}
 
+
 @dataclass(frozen=True)
 class FleetOptions:
     workers: int = 2
@@ -51,7 +57,7 @@ class FleetOptions:
     broker: str | None = None
     lock_url: str | None = None
     database: str | None = None
-    app: str = BUNDLED_APP  # `celery -A` spec of the app the processes run
+    app: str = DEMO_APP  # `celery -A` spec of the app the processes run
     pool: str = "prefork"
     loglevel: str = "INFO"
     shutdown_timeout: float = 30.0
@@ -107,7 +113,7 @@ class Fleet:
 
     # -- set-up ---------------------------------------------------------------------
     def environment(self) -> dict[str, str]:
-        """Variables for the children: `extra_env` and the options' URLs; for the bundled app
+        """Variables for the children: `extra_env` and the options' URLs; for the demo shop
         with no lock or broker URL there or in the environment, an embedded stack's (started
         here). A user's own app keeps its broker and reads JOBFENCE_* as it would anyway."""
         o = self.options
@@ -119,7 +125,7 @@ class Fleet:
         names = {f"{ENV_PREFIX}{name.upper()}": name for name in Settings.model_fields}
         settings = load_settings(**{names[k]: v for k, v in env.items() if k in names})
         configured = {"lock_url", "broker_url"} & settings.model_fields_set
-        if not configured and o.app == BUNDLED_APP:
+        if not configured and o.app == DEMO_APP:
             self.stack = EmbeddedStack().start()
             env.update(self.stack.env())
             self.say(
@@ -149,6 +155,9 @@ class Fleet:
     def start(self) -> None:
         o = self.options
         env = {**os.environ, **self.environment(), "PYTHONUNBUFFERED": "1"}
+        if o.app == DEMO_APP:  # the demo is no installed package: its checkout, for celery -A
+            paths = [str(CHECKOUT), env.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         celery = [sys.executable, "-m", "celery", "-A", o.app]
         for i in range(1, o.workers + 1):
             worker_env = metrics_env(env, i)
@@ -262,3 +271,89 @@ class Fleet:
 
 def run_fleet(options: FleetOptions, out: IO[str] | None = None) -> int:
     return Fleet(options, out).run()
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jobfence fleet",
+        description="Run real `celery worker` processes and beat(s) of your Celery app "
+        "(--app), or of the demo shop. For the demo shop with no broker or lock URL "
+        "(options or JOBFENCE_* variables) it starts an embedded stack: a private "
+        "redis-server and an SQLite ledger in a temporary directory.",
+    )
+    parser.add_argument(
+        "--app",
+        "-A",
+        default=DEMO_APP,
+        metavar="MODULE[:ATTR]",
+        help="your Celery app, as `celery -A` takes it (e.g. proj.tasks:app, or a module "
+        "holding `app`), imported from the current directory (default: the demo shop, "
+        f"{DEMO_APP})",
+    )
+    parser.add_argument("--workers", type=positive_int, default=2, metavar="N")
+    parser.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=2,
+        metavar="C",
+        help="pool processes per worker (default 2)",
+    )
+    beats = parser.add_mutually_exclusive_group()
+    beats.add_argument(
+        "--beats",
+        type=positive_int,
+        default=1,
+        metavar="B",
+        help="beat processes; more than one shows the leader election",
+    )
+    beats.add_argument("--no-beat", action="store_true", help="start no beat")
+    parser.add_argument(
+        "--broker",
+        metavar="URL",
+        help="the demo shop's Celery broker (JOBFENCE_BROKER_URL); your own app's broker "
+        "is set in your app",
+    )
+    parser.add_argument("--lock-backend", metavar="URL", help="lock server (JOBFENCE_LOCK_URL)")
+    parser.add_argument("--database", metavar="URL", help="ledger (JOBFENCE_DATABASE_URL)")
+    parser.add_argument("--pool", default="prefork", choices=["prefork", "solo", "threads"])
+    parser.add_argument("--loglevel", default="INFO")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="warm-shutdown deadline before SIGKILL (default 30)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.app != DEMO_APP:
+        if args.broker:
+            print(
+                "jobfence: --broker sets the demo shop's broker; your app "
+                f"{args.app} publishes to the broker it sets itself",
+                file=sys.stderr,
+            )
+            return 2
+        missing = missing_app_module(args.app)
+        if missing:
+            print(f"jobfence: {missing}", file=sys.stderr)
+            return 2
+    options = FleetOptions(
+        workers=args.workers,
+        concurrency=args.concurrency,
+        beats=0 if args.no_beat else args.beats,
+        broker=args.broker,
+        lock_url=args.lock_backend,
+        database=args.database,
+        app=args.app,
+        pool=args.pool,
+        loglevel=args.loglevel,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    return run_fleet(options)

@@ -1,0 +1,1 @@
+"""The demo, from a checkout: the shop's workflows, the storm, the fleet (not in the wheel)."""
