@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from demo.fleet import build_parser as fleet_parser
 from jobfence.config import UnsafeSettings
 from jobfence.locks import (
     Backoff,
@@ -20,7 +21,6 @@ from jobfence.locks import (
 )
 from jobfence.locks.ratelimit import Rate, RateLimiter
 from jobfence.tasks import TaskDefinitionError, runtime_for, singleton_task
-from jobfence.worker.cli import build_parser
 from tests.tasks.conftest import AppFactory, unique
 
 NON_FINITE = [math.nan, math.inf, -math.inf]
@@ -89,7 +89,7 @@ def test_cli_refuses_a_non_finite_shutdown_timeout(
     text: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(["fleet", f"--shutdown-timeout={text}"])
+        fleet_parser().parse_args([f"--shutdown-timeout={text}"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--shutdown-timeout" in err and "finite number of seconds" in err
