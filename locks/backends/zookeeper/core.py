@@ -55,6 +55,29 @@ def multi_failure(results: Sequence[Any]) -> tuple[int, Exception] | None:
     return None
 
 
+def _check_prefix(prefix: str) -> None:
+    """Refuse a key prefix that cannot name a node under the chroot."""
+    if not prefix or "/" in prefix or prefix in (".", "..") or prefix == "zookeeper":
+        raise LockError(
+            f"key prefix {prefix!r} cannot be a ZooKeeper node name; "
+            "set JOBFENCE_KEY_PREFIX to a name without '/'"
+        )
+
+
+def _client_options(tls: dict[str, Any], auth: tuple[str, str] | None) -> dict[str, Any]:
+    """KazooClient's TLS and digest arguments. Digest auth: the session authenticates as
+    user:password, and every node made here (kazoo's default_acl covers create, ensure_path
+    and multi) is that identity's alone."""
+    options = dict(tls)
+    if "certfile" in tls and "keyfile" not in tls:
+        # kazoo loads a client certificate only given both; one PEM may hold the two.
+        options["keyfile"] = tls["certfile"]
+    if auth:
+        options["auth_data"] = [("digest", f"{auth[0]}:{auth[1]}")]
+        options["default_acl"] = [make_digest_acl(*auth, all=True)]
+    return options
+
+
 class Core(LockBackend):
     """ZooKeeperBackend's state and its requests, which its other parts build on."""
 
@@ -72,25 +95,13 @@ class Core(LockBackend):
         tls: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(clock=clock)
-        if not prefix or "/" in prefix or prefix in (".", "..") or prefix == "zookeeper":
-            raise LockError(
-                f"key prefix {prefix!r} cannot be a ZooKeeper node name; "
-                "set JOBFENCE_KEY_PREFIX to a name without '/'"
-            )
+        _check_prefix(prefix)
         self.hosts = hosts
         self.root = f"{chroot}/{prefix}"
         self.user = auth[0] if auth else None
         self.tls_options = dict(tls or {})
-        # Digest auth: the session authenticates as user:password, and every node made here
-        # (kazoo's default_acl covers create, ensure_path and multi) is that identity's alone.
-        self._identity = make_digest_acl_credential(*auth) if auth else None
-        self._client_options: dict[str, Any] = dict(self.tls_options)
-        if "certfile" in self.tls_options and "keyfile" not in self.tls_options:
-            # kazoo loads a client certificate only given both; one PEM may hold the two.
-            self._client_options["keyfile"] = self.tls_options["certfile"]
-        if auth:
-            self._client_options["auth_data"] = [("digest", f"{auth[0]}:{auth[1]}")]
-            self._client_options["default_acl"] = [make_digest_acl(*auth, all=True)]
+        self._identity = make_digest_acl_credential(*auth) if auth else None  # as ACLs name it
+        self._client_options = _client_options(self.tls_options, auth)
         self._acl_checked: set[int] = set()  # sessions (ids) that checked the root's ACL
         self.socket_timeout = socket_timeout
         self.fence_retention = fence_retention

@@ -99,30 +99,16 @@ class Granting(Pruning):
         name = node_name(key)
         p = self._paths(name)
         data = self._holder(key, owner, meta, session.negotiated_ms, fingerprint if record else "")
-        keyname = key.encode()
         contended = False
         for _ in range(ATTEMPTS):
-            known = name in self._known
-            # A key node seen before: a grant is the create plus a set of the key node; a
-            # job grant first probes for a record (create and delete of `job`). A new key
-            # node is created in the same multi (it has no record yet).
-            ops: list[tuple[Any, ...]] = []
-            if not known:
-                ops.append(("create", p.key, keyname))
-            elif record:
-                ops += [("create", p.job, b""), ("delete", p.job)]
-            ops += [("ephemeral", p.lock, data), ("set", p.key, keyname)]
+            ops = self._grant_ops(p, key, name in self._known, record, data)
             got = self._try_grant(session, key, owner, name, p, ops, data, started)
             if isinstance(got, Grant):
                 self._known.add(name)
                 return got
             index, exc = got
             op = ops[index]
-            if op[0] == "create" and op[1] == p.key:
-                if isinstance(exc, NodeExistsError):
-                    self._remember(name)
-                    continue
-                self._make_bucket(session, p)  # NoNode: the bucket (or everything) is missing
+            if self._mend(session, name, p, op, exc):
                 continue
             if op[1] == p.job and isinstance(exc, NodeExistsError):
                 outcome = self._record_or_clear(session, key, owner, name, p, data, started)
@@ -135,15 +121,44 @@ class Granting(Pruning):
                     return busy
                 contended = True  # released between our create and our read: again
                 continue
-            if isinstance(exc, NoNodeError):
-                if op[1] == p.lock:
-                    self._setup(session)  # the locks parent is gone: new (or wiped) data
-                self._known.discard(name)
-                continue
             raise BackendUnavailable(f"zookeeper begin failed: {exc!r}", key=key, cause=exc)
         if contended:  # a key changing hands this fast is busy: the caller backs off
             return Busy(ttl_left=0.0)
         raise BackendUnavailable(f"zookeeper begin did not settle in {ATTEMPTS} tries", key=key)
+
+    @staticmethod
+    def _grant_ops(
+        p: Paths, key: str, known: bool, record: bool, data: bytes
+    ) -> list[tuple[Any, ...]]:
+        """The grant multi. A key node seen before: the create plus a set of the key node; a
+        job grant first probes for a record (create and delete of `job`). A new key node is
+        created in the same multi (it has no record yet)."""
+        keyname = key.encode()
+        ops: list[tuple[Any, ...]] = []
+        if not known:
+            ops.append(("create", p.key, keyname))
+        elif record:
+            ops += [("create", p.job, b""), ("delete", p.job)]
+        ops += [("ephemeral", p.lock, data), ("set", p.key, keyname)]
+        return ops
+
+    def _mend(
+        self, session: Session, name: str, p: Paths, op: tuple[Any, ...], exc: Exception
+    ) -> bool:
+        """A grant multi failed on the key node or a missing parent: learn that the key node
+        exists, or make what is missing. True: try again; False: it failed on something else."""
+        if op[0] == "create" and op[1] == p.key:
+            if isinstance(exc, NodeExistsError):
+                self._remember(name)
+            else:
+                self._make_bucket(session, p)  # NoNode: the bucket (or everything) is missing
+            return True
+        if isinstance(exc, NoNodeError):
+            if op[1] == p.lock:
+                self._setup(session)  # the locks parent is gone: new (or wiped) data
+            self._known.discard(name)
+            return True
+        return False
 
     def _remember(self, name: str) -> None:
         if len(self._known) >= KNOWN_KEYS:
@@ -183,7 +198,17 @@ class Granting(Pruning):
         if sid is None or session.sid != sid or sid not in self._base_seen:
             self._orphan(p, owner)  # the session changed meanwhile
             raise BackendUnavailable("zookeeper begin: the session changed", key=key)
-        fence = self._fence(session, stat.mzxid)
+        fence = self._checked_fence(session, key, owner, p, stat.mzxid)
+        grant = Grant(
+            key=key, owner=owner, name=name, session=session, sid=sid,
+            version=stat.version, fence=fence, data=data, deadline=started + session.ttl,
+        )  # fmt: skip
+        return self._keep(grant)
+
+    def _checked_fence(self, session: Session, key: str, owner: str, p: Paths, zxid: int) -> int:
+        """The fence of the grant made by the multi of `zxid`; refused (its node left to the
+        reaper) unless above every fence granted on data the server has since lost."""
+        fence = self._fence(session, zxid)
         if fence <= self._old_floor:
             # At or below a fence granted on data the server has since lost: the new base
             # is not far enough above the old one (an ensemble's zxids carry its election
@@ -197,12 +222,12 @@ class Granting(Pruning):
             )
         if fence > self.fence_floor:  # racing threads may keep an older grant: a maximum
             self.fence_floor = fence
-        grant = Grant(
-            key=key, owner=owner, name=name, session=session, sid=sid,
-            version=stat.version, fence=fence, data=data, deadline=started + session.ttl,
-        )  # fmt: skip
+        return fence
+
+    def _keep(self, grant: Grant) -> Grant:
+        """Keep a new grant (the reaper watches it); start a prune when one is due."""
         with self._mutex:
-            self._grants[(key, owner)] = grant
+            self._grants[(grant.key, grant.owner)] = grant
         if self.clock.monotonic() >= self._next_prune:
             self._prune_soon()
         return grant

@@ -96,6 +96,11 @@ class Reaping(Core):
             )
         if now < grant.deadline:
             return lost_at if now < lost_at else grant.deadline
+        return self._delete_past_deadline(grant, now)
+
+    def _delete_past_deadline(self, grant: Grant, now: float) -> float:
+        """Delete the node of a grant past its deadline (owner-checked). Next due time."""
+        session = grant.session
         if not session.connected:
             return now + 0.2
         grant.reaping = True

@@ -26,31 +26,12 @@ def tls_problem(exc: BaseException, where: str, tls: dict[str, Any]) -> tuple[st
     time-out"; the cause is the ssl.SSLError behind its ConnectionDropped. Messages name the
     lock URL's option to change (kazoo's spellings) and ZooKeeper's setting on the other side.
     """
-    seen: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in seen and len(seen) < 8:
-        seen.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    errors = [e for e in seen if isinstance(e, ssl.SSLError)]
-    if not errors:
+    error = _ssl_error(exc)
+    if error is None:
         return None
-    error = errors[-1]
-    reason = str(getattr(error, "reason", None) or error).replace("_", " ").lower()
-    host = where.rpartition(":")[0].strip("[]")
     if isinstance(error, ssl.SSLCertVerificationError):
-        why = error.verify_message or "untrusted"
-        if error.verify_code == 62 or "mismatch" in why.lower():  # X509_V_ERR_HOSTNAME_MISMATCH
-            return (
-                f"ZooKeeper's TLS certificate at {where} is not valid for host {host!r} ({why})",
-                "connect by a name or address the certificate holds (the lock URL's host); or, "
-                "a downgrade the start-up check warns about, add check_hostname=false to the "
-                "lock URL",
-            )
-        return (
-            f"ZooKeeper's TLS certificate at {where} did not verify ({why})",
-            "pass the CA that signed it as ca=/path/ca.pem in the lock URL (the CA of the "
-            "server's ssl.keyStore certificate)",
-        )
+        return _certificate_problem(error, where)
+    reason = str(getattr(error, "reason", None) or error).replace("_", " ").lower()
     client_cert = (
         "pass a client certificate signed by a CA in the server's ssl.trustStore: "
         "certfile=/path/client.pem&keyfile=/path/client.key in the lock URL"
@@ -74,4 +55,33 @@ def tls_problem(exc: BaseException, where: str, tls: dict[str, Any]) -> tuple[st
     return (
         f"TLS to ZooKeeper at {where} failed ({reason})",
         "check the lock URL's ca=, certfile= and keyfile= (PEM files; the key unencrypted)",
+    )
+
+
+def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
+    """The innermost ssl.SSLError among `exc` and its causes (eight at most), if any."""
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen and len(seen) < 8:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    errors = [e for e in seen if isinstance(e, ssl.SSLError)]
+    return errors[-1] if errors else None
+
+
+def _certificate_problem(error: ssl.SSLCertVerificationError, where: str) -> tuple[str, str]:
+    """(problem, fix) of a server certificate this client refused: its host name, or its CA."""
+    why = error.verify_message or "untrusted"
+    if error.verify_code == 62 or "mismatch" in why.lower():  # X509_V_ERR_HOSTNAME_MISMATCH
+        host = where.rpartition(":")[0].strip("[]")
+        return (
+            f"ZooKeeper's TLS certificate at {where} is not valid for host {host!r} ({why})",
+            "connect by a name or address the certificate holds (the lock URL's host); or, "
+            "a downgrade the start-up check warns about, add check_hostname=false to the "
+            "lock URL",
+        )
+    return (
+        f"ZooKeeper's TLS certificate at {where} did not verify ({why})",
+        "pass the CA that signed it as ca=/path/ca.pem in the lock URL (the CA of the "
+        "server's ssl.keyStore certificate)",
     )

@@ -47,23 +47,35 @@ def parse_target(url: str) -> Target:
     if parts.scheme.lower() not in SCHEMES:
         raise ValueError(f"not a ZooKeeper URL: {parts.scheme}://")
     userinfo, at, netloc = parts.netloc.rpartition("@")
-    auth = None
-    if at:
-        user, colon, password = userinfo.partition(":")
-        user, password = unquote(user), unquote(password)
-        if not user or not colon or not password:
-            raise ValueError(
-                "zookeeper:// user-info needs a user and a password for digest authentication: "
-                "zookeeper://user:password@host:2181/chroot (percent-encoded)"
-            )
-        if ":" in user:
-            raise ValueError(
-                "the zookeeper:// user name holds a ':', which digest authentication cannot "
-                "carry; choose a user name without one"
-            )
-        auth = (user, password)
+    auth = _digest_identity(userinfo) if at else None
     if parts.fragment:
         raise ValueError("zookeeper:// URLs take no fragment")
+    hosts = _host_list(netloc)
+    chroot = parts.path.rstrip("/")
+    if chroot and any(p in ("", ".", "..") for p in chroot[1:].split("/")):
+        raise ValueError(f"zookeeper:// chroot {parts.path!r} is not a valid node path")
+    return Target(hosts, chroot, auth, _tls_options(parts.query))
+
+
+def _digest_identity(userinfo: str) -> tuple[str, str]:
+    """(user, password) of the URL's user-info, percent-decoded; the error never quotes it."""
+    user, colon, password = userinfo.partition(":")
+    user, password = unquote(user), unquote(password)
+    if not user or not colon or not password:
+        raise ValueError(
+            "zookeeper:// user-info needs a user and a password for digest authentication: "
+            "zookeeper://user:password@host:2181/chroot (percent-encoded)"
+        )
+    if ":" in user:
+        raise ValueError(
+            "the zookeeper:// user name holds a ':', which digest authentication cannot "
+            "carry; choose a user name without one"
+        )
+    return user, password
+
+
+def _host_list(netloc: str) -> str:
+    """kazoo's host list 'h1:p1,h2:p2' of the URL's hosts (the port 2181 where none is given)."""
     hosts = []
     for item in netloc.split(","):
         host, colon, port = item.rpartition(":")
@@ -72,10 +84,7 @@ def parse_target(url: str) -> Target:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"zookeeper:// host {item!r} is not host:port")
         hosts.append(f"{host}:{port}")
-    chroot = parts.path.rstrip("/")
-    if chroot and any(p in ("", ".", "..") for p in chroot[1:].split("/")):
-        raise ValueError(f"zookeeper:// chroot {parts.path!r} is not a valid node path")
-    return Target(",".join(hosts), chroot, auth, _tls_options(parts.query))
+    return ",".join(hosts)
 
 
 def _flag(name: str, value: str) -> bool:
