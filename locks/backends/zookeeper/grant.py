@@ -26,7 +26,7 @@ from jobfence.locks.backends.zookeeper.session import Session
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 
-log = logging.getLogger(__package__)  # the package's one logger (its name as before)
+log = logging.getLogger(__package__)  # one logger for the package's modules
 
 ATTEMPTS = 6  # a begin that keeps meeting a release, a new key node or a cleared record
 KNOWN_KEYS = 10_000  # key nodes this process knows exist (a cache, emptied when full)

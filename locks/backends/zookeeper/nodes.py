@@ -25,6 +25,7 @@ def owner_digest(owner: str) -> str:
 
 
 def node_json(data: bytes) -> dict[str, Any]:
+    """A node's data as a JSON object; {} if it holds none."""
     try:
         value = json.loads(data)
     except ValueError:
@@ -55,6 +56,8 @@ class Grant:
 
 @dataclass(frozen=True)
 class Paths:
+    """A key's nodes: its lock node, its key node and that one's bucket (see ZooKeeperBackend)."""
+
     lock: str
     bucket: str
     key: str

@@ -22,7 +22,7 @@ from jobfence.locks.backends.zookeeper.session import Session
 from jobfence.locks.backends.zookeeper.sessions import Sessions
 from jobfence.locks.errors import BackendUnavailable
 
-log = logging.getLogger(__package__)  # the package's one logger (its name as before)
+log = logging.getLogger(__package__)  # one logger for the package's modules
 
 
 class Pruning(Sessions):

@@ -12,7 +12,7 @@ from jobfence.locks.backends.zookeeper.nodes import Grant, node_json
 from jobfence.locks.errors import BackendUnavailable, LeaseLost
 from jobfence.locks.lease import DRIFT_FLOOR, DRIFT_FRACTION
 
-log = logging.getLogger(__package__)  # the package's one logger (its name as before)
+log = logging.getLogger(__package__)  # one logger for the package's modules
 
 
 class Reaping(Core):

@@ -19,7 +19,7 @@ from jobfence.locks.backends.zookeeper.url import TLS_OPTIONS
 from jobfence.locks.clock import Clock
 from jobfence.locks.errors import BackendUnavailable
 
-log = logging.getLogger(__package__)  # the package's one logger (its name as before)
+log = logging.getLogger(__package__)  # one logger for the package's modules
 
 RECONNECT_CAP = 1.0  # seconds between reconnection attempts at most (kazoo's default: 1 h)
 

@@ -17,7 +17,7 @@ from jobfence.locks.backends.zookeeper.session import Session
 from jobfence.locks.backends.zookeeper.tls import TLSRefused
 from jobfence.locks.errors import BackendUnavailable, LockError
 
-log = logging.getLogger(__package__)  # the package's one logger (its name as before)
+log = logging.getLogger(__package__)  # one logger for the package's modules
 
 ADMIN_TTL = 10.0  # the session of a process that holds no lease (CLI, admin calls)
 
