@@ -28,7 +28,7 @@ from jobfence.locks.backends.etcd import (
     _txn_chunks,
     parse_endpoints,
 )
-from jobfence.locks.backends.etcd_gateway import b64
+from jobfence.locks.backends.etcd.gateway import b64
 from jobfence.locks.clock import ManualClock
 from tests.servers import free_port
 from tests.worker.test_cli import REPO_ROOT

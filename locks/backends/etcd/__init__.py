@@ -32,7 +32,7 @@ from jobfence.locks.backend import (
     validate_ttl,
 )
 from jobfence.locks.backends.common import flag_value, server_findings
-from jobfence.locks.backends.etcd_gateway import (
+from jobfence.locks.backends.etcd.gateway import (
     AuthFailed,
     Gateway,
     GatewayError,
