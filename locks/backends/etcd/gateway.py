@@ -21,11 +21,15 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-# gRPC status codes the gateway reports in its error bodies.
-NOT_FOUND = 5  # e.g. "requested lease not found": nothing was applied
-INVALID_ARGUMENT = 3
-FAILED_PRECONDITION = 9
-UNAVAILABLE = 14
+from jobfence.locks.backends.etcd.errors import (
+    UNAVAILABLE,
+    AuthFailed,
+    GatewayError,
+    OutcomeUnknown,
+    TLSFailed,
+    Unreachable,
+)
+
 _HEADERS = {"Content-Type": "application/json"}
 # What etcd answers a request whose token it no longer knows (a simple token unused for
 # --auth-token-ttl, a member restarted, another member's token, a JWT past its expiry),
@@ -46,38 +50,6 @@ def b64(data: str | bytes) -> str:
 
 def unb64(text: str) -> str:
     return base64.b64decode(text).decode()
-
-
-class GatewayError(Exception):
-    """The gateway answered with an error (HTTP status, gRPC code, message)."""
-
-    def __init__(self, status: int, code: int, message: str) -> None:
-        self.status = status
-        self.code = code
-        self.message = message
-        super().__init__(f"HTTP {status}, code {code}: {message}")
-
-    @property
-    def surely_not_applied(self) -> bool:
-        """Errors etcd raises before it applies anything (bad request, unknown lease)."""
-        return self.code in (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION)
-
-
-class Unreachable(Exception):
-    """No endpoint could be reached; the request was never sent (nothing applied)."""
-
-
-class TLSFailed(Unreachable):
-    """The TLS handshake failed or the server refused it (no client certificate): nothing
-    was applied. The ssl error is the `__cause__`."""
-
-
-class AuthFailed(GatewayError):
-    """etcd refused the user name and password (/v3/auth/authenticate)."""
-
-
-class OutcomeUnknown(Exception):
-    """The request may have reached etcd, but no answer came back (timeout, reset)."""
 
 
 def _stale(conn: http.client.HTTPConnection) -> bool:
