@@ -34,6 +34,15 @@ from jobfence.locks.lease import Lease, OwnerMeta
 MAX_WAIT = 30.0
 
 
+def holder_json(meta: OwnerMeta, fingerprint: str, acquired: float, ttl: int) -> str:
+    """What `holder/k` holds for `inspect` (JSON): the owner, when, and its lease's TTL."""
+    return json.dumps({
+        "host": meta.host, "pid": meta.pid, "task_id": meta.task_id,
+        "task_name": meta.task_name, "process_start": meta.process_start,
+        "fingerprint": fingerprint, "acquired": acquired, "ttl": ttl,
+    }, separators=(",", ":"))  # fmt: skip
+
+
 class EtcdGrants(EtcdCore):
     """The lock half of EtcdBackend: one txn per grant, extend, release and commit."""
 
@@ -48,8 +57,6 @@ class EtcdGrants(EtcdCore):
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
         ttl = whole_seconds(ttl_ms)
-        lock, holder, beat = (self._key(k, key) for k in ("lock", "holder", "beat"))
-        done, failed = self._key("done", key), self._key("failed", key)
         now = time.time()
         # A grant or release of ours that got no answer may still hold a key (maybe this
         # one), kept alive by this very process's lease: delete those first.
@@ -57,23 +64,9 @@ class EtcdGrants(EtcdCore):
         for _ in range(4):
             base, base_text = self._fence_base(key)
             session = self._session(ttl, key)
-            shown = json.dumps({
-                "host": meta.host, "pid": meta.pid, "task_id": meta.task_id,
-                "task_name": meta.task_name, "process_start": meta.process_start,
-                "fingerprint": fingerprint if record else "", "acquired": now,
-                "ttl": session.ttl,
-            }, separators=(",", ":"))  # fmt: skip
-            compare = [absent(lock), equals(self._base_key, base_text)]
-            success = [put_op(lock, owner, session.id), put_op(holder, shown, session.id),
-                       put_op(beat, repr(now), session.id)]  # fmt: skip
-            failure = [range_op(lock), range_op(holder), range_op(self._base_key)]
-            if record:
-                compare.append(absent(done))
-                success.append(delete_op(failed))  # an earlier run's FAILED record goes
-                failure.append(range_op(done))
+            shown = holder_json(meta, fingerprint if record else "", now, session.ttl)
             try:
-                reply = self._txn("begin", key, compare, success, failure,
-                                  suspect=(key, owner))  # fmt: skip
+                reply = self._grant_txn(key, owner, session.id, shown, now, base_text, record)
             except BackendUnavailable as exc:
                 if lease_gone(exc):
                     self._drop_session(session.id)  # expired meanwhile: take a new one
@@ -86,26 +79,54 @@ class EtcdGrants(EtcdCore):
                     self.fence_floor = fence
                 self._granted[owner] = (session.since, session.ttl)
                 return fence
-            responses = reply["responses"]
-            held, info, stored = (kv_of(r) for r in responses[:3])
-            if stored is None or text_of(stored) != base_text:
-                self._base = None  # a new cluster or a restore: take its base, and again
-                continue
-            if record and (rec := kv_of(responses[3])) is not None:
-                return parse_record("DONE", text_of(rec))
-            if held is not None:
-                self._local.busy = (key, revision)  # wait_for_release watches from here
-                holder_fields = json.loads(text_of(info) or "{}")
-                # The holder's lease TTL bounds its time left (its keeper renews it every
-                # third of it); asking etcd for the exact figure would cost a round trip
-                # per refused attempt, and waiters are woken by a watch anyway.
-                return Busy(
-                    ttl_left=float(holder_fields.get("ttl", ttl)),
-                    task_id=str(holder_fields.get("task_id", "")),
-                    fingerprint=str(holder_fields.get("fingerprint", "")),
-                )
+            refused = self._refused(key, reply["responses"], revision, base_text, record, ttl)
+            if refused is not None:
+                return refused
         raise BackendUnavailable("etcd begin did not settle (lease or fence base kept changing)",
                                  key=key)  # fmt: skip
+
+    def _grant_txn(
+        self, key: str, owner: str, lease: str, shown: str, now: float, base_text: str,
+        record: bool,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The grant's one txn: the keys put on `lease` if `lock/k` is absent and the fence
+        base is `base_text` (with `record`, and no DONE record); else it reads why not."""
+        lock, holder, beat = (self._key(k, key) for k in ("lock", "holder", "beat"))
+        done, failed = self._key("done", key), self._key("failed", key)
+        compare = [absent(lock), equals(self._base_key, base_text)]
+        success = [put_op(lock, owner, lease), put_op(holder, shown, lease),
+                   put_op(beat, repr(now), lease)]  # fmt: skip
+        failure = [range_op(lock), range_op(holder), range_op(self._base_key)]
+        if record:
+            compare.append(absent(done))
+            success.append(delete_op(failed))  # an earlier run's FAILED record goes
+            failure.append(range_op(done))
+        return self._txn("begin", key, compare, success, failure, suspect=(key, owner))
+
+    def _refused(
+        self, key: str, responses: list[Any], revision: int, base_text: str, record: bool,
+        ttl: int,
+    ) -> Busy | JobRecord | None:  # fmt: skip
+        """What a refused grant met, from its failure reads: the holder (Busy) or the DONE
+        record; None to try again (the fence base changed, or the key was let go)."""
+        held, info, stored = (kv_of(r) for r in responses[:3])
+        if stored is None or text_of(stored) != base_text:
+            self._base = None  # a new cluster or a restore: take its base, and again
+            return None
+        if record and (rec := kv_of(responses[3])) is not None:
+            return parse_record("DONE", text_of(rec))
+        if held is None:
+            return None
+        self._local.busy = (key, revision)  # wait_for_release watches from here
+        holder_fields = json.loads(text_of(info) or "{}")
+        # The holder's lease TTL bounds its time left (its keeper renews it every
+        # third of it); asking etcd for the exact figure would cost a round trip
+        # per refused attempt, and waiters are woken by a watch anyway.
+        return Busy(
+            ttl_left=float(holder_fields.get("ttl", ttl)),
+            task_id=str(holder_fields.get("task_id", "")),
+            fingerprint=str(holder_fields.get("fingerprint", "")),
+        )
 
     # -- extend ------------------------------------------------------------------------
     def _extend(self, key: str, owner: str, ttl_ms: int) -> bool:

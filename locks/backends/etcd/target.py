@@ -90,17 +90,28 @@ def parse_target(url: str) -> Target:
         raise ValueError(f"etcd URL {shown!r} has a fragment; use etcd://host:2379[,host:2379...]")
     rest, _, query = rest.partition("?")
     userinfo, at, hosts = rest.rpartition("@")
-    user = password = None
-    if at:
-        name, colon, secret = userinfo.partition(":")
-        user, password = unquote(name), unquote(secret)
-        if not user or not colon or not password:
-            raise ValueError(
-                f"etcd URL {shown!r} has user-info that is not user:password; use {USERINFO_FIX}"
-            )
+    user, password = _credentials(userinfo, shown) if at else (None, None)
     hosts = hosts.rstrip("/")
     if "/" in hosts:
         raise ValueError(f"etcd URL {shown!r} has a path; use etcd://host:2379[,host:2379...]")
+    options = _tls_options(query, shown)
+    endpoints = _members(hosts, shown)
+    return Target(endpoints, _tls(scheme.lower(), options, shown), user, password)
+
+
+def _credentials(userinfo: str, shown: str) -> tuple[str, str]:
+    """(user, password) from the URL's percent-encoded user-info."""
+    name, colon, secret = userinfo.partition(":")
+    user, password = unquote(name), unquote(secret)
+    if not user or not colon or not password:
+        raise ValueError(
+            f"etcd URL {shown!r} has user-info that is not user:password; use {USERINFO_FIX}"
+        )
+    return user, password
+
+
+def _tls_options(query: str, shown: str) -> dict[str, str]:
+    """The query's options: TLS ones only, and never credentials."""
     options: dict[str, str] = {}
     for option, value in parse_qsl(query, keep_blank_values=True):
         if option.lower() in _CREDENTIAL_OPTIONS:
@@ -114,6 +125,11 @@ def parse_target(url: str) -> Target:
                 f"known: {', '.join(TLS_OPTIONS)} (TLS, with etcds://)"
             )
         options[option] = value
+    return options
+
+
+def _members(hosts: str, shown: str) -> list[str]:
+    """host:port of each comma-separated member."""
     endpoints = []
     for item in hosts.split(","):
         host, colon, port = item.strip().rpartition(":")
@@ -122,7 +138,7 @@ def parse_target(url: str) -> Target:
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"etcd URL {shown!r} has port {port!r}, not a number in 1-65535")
         endpoints.append(f"{host}:{port}")
-    return Target(endpoints, _tls(scheme.lower(), options, shown), user, password)
+    return endpoints
 
 
 def _tls(scheme: str, options: dict[str, str], shown: str) -> TLS | None:
