@@ -25,10 +25,10 @@ from jobfence.locks.backends.etcd import (
     TXN_CHUNK,
     EtcdBackend,
     EtcdClusterBackend,
-    _txn_chunks,
     parse_endpoints,
+    txn_chunks,
 )
-from jobfence.locks.backends.etcd_gateway import b64
+from jobfence.locks.backends.etcd.gateway import b64
 from jobfence.locks.clock import ManualClock
 from tests.servers import free_port
 from tests.worker.test_cli import REPO_ROOT
@@ -173,9 +173,9 @@ def test_a_forked_child_takes_a_lease_of_its_own(backend: EtcdBackend) -> None:
 def test_scan_reads_page_by_page_and_matches_the_glob(
     backend: EtcdBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jobfence.locks.backends import etcd
+    from jobfence.locks.backends.etcd import inspection
 
-    monkeypatch.setattr(etcd, "SCAN_PAGE", 3)
+    monkeypatch.setattr(inspection, "SCAN_PAGE", 3)
     held = [backend.try_acquire(f"scan:{i}", 10.0) for i in range(7)]
     other = backend.try_acquire("other:1", 10.0)
     assert all(held) and other is not None
@@ -434,7 +434,7 @@ def test_an_extension_batch_names_each_key_once_per_txn() -> None:
     """etcd refuses a txn that names one key twice; a batch may hold a lost lease and the
     key's new one, so those go in successive txns, in order, each at most TXN_CHUNK long."""
     items = [("a", "old", 1), ("b", "x", 1), ("a", "new", 1), ("c", "y", 1)]
-    assert _txn_chunks(items) == [[0, 1], [2, 3]]
+    assert txn_chunks(items) == [[0, 1], [2, 3]]
     many = [(f"k{i}", "o", 1) for i in range(TXN_CHUNK + 1)]
-    assert [len(c) for c in _txn_chunks(many)] == [TXN_CHUNK, 1]
-    assert _txn_chunks([]) == []
+    assert [len(c) for c in txn_chunks(many)] == [TXN_CHUNK, 1]
+    assert txn_chunks([]) == []

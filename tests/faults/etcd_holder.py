@@ -19,7 +19,7 @@ import sqlalchemy as sa
 
 from jobfence.locks import LeaseKeeper, StaleFence
 from jobfence.locks.backends.etcd import EtcdBackend
-from jobfence.locks.backends.etcd_gateway import Gateway, b64
+from jobfence.locks.backends.etcd.gateway import Gateway, b64
 from jobfence.locks.guards import SqlFenceGuard
 
 INSERT = "INSERT INTO ledger (job, who, fence) VALUES (:job, :who, :fence)"

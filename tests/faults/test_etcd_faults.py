@@ -251,7 +251,7 @@ def test_control_plain_etcd_lock_writes_twice_after_a_freeze(
         name = f"naive/{key}"
 
         def take() -> bool:  # the same plain lock from outside, once the frozen one's lease ended
-            from jobfence.locks.backends.etcd_gateway import b64
+            from jobfence.locks.backends.etcd.gateway import b64
 
             lease = gateway.call("/v3/lease/grant", {"TTL": int(TTL)})["ID"]
             reply = gateway.call("/v3/kv/txn", {

@@ -310,7 +310,7 @@ def test_killed_child_job_completes_elsewhere_after_its_lease_with_one_sql_effec
     held = sng.runtime.backend.inspect(key)
     assert held is not None and held.fence == first["fence"], held
     # Extensions only push it later. etcd reports whole seconds, rounded up to "at the
-    # latest" (locks/backends/etcd.py `_ttl_left`): its lease may end up to 1 s sooner.
+    # latest" (locks/backends/etcd/inspection.py `_ttl_left`): its lease may end up to 1 s sooner.
     granularity = 1.0 if sng.runtime.backend.name == "etcd" else 0.0
     expires_no_earlier = asked + held.ttl_left - granularity - 0.01
     sng.fleet.kill_child(victim)

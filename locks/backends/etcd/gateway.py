@@ -21,11 +21,15 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-# gRPC status codes the gateway reports in its error bodies.
-NOT_FOUND = 5  # e.g. "requested lease not found": nothing was applied
-INVALID_ARGUMENT = 3
-FAILED_PRECONDITION = 9
-UNAVAILABLE = 14
+from jobfence.locks.backends.etcd.errors import (
+    UNAVAILABLE,
+    AuthFailed,
+    GatewayError,
+    OutcomeUnknown,
+    TLSFailed,
+    Unreachable,
+)
+
 _HEADERS = {"Content-Type": "application/json"}
 # What etcd answers a request whose token it no longer knows (a simple token unused for
 # --auth-token-ttl, a member restarted, another member's token, a JWT past its expiry),
@@ -46,38 +50,6 @@ def b64(data: str | bytes) -> str:
 
 def unb64(text: str) -> str:
     return base64.b64decode(text).decode()
-
-
-class GatewayError(Exception):
-    """The gateway answered with an error (HTTP status, gRPC code, message)."""
-
-    def __init__(self, status: int, code: int, message: str) -> None:
-        self.status = status
-        self.code = code
-        self.message = message
-        super().__init__(f"HTTP {status}, code {code}: {message}")
-
-    @property
-    def surely_not_applied(self) -> bool:
-        """Errors etcd raises before it applies anything (bad request, unknown lease)."""
-        return self.code in (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION)
-
-
-class Unreachable(Exception):
-    """No endpoint could be reached; the request was never sent (nothing applied)."""
-
-
-class TLSFailed(Unreachable):
-    """The TLS handshake failed or the server refused it (no client certificate): nothing
-    was applied. The ssl error is the `__cause__`."""
-
-
-class AuthFailed(GatewayError):
-    """etcd refused the user name and password (/v3/auth/authenticate)."""
-
-
-class OutcomeUnknown(Exception):
-    """The request may have reached etcd, but no answer came back (timeout, reset)."""
 
 
 def _stale(conn: http.client.HTTPConnection) -> bool:
@@ -324,14 +296,7 @@ class Gateway:
         may have happened, look again), False on timeout. The watch runs on a connection of
         its own, closed afterwards (a watch stream is never reused).
         """
-        body = {
-            "create_request": {
-                "key": b64(key),
-                "start_revision": str(start_revision),
-                "filters": ["NOPUT"],
-            }
-        }
-        content = json.dumps(body, separators=(",", ":")).encode()
+        content = _watch_request(key, start_revision)
         deadline = time.monotonic() + timeout
         index = self._current
         token = self._token(index)
@@ -349,25 +314,7 @@ class Gateway:
                 if self._credentials is not None and _token_gone(data):
                     self._token(index, stale=token)  # the caller looks again, then waits
                 raise _error(reply.status, data)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                assert conn.sock is not None
-                conn.sock.settimeout(left)
-                line = reply.readline()
-                if not line:
-                    raise OutcomeUnknown("the watch stream ended")
-                if not line.strip():
-                    continue
-                message = json.loads(line)
-                if "error" in message:
-                    err = message["error"]
-                    raise GatewayError(200, int(err.get("grpc_code", err.get("code", 0))),
-                                       str(err.get("message", err)))  # fmt: skip
-                result = message.get("result", {})
-                if result.get("events") or result.get("canceled"):
-                    return True
+            return _until_deleted(conn, reply, deadline)
         except TimeoutError:
             return False
         except (OSError, http.client.HTTPException) as exc:
@@ -381,6 +328,45 @@ class Gateway:
         for conns in idle.values():
             for conn in conns:
                 conn.close()
+
+
+def _watch_request(key: bytes, start_revision: int) -> bytes:
+    """The body of a watch on `key`'s deletes from `start_revision` (puts filtered out)."""
+    body = {
+        "create_request": {
+            "key": b64(key),
+            "start_revision": str(start_revision),
+            "filters": ["NOPUT"],
+        }
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _until_deleted(
+    conn: http.client.HTTPConnection, reply: http.client.HTTPResponse, deadline: float
+) -> bool:
+    """Read a watch stream until a delete or a cancelled watch (True) or `deadline` (False,
+    or TimeoutError from the socket); GatewayError for an error message, OutcomeUnknown if
+    the stream ends."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        assert conn.sock is not None
+        conn.sock.settimeout(left)
+        line = reply.readline()
+        if not line:
+            raise OutcomeUnknown("the watch stream ended")
+        if not line.strip():
+            continue
+        message = json.loads(line)
+        if "error" in message:
+            err = message["error"]
+            raise GatewayError(200, int(err.get("grpc_code", err.get("code", 0))),
+                               str(err.get("message", err)))  # fmt: skip
+        result = message.get("result", {})
+        if result.get("events") or result.get("canceled"):
+            return True
 
 
 def _token_gone(data: bytes) -> bool:
