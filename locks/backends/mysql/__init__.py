@@ -1,5 +1,6 @@
-"""The MySQL/MariaDB lock backend, one package: its URL and TLS options, its store, its semaphores
-and its start-up checks; `MySQLBackend` and the names callers use are re-exported here.
+"""The MySQL/MariaDB lock backend as one package; `MySQLBackend` and what callers use, re-exported.
+
+Its URL and TLS options, its store, its semaphores and its start-up checks:
 
 - tables.py: the tables' names and DDL; statements.py: each call's SQL, as a table
 - connection.py: the URL's connect arguments, the idle connections, connect failures' hints

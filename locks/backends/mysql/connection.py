@@ -1,5 +1,7 @@
-"""Reaching the MySQL/MariaDB server: the lock URL's connect arguments, the idle connections
-of a process, a new session as the lock statements need it, and what to fix when it fails."""
+"""Reaching the MySQL/MariaDB server: the URL's connect arguments, idle connections, fix hints.
+
+A new session is set up as the lock statements need it (UTC, READ COMMITTED, bounded waits).
+"""
 
 from __future__ import annotations
 

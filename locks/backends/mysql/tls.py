@@ -1,5 +1,8 @@
-"""TLS towards MySQL/MariaDB: the URL's TLS options read strictly, their SSLContext, and a
-connection that never sends the login to a server offering no TLS when TLS was asked for."""
+"""TLS towards MySQL/MariaDB: the URL's TLS options read strictly, and their SSLContext.
+
+With them a connection class that never sends the login to a server offering no TLS when TLS
+was asked for, and the SQLAlchemy hook reading the effects database's options the same way.
+"""
 
 from __future__ import annotations
 

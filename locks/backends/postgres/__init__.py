@@ -1,5 +1,6 @@
-"""The PostgreSQL lock backend, one package: its URL and connections, its sync and asyncio stores,
-its semaphores and its start-up checks; `PostgresBackend` and the names callers use are here.
+"""The PostgreSQL lock backend as one package; `PostgresBackend` and what callers use, re-exported.
+
+Its URL and connections, its sync and asyncio stores, its semaphores and its start-up checks:
 
 - statements.py: the tables, their DDL and every statement; protocol.py: their parameters
   and answers, shared by both stores

@@ -1,5 +1,4 @@
-"""Reaching PostgreSQL: the lock URL as libpq options, a pooler in between told and answered,
-and the connections a forked child inherits."""
+"""Reaching PostgreSQL: the lock URL as libpq options, a pooler in between, forks' connections."""
 
 from __future__ import annotations
 

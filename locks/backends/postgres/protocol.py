@@ -1,5 +1,4 @@
-"""Each PostgreSQL statement's parameters and answer, shared by the sync store and the asyncio
-one: one protocol, two connection kinds."""
+"""Each PostgreSQL statement's parameters and answer: one protocol for the sync and async stores."""
 
 from __future__ import annotations
 
