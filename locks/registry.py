@@ -196,7 +196,7 @@ register(_builtin("memory", "memory", "MemoryBackend", replace(_FULL, durable_fe
                   fleet=False))  # fmt: skip
 register(_builtin(
     "postgres", "postgres", "PostgresBackend", _FULL, extra="postgres", requires="psycopg",
-    default_port=5432, async_store=_BACKENDS + "postgres_async:AsyncPostgresStore",
+    default_port=5432, async_store=_BACKENDS + "postgres.async_store:AsyncPostgresStore",
 ))  # fmt: skip
 register(_builtin(
     "mysql", "mysql", "MySQLBackend", replace(_FULL, release_notify=False), extra="mysql",

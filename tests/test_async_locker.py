@@ -19,7 +19,7 @@ from redis.backoff import NoBackoff
 from jobfence import AsyncLocker, Lease, Locker
 from jobfence.locks import AcquireTimeout, AsyncRedisFenceGuard, open_backend
 from jobfence.locks.aio import ThreadStore
-from jobfence.locks.backends.postgres_async import AsyncPostgresStore
+from jobfence.locks.backends.postgres.async_store import AsyncPostgresStore
 from jobfence.locks.backends.redis_async import AsyncRedisStore
 from jobfence.locks.backends.redis_semaphore import semaphore_keys
 from jobfence.locks.clock import SYSTEM_CLOCK

@@ -31,7 +31,7 @@ ALLOWED = {
     "beside a memory:// lock URL (kombu's scheme, not a lock URL)",
     ("worker/broker_tls.py", "rediss"): "the broker's and result backend's URL (kombu's "
     "Redis TLS scheme), never the lock URL",
-    ("locks/backends/postgres.py", "postgresql://"): "libpq's own URI scheme, which "
+    ("locks/backends/postgres/connection.py", "postgresql://"): "libpq's own URI scheme, which "
     "conninfo_to_dict reads, whichever lock scheme the URL was given with",
     ("worker/cli.py", "postgresql+psycopg://"): "the SQLAlchemy URL (dialect+driver) of the "
     "engine `jobfence migrate-locks` inspects with, built from the lock URL's rest",

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from jobfence.locks import BackendUnavailable, Busy, JobRecord
 from jobfence.locks.backends import postgres
+from jobfence.locks.backends.postgres import connection as pg_connection
 from jobfence.tasks import JobContext, SqlEffects, make_engine
 from tests.servers import PgBouncer, PostgresDatabase, wait_for
 from tests.test_postgres_backend import _startup_findings
@@ -97,7 +98,7 @@ def _racer(
 ) -> None:
     try:
         if prepare:  # the control: the backend as it was, preparing through the pooler
-            postgres.behind_pooler = lambda conn: False  # type: ignore[assignment]
+            pg_connection.behind_pooler = lambda conn: False  # type: ignore[assignment]
         backend = postgres.PostgresBackend.from_url(lock_url, prefix="storm", socket_timeout=5)
         effects = SqlEffects(make_engine(db_url, connect_args={} if not prepare else
                                          {"prepare_threshold": 5}))  # fmt: skip

@@ -72,7 +72,7 @@ PRELOAD = {
     "cluster": ["jobfence.locks.backends.redis_cluster"],
     "postgres": [
         "jobfence.locks.backends.postgres",
-        "jobfence.locks.backends.postgres_async",
+        "jobfence.locks.backends.postgres.async_store",
         "jobfence.locks.advisory",
     ],
     "mariadb": ["jobfence.locks.backends.mysql", "jobfence.locks.advisory"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import psycopg
@@ -18,27 +19,27 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
-from jobfence.locks.backends.postgres import (
-    _BEGIN,
-    _COMMIT,
-    _EXTEND_MANY,
-    _JOB_RECORD,
-    _RELEASE,
-    _SERVER_PID,
-    OPTIONS_FIX,
-    PostgresBackend,
+from jobfence.locks.backends.postgres.backend import PostgresBackend
+from jobfence.locks.backends.postgres.connection import OPTIONS_FIX, SERVER_PID, options_refused
+from jobfence.locks.backends.postgres.protocol import (
     begin_params,
     commit_params,
     extend_params,
-    options_refused,
     parse_begin,
     parse_extend,
     parse_job_record,
     wake_params,
 )
+from jobfence.locks.backends.postgres.statements import (
+    BEGIN,
+    COMMIT,
+    EXTEND_MANY,
+    JOB_RECORD,
+    RELEASE,
+)
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
-from jobfence.locks.lease import OwnerMeta
+from jobfence.locks.lease import Lease, OwnerMeta
 from jobfence.locks.ops import (
     Acquire,
     Begin,
@@ -134,14 +135,14 @@ class AsyncPostgresStore(NativeAsyncStore):
                 raise psycopg.OperationalError(f"{OPTIONS_FIX}: {exc}") from exc
             raise
         try:
-            cur = await conn.execute(_SERVER_PID, prepare=False)
+            cur = await conn.execute(SERVER_PID, prepare=False)
             row = await cur.fetchone()
         except BaseException:
             await asyncio.shield(conn.close())
             raise
         self.backend.pooled = row is None or int(row[0]) != conn.info.backend_pid
         if self.backend.pooled:
-            conn.prepare_threshold = None  # as postgres.without_session_state
+            conn.prepare_threshold = None  # as connection.without_session_state
         return conn
 
     async def execute_async(self, op: StoreOp) -> Any:
@@ -155,31 +156,42 @@ class AsyncPostgresStore(NativeAsyncStore):
                 return await self._begin(key, ttl, owner, meta, False, "")
             case ReadRecord(key):
                 validate_key(key)
-                return parse_job_record(await self._run("job_record", key, _JOB_RECORD,
+                return parse_job_record(await self._run("job_record", key, JOB_RECORD,
                                                         (self.prefix, key)))  # fmt: skip
             case WaitRelease(_, timeout):
                 await asyncio.sleep(timeout)
                 return None
             case Extend(leases) if not any(type(le) is SlotLease for le in leases):
-                if not leases:
-                    return []
-                started = self.clock.monotonic()
-                items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
-                rows = await self._run("extend_many", None, _EXTEND_MANY,
-                                       extend_params(self.prefix, items))  # fmt: skip
-                return settle_extensions(leases, parse_extend(items, rows), started)
+                return await self._extend_leases(leases)
             case Release(lease) if type(lease) is not SlotLease:
-                if lease.released:
-                    return False
-                try:
-                    return await self._release(lease.key, lease.owner)
-                finally:
-                    lease._released = True
+                return await self._release_lease(lease)
             case ReleaseOwner(key, owner):
                 validate_key(key)
                 return await self._release(key, owner)
         # Slots, rate limits, inspection, the publish claim, the delivery count: the sync
         # backend, in a worker thread.
+        return await self._in_thread(op)
+
+    async def _extend_leases(self, leases: Sequence[Lease]) -> list[bool]:
+        """Extend lock leases (no slot among them) in one statement, as extend_many does."""
+        if not leases:
+            return []
+        started = self.clock.monotonic()
+        items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
+        rows = await self._run("extend_many", None, EXTEND_MANY, extend_params(self.prefix, items))
+        return settle_extensions(leases, parse_extend(items, rows), started)
+
+    async def _release_lease(self, lease: Lease) -> bool:
+        """Release a lock lease once: a second release answers False, sending nothing."""
+        if lease.released:
+            return False
+        try:
+            return await self._release(lease.key, lease.owner)
+        finally:
+            lease._released = True
+
+    async def _in_thread(self, op: StoreOp) -> Any:
+        """`op` run by the sync backend in a worker thread; a cancel waits for its effect."""
         job = asyncio.ensure_future(asyncio.to_thread(self.backend.execute, op))
         try:
             return await asyncio.shield(job)
@@ -192,18 +204,18 @@ class AsyncPostgresStore(NativeAsyncStore):
     ) -> int | Busy | JobRecord:
         params = begin_params(self.prefix, key, owner, ttl_ms, meta, record, fingerprint,
                               self.backend.fence_floor)  # fmt: skip
-        got = parse_begin((await self._run("begin", key, _BEGIN, params))[0])
+        got = parse_begin((await self._run("begin", key, BEGIN, params))[0])
         if isinstance(got, int) and got > self.backend.fence_floor:
             self.backend.fence_floor = got
         return got
 
     async def _commit(self, rec: CommitRecord) -> bool:
         params = wake_params(self.prefix, rec.key, commit_params(rec))
-        return bool((await self._run("commit", rec.key, _COMMIT, params))[0][0])
+        return bool((await self._run("commit", rec.key, COMMIT, params))[0][0])
 
     async def _release(self, key: str, owner: str) -> bool:
         params = wake_params(self.prefix, key, {"owner": owner})
-        return bool((await self._run("release", key, _RELEASE, params))[0][0])
+        return bool((await self._run("release", key, RELEASE, params))[0][0])
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []

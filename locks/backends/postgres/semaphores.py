@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg import errors as pgerrors
 
+from jobfence.locks.backends.postgres.protocol import extend_params, parse_extend
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import OwnerMeta
 from jobfence.locks.slots import SlotInfo, SlotWait, holder_text, parse_holder
@@ -166,15 +167,9 @@ class PostgresSemaphores:
     def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
         if not self._sem_ready:
             self.create_semaphore_tables()
-        rows = self._run(
-            "semaphore extend_many",
-            None,
-            _EXTEND_MANY,
-            ([k for k, _, _ in items], [o for _, o, _ in items], [t for _, _, t in items],
-             self.prefix),
-        )  # fmt: skip
-        ours = {(k, o) for k, o in rows}
-        return [(k, o) in ours for k, o, _ in items]
+        rows = self._run("semaphore extend_many", None, _EXTEND_MANY,
+                         extend_params(self.prefix, items))  # fmt: skip
+        return parse_extend(items, rows)
 
     def _sem_release(self, key: str, owner: str) -> bool:
         if not self._sem_ready:
