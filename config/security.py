@@ -212,7 +212,7 @@ def _tls(scheme: str, query: Mapping[str, str]) -> str:
 
 
 def _mysql_tls(query: Mapping[str, str]) -> str:
-    """As jobfence's MySQL connections read the options (locks/backends/mysql.py
+    """As jobfence's MySQL connections read the options (locks/backends/mysql/tls.py
     `tls_options`): any ssl_* option asks for TLS, `ssl_mode` says how much is checked."""
     mode = query.get("ssl_mode", "").strip().upper().replace("-", "_")
     if mode == "DISABLED" or query.get("ssl_disabled", "").lower() in _TRUE:
