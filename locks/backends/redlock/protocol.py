@@ -43,6 +43,7 @@ def parse(buf: bytearray, pos: int) -> tuple[Any, int] | object:
 
 
 def _scalar(buf: bytearray, pos: int) -> tuple[Any, int] | object:
+    """One reply that is not an array: integer, bulk or simple string, or error."""
     end = buf.find(b"\r\n", pos)
     if end < 0:
         return MORE
@@ -65,6 +66,7 @@ def _scalar(buf: bytearray, pos: int) -> tuple[Any, int] | object:
 
 
 def pack(*args: Any) -> bytes:
+    """One command (str and int arguments) in RESP2."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
         data = arg.encode() if isinstance(arg, str) else b"%d" % arg

@@ -22,6 +22,7 @@ T = TypeVar("T")
 
 
 def never(replies: dict[int, Any], pending: int) -> bool:
+    """A round that reads every target's reply, up to its deadline."""
     return False
 
 
@@ -152,6 +153,8 @@ def is_answer(value: Any) -> bool:
 
 
 def record_of(reply: list[Any]) -> JobRecord:
+    """The job record in a master's reply row: (kind, state, fingerprint, result, fence,
+    finished ms)."""
     _, state, fingerprint, result, fence, finished_ms = (str(x or "") for x in reply)
     return JobRecord(
         state=state,
