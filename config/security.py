@@ -16,7 +16,7 @@ from jobfence.config.schemes import (
     redis_family_schemes,
     tls_schemes,
 )
-from jobfence.config.urls import _host_port, _split_userinfo, redact
+from jobfence.config.urls import host_port, redact, split_userinfo
 
 ALLOW_VARIABLE = "JOBFENCE_ALLOW_INSECURE"
 #: What JOBFENCE_ALLOW_INSECURE may name: each a downgrade that start-up otherwise refuses.
@@ -109,19 +109,19 @@ def is_loopback(host: str | None) -> bool:
 
 def _hosts(url: str) -> list[str]:
     """Every host a URL names (a comma list for redlock, sentinel, cluster, etcd, zookeeper)."""
-    authority = _split_userinfo(url)[1]
+    authority = split_userinfo(url)[1]
     for sep in "/?#":
         authority = authority.split(sep, 1)[0]
     hosts = []
     for part in authority.split(","):
-        host, _ = _host_port(f"x://{part.strip()}")
+        host, _ = host_port(f"x://{part.strip()}")
         hosts.append(host)
     return hosts
 
 
 def _query_values(url: str, *names: str) -> list[str]:
     """Every value the URL's query gives any of `names` (repeats and comma lists split)."""
-    rest = _split_userinfo(url)[1]
+    rest = split_userinfo(url)[1]
     query = rest.partition("?")[2].partition("#")[0]
     return [part.strip() for k, v in parse_qsl(query, keep_blank_values=True)
             if k.lower() in names for part in v.split(",")]  # fmt: skip
@@ -143,7 +143,7 @@ def _postgres_hosts(url: str) -> list[str]:
 
 
 def _query(url: str) -> dict[str, str]:
-    rest = _split_userinfo(url)[1]
+    rest = split_userinfo(url)[1]
     query = rest.partition("?")[2].partition("#")[0]
     return {k.lower(): v for k, v in parse_qsl(query, keep_blank_values=True)}
 
@@ -169,7 +169,7 @@ def url_posture(url: str | None, variable: str) -> UrlPosture | None:
     if scheme in _LOCAL_SCHEMES or scheme.startswith(UNIX_SCHEME) or scheme.endswith("+socket"):
         return None
     query = _query(url)
-    userinfo = _split_userinfo(url)[0]
+    userinfo = split_userinfo(url)[0]
     _, colon, password = userinfo.partition(":")
     has_password = bool(colon and unquote(password)) or any(
         k in query for k in ("password", "passwd", "pwd")

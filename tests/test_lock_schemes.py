@@ -37,8 +37,8 @@ ALLOWED = {
     "engine `jobfence migrate-locks` inspects with, built from the lock URL's rest",
     ("worker/cli.py", "mysql+pymysql://"): "as postgresql+psycopg:// above, for MySQL",
     # Collections of names that are also schemes, but are backends' names or SQL dialects:
-    ("config/urls.py", "redis, mysql, redlock, etcd, zookeeper"): "backend names: the keys of "
-    "LOCK_URL_CHECKS, each backend's own URL check",
+    ("config/urls/lock_url.py", "redis, mysql, redlock, etcd, zookeeper"): "backend names: "
+    "the keys of LOCK_URL_CHECKS, each backend's own URL check",
     ("locks/advisory.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
     ("locks/guards.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
     ("worker/cli.py", "postgres, mysql"): "backend names (the registry entry's name)",

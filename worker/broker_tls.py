@@ -10,7 +10,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from jobfence.config import UnsafeSettings, security
 from jobfence.config.security import Downgrade, UrlPosture
-from jobfence.config.urls import _split_userinfo, redact
+from jobfence.config.urls import redact, split_userinfo
 from jobfence.locks.backends.redis_url import check_files, url_tls
 
 __all__ = ["BACKEND_SSL", "BROKER_SSL", "ClientTls", "broker_client_tls", "downgrades",
@@ -38,7 +38,7 @@ def _is_rediss(url: str | None) -> bool:
 
 
 def _ssl_query(url: str) -> dict[str, str]:
-    query = _split_userinfo(url)[1].partition("?")[2].partition("#")[0]
+    query = split_userinfo(url)[1].partition("?")[2].partition("#")[0]
     return {k.lower(): v for k, v in parse_qsl(query, keep_blank_values=True)
             if k.lower().startswith("ssl_")}  # fmt: skip
 
