@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import difflib
-import ipaddress
-import json
 import os
-import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -23,34 +19,47 @@ from pydantic_settings import (
 
 import jobfence.config.security as security
 from jobfence.config.django_source import django_settings, django_sources
-from jobfence.config.errors import InsecureSettings, UnsafeSettings
-from jobfence.config.security import DEV_SECRET, is_loopback
+from jobfence.config.refusals import (
+    SAFE_CONTENT,
+    InsecureSettingsWarning,
+    refuse_insecure,
+    refuse_metrics_clash,
+    refuse_unsafe,
+    refuse_url_timeouts,
+    undecodable,
+    unsafe_from,
+    warn_insecure,
+)
+from jobfence.config.security import DEV_SECRET
 from jobfence.config.urls import check_lock_url, check_url, redact
-
-ENV_PREFIX = "JOBFENCE_"
-URL_FIELDS = ("lock_url", "broker_url", "result_backend", "database_url")
-
-# JOBFENCE_* variables jobfence reads outside Settings (the demo's faults and journal, the
-# Celery benchmark). The one list `unknown_variables` checks against; tests keep it in step
-# with the modules that read them.
-OTHER_VARIABLES: tuple[str, ...] = (
-    "JOBFENCE_DEMO_FAIL_RATE",
-    "JOBFENCE_DEMO_DELAY_MIN_MS",
-    "JOBFENCE_DEMO_DELAY_MAX_MS",
-    "JOBFENCE_DEMO_SEED",
-    "JOBFENCE_DEMO_JOURNAL_URL",
-    "JOBFENCE_BENCH_REDIS_URL",
-    "JOBFENCE_BENCH_BODY_MS",
-    "JOBFENCE_DASHBOARD_TOKEN",
+from jobfence.config.variables import (
+    ENV_PREFIX,
+    OTHER_VARIABLES,
+    URL_FIELDS,
+    split_list,
+    variable_name,
 )
 
-
-class InsecureSettingsWarning(UserWarning):
-    """A setting that works but exposes data or weakens security."""
-
-
-def _is_loopback(host: str | None) -> bool:
-    return is_loopback(host)
+# Settings, and what this module offered before refusals.py and variables.py took it over.
+__all__ = [
+    "ENV_PREFIX",
+    "OTHER_VARIABLES",
+    "SAFE_CONTENT",
+    "URL_FIELDS",
+    "InsecureSettingsWarning",
+    "Settings",
+    "closest_name",
+    "known_variables",
+    "load_settings",
+    "refuse_insecure",
+    "refuse_metrics_clash",
+    "refuse_unsafe",
+    "refuse_url_timeouts",
+    "setting_source",
+    "unknown_django_settings",
+    "unknown_variables",
+    "warn_insecure",
+]
 
 
 class Settings(BaseSettings):
@@ -200,9 +209,9 @@ class Settings(BaseSettings):
             super().__init__(*args, **values)
             return
         except ValidationError as exc:
-            refused = _unsafe_from(exc)
+            refused = unsafe_from(exc, Settings.model_fields)
         except SettingsError as exc:  # a value pydantic-settings could not even decode
-            refused = _undecodable(exc)
+            refused = undecodable(exc, Settings.model_fields)
         refused.__cause__ = refused.__context__ = None  # nothing that holds an input value
         raise refused.with_traceback(None)
 
@@ -262,20 +271,20 @@ class Settings(BaseSettings):
     @classmethod
     def _split_previous_secrets(cls, v: Any) -> Any:
         """`old1,old2` or a JSON list, as the environment spells it; refused without the value."""
-        return _split_list(v, "KEY_SECRET_PREVIOUS", "list the earlier secrets separated by commas")
+        return split_list(v, "KEY_SECRET_PREVIOUS", "list the earlier secrets separated by commas")
 
     @field_validator("allow_insecure", mode="before")
     @classmethod
     def _split_allowed(cls, v: Any) -> Any:
         """`cleartext,no-auth` or a JSON list; each a known downgrade name."""
-        items = _split_list(v, "ALLOW_INSECURE", "list downgrades separated by commas")
+        items = split_list(v, "ALLOW_INSECURE", "list downgrades separated by commas")
         return security.parse_allowed(items) if isinstance(items, tuple | list) else items
 
     @field_validator("accept_content", mode="before")
     @classmethod
     def _split_content_types(cls, v: Any) -> Any:
         """`json`, `json,application/json` or a JSON list, as the environment spells them."""
-        return _split_list(v, "ACCEPT_CONTENT", f"set {ENV_PREFIX}ACCEPT_CONTENT=json")
+        return split_list(v, "ACCEPT_CONTENT", f"set {ENV_PREFIX}ACCEPT_CONTENT=json")
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
@@ -289,7 +298,7 @@ class Settings(BaseSettings):
 
     def server_urls(self) -> dict[str, str | None]:
         """Each server URL by the variable that sets it (what the security checks judge)."""
-        return {_variable(f): getattr(self, f) for f in URL_FIELDS}
+        return {variable_name(f): getattr(self, f) for f in URL_FIELDS}
 
     def downgrades(
         self, extra: Mapping[str, str | None] | None = None, lock_security: Any = None
@@ -299,8 +308,8 @@ class Settings(BaseSettings):
         Whether each is allowed is JOBFENCE_ALLOW_INSECURE's say."""
         urls = {**self.server_urls(), **(extra or {})}
         return security.downgrades(
-            urls, self.key_secret.get_secret_value(), _variable("lock_url"),
-            _variable("key_secret"), lock_security,
+            urls, self.key_secret.get_secret_value(), variable_name("lock_url"),
+            variable_name("key_secret"), lock_security,
         )  # fmt: skip
 
     def secret_bytes(self) -> bytes:
@@ -313,245 +322,6 @@ class Settings(BaseSettings):
         return tuple(dict.fromkeys(s for s in found if s != mine))
 
 
-def refuse_unsafe(s: Settings) -> None:
-    """Raise UnsafeSettings naming the variable and the fix for any unsafe combination."""
-    p = ENV_PREFIX
-    if s.default_ttl <= 0:
-        raise UnsafeSettings(
-            f"{p}DEFAULT_TTL",
-            f"must be > 0, got {s.default_ttl}",
-            "set a lease TTL in seconds, e.g. 30",
-        )
-    if not 0 < s.heartbeat_fraction < 0.5:
-        raise UnsafeSettings(
-            f"{p}HEARTBEAT_FRACTION",
-            f"heartbeat interval {s.heartbeat_interval:g}s must be < TTL/2 "
-            f"({s.default_ttl / 2:g}s), got fraction {s.heartbeat_fraction:g}",
-            "use a fraction below 0.5; 1/3 is the default",
-        )
-    if s.acquire_timeout < 0:
-        raise UnsafeSettings(
-            f"{p}ACQUIRE_TIMEOUT",
-            f"must be >= 0, got {s.acquire_timeout}",
-            "use 0 to never wait, or a number of seconds",
-        )
-    if s.backoff_base <= 0 or s.backoff_cap < s.backoff_base:
-        raise UnsafeSettings(
-            f"{p}BACKOFF_BASE",
-            f"need 0 < base <= cap, got base={s.backoff_base} cap={s.backoff_cap}",
-            "e.g. JOBFENCE_BACKOFF_BASE=0.005 JOBFENCE_BACKOFF_CAP=0.5",
-        )
-    if not s.key_secret.get_secret_value().strip():
-        raise UnsafeSettings(
-            f"{p}KEY_SECRET",
-            "is empty: every deployment would hash task arguments under the same known key",
-            f"set {p}KEY_SECRET to a random string of at least {security.MIN_KEY_SECRET} "
-            "characters",
-        )
-    refuse_url_timeouts(s)
-    if s.socket_timeout <= 0 or s.socket_timeout >= s.default_ttl - s.heartbeat_interval:
-        raise UnsafeSettings(
-            f"{p}SOCKET_TIMEOUT",
-            f"{s.socket_timeout:g}s must be > 0 and shorter than TTL - heartbeat interval "
-            f"({s.default_ttl - s.heartbeat_interval:g}s), or a hung extension outlives the lease",
-            "lower JOBFENCE_SOCKET_TIMEOUT or raise JOBFENCE_DEFAULT_TTL",
-        )
-    if s.result_ttl <= 0:
-        raise UnsafeSettings(
-            f"{p}RESULT_TTL",
-            f"must be > 0, got {s.result_ttl}",
-            "keep results at least as long as duplicates may arrive",
-        )
-    if s.decision_log_size > s.decision_log_total:
-        raise UnsafeSettings(
-            f"{p}DECISION_LOG_TOTAL",
-            f"{s.decision_log_total} is below {p}DECISION_LOG_SIZE ({s.decision_log_size})",
-            f"keep {p}DECISION_LOG_TOTAL at least {p}DECISION_LOG_SIZE (default 10000)",
-        )
-    if s.fence_retention < s.default_ttl:
-        raise UnsafeSettings(
-            f"{p}FENCE_RETENTION",
-            "must be at least the lease TTL",
-            "keep fence counters for days, e.g. 2592000",
-        )
-    if s.redelivery_limit < 0:
-        raise UnsafeSettings(
-            f"{p}REDELIVERY_LIMIT",
-            f"must be >= 0, got {s.redelivery_limit}",
-            "use 0 to give a job up at its first unknown outcome, or e.g. 20",
-        )
-    if not 0 < s.redelivery_delay <= 60:
-        raise UnsafeSettings(
-            f"{p}REDELIVERY_DELAY",
-            f"must be > 0 and at most 60 seconds, got {s.redelivery_delay}",
-            "use a first redelivery countdown such as 1",
-        )
-    refuse_metrics_clash(s)
-    bad = [c for c in s.accept_content if c not in SAFE_CONTENT]
-    if bad:
-        raise UnsafeSettings(
-            f"{p}ACCEPT_CONTENT",
-            f"refusing serialisers {bad}: pickle and friends run code from the broker",
-            "accept only json",
-        )
-    if s.max_countdown and s.max_countdown >= s.visibility_timeout:
-        raise UnsafeSettings(
-            f"{p}VISIBILITY_TIMEOUT",
-            f"{s.visibility_timeout:g}s is not longer than the longest countdown "
-            f"({s.max_countdown:g}s): the broker redelivers every such job while it waits",
-            "raise JOBFENCE_VISIBILITY_TIMEOUT above JOBFENCE_MAX_COUNTDOWN",
-        )
-
-
-#: What workers may accept: JSON, and Celery's `auth` serializer (JSON signed with the
-#: app's key; app.setup_security(), docs/reference/security.md).
-SAFE_CONTENT = ("json", "application/json", "auth", "application/data")
-
-
-def refuse_url_timeouts(s: Settings) -> None:
-    """A timeout in the lock URL's query wins over JOBFENCE_SOCKET_TIMEOUT in the client, so
-    the effective value is the one checked against the lease."""
-    limit = s.default_ttl - s.heartbeat_interval
-    for name, value in security.query_timeouts(s.lock_url).items():
-        if value is None or not 0 < value < limit:
-            shown = "not a number" if value is None else f"{value:g}s"
-            raise UnsafeSettings(
-                f"{ENV_PREFIX}LOCK_URL",
-                f"its option {name} ({shown}) overrides {ENV_PREFIX}SOCKET_TIMEOUT "
-                f"({s.socket_timeout:g}s) and must be > 0 and shorter than TTL - heartbeat "
-                f"interval ({limit:g}s), or a hung extension outlives the lease",
-                f"remove {name} from the URL and set {ENV_PREFIX}SOCKET_TIMEOUT instead",
-            )
-
-
-def _local_ports(s: Settings) -> Iterable[tuple[str, int]]:
-    """(variable, port) of every server URL in `s` on this host (the ports it must not take)."""
-    for field in URL_FIELDS:
-        url = getattr(s, field)
-        if not url:
-            continue
-        for part in urlsplit(url).netloc.rpartition("@")[2].split(","):
-            host, _, port = part.rpartition(":")
-            host = host.strip("[]")
-            if port.isdigit() and (_is_loopback(host) or host in ("0.0.0.0", "::")):
-                yield _variable(field), int(port)
-
-
-def refuse_metrics_clash(s: Settings) -> None:
-    """JOBFENCE_METRICS_PORT: a real port, and not one a server jobfence talks to uses here."""
-    port = s.metrics_port
-    if port is None:
-        return
-    variable = _variable("metrics_port")
-    if not 1 <= port <= 65535:
-        raise UnsafeSettings(
-            variable,
-            f"must be a TCP port from 1 to 65535, got {port}",
-            "pick a free port for each worker on a host, e.g. 9816, or unset it",
-        )
-    for other, taken in _local_ports(s):
-        if taken == port:
-            raise UnsafeSettings(
-                variable,
-                f"{port} is the port of {other}, a server on this host",
-                "pick a free port for the metrics endpoint, e.g. 9816",
-            )
-    if (s.metrics_certfile is None) != (s.metrics_keyfile is None):
-        raise UnsafeSettings(
-            _variable("metrics_certfile"),
-            "and JOBFENCE_METRICS_KEYFILE must be set together (HTTPS needs both)",
-            "set both to PEM files, or neither for plain HTTP",
-        )
-    auth = s.metrics_basic_auth
-    if auth is not None and ":" not in auth.get_secret_value():
-        raise UnsafeSettings(
-            _variable("metrics_basic_auth"),
-            "must be user:password",
-            "set it to e.g. prometheus:<a long random password>",
-        )
-    try:
-        ipaddress.ip_address(s.metrics_addr)
-    except ValueError:
-        if s.metrics_addr != "localhost":
-            raise UnsafeSettings(
-                _variable("metrics_addr"),
-                "must be an IP address to listen on",
-                "use 127.0.0.1 (this host, the default), 0.0.0.0 (every interface) or ::",
-            ) from None
-
-
-def warn_insecure(s: Settings) -> None:
-    """Warn (not refuse: the worker's start-up check does) about each security downgrade
-    JOBFENCE_ALLOW_INSECURE does not allow."""
-    for d in s.downgrades():
-        if d.item in s.allow_insecure:
-            continue
-        warnings.warn(
-            f"{d.variable}: {d.problem}. Fix: {d.fix} (a worker refuses to start with it "
-            f"unless {security.ALLOW_VARIABLE} includes {d.item})",
-            InsecureSettingsWarning,
-            stacklevel=2,
-        )
-
-
-def refuse_insecure(s: Settings) -> None:
-    """Raise InsecureSettings for each security downgrade JOBFENCE_ALLOW_INSECURE does not
-    allow. Judges the settings' text only (no I/O): call it before opening a connection."""
-    found = [
-        InsecureSettings(d.variable, d.problem, security.refusal_fix(d))
-        for d in s.downgrades()
-        if d.item not in s.allow_insecure
-    ]
-    if found:
-        first, *also = found
-        raise first.with_also(also) if also else first
-
-
-def _variable(field: str) -> str:
-    return ENV_PREFIX + field.upper()
-
-
-def _fix_for(field: str) -> str:
-    info = Settings.model_fields.get(field)
-    if info is None:
-        return "remove it or correct its name"
-    what = (info.description or "").rstrip(".")
-    if field in ("key_secret", "key_secret_previous"):  # never shown, not even the dev default
-        return f"set {_variable(field)} to a long random string ({what})"
-    return f"set {_variable(field)} to a valid value ({what}; default {info.default!r})"
-
-
-def _unsafe_from(exc: ValidationError) -> UnsafeSettings:
-    """One UnsafeSettings for every problem, built without the input values."""
-    found: list[UnsafeSettings] = []
-    for err in exc.errors(include_input=False, include_url=False):
-        cause = err.get("ctx", {}).get("error")
-        if isinstance(cause, UnsafeSettings):
-            found.append(cause)
-            continue
-        field = str(err["loc"][0]) if err["loc"] else ""
-        msg = err["msg"].removeprefix("Value error, ")
-        fix = _fix_for(field)
-        if err["type"] == "finite_number":
-            msg = "must be a finite number; NaN and infinity are refused"
-            fix = fix.replace("to a valid value", "to a finite number", 1)
-        variable = _variable(field) if field else "settings"
-        found.append(UnsafeSettings(variable, msg, fix))
-    first, *also = found
-    return first.with_also(also) if also else first
-
-
-def _undecodable(exc: SettingsError) -> UnsafeSettings:
-    """pydantic-settings names the field in its message: keep the name, drop the rest."""
-    text = str(exc)
-    field = next((f for f in Settings.model_fields if f'"{f}"' in text), "")
-    return UnsafeSettings(
-        _variable(field) if field else "settings",
-        "could not be decoded",
-        _fix_for(field) if field else "check the JOBFENCE_* variables",
-    )
-
-
 def load_settings(**overrides: Any) -> Settings:
     """Build Settings from the environment; every problem is an UnsafeSettings (as Settings())."""
     return Settings(**overrides)
@@ -559,7 +329,7 @@ def load_settings(**overrides: Any) -> Settings:
 
 def known_variables() -> frozenset[str]:
     """Every JOBFENCE_* name jobfence reads: Settings' fields and OTHER_VARIABLES."""
-    return frozenset({_variable(f) for f in Settings.model_fields} | set(OTHER_VARIABLES))
+    return frozenset({variable_name(f) for f in Settings.model_fields} | set(OTHER_VARIABLES))
 
 
 def _env_file_names() -> list[str]:
@@ -613,7 +383,7 @@ def setting_source(field: str, overrides: Mapping[str, Any] | None = None) -> st
     """Where the value of `field` came from, in the precedence Settings reads them: an
     explicit value, the environment, `.env`, Django settings (naming the module) or the
     default. Says so without the value."""
-    variable = _variable(field)
+    variable = variable_name(field)
     if overrides and overrides.get(field) is not None:
         return "given explicitly"
     if variable in os.environ:
@@ -625,21 +395,3 @@ def setting_source(field: str, overrides: Mapping[str, Any] | None = None) -> st
         module = os.environ.get("DJANGO_SETTINGS_MODULE") or "settings.configure()"
         return f"Django settings {module} ({variable})"
     return f"the default: {variable} is set nowhere"
-
-
-def _split_list(v: Any, name: str, fix: str) -> Any:
-    """A list setting as the environment spells it: `a,b` or a JSON list; refused (naming
-    the variable, never the value) when it is neither."""
-    if not isinstance(v, str):
-        return v
-    text = v.strip()
-    if text.startswith("["):
-        try:
-            return tuple(json.loads(text))
-        except (ValueError, TypeError):
-            raise UnsafeSettings(
-                f"{ENV_PREFIX}{name}",
-                "is neither a comma-separated list nor a JSON list of strings",
-                fix,
-            ) from None
-    return tuple(part.strip() for part in text.split(",") if part.strip())
