@@ -32,9 +32,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
+from jobfence.locks.backends.redis.scripts import load_scripts, script_source
+
 # _Lane sends on a pool's connections and never re-sends a command that went out.
-from jobfence.locks.backends.redis import _Lane
-from jobfence.locks.backends.redis_scripts import load_scripts, script_source
+from jobfence.locks.backends.redis.store import _Lane
 from jobfence.locks.errors import (
     BackendUnavailable,
     CommitOutcomeUnknown,

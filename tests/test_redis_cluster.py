@@ -14,8 +14,8 @@ from devstack.local_cluster import LocalCluster
 from jobfence.config import UnsafeSettings
 from jobfence.config.urls import cluster_nodes
 from jobfence.locks import FencedWriteRefused, Lease, RedisFenceGuard, StaleFence, open_backend
-from jobfence.locks.backends import redis_cluster as redis_cluster_module
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.backends.redis import cluster as redis_cluster_module
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 from jobfence.locks.slots import SlotLease
 from jobfence.worker.admin import release_grant
 from tests.servers import wait_for

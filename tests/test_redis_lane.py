@@ -9,8 +9,8 @@ import redis
 from redis.connection import Connection, ConnectionPool
 
 from jobfence.locks import RedisBackend
-from jobfence.locks.backends import redis as redis_backend
-from jobfence.locks.backends.redis import _Lane
+from jobfence.locks.backends.redis import store as redis_backend
+from jobfence.locks.backends.redis.store import _Lane
 
 ARGS: list[tuple[Any, ...]] = [
     ("EVALSHA", "a" * 40, 3, "jobfence:lock:{t:ab}", "jobfence:fences", "k", "owner", 1800000),

@@ -16,8 +16,8 @@ from devstack.redis_server import free_port
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.config.urls import sentinel_target
 from jobfence.locks import BackendUnavailable, JobRecord, LockBackend, open_backend
-from jobfence.locks.backends import redis as redis_module
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redis import store as redis_module
+from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 from jobfence.tasks import Runtime
 from jobfence.tasks.executor import JobSpec
 from jobfence.worker.checks import Finding, check_lock_backend

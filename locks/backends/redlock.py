@@ -35,8 +35,8 @@ from jobfence.locks.backend import (
     validate_key,
 )
 from jobfence.locks.backends.common import settings_options
-from jobfence.locks.backends.redis_scripts import script_source
-from jobfence.locks.backends.redis_url import (
+from jobfence.locks.backends.redis.scripts import script_source
+from jobfence.locks.backends.redis.url import (
     security,
     tls_context,
     tls_hint,

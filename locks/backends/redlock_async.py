@@ -26,9 +26,9 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
-from jobfence.locks.backends.redis import client_options
-from jobfence.locks.backends.redis_async import POOL_WAIT, SignalWait
-from jobfence.locks.backends.redis_url import tls_kwargs
+from jobfence.locks.backends.redis.store import client_options
+from jobfence.locks.backends.redis.store_async import POOL_WAIT, SignalWait
+from jobfence.locks.backends.redis.url import tls_kwargs
 from jobfence.locks.backends.redlock import (
     _MORE,
     NO_REPLY,

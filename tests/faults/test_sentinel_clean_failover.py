@@ -23,9 +23,9 @@ from devstack.redis_server import RedisServer
 from jobfence.locks import Lease, LeaseKeeper, LeaseLost, RedisFenceGuard
 from jobfence.locks.aio import AsyncLocker
 from jobfence.locks.backend import JobRecord, LockBackend
-from jobfence.locks.backends import redis_sentinel
 from jobfence.locks.backends.redis import RedisBackend
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redis import sentinel as redis_sentinel
+from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 from jobfence.locks.errors import BackendUnavailable
 from tests.servers import wait_for
 

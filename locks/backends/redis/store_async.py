@@ -28,7 +28,16 @@ from jobfence.locks.backend import (
     validate_rate,
     validate_ttl,
 )
-from jobfence.locks.backends.redis import (
+from jobfence.locks.backends.redis.scripts import script_source
+from jobfence.locks.backends.redis.semaphore import (
+    SEMAPHORE_SCRIPTS,
+    parse_sem_acquire,
+    sem_acquire_args,
+    sem_extend_call,
+    sem_release_call,
+    semaphore_keys,
+)
+from jobfence.locks.backends.redis.store import (
     BLPOP_LATE,
     LEGACY_RECORD_FIELDS,
     RedisBackend,
@@ -47,16 +56,7 @@ from jobfence.locks.backends.redis import (
     stored_record,
     swap_call,
 )
-from jobfence.locks.backends.redis_scripts import script_source
-from jobfence.locks.backends.redis_semaphore import (
-    SEMAPHORE_SCRIPTS,
-    parse_sem_acquire,
-    sem_acquire_args,
-    sem_extend_call,
-    sem_release_call,
-    semaphore_keys,
-)
-from jobfence.locks.backends.redis_url import tls_kwargs, url_tls
+from jobfence.locks.backends.redis.url import tls_kwargs, url_tls
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import Lease, OwnerMeta

@@ -21,9 +21,9 @@ from jobfence.config.findings import Finding, LockTarget
 from jobfence.config.security import refuse_node
 from jobfence.config.urls import sentinel_target
 from jobfence.locks.backend import Capabilities
-from jobfence.locks.backends import redis_checks
-from jobfence.locks.backends.redis import RedisBackend, _Lane, client_options
-from jobfence.locks.backends.redis_url import tls_hint, tls_kwargs
+from jobfence.locks.backends.redis import checks as redis_checks
+from jobfence.locks.backends.redis.store import RedisBackend, _Lane, client_options
+from jobfence.locks.backends.redis.url import tls_hint, tls_kwargs
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
 from jobfence.locks.outage import OUTAGE

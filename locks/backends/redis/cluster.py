@@ -34,16 +34,16 @@ from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_target
 from jobfence.locks.backend import JobRecord, LockInfo, Security, validate_ttl
 from jobfence.locks.backends.common import settings_options
-from jobfence.locks.backends.redis import (
+from jobfence.locks.backends.redis.scripts import script_source
+from jobfence.locks.backends.redis.semaphore import semaphore_keys
+from jobfence.locks.backends.redis.store import (
     BLPOP_LATE,
     DEFAULT_FENCE_RETENTION,
     EXTEND_CHUNK,
     RedisBackend,
     _Lane,
 )
-from jobfence.locks.backends.redis_scripts import script_source
-from jobfence.locks.backends.redis_semaphore import semaphore_keys
-from jobfence.locks.backends.redis_url import security_of_kwargs, tls_hint, tls_kwargs
+from jobfence.locks.backends.redis.url import security_of_kwargs, tls_hint, tls_kwargs
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, NotOwner
 from jobfence.locks.keys import KeySpace
@@ -119,7 +119,7 @@ def slot_tags() -> tuple[str, ...]:
 
 
 # -- the heartbeat's grouping and script arguments, shared with the asyncio store
-# (locks/backends/redis_cluster_async.py): one protocol, two transports.
+# (locks/backends/redis/cluster_async.py): one protocol, two transports.
 def lease_slot(keys: KeySpace, key: str, slot: bool, keyslot: Callable[[str], int]) -> int:
     """The cluster slot a lease (`slot`: a semaphore slot, else a lock) lives in."""
     return keyslot(semaphore_keys(keys.prefix, key)[0] if slot else keys.lock(key))

@@ -14,17 +14,17 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 
 from jobfence.config.security import refuse_node
 from jobfence.locks.backend import Capabilities, settle_extensions, validate_ttl
-from jobfence.locks.backends.redis import EXTEND_CHUNK, RedisBackend
-from jobfence.locks.backends.redis_async import AsyncRedisStore
-from jobfence.locks.backends.redis_cluster import (
+from jobfence.locks.backends.redis.cluster import (
     RedisClusterBackend,
     _cluster_security,
     cluster_options,
     extend_args,
     group_by_node,
 )
-from jobfence.locks.backends.redis_scripts import script_source
-from jobfence.locks.backends.redis_semaphore import SEMAPHORE_SCRIPTS, sem_extend_call
+from jobfence.locks.backends.redis.scripts import script_source
+from jobfence.locks.backends.redis.semaphore import SEMAPHORE_SCRIPTS, sem_extend_call
+from jobfence.locks.backends.redis.store import EXTEND_CHUNK, RedisBackend
+from jobfence.locks.backends.redis.store_async import AsyncRedisStore
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
 from jobfence.locks.slots import SlotLease
@@ -36,7 +36,7 @@ KEEPER_MARGIN = 4
 
 class _JudgedAsyncCluster(RedisCluster):  # type: ignore[misc]
     """redis.asyncio's cluster client judging each node's address (every node CLUSTER SLOTS
-    names) before it logs in there, as the sync twin's (redis_cluster._JudgedCluster)."""
+    names) before it logs in there, as the sync twin's (redis.cluster._JudgedCluster)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.node_security = _cluster_security(kwargs)

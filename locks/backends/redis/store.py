@@ -28,13 +28,13 @@ from jobfence.locks.backend import (
     Security,
     validate_key,
 )
-from jobfence.locks.backends import redis_checks
 from jobfence.locks.backends.common import settings_options
-from jobfence.locks.backends.redis_scripts import load_scripts
-from jobfence.locks.backends.redis_semaphore import RedisSemaphores
-from jobfence.locks.backends.redis_url import CA_FILE_HINT as CA_FILE_HINT
-from jobfence.locks.backends.redis_url import security_of_kwargs, tls_kwargs, url_tls
-from jobfence.locks.backends.redis_url import tls_hint as tls_hint
+from jobfence.locks.backends.redis import checks as redis_checks
+from jobfence.locks.backends.redis.scripts import load_scripts
+from jobfence.locks.backends.redis.semaphore import RedisSemaphores
+from jobfence.locks.backends.redis.url import CA_FILE_HINT as CA_FILE_HINT
+from jobfence.locks.backends.redis.url import security_of_kwargs, tls_kwargs, url_tls
+from jobfence.locks.backends.redis.url import tls_hint as tls_hint
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.decisions import DecisionBounds, DecisionLog, RedisDecisionLog
 from jobfence.locks.errors import BackendUnavailable
@@ -119,7 +119,7 @@ def client_options(socket_timeout: float) -> dict[str, Any]:
 
 
 # -- each script's keys, arguments and reply, shared by RedisBackend and the asyncio store
-# (locks/backends/redis_async.py): one protocol, two transports.
+# (locks/backends/redis/store_async.py): one protocol, two transports.
 def begin_call(
     k: KeySpace,
     fence_source: str,

@@ -21,11 +21,11 @@ from jobfence.config.findings import LOCK_SERVER_DOWN, Finding, LockTarget, refu
 from jobfence.config.schemes import backend_schemes
 from jobfence.config.urls import redact
 from jobfence.locks.backends.probe import foreign_fix, foreign_server
-from jobfence.locks.backends.redis_url import tls_hint
+from jobfence.locks.backends.redis.url import tls_hint
 
 if TYPE_CHECKING:  # only types: those modules import this one
-    from jobfence.locks.backends.redis import RedisBackend
-    from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+    from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
+    from jobfence.locks.backends.redis.store import RedisBackend
 
 CREDENTIALS_FIX = (
     "put the right user and password in the URL (percent-encoded), or grant the user "
