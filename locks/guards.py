@@ -32,10 +32,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
+# Lane sends on a pool's connections and never re-sends a command that went out.
+from jobfence.locks.backends.redis.lane import Lane
 from jobfence.locks.backends.redis.scripts import load_scripts, script_source
-
-# _Lane sends on a pool's connections and never re-sends a command that went out.
-from jobfence.locks.backends.redis.store import _Lane
 from jobfence.locks.errors import (
     BackendUnavailable,
     CommitOutcomeUnknown,
@@ -358,7 +357,7 @@ class RedisFenceGuard(_FencedWrites):
         self.script = load_scripts(client)["fenced_write"]
         pool = getattr(client, "connection_pool", None)
         if type(client) is Redis and isinstance(pool, ConnectionPool):
-            self._lane: _Lane | None = _Lane(pool)
+            self._lane: Lane | None = Lane(pool)
         else:
             self._lane = None
             _refuse_retrying(client)

@@ -26,7 +26,7 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
-from jobfence.locks.backends.redis.store import client_options
+from jobfence.locks.backends.redis.protocol import client_options
 from jobfence.locks.backends.redis.store_async import POOL_WAIT, SignalWait
 from jobfence.locks.backends.redis.url import tls_kwargs
 from jobfence.locks.backends.redlock import (

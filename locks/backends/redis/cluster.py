@@ -34,15 +34,11 @@ from jobfence.config.settings import Settings
 from jobfence.config.urls import cluster_target
 from jobfence.locks.backend import JobRecord, LockInfo, Security, validate_ttl
 from jobfence.locks.backends.common import settings_options
+from jobfence.locks.backends.redis.lane import Lane
+from jobfence.locks.backends.redis.protocol import BLPOP_LATE, DEFAULT_FENCE_RETENTION, EXTEND_CHUNK
 from jobfence.locks.backends.redis.scripts import script_source
 from jobfence.locks.backends.redis.semaphore import semaphore_keys
-from jobfence.locks.backends.redis.store import (
-    BLPOP_LATE,
-    DEFAULT_FENCE_RETENTION,
-    EXTEND_CHUNK,
-    RedisBackend,
-    _Lane,
-)
+from jobfence.locks.backends.redis.store import RedisBackend
 from jobfence.locks.backends.redis.url import security_of_kwargs, tls_hint, tls_kwargs
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, NotOwner
@@ -196,7 +192,7 @@ class RedisClusterBackend(RedisBackend):
         super().__init__(client, prefix=prefix, fence_retention=fence_retention,  # type: ignore[arg-type]
                          clock=clock)  # fmt: skip
         self.cluster: Any = client  # redis-py's cluster client is largely untyped
-        self._lanes: dict[str, _Lane] = {}  # per node name: the hot path's connections
+        self._lanes: dict[str, Lane] = {}  # per node name: the hot path's connections
         self._max_block = max(0.01, 0.8 * socket_timeout)
         self._late = socket_timeout + BLPOP_LATE
         self._extend_source = script_source(EXTEND_SCRIPT)
@@ -272,7 +268,7 @@ class RedisClusterBackend(RedisBackend):
                 self.cluster.nodes_manager.initialize(last_failed_node_name=lane.node)
             raise
 
-    def _lane_of(self, name: str) -> _Lane | None:
+    def _lane_of(self, name: str) -> Lane | None:
         """The lane of the node the cluster map gives for `name`'s slot (None: no map)."""
         try:
             node = self.cluster.nodes_manager.get_node_from_slot(self.cluster.keyslot(name))
@@ -281,7 +277,7 @@ class RedisClusterBackend(RedisBackend):
             return None
         lane = self._lanes.get(node.name)
         if lane is None or lane.pool is not pool:
-            lane = self._lanes[node.name] = _Lane(pool, node.name)
+            lane = self._lanes[node.name] = Lane(pool, node.name)
         return lane
 
     def _call(self, name: str, keys: list[str], args: list[Any], key: str | None) -> Any:

@@ -21,9 +21,10 @@ from jobfence.locks.backends.redis.cluster import (
     extend_args,
     group_by_node,
 )
+from jobfence.locks.backends.redis.protocol import EXTEND_CHUNK
 from jobfence.locks.backends.redis.scripts import script_source
 from jobfence.locks.backends.redis.semaphore import SEMAPHORE_SCRIPTS, sem_extend_call
-from jobfence.locks.backends.redis.store import EXTEND_CHUNK, RedisBackend
+from jobfence.locks.backends.redis.store import RedisBackend
 from jobfence.locks.backends.redis.store_async import AsyncRedisStore
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease

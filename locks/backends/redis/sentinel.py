@@ -22,7 +22,9 @@ from jobfence.config.security import refuse_node
 from jobfence.config.urls import sentinel_target
 from jobfence.locks.backend import Capabilities
 from jobfence.locks.backends.redis import checks as redis_checks
-from jobfence.locks.backends.redis.store import RedisBackend, _Lane, client_options
+from jobfence.locks.backends.redis.lane import Lane
+from jobfence.locks.backends.redis.protocol import client_options
+from jobfence.locks.backends.redis.store import RedisBackend
 from jobfence.locks.backends.redis.url import tls_hint, tls_kwargs
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
@@ -265,7 +267,7 @@ class WatchedSentinel(Sentinel):
         return found
 
 
-class _SentinelLane(_Lane):
+class _SentinelLane(Lane):
     """A lane that follows the master: a connection made to a master the sentinels no longer
     name is reconnected (to the one they name) by the thread that takes it, the only one
     using it then."""

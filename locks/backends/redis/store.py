@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.connection import Connection, ConnectionPool, SSLConnection
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.connection import ConnectionPool, SSLConnection
 from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from jobfence.config.findings import Finding, LockTarget, OutageProbe
 from jobfence.config.settings import Settings
@@ -30,323 +23,38 @@ from jobfence.locks.backend import (
 )
 from jobfence.locks.backends.common import settings_options
 from jobfence.locks.backends.redis import checks as redis_checks
+from jobfence.locks.backends.redis.lane import Lane
+from jobfence.locks.backends.redis.protocol import (
+    BLPOP_LATE,
+    DEFAULT_FENCE_RETENTION,
+    LEGACY_RECORD_FIELDS,
+    LOCK_FIELDS,
+    SIGNAL_LIFETIME_MS,
+    begin_call,
+    claim_call,
+    client_options,
+    commit_call,
+    extend_calls,
+    legacy_record_of,
+    parse_begin,
+    parse_extend,
+    parse_held,
+    parse_lock,
+    parse_rate,
+    rate_call,
+    release_call,
+    stored_record,
+    swap_call,
+    text,
+)
 from jobfence.locks.backends.redis.scripts import load_scripts
 from jobfence.locks.backends.redis.semaphore import RedisSemaphores
-from jobfence.locks.backends.redis.url import CA_FILE_HINT as CA_FILE_HINT
-from jobfence.locks.backends.redis.url import security_of_kwargs, tls_kwargs, url_tls
-from jobfence.locks.backends.redis.url import tls_hint as tls_hint
+from jobfence.locks.backends.redis.url import security_of_kwargs, tls_hint, tls_kwargs, url_tls
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.decisions import DecisionBounds, DecisionLog, RedisDecisionLog
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.keys import KeySpace
 from jobfence.locks.lease import OwnerMeta
-
-SIGNAL_LIFETIME_MS = 2000
-#: Leases per extend_many script: a batch of more goes as several scripts in one write (one
-#: round trip), so the server serves other clients between them instead of stalling for all.
-EXTEND_CHUNK = 1000
-
-_pack_big: Callable[[tuple[Any, ...]], bytes] | None
-try:  # a core dependency; packs any command at a third of the cost of the Python packer
-    from hiredis import pack_command as _pack_big
-except ImportError:  # pragma: no cover
-    _pack_big = None
-DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def parse_record(raw: str) -> JobRecord:
-    """A job record as commit.lua stores it: '<D|F><fence>,<ms from grant to finish>,
-    <length of the fingerprint>:<fingerprint><result>'."""
-    first = raw.index(",", 1)
-    second = raw.index(",", first + 1)
-    colon = raw.index(":", second + 1)
-    fence = int(raw[1:first])
-    end = colon + 1 + int(raw[second + 1 : colon])
-    return JobRecord(
-        state=_STATES[raw[0]],
-        fingerprint=raw[colon + 1 : end],
-        result=raw[end:],
-        fence=fence,
-        finished_at=(fence // 1000 + int(raw[first + 1 : second])) / 1000,
-    )
-
-
-_STATES = {"D": "DONE", "F": "FAILED"}
-
-
-#: The fields of a record hash written by versions before the one-string record.
-LEGACY_RECORD_FIELDS = ("state", "fingerprint", "result", "fence", "finished_ms")
-
-
-def stored_record(raw: Any) -> JobRecord | None:
-    """A GET of the record key: the job record, or None if there is none."""
-    return parse_record(_s(raw)) if raw else None
-
-
-def legacy_record_of(fields: Sequence[Any]) -> JobRecord | None:
-    """An HMGET of LEGACY_RECORD_FIELDS (the key held a record hash): its record, if any."""
-    if fields[0] is None:
-        return None
-    return _legacy_record(*(_s(f) if f is not None else "" for f in fields))
-
-
-def _legacy_record(state: str, fp: str, result: str, fence: str, finished_ms: str) -> JobRecord:
-    """A record hash written by versions before the one-string record (read, never written)."""
-    return JobRecord(
-        state=state,
-        fingerprint=fp,
-        result=result,
-        fence=int(fence or 0),
-        finished_at=int(finished_ms or 0) / 1000,
-    )
-
-
-def client_options(socket_timeout: float) -> dict[str, Any]:
-    """The options of every client of a lock server, whatever finds the server."""
-    return {
-        "socket_timeout": socket_timeout,
-        "socket_connect_timeout": socket_timeout,
-        "decode_responses": True,
-        "health_check_interval": 0,
-        # No client-side retries: a hung server must fail within socket_timeout, and a
-        # re-sent acquire or commit is not idempotent.
-        "retry": Retry(NoBackoff(), 0),
-    }
-
-
-# -- each script's keys, arguments and reply, shared by RedisBackend and the asyncio store
-# (locks/backends/redis/store_async.py): one protocol, two transports.
-def begin_call(
-    k: KeySpace,
-    fence_source: str,
-    key: str,
-    owner: str,
-    ttl_ms: int,
-    meta: OwnerMeta,
-    record: bool,
-    fingerprint: str,
-    floor: int,
-) -> tuple[list[str], list[Any]]:
-    """begin.lua's keys and arguments."""
-    holder = f"{meta.host}\n{meta.pid}\n{meta.task_name}\n{meta.process_start}"
-    if record:
-        return (
-            [k.lock(key), fence_source, k.record(key)],
-            [owner, ttl_ms, "1", meta.task_id, holder, fingerprint, floor],
-        )
-    return [k.lock(key), fence_source], [owner, ttl_ms, "0", meta.task_id, holder, "", floor]
-
-
-def parse_begin(reply: Any) -> int | Busy | JobRecord:
-    """begin.lua's reply: the new fence, Busy, or the job record."""
-    if not isinstance(reply, list):
-        return int(reply)
-    if int(reply[0]) == 0:
-        pttl = int(reply[1])
-        return Busy(
-            ttl_left=pttl / 1000 if pttl >= 0 else float("inf"),
-            task_id=_s(reply[2]) if len(reply) > 2 else "",
-            fingerprint=_s(reply[3]) if len(reply) > 3 else "",
-        )
-    if len(reply) == 2:
-        return parse_record(_s(reply[1]))
-    return _legacy_record(*(_s(x) for x in reply[1:]))
-
-
-def extend_calls(
-    k: KeySpace, items: Sequence[tuple[str, str, int]]
-) -> list[tuple[list[str], list[Any]]]:
-    """extend_many.lua's calls for `items`, EXTEND_CHUNK leases a call."""
-    lock = k.lock
-    calls: list[tuple[list[str], list[Any]]] = []
-    for i in range(0, len(items), EXTEND_CHUNK):
-        chunk = items[i : i + EXTEND_CHUNK]
-        args: list[Any] = []
-        for _, owner, ttl_ms in chunk:
-            args += (owner, ttl_ms)
-        calls.append(([lock(key) for key, _, _ in chunk], args))
-    return calls
-
-
-def parse_extend(replies: list[Any]) -> list[bool]:
-    return [bool(int(x)) for reply in replies for x in reply]
-
-
-def release_call(k: KeySpace, key: str, owner: str) -> tuple[list[str], list[Any]]:
-    return [k.lock(key), k.signal(key)], [owner, SIGNAL_LIFETIME_MS]
-
-
-def rate_call(
-    k: KeySpace, key: str, interval_us: float, burst: int, max_wait_us: float
-) -> tuple[list[str], list[Any]]:
-    # Finite text for Lua: an unbounded wait is any wait.
-    cap = min(max_wait_us, 1e18)
-    return [k.rate(key)], [repr(interval_us), burst, repr(cap)]
-
-
-def parse_rate(reply: Any) -> tuple[bool, float, float]:
-    return reply[0] == 1, float(reply[1]), float(reply[2])
-
-
-def commit_call(k: KeySpace, rec: CommitRecord) -> tuple[list[str], list[Any]]:
-    """commit.lua's keys and arguments."""
-    key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
-    # The record string's head and tail (commit.lua puts the finish time between them).
-    head, tail = f"{state[0]}{fence}", f"{len(fingerprint)}:{fingerprint}{result}"
-    return ([k.lock(key), k.record(key), k.signal(key)],
-            [owner, head, tail, result_ttl_ms, SIGNAL_LIFETIME_MS])  # fmt: skip
-
-
-def claim_call(k: KeySpace, key: str, task_id: str, ttl: float) -> tuple[list[str], list[Any]]:
-    """claim_publish.lua's keys and arguments."""
-    return [k.queued(key)], [task_id, int(ttl * 1000)]
-
-
-def swap_call(
-    k: KeySpace, key: str, expect: str, new: str | None, ttl_ms: int
-) -> tuple[list[str], list[Any]]:
-    """swap_publish.lua's keys and arguments."""
-    return [k.queued(key)], [expect, new or "", ttl_ms]
-
-
-def parse_held(reply: Any) -> str | None:
-    """claim_publish.lua's and swap_publish.lua's reply: the value that kept the claim."""
-    return _s(reply) if reply else None
-
-
-#: How late, past its block and the socket timeout, Redis may answer a BLPOP: it answers a
-#: timed-out one on its next event-loop tick (up to 100 ms late at the default hz 10, a
-#: second at hz 1). A client that reads the reply with its socket timeout alone (a
-#: cluster's, a mock) blocks at most half of that timeout instead.
-BLPOP_LATE = 1.0
-
-
-class _Lane:
-    """Connections kept out of the client's pool for the one-script calls on the hot path.
-
-    redis-py checks a connection out of its pool for every command (a lock, and a peek at
-    the socket to make sure it is clean) and back in afterwards; that costs more than the
-    round trip itself on a loopback server. A lane keeps its own idle connections instead:
-    made by the pool (same options: timeouts, TLS, auth), used by one thread at a time,
-    checked before each use as the pool would, reconnected if an error closed them
-    (redis-py disconnects on any error but an error reply), never retried after a command
-    went out, and forgotten after a fork (the parent's sockets are not the child's).
-    """
-
-    def __init__(self, pool: ConnectionPool, node: str | None = None) -> None:
-        self.pool = pool
-        self.node = node  # the cluster node's name, where the lane serves one
-        self.pid = os.getpid()
-        self.idle: list[Connection] = []
-        self.encoder = pool.get_encoder()
-        # hiredis packs str as strict UTF-8, int and float as redis-py does (the same bytes)
-        # at a third of the Python packer's cost (one pack per script call on the hot path);
-        # a pool with another text encoding keeps the Python packer.
-        utf8 = self.encoder.encoding.lower().replace("_", "-") in ("utf-8", "utf8")
-        if _pack_big is not None and utf8 and self.encoder.encoding_errors == "strict":
-            self.pack: Callable[[tuple[Any, ...]], bytes] = _pack_big
-        else:
-            self.pack = self.pack_py
-        ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (lane := ref()) and lane._forked())  # type: ignore[func-returns-value]
-
-    def _forked(self) -> None:
-        # redis-py resets its pool in a child under the pool's own locks, which a thread of the
-        # parent may have held at the fork (making a connection for the keeper or the decision
-        # log's writer): the child's first command would wait for ever. Nothing of the child
-        # holds them yet.
-        self.pid, self.idle = os.getpid(), []
-        for name in ("_fork_lock", "_lock"):
-            if hasattr(self.pool, name):
-                setattr(self.pool, name, threading.RLock())
-
-    def pack_py(self, args: tuple[Any, ...]) -> bytes:
-        """The command as RESP bytes: what redis-py's packer sends, at a third of its cost."""
-        enc = self.encoder
-        parts = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            kind = type(arg)
-            if kind is str:
-                data = arg.encode(enc.encoding, enc.encoding_errors)
-            elif kind is int:
-                data = b"%d" % arg
-            else:  # bytes, float; refuses what redis-py refuses
-                data = enc.encode(arg)  # type: ignore[no-untyped-call]
-            parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
-        return b"".join(parts)
-
-    def _take(self) -> Connection:
-        if self.pid != os.getpid():
-            self.pid, self.idle = os.getpid(), []
-        try:
-            conn = self.idle.pop()  # atomic: no two threads get the same connection
-        except IndexError:
-            return self.pool.get_connection()
-        # As the pool does before lending one: a connection with something to read was
-        # closed by the server (restart, idle timeout) or holds a stray reply; reconnect it
-        # now, before sending, rather than fail a command the server never saw.
-        try:
-            stale = conn.can_read(timeout=0)
-        except (RedisConnectionError, RedisTimeoutError, OSError):
-            stale = True
-        if stale:
-            conn.disconnect()  # type: ignore[no-untyped-call]
-        return conn
-
-    def call(self, *args: Any) -> Any:
-        conn = self._take()
-        try:
-            conn.send_packed_command([self.pack(args)])  # type: ignore[no-untyped-call]
-            return conn.read_response()
-        finally:
-            self.idle.append(conn)
-
-    def blpop(self, name: str, block: float, late: float) -> Any:
-        """BLPOP `name` for up to `block` seconds, its reply awaited up to `late` seconds past
-        the block instead of the socket timeout alone: Redis answers a timed-out BLPOP on
-        its next event-loop tick (up to 100 ms late at the default hz), later on a loaded
-        host, and a blocked read that outlives the socket timeout is not a dead server."""
-        conn = self._take()
-        try:
-            conn.send_packed_command([self.pack(("BLPOP", name, block))])  # type: ignore[no-untyped-call]
-            if not conn.can_read(timeout=block + late):
-                conn.disconnect()  # type: ignore[no-untyped-call]
-                raise RedisTimeoutError(f"no reply {block + late:g}s after a {block:g}s BLPOP")
-            return conn.read_response()
-        finally:
-            self.idle.append(conn)
-
-    def call_many(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Several commands in one write and their replies in one read: one round trip.
-        Every reply is read before an error reply is raised (the first), so the connection
-        stays clean."""
-        conn = self._take()
-        try:
-            pack = self.pack
-            conn.send_packed_command([pack(c) for c in commands])  # type: ignore[no-untyped-call]
-            replies: list[Any] = []
-            error: ResponseError | None = None
-            for _ in commands:
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as exc:
-                    error = error or exc
-                    replies.append(exc)
-            if error is not None:
-                raise error
-            return replies
-        finally:
-            self.idle.append(conn)
-
-    def close(self) -> None:
-        idle, self.idle = self.idle, []
-        if self.pid == os.getpid():
-            for conn in idle:
-                self.pool.release(conn)
 
 
 class RedisBackend(RedisSemaphores, LockBackend):
@@ -384,14 +92,14 @@ class RedisBackend(RedisSemaphores, LockBackend):
         # is called through its own evalsha.
         pool = getattr(client, "connection_pool", None)
         self._lane = (
-            _Lane(pool)
+            Lane(pool)
             if type(client) is redis.Redis and isinstance(pool, ConnectionPool)
             else None
         )
         self._tls = issubclass(getattr(pool, "connection_class", object), SSLConnection)
         timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout")
         self._max_block = max(0.01, 0.8 * timeout) if timeout else 5.0
-        #: how late past its block a waiting BLPOP's reply may come (`_Lane.blpop`)
+        #: how late past its block a waiting BLPOP's reply may come (`Lane.blpop`)
         self._late = (timeout or 2.0) + BLPOP_LATE
 
     @classmethod
@@ -529,44 +237,12 @@ class RedisBackend(RedisSemaphores, LockBackend):
         name = self.keys.lock(key)
         try:
             with self.client.pipeline(transaction=False) as pipe:
-                # 'holder' packs host, pid and task name; the separate fields are read too,
-                # for locks written by versions that stored them one by one.
-                pipe.hmget(
-                    name,
-                    "fence",
-                    "task_id",
-                    "holder",
-                    "acquired_ms",
-                    "heartbeat_ms",
-                    "host",
-                    "pid",
-                    "task_name",
-                )
+                pipe.hmget(name, *LOCK_FIELDS)
                 pipe.pttl(name)
                 fields, pttl = pipe.execute()
         except RedisError as exc:
             raise BackendUnavailable("redis inspect failed", key=key, cause=exc) from exc
-        if fields[0] is None or int(pttl) == -2:
-            return None
-        fence, task_id, holder, acq, hb, host, pid, task_name = (
-            _s(f) if f is not None else "" for f in fields
-        )
-        started = ""
-        if holder:
-            host, pid, task_name, started = [*holder.split("\n", 3), "", "", ""][:4]
-        return LockInfo(
-            key=key,
-            fence=int(fence),
-            ttl_left=max(0, int(pttl)) / 1000,
-            host=host,
-            pid=int(pid or 0),
-            task_id=task_id,
-            task_name=task_name,
-            acquired_at=int(acq or 0) / 1000,
-            # Not written at acquire: until the first extension it is the acquisition time.
-            last_heartbeat=int(hb or acq or 0) / 1000,
-            process_start=started,
-        )
+        return parse_lock(key, fields, int(pttl))
 
     # -- admin and waiting --------------------------------------------------------
     def scan(self, match: str = "*") -> Iterator[LockInfo]:
@@ -575,7 +251,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
         except RedisError as exc:
             raise BackendUnavailable("redis scan failed", cause=exc) from exc
         for name in names:
-            info = self._inspect(self.keys.key_of_lock(_s(name)))
+            info = self._inspect(self.keys.key_of_lock(text(name)))
             if info is not None:
                 yield info
 
@@ -655,7 +331,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
         except RedisError as exc:
             raise BackendUnavailable("redis wait failed", key=key, cause=exc) from exc
 
-    def _lane_of(self, name: str) -> _Lane | None:
+    def _lane_of(self, name: str) -> Lane | None:
         """The lane of the server that holds `name` (None: call through the client)."""
         return self._lane
 

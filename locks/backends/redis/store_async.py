@@ -28,19 +28,9 @@ from jobfence.locks.backend import (
     validate_rate,
     validate_ttl,
 )
-from jobfence.locks.backends.redis.scripts import script_source
-from jobfence.locks.backends.redis.semaphore import (
-    SEMAPHORE_SCRIPTS,
-    parse_sem_acquire,
-    sem_acquire_args,
-    sem_extend_call,
-    sem_release_call,
-    semaphore_keys,
-)
-from jobfence.locks.backends.redis.store import (
+from jobfence.locks.backends.redis.protocol import (
     BLPOP_LATE,
     LEGACY_RECORD_FIELDS,
-    RedisBackend,
     begin_call,
     claim_call,
     client_options,
@@ -56,6 +46,16 @@ from jobfence.locks.backends.redis.store import (
     stored_record,
     swap_call,
 )
+from jobfence.locks.backends.redis.scripts import script_source
+from jobfence.locks.backends.redis.semaphore import (
+    SEMAPHORE_SCRIPTS,
+    parse_sem_acquire,
+    sem_acquire_args,
+    sem_extend_call,
+    sem_release_call,
+    semaphore_keys,
+)
+from jobfence.locks.backends.redis.store import RedisBackend
 from jobfence.locks.backends.redis.url import tls_kwargs, url_tls
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
