@@ -15,10 +15,10 @@ from redis.exceptions import RedisError
 
 from jobfence.locks.backend import Capabilities
 from jobfence.locks.backends.redis.sentinel import (
-    MasterWatch,
     RedisSentinelBackend,
     sentinel_setup,
 )
+from jobfence.locks.backends.redis.sentinel_watch import MasterWatch
 from jobfence.locks.backends.redis.store import RedisBackend
 from jobfence.locks.backends.redis.store_async import POOL_WAIT, AsyncRedisStore
 from jobfence.locks.errors import BackendUnavailable
