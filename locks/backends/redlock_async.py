@@ -27,7 +27,8 @@ from jobfence.locks.backend import (
     validate_ttl,
 )
 from jobfence.locks.backends.redis.protocol import client_options
-from jobfence.locks.backends.redis.store_async import POOL_WAIT, SignalWait
+from jobfence.locks.backends.redis.signal_wait import SignalWait
+from jobfence.locks.backends.redis.store_async import POOL_WAIT
 from jobfence.locks.backends.redis.url import tls_kwargs
 from jobfence.locks.backends.redlock import (
     _MORE,
