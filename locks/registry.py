@@ -190,7 +190,7 @@ def _builtin(
 
 register(_builtin(
     "redis", "redis", "RedisBackend", _FULL, default_port=6379,
-    async_store=_BACKENDS + "redis.store_async:AsyncRedisStore",
+    async_store=_BACKENDS + "redis.async_store:AsyncRedisStore",
 ))  # fmt: skip
 register(_builtin("memory", "memory", "MemoryBackend", replace(_FULL, durable_fence=False),
                   fleet=False))  # fmt: skip

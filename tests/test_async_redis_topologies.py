@@ -18,7 +18,7 @@ from jobfence import AsyncLocker
 from jobfence.locks import open_backend
 from jobfence.locks.aio import ThreadStore
 from jobfence.locks.backends.redis.cluster_async import AsyncClusterStore
-from jobfence.locks.backends.redis.semaphore import semaphore_keys
+from jobfence.locks.backends.redis.semaphores import semaphore_keys
 from jobfence.locks.backends.redis.sentinel_async import AsyncSentinelStore
 from jobfence.locks.backends.redlock_async import AsyncRedlockStore
 from jobfence.locks.ops import Extend

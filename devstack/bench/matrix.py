@@ -63,7 +63,7 @@ CLIENT_OPTIONS: dict[str, Any] = {
 # What each group's client processes import, loaded once into the forkserver.
 PRELOAD = {
     "memory": ["jobfence.locks.backends.memory"],
-    "redis": ["jobfence.locks.backends.redis", "jobfence.locks.backends.redis.store_async"],
+    "redis": ["jobfence.locks.backends.redis", "jobfence.locks.backends.redis.async_store"],
     "redis-py": ["redis"],
     "python-redis-lock": ["redis_lock"],
     "redlock": ["jobfence.locks.backends.redlock"],

@@ -26,9 +26,9 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
+from jobfence.locks.backends.redis.async_store import POOL_WAIT
 from jobfence.locks.backends.redis.protocol import client_options
 from jobfence.locks.backends.redis.signal_wait import SignalWait
-from jobfence.locks.backends.redis.store_async import POOL_WAIT
 from jobfence.locks.backends.redis.url import tls_kwargs
 from jobfence.locks.backends.redlock import (
     _MORE,

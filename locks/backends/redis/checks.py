@@ -30,9 +30,9 @@ from jobfence.locks.backends.probe import foreign_fix, foreign_server
 from jobfence.locks.backends.redis.url import tls_hint
 
 if TYPE_CHECKING:  # only types: those modules import this one
+    from jobfence.locks.backends.redis.backend import RedisBackend
     from jobfence.locks.backends.redis.cluster import RedisClusterBackend
     from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend, Topology
-    from jobfence.locks.backends.redis.store import RedisBackend
 
 CREDENTIALS_FIX = (
     "put the right user and password in the URL (percent-encoded), or grant the user "

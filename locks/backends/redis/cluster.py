@@ -26,6 +26,7 @@ from jobfence.config.settings import Settings
 from jobfence.locks.backend import JobRecord, LockInfo, Security
 from jobfence.locks.backends.common import settings_options
 from jobfence.locks.backends.redis import checks as redis_checks
+from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.cluster_heartbeat import NodeHeartbeats
 from jobfence.locks.backends.redis.cluster_nodes import (
     EXTEND_SCRIPT,
@@ -37,7 +38,6 @@ from jobfence.locks.backends.redis.cluster_nodes import (
 from jobfence.locks.backends.redis.lane import Lane
 from jobfence.locks.backends.redis.protocol import BLPOP_LATE, DEFAULT_FENCE_RETENTION
 from jobfence.locks.backends.redis.scripts import script_source
-from jobfence.locks.backends.redis.store import RedisBackend
 from jobfence.locks.backends.redis.url import tls_hint
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable

@@ -14,6 +14,8 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 
 from jobfence.config.security import refuse_node
 from jobfence.locks.backend import Capabilities, settle_extensions, validate_ttl
+from jobfence.locks.backends.redis.async_store import AsyncRedisStore
+from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 from jobfence.locks.backends.redis.cluster_nodes import (
     cluster_options,
@@ -23,9 +25,7 @@ from jobfence.locks.backends.redis.cluster_nodes import (
 )
 from jobfence.locks.backends.redis.protocol import EXTEND_CHUNK
 from jobfence.locks.backends.redis.scripts import script_source
-from jobfence.locks.backends.redis.semaphore import SEMAPHORE_SCRIPTS, sem_extend_call
-from jobfence.locks.backends.redis.store import RedisBackend
-from jobfence.locks.backends.redis.store_async import AsyncRedisStore
+from jobfence.locks.backends.redis.semaphores import SEMAPHORE_SCRIPTS, sem_extend_call
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
 from jobfence.locks.slots import SlotLease

@@ -17,7 +17,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from jobfence.config.security import refuse_node
 from jobfence.config.urls import cluster_target
 from jobfence.locks.backend import Security
-from jobfence.locks.backends.redis.semaphore import semaphore_keys
+from jobfence.locks.backends.redis.semaphores import semaphore_keys
 from jobfence.locks.backends.redis.url import security_of_kwargs, tls_kwargs
 from jobfence.locks.keys import KeySpace
 

@@ -118,7 +118,7 @@ def client_options(socket_timeout: float) -> dict[str, Any]:
 
 
 # -- each script's keys, arguments and reply, shared by RedisBackend and the asyncio store
-# (locks/backends/redis/store_async.py): one protocol, two transports.
+# (locks/backends/redis/async_store.py): one protocol, two transports.
 def begin_call(
     k: KeySpace,
     fence_source: str,

@@ -19,10 +19,10 @@ from jobfence.config.security import refuse_node
 from jobfence.config.urls import sentinel_target
 from jobfence.locks.backend import Capabilities
 from jobfence.locks.backends.redis import checks as redis_checks
+from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.lane import Lane
 from jobfence.locks.backends.redis.protocol import client_options
 from jobfence.locks.backends.redis.sentinel_watch import MasterWatch
-from jobfence.locks.backends.redis.store import RedisBackend
 from jobfence.locks.backends.redis.url import tls_hint, tls_kwargs
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease

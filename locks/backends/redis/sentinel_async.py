@@ -14,13 +14,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from jobfence.locks.backend import Capabilities
+from jobfence.locks.backends.redis.async_store import POOL_WAIT, AsyncRedisStore
+from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.sentinel import (
     RedisSentinelBackend,
     sentinel_setup,
 )
 from jobfence.locks.backends.redis.sentinel_watch import MasterWatch
-from jobfence.locks.backends.redis.store import RedisBackend
-from jobfence.locks.backends.redis.store_async import POOL_WAIT, AsyncRedisStore
 from jobfence.locks.errors import BackendUnavailable
 
 

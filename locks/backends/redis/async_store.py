@@ -27,6 +27,7 @@ from jobfence.locks.backend import (
     validate_rate,
     validate_ttl,
 )
+from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.protocol import (
     LEGACY_RECORD_FIELDS,
     begin_call,
@@ -45,7 +46,7 @@ from jobfence.locks.backends.redis.protocol import (
     swap_call,
 )
 from jobfence.locks.backends.redis.scripts import script_source
-from jobfence.locks.backends.redis.semaphore import (
+from jobfence.locks.backends.redis.semaphores import (
     SEMAPHORE_SCRIPTS,
     parse_sem_acquire,
     sem_acquire_args,
@@ -54,7 +55,6 @@ from jobfence.locks.backends.redis.semaphore import (
     semaphore_keys,
 )
 from jobfence.locks.backends.redis.signal_wait import SignalWait
-from jobfence.locks.backends.redis.store import RedisBackend
 from jobfence.locks.backends.redis.url import tls_kwargs, url_tls
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError

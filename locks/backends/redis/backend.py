@@ -48,7 +48,7 @@ from jobfence.locks.backends.redis.protocol import (
     text,
 )
 from jobfence.locks.backends.redis.scripts import load_scripts
-from jobfence.locks.backends.redis.semaphore import RedisSemaphores
+from jobfence.locks.backends.redis.semaphores import RedisSemaphores
 from jobfence.locks.backends.redis.url import security_of_kwargs, tls_hint, tls_kwargs, url_tls
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.decisions import DecisionBounds, DecisionLog, RedisDecisionLog
