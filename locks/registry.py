@@ -204,7 +204,7 @@ register(_builtin(
 ))  # fmt: skip
 register(_builtin(
     "redlock", "redlock", "RedlockBackend", replace(_LEASES, durable_fence=False),
-    default_port=6379, async_store=_BACKENDS + "redlock_async:AsyncRedlockStore",
+    default_port=6379, async_store=_BACKENDS + "redlock.store_async:AsyncRedlockStore",
 ))  # fmt: skip
 register(_builtin("etcd", "etcd", "EtcdBackend", replace(_LEASES, ha=False), default_port=2379))
 register(_builtin(

@@ -20,7 +20,7 @@ from jobfence.locks.aio import ThreadStore
 from jobfence.locks.backends.redis.cluster_async import AsyncClusterStore
 from jobfence.locks.backends.redis.semaphores import semaphore_keys
 from jobfence.locks.backends.redis.sentinel_async import AsyncSentinelStore
-from jobfence.locks.backends.redlock_async import AsyncRedlockStore
+from jobfence.locks.backends.redlock.store_async import AsyncRedlockStore
 from jobfence.locks.ops import Extend
 from jobfence.locks.slots import SlotLease
 from tests.contend import assert_exclusive_and_fenced, contend

@@ -16,8 +16,8 @@ import pytest
 
 from jobfence import AsyncLocker
 from jobfence.locks.backend import default_meta
-from jobfence.locks.backends.redlock import Round, _never
-from jobfence.locks.backends.redlock_async import AsyncRedlockStore
+from jobfence.locks.backends.redlock import Round, never
+from jobfence.locks.backends.redlock.store_async import AsyncRedlockStore
 from jobfence.locks.lease import new_owner_token
 from jobfence.locks.ops import Acquire, Inspect
 
@@ -45,7 +45,7 @@ def _gather_everyone(store: AsyncRedlockStore) -> None:
     carry = store._round
 
     async def every_master(step: Round) -> dict[int, Any]:
-        return await carry(dataclasses.replace(step, decided=_never))
+        return await carry(dataclasses.replace(step, decided=never))
 
     store._round = every_master  # type: ignore[method-assign]
 

@@ -20,17 +20,21 @@ class Claim(Ending):
     def claim_at_start(self, lease: Lease) -> JobFlow[Outcome | None]:
         """Mark the publish claim started (or drop it, lock_until="start"), holding the
         lease; None to run. A claim another copy holds proves this copy was replaced
-        (supersede), or, marked started, that the key ran within `unique_for` (throttled)."""
+        (supersede), or, marked started, that the key ran within `unique_for` (throttled),
+        under this secret's key or, in a rotation, an earlier secret's."""
         spec = self.spec
         try:
             kept = yield from self.swap_claim()
+            ran = None if kept is not None else (yield from self.ran_under_earlier_secret())
         except BackendUnavailable as exc:
             yield Event(Kind.UNAVAILABLE_AT_START, detail=type(exc).__name__)
             yield from self.release_quietly(lease)
             return (yield from self.redeliver("lock server unavailable before the body ran", None))
-        if kept is None or kept == STARTED + spec.task_id:
+        if ran is not None:
+            kept = STARTED + ran
+        elif kept is None or kept == STARTED + spec.task_id:
             return None
-        if spec.supersede:
+        elif spec.supersede:
             return (yield from self.superseded_copy(lease, kept))
         if spec.unique_for and kept.startswith(STARTED):
             yield Event(Kind.THROTTLED, lease.fence, kept.removeprefix(STARTED))
@@ -39,26 +43,31 @@ class Claim(Ending):
         return None
 
     def swap_claim(self) -> JobFlow[str | None]:
-        """Our claim marked started (dropped under lock_until="start") under each of the
-        job's claim keys; else who holds one, the marks made on the way taken back.
-
-        In a rotation the claim is marked under every secret's key, so a run under either
-        secret meets the other's mark (issue 29: two runs that retried under two secrets,
-        each throttled by the other's mark under its own key, and the job never ran)."""
+        """Our claim marked started (dropped under lock_until="start"); else who holds it."""
         spec = self.spec
         new = None if spec.lock_until == "start" else STARTED + spec.task_id
-        made: list[str] = []
-        for key in spec.claim_keys:
-            kept: str | None = yield SwapPublish(key, spec.task_id, new, spec.claim_ttl)
-            if kept is None or kept == STARTED + spec.task_id:
+        kept: str | None = yield SwapPublish(spec.key, spec.task_id, new, spec.claim_ttl)
+        return kept
+
+    def ran_under_earlier_secret(self) -> JobFlow[str | None]:
+        """`unique_for` in a rotation: our started mark, made under this secret's key, made
+        under each earlier secret's too, so a run under either secret meets the other's
+        (issue 29: two runs that retried under two secrets were each throttled by the other's
+        mark under its own key, and the job never ran). The task id of a run marked there
+        already, our marks taken back; else None."""
+        spec = self.spec
+        if not (spec.unique_for and spec.previous) or spec.lock_until == "start":
+            return None  # (lock_until="start" drops the claim as the body starts)
+        mine = STARTED + spec.task_id
+        made = [spec.key]
+        for key, _ in spec.previous:
+            kept: str | None = yield SwapPublish(key, spec.task_id, mine, spec.claim_ttl)
+            if kept is not None and kept != mine and kept.startswith(STARTED):
+                for ours in made:  # owner-checked: only our own mark goes
+                    yield SwapPublish(ours, mine, None, spec.claim_ttl)
+                return kept.removeprefix(STARTED)
+            if kept is None:  # a queued claim of another publish there is left alone
                 made.append(key)
-            elif key == spec.key or (spec.unique_for and kept.startswith(STARTED)):
-                # Under an earlier secret only a run's throttle counts: a queued claim
-                # there is another publish's, and its record and lock are looked at anyway.
-                if new is not None:
-                    for ours in made:  # owner-checked: only our own mark goes
-                        yield SwapPublish(ours, new, None, spec.claim_ttl)
-                return kept
         return None
 
     def superseded_copy(self, lease: Lease | None, holder: str) -> JobFlow[Outcome]:

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections import deque
-from typing import Any, ClassVar, TypeVar, cast
+from collections.abc import Sequence
+from typing import Any, ClassVar, TypeVar
 
-import redis.asyncio
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from jobfence.locks import ops
@@ -26,176 +22,15 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
-from jobfence.locks.backends.redis.async_store import POOL_WAIT
-from jobfence.locks.backends.redis.protocol import client_options
 from jobfence.locks.backends.redis.signal_wait import SignalWait
-from jobfence.locks.backends.redis.url import tls_kwargs
-from jobfence.locks.backends.redlock import (
-    _MORE,
-    NO_REPLY,
-    RECONNECT_DELAY,
-    Done,
-    RedlockBackend,
-    Replies,
-    Round,
-    Rounds,
-    _Master,
-    _pack,
-    advance,
-    is_noscript,
-)
+from jobfence.locks.backends.redlock.masters_async import AsyncMaster, Conn
+from jobfence.locks.backends.redlock.protocol import NO_REPLY, is_noscript, pack
+from jobfence.locks.backends.redlock.rounds import Done, Round, Rounds, advance
+from jobfence.locks.backends.redlock.store import RedlockBackend
 from jobfence.locks.errors import LockError
-from jobfence.locks.lease import OwnerMeta
+from jobfence.locks.lease import Lease, OwnerMeta
 
 T = TypeVar("T")
-
-#: Replies one master's connection may owe before that master is treated as down. The
-#: connection is shared by every op of the store, so this is far above a sync link's.
-MAX_BEHIND = 4096
-#: Bytes written to a master that its socket has not taken yet, before it is treated as down.
-MAX_BUFFERED = 4 << 20
-
-
-class _Conn(Replies, asyncio.Protocol):
-    """One connection to one master, shared by every op of the store and pipelined.
-
-    Commands go out in the order the ops write them and each reply comes back, in that
-    order, to its future (None: a set-up reply nobody awaits). An op that stops waiting
-    (decided, past its deadline, cancelled) leaves its future behind: the reply is dropped
-    when it comes, and what was written after it (a release) still runs after it there.
-    Not redis-py's connections, for the reason the sync backend gives (redlock.py): they
-    drop a connection whose reply is late, and with it the order of what was sent.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.futures: deque[asyncio.Future[Any] | None] = deque()
-        self.transport: asyncio.Transport | None = None
-        self.lost = False
-        self.master: _Master | None = None  # told why the connection was lost, if by an error
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        try:
-            while self.futures:
-                value = self.take()
-                if value is _MORE:
-                    return
-                future = self.futures.popleft()
-                if future is not None and not future.done():
-                    future.set_result(value)
-        except ValueError:  # not RESP: the stream is out of step
-            self.close()
-            return
-        if self.buf:  # a reply nobody asked for: out of step
-            self.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if exc is not None and self.master is not None:
-            self.master.last_error = exc  # a TLS alert, say: for BackendUnavailable's hint
-        self.lost = True
-        self.owed = 0
-        futures, self.futures = self.futures, deque()
-        for future in futures:
-            if future is not None and not future.done():
-                future.set_result(NO_REPLY)
-
-    @property
-    def live(self) -> bool:
-        transport = self.transport
-        return not self.lost and transport is not None and not transport.is_closing()
-
-    def send(self, data: bytes, *, dropped: int = 0) -> asyncio.Future[Any] | None:
-        """Write `data`: `dropped` commands whose replies nobody awaits, then the one whose
-        reply the future gets. None if the master is gone, or so far behind that it is
-        treated as down (the connection closes once what was written has gone out)."""
-        transport = self.transport
-        if transport is None or not self.live:
-            return None
-        if self.owed > MAX_BEHIND or transport.get_write_buffer_size() > MAX_BUFFERED:
-            self.close()
-            return None
-        transport.write(data)
-        future = asyncio.get_running_loop().create_future()
-        self.futures.extend([None] * dropped)
-        self.futures.append(future)
-        self.owed += dropped + 1
-        return future
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()  # what is buffered still goes out, in order
-
-
-class _AsyncMaster:
-    """One master for the asyncio store: its shared connection, made on first use (again
-    after a failure, no sooner than RECONNECT_DELAY), and a redis.asyncio client for
-    waiting on release signals (a BLPOP holds a connection of its own)."""
-
-    def __init__(self, master: _Master, socket_timeout: float, max_connections: int) -> None:
-        self.master = master
-        self.socket_timeout = socket_timeout
-        self.conn: _Conn | None = None
-        self.connecting: asyncio.Task[None] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.down_until = 0.0
-        options = {**client_options(socket_timeout), "retry": Retry(NoBackoff(), 0)}
-        options.update((k, v) for k, v in tls_kwargs(master.tls).items() if k != "ssl")
-        pool = redis.asyncio.BlockingConnectionPool.from_url(
-            master.url, max_connections=max_connections, timeout=POOL_WAIT, **options
-        )
-        self.client = redis.asyncio.Redis(connection_pool=pool)
-
-    def live(self) -> _Conn | None:
-        conn = self.conn
-        return conn if conn is not None and conn.live else None
-
-    def connect_task(self) -> asyncio.Task[None] | None:
-        """The connect under way (started now if needed); None while connected or down."""
-        loop = asyncio.get_running_loop()
-        if self.loop is not loop:  # another event loop (a second asyncio.run): start afresh
-            self.loop, self.conn, self.connecting = loop, None, None
-        if self.live() is not None or time.monotonic() < self.down_until:
-            return None
-        if self.connecting is None or self.connecting.done():
-            self.connecting = loop.create_task(self._connect(), name="jobfence-redlock-connect")
-        return self.connecting
-
-    async def _connect(self) -> None:
-        """Connect, and send the set-up (AUTH, SELECT, every script) without waiting for
-        it, as the sync backend does: a frozen master costs an op no more than a slow one."""
-        m = self.master
-        tls: dict[str, Any] = {}
-        if m.ssl_context is not None:  # rediss://: the checks of the sync backend's sockets
-            tls = {"ssl": m.ssl_context, "server_hostname": m.host}
-        try:
-            async with asyncio.timeout(self.socket_timeout):
-                _, conn = await asyncio.get_running_loop().create_connection(
-                    _Conn, m.host, m.port, **tls
-                )
-        except (OSError, TimeoutError) as exc:
-            m.last_error = exc
-            self.down_until = time.monotonic() + RECONNECT_DELAY
-            return
-        conn.master = m
-        setup = m.setup()
-        if setup:
-            conn.send(b"".join(setup), dropped=len(setup) - 1)
-        self.conn = conn
-
-    async def aclose(self) -> None:
-        task, self.connecting = self.connecting, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self.conn is not None and self.loop is asyncio.get_running_loop():
-            self.conn.close()
-        self.conn = None
-        await self.client.aclose()
 
 
 class AsyncRedlockStore(NativeAsyncStore):
@@ -223,7 +58,7 @@ class AsyncRedlockStore(NativeAsyncStore):
         self.keys = backend.keys
         self.clock = backend.clock
         self.masters = [
-            _AsyncMaster(m, backend.socket_timeout, max_connections) for m in backend.masters
+            AsyncMaster(m, backend.socket_timeout, max_connections) for m in backend.masters
         ]
         self._signals = SignalWait(max_connections, backend.socket_timeout)
         self._wait_on = 0  # the master waiters block on; moves on when it fails
@@ -247,19 +82,9 @@ class AsyncRedlockStore(NativeAsyncStore):
             case ops.WaitRelease(key, timeout):
                 return await self._wait(key, timeout)
             case ops.Extend(leases):
-                if not leases:
-                    return []
-                started = self.clock.monotonic()
-                items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
-                extended = await self._run(backend.extend_many_rounds(items))
-                return settle_extensions(leases, extended, started)
+                return await self._extend(leases)
             case ops.Release(lease):
-                if lease.released:
-                    return False
-                try:
-                    return await self._run(backend.release_rounds(lease.key, lease.owner))
-                finally:
-                    lease._released = True
+                return await self._release(lease)
             case ops.ReleaseOwner(key, owner):
                 validate_key(key)
                 return await self._run(backend.release_rounds(key, owner))
@@ -283,6 +108,24 @@ class AsyncRedlockStore(NativeAsyncStore):
                 return backend.execute(op)  # refused before any I/O: Redlock keeps neither
         raise LockError(f"the asyncio redlock store cannot run {type(op).__name__}")
 
+    async def _extend(self, leases: Sequence[Lease]) -> list[bool]:
+        """Extend every lease in one round; which of them a majority extended."""
+        if not leases:
+            return []
+        started = self.clock.monotonic()
+        items = [(le.key, le.owner, validate_ttl(le.ttl)) for le in leases]
+        extended = await self._run(self.backend.extend_many_rounds(items))
+        return settle_extensions(leases, extended, started)
+
+    async def _release(self, lease: Lease) -> bool:
+        """Release `lease` once (owner-checked); it counts as released whatever the reply."""
+        if lease.released:
+            return False
+        try:
+            return await self._run(self.backend.release_rounds(lease.key, lease.owner))
+        finally:
+            lease._released = True
+
     async def _grant(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
@@ -305,7 +148,7 @@ class AsyncRedlockStore(NativeAsyncStore):
                 error = exc
         return step.value
 
-    async def _conns(self, deadline: float) -> list[_Conn | None]:
+    async def _conns(self, deadline: float) -> list[Conn | None]:
         """Each master's connection; those not connected yet are awaited until `deadline`
         (0: not at all, as for a clean-up that must not wait)."""
         if deadline:
@@ -370,7 +213,7 @@ class AsyncRedlockStore(NativeAsyncStore):
     async def aclose(self) -> None:
         """Wait briefly for the replies still owed (so what was sent has run), then close."""
         conns = [c for m in self.masters if (c := m.live()) is not None and c.owed]
-        owed = [f for c in conns if (f := c.send(_pack("PING"))) is not None]
+        owed = [f for c in conns if (f := c.send(pack("PING"))) is not None]
         if owed:
             await asyncio.wait(owed, timeout=min(self.backend.socket_timeout, 1.0))
         for master in self.masters:
