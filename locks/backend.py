@@ -2,215 +2,50 @@
 
 from __future__ import annotations
 
-import math
-import os
 import random
-import re
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from jobfence.config.findings import Finding, LockTarget, OutageProbe
+from jobfence.locks.backend_ops import run_other_op
+from jobfence.locks.backend_semaphores import BackendSemaphores
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.decisions import DecisionBounds, DecisionLog
-from jobfence.locks.errors import (
-    LockError,
-    NotOwner,
-    RateLimitUnsupported,
-    SemaphoreUnsupported,
-)
+from jobfence.locks.errors import NotOwner, RateLimitUnsupported
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
+from jobfence.locks.native_async import NativeAsyncStore as NativeAsyncStore
 from jobfence.locks.ops import (
     Acquire,
     Begin,
-    ClaimPublish,
-    ClearPublish,
     Commit,
-    CountDelivery,
     Extend,
-    Inspect,
-    LeaveSlot,
-    ReadRecord,
     Release,
     ReleaseOwner,
     StoreOp,
-    SwapPublish,
-    TakeRate,
-    TakeSlot,
     WaitRelease,
 )
-from jobfence.locks.procinfo import process_start
 from jobfence.locks.registry import Capabilities as Capabilities
 from jobfence.locks.registry import backends_with
-from jobfence.locks.slots import (
-    SlotInfo,
-    SlotLease,
-    SlotWait,
-    validate_limit,
-)
-
-MAX_KEY_LENGTH = 512
-
-
-@dataclass(frozen=True)
-class Health:
-    """One cheap round trip to the lock server: did it answer, how fast, and what it said
-    (or why it failed). Never an owner token or a password."""
-
-    ok: bool
-    latency: float  # seconds, on this host's clock
-    detail: str
-
-
-@dataclass(frozen=True)
-class Security:
-    """How the connection to the lock server is protected, as configured (nothing is
-    probed): for the start-up check, which warns about a downgrade or a remote server
-    reached without authentication. `LockBackend.security()` gives None where unknown."""
-
-    tls: bool  # every connection is encrypted (never a silent fall-back to plain text)
-    verified: bool  # the server's certificate chain is checked against a CA
-    hostname_checked: bool  # ... and must name the host connected to
-    auth: bool  # the client proves who it is: a password, a client certificate, a digest
-
-
-@dataclass(frozen=True)
-class LockInfo:
-    """What `inspect` reports of a held lock. The owner token is never included."""
-
-    key: str
-    fence: int
-    ttl_left: float
-    host: str
-    pid: int
-    task_id: str
-    task_name: str
-    acquired_at: float  # server wall clock, seconds since the epoch
-    last_heartbeat: float  # server wall clock, seconds since the epoch
-    process_start: str = ""  # the holder's boot id and start time (locks.procinfo), if known
-
-
-@dataclass(frozen=True)
-class Busy:
-    """The key is held by someone else; it expires in `ttl_left` seconds at the latest."""
-
-    ttl_left: float
-    task_id: str = ""  # the holder's task id, so a task can tell its own earlier attempt
-    fingerprint: str = ""  # the holder's argument fingerprint (job grants), to spot a conflict
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A job's completion record: state DONE or FAILED, with result and argument fingerprint."""
-
-    state: str
-    fingerprint: str
-    result: str  # JSON text
-    fence: int
-    finished_at: float
-
-
-BeginResult = Lease | Busy | JobRecord
-
-
-class CommitRecord(NamedTuple):
-    """What a commit writes: the job's record, under the lease's owner check (a backend's
-    `_commit` unpacks it; the result TTL in milliseconds)."""
-
-    key: str
-    owner: str
-    fence: int
-    state: str  # DONE or FAILED
-    result: str  # JSON text
-    fingerprint: str
-    result_ttl_ms: int
-
-
-class RateGrant(NamedTuple):
-    """One answer of `take_rate`. `admitted`: the event may happen `wait` seconds from now
-    (0: at once; a slot was reserved for it). Refused: `wait` is how long until one would
-    be admitted at once; nothing was reserved. `now`: the server clock, in seconds."""
-
-    admitted: bool
-    wait: float
-    now: float
-
-
-_process_meta: OwnerMeta | None = None  # this process's host and pid, built on first use
-
-
-def _forget_process_meta() -> None:
-    global _process_meta
-    _process_meta = None
-
-
-os.register_at_fork(after_in_child=_forget_process_meta)  # a forked child has its own pid
-
-
-def default_meta(task_id: str = "", task_name: str = "") -> OwnerMeta:
-    """This host and process (cached per process), with the given task id and name.
-
-    The process's start time goes with its pid, so the orphan finder can tell this
-    process from a later one that reused the pid.
-    """
-    global _process_meta
-    meta = _process_meta
-    if meta is None:
-        pid = os.getpid()
-        meta = _process_meta = OwnerMeta(
-            host=socket.gethostname(), pid=pid, process_start=process_start(pid)
-        )
-    if not task_id and not task_name:
-        return meta
-    # Built directly: dataclasses.replace costs twice as much, once per job.
-    return OwnerMeta(
-        host=meta.host,
-        pid=meta.pid,
-        task_id=task_id,
-        task_name=task_name,
-        process_start=meta.process_start,
-    )
-
-
-_BAD_KEY_CHARS = re.compile(r"[{}*?\[\]\n]")
-
-
-def validate_key(key: str) -> None:
-    if not isinstance(key, str) or not key:
-        raise LockError(f"lock key must be a non-empty string, got {key!r}")
-    if len(key) > MAX_KEY_LENGTH:
-        raise LockError(f"lock key longer than {MAX_KEY_LENGTH} characters; hash it first")
-    if _BAD_KEY_CHARS.search(key):
-        raise LockError(f"lock key {key!r} contains one of '{{}}*?[]' or a newline; hash it first")
-
-
-def validate_seconds(
-    value: object, name: str, *, positive: bool = False, forever: bool = False
-) -> float:
-    """`value` as seconds: a number, >= 0 (> 0 if `positive`) and finite (+inf too if
-    `forever`, "wait for ever"); else LockError naming `name`. NaN passes every `<` test."""
-    sign = "positive" if positive else "non-negative"
-    if not isinstance(value, int | float):
-        raise LockError(f"{name} must be a {sign} number of seconds, got {value!r}")
-    seconds = float(value)
-    if math.isnan(seconds) or (math.isinf(seconds) and not (forever and seconds > 0)):
-        fix = "pass None to wait for ever" if forever else "pass a number of seconds, e.g. 30"
-        raise LockError(f"{name} must be a finite number of seconds, got {value!r}; {fix}")
-    if seconds < 0 or (positive and seconds == 0):
-        raise LockError(f"{name} must be a {sign} number of seconds, got {value!r}")
-    return seconds
-
-
-def validate_ttl(ttl: float) -> int:
-    """Return the TTL in whole milliseconds, refusing anything below 1 ms (and NaN, infinity)."""
-    validate_seconds(ttl, "ttl", positive=True)
-    ms = int(ttl * 1000)
-    if ms < 1:
-        raise LockError(f"ttl must be at least 0.001 seconds, got {ttl!r}")
-    return ms
+from jobfence.locks.replies import BeginResult as BeginResult
+from jobfence.locks.replies import Busy as Busy
+from jobfence.locks.replies import CommitRecord as CommitRecord
+from jobfence.locks.replies import Health as Health
+from jobfence.locks.replies import JobRecord as JobRecord
+from jobfence.locks.replies import LockInfo as LockInfo
+from jobfence.locks.replies import RateGrant as RateGrant
+from jobfence.locks.replies import Security as Security
+from jobfence.locks.slots import SlotLease
+from jobfence.locks.validation import MAX_KEY_LENGTH as MAX_KEY_LENGTH
+from jobfence.locks.validation import check_swap as check_swap
+from jobfence.locks.validation import commit_record as commit_record
+from jobfence.locks.validation import default_meta as default_meta
+from jobfence.locks.validation import grant_args as grant_args
+from jobfence.locks.validation import validate_key as validate_key
+from jobfence.locks.validation import validate_rate as validate_rate
+from jobfence.locks.validation import validate_seconds as validate_seconds
+from jobfence.locks.validation import validate_ttl as validate_ttl
 
 
 def settle_extensions(leases: Sequence[Lease], results: list[bool], started: float) -> list[bool]:
@@ -226,39 +61,7 @@ def settle_extensions(leases: Sequence[Lease], results: list[bool], started: flo
     return results
 
 
-def grant_args(key: str, ttl: float, meta: OwnerMeta | None) -> tuple[int, OwnerMeta]:
-    """Refuse a bad key or TTL of a grant; (TTL in ms, the holder's meta or this process's)."""
-    validate_key(key)
-    return validate_ttl(ttl), meta or default_meta()
-
-
-def check_swap(key: str, expect: str, new: str | None, ttl: float) -> int:
-    """Refuse a bad swap_publish (see LockBackend.swap_publish); its TTL in ms."""
-    validate_key(key)
-    if not expect or new == "":
-        raise LockError("swap_publish needs a non-empty expect, and new non-empty or None",
-                        key=key)  # fmt: skip
-    return validate_ttl(ttl)
-
-
-def commit_record(
-    lease: Lease, state: str, result: str, fingerprint: str, result_ttl: float
-) -> CommitRecord:
-    """Refuse a bad commit (a state not DONE or FAILED, a bad result TTL); what it writes."""
-    if state not in ("DONE", "FAILED"):
-        raise LockError(f"commit state must be DONE or FAILED, got {state!r}", key=lease.key)
-    return CommitRecord(lease.key, lease.owner, lease.fence, state, result, fingerprint,
-                        validate_ttl(result_ttl))  # fmt: skip
-
-
-def validate_rate(key: str, interval: float, burst: int) -> None:
-    if not interval > 0 or not isinstance(burst, int) or burst < 1:
-        raise LockError(
-            f"rate needs interval > 0 and burst >= 1, got {interval!r}, {burst!r}", key=key
-        )
-
-
-class LockBackend(ABC):
+class LockBackend(BackendSemaphores, ABC):
     """A lock server. Subclasses implement the `_`-prefixed one-round-trip methods."""
 
     capabilities: ClassVar[Capabilities]
@@ -389,96 +192,7 @@ class LockBackend(ABC):
             case ReleaseOwner(key, owner):
                 validate_key(key)
                 return self._release(key, owner)
-            case TakeSlot(key, limit, ttl, owner, meta, queue_ttl):
-                return self.semaphore_attempt(
-                    key, limit, ttl, owner=owner, meta=meta, queue_ttl=queue_ttl
-                )
-            case LeaveSlot(key, owner):
-                return self.semaphore_leave(key, owner)
-            case TakeRate(key, interval, burst, max_wait):
-                return self.take_rate(key, interval, burst, max_wait)
-            case Inspect(key):
-                return self.inspect(key)
-            case ClaimPublish(key, task_id, ttl):
-                return self.claim_publish(key, task_id, ttl)
-            case SwapPublish(key, expect, new, ttl):
-                return self.swap_publish(key, expect, new, ttl)
-            case ClearPublish(key):
-                self.clear_publish(key)
-                return None
-            case ReadRecord(key):
-                return self.job_record(key)
-            case CountDelivery(key, window):
-                return self.count_delivery(key, window)
-        raise LockError(f"the {self.name} lock backend cannot run {type(op).__name__}")
-
-    # -- semaphores: validate, then one call ----------------------------------------
-    def semaphore_attempt(
-        self,
-        key: str,
-        limit: int,
-        ttl: float,
-        *,
-        owner: str | None = None,
-        meta: OwnerMeta | None = None,
-        queue_ttl: float = 0.0,
-    ) -> SlotLease | SlotWait:
-        """Take a slot of semaphore `key` if fewer than `limit` are held and no earlier
-        waiter is owed it; else say how many wait ahead.
-
-        With `queue_ttl` > 0 a refused `owner` takes (or keeps) its place in the arrival
-        queue for `queue_ttl` seconds; poll again with the same owner to keep it. With 0
-        the attempt is a plain try that never jumps the queue: it takes a slot only if one
-        is free beyond those owed to waiters.
-        """
-        self.require_semaphore()
-        validate_key(key)
-        validate_limit(limit, key)
-        ttl_ms = validate_ttl(ttl)
-        queue_ms = validate_ttl(queue_ttl) if queue_ttl > 0 else 0
-        owner = owner or new_owner_token()
-        meta = meta or default_meta()
-        started = self.clock.monotonic()
-        got = self._sem_acquire(key, owner, limit, ttl_ms, queue_ms, meta)
-        if isinstance(got, SlotWait):
-            return got
-        return SlotLease.granted(self, key, owner, got, ttl_ms, started, meta, limit=limit)
-
-    def semaphore_leave(self, key: str, owner: str) -> bool:
-        """Give up `owner`'s place in the queue of `key`, or its slot if it got one."""
-        self.require_semaphore()
-        validate_key(key)
-        return self._sem_release(key, owner)
-
-    def semaphore_holders(self, key: str) -> list[SlotInfo]:
-        """The live slots of semaphore `key`, oldest fence first."""
-        self.require_semaphore()
-        validate_key(key)
-        return sorted(self._sem_holders(key), key=lambda s: s.fence)
-
-    def require_semaphore(self) -> None:
-        """Raise SemaphoreUnsupported unless this backend keeps semaphores."""
-        if not self.capabilities.semaphore:
-            raise SemaphoreUnsupported(
-                f"the {self.name} lock backend keeps no semaphores (concurrency limits); "
-                f"use one that does: {backends_with('semaphore', fleet=False)}"
-            )
-
-    def _sem_acquire(
-        self, key: str, owner: str, limit: int, ttl_ms: int, queue_ms: int, meta: OwnerMeta
-    ) -> int | SlotWait:
-        """The new slot's fence, or SlotWait. One atomic step on the server."""
-        raise SemaphoreUnsupported(f"{self.name} keeps no semaphores")
-
-    def _sem_extend_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        raise SemaphoreUnsupported(f"{self.name} keeps no semaphores")
-
-    def _sem_release(self, key: str, owner: str) -> bool:
-        """Free `owner`'s slot and drop it from the queue; True if a live slot was freed."""
-        raise SemaphoreUnsupported(f"{self.name} keeps no semaphores")
-
-    def _sem_holders(self, key: str) -> list[SlotInfo]:
-        raise SemaphoreUnsupported(f"{self.name} keeps no semaphores")
+        return run_other_op(self, op)
 
     def commit(
         self, lease: Lease, *, state: str, result: str, fingerprint: str, result_ttl: float
@@ -624,7 +338,7 @@ class LockBackend(ABC):
         none (the structured log line per decision is all there is)."""
         return None
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Free connections."""
 
     # -- one round trip each ----------------------------------------------------
@@ -650,49 +364,6 @@ class LockBackend(ABC):
     @abstractmethod
     def _inspect(self, key: str) -> LockInfo | None: ...
 
-
-class NativeAsyncStore(ABC):
-    """What a native asyncio store (redis.asyncio, psycopg's async connection, Redlock's
-    rounds on a loop) shares with LockBackend's begin and commit: the validation, the Lease
-    of a grant (naming the sync twin `backend`, so `lease.release()` from a thread works)
-    and the commit's bookkeeping. Each store awaits the one round trip itself (`_grant`,
-    `_commit`), as a LockBackend makes it in `_begin` and `_commit`."""
-
-    backend: LockBackend
-    clock: Clock
-
-    async def begin_op(self, op: Begin) -> BeginResult:
-        return await self._begin(op.key, op.ttl, new_owner_token(), op.meta, op.record,
-                                 op.fingerprint)  # fmt: skip
-
-    async def commit_op(self, op: Commit) -> bool:
-        ok = await self._commit(
-            commit_record(op.lease, op.state, op.result, op.fingerprint, op.result_ttl)
-        )
-        op.lease._released = True
-        return ok
-
-    async def _begin(
-        self, key: str, ttl: float, owner: str, meta: OwnerMeta | None, record: bool,
-        fingerprint: str,
-    ) -> BeginResult:  # fmt: skip
-        """As LockBackend.begin (an Acquire is a begin without a record)."""
-        ttl_ms, meta = grant_args(key, ttl, meta)
-        started = self.clock.monotonic()
-        got = await self._grant(key, owner, ttl_ms, meta, record, fingerprint)
-        if isinstance(got, int):
-            return self.backend.lease(key, owner, got, ttl_ms, started, meta)
-        return got
-
-    @abstractmethod
-    async def _grant(
-        self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
-    ) -> int | Busy | JobRecord:
-        """One round trip: the new fence on a grant, Busy, or the job record if DONE."""
-
-    @abstractmethod
-    async def _commit(self, rec: CommitRecord) -> bool:
-        """One round trip: store `rec` and release, if `rec.owner` still holds the lock."""
 
 
 def poll_until_free(

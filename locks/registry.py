@@ -190,7 +190,7 @@ def _builtin(
 
 register(_builtin(
     "redis", "redis", "RedisBackend", _FULL, default_port=6379,
-    async_store=_BACKENDS + "redis_async:AsyncRedisStore",
+    async_store=_BACKENDS + "redis.async_store:AsyncRedisStore",
 ))  # fmt: skip
 register(_builtin("memory", "memory", "MemoryBackend", replace(_FULL, durable_fence=False),
                   fleet=False))  # fmt: skip
@@ -208,12 +208,12 @@ register(_builtin(
 ))  # fmt: skip
 register(_builtin("etcd", "etcd", "EtcdBackend", replace(_LEASES, ha=False), default_port=2379))
 register(_builtin(
-    "redis-cluster", "redis_cluster", "RedisClusterBackend", _FULL, default_port=6379,
-    async_store=_BACKENDS + "redis_cluster_async:AsyncClusterStore",
+    "redis-cluster", "redis.cluster", "RedisClusterBackend", _FULL, default_port=6379,
+    async_store=_BACKENDS + "redis.cluster_async:AsyncClusterStore",
 ))  # fmt: skip
 register(_builtin(
-    "redis-sentinel", "redis_sentinel", "RedisSentinelBackend", replace(_FULL, ha=True),
-    default_port=26379, async_store=_BACKENDS + "redis_sentinel_async:AsyncSentinelStore",
+    "redis-sentinel", "redis.sentinel", "RedisSentinelBackend", replace(_FULL, ha=True),
+    default_port=26379, async_store=_BACKENDS + "redis.sentinel_async:AsyncSentinelStore",
 ))  # fmt: skip
 register(_builtin(
     "zookeeper", "zookeeper", "ZooKeeperBackend", _LEASES, extra="zookeeper", requires="kazoo",

@@ -20,8 +20,8 @@ from jobfence import AsyncLocker, Lease, Locker
 from jobfence.locks import AcquireTimeout, AsyncRedisFenceGuard, open_backend
 from jobfence.locks.aio import ThreadStore
 from jobfence.locks.backends.postgres.async_store import AsyncPostgresStore
-from jobfence.locks.backends.redis_async import AsyncRedisStore
-from jobfence.locks.backends.redis_semaphore import semaphore_keys
+from jobfence.locks.backends.redis.async_store import AsyncRedisStore
+from jobfence.locks.backends.redis.semaphores import semaphore_keys
 from jobfence.locks.clock import SYSTEM_CLOCK
 from jobfence.locks.drive import run_async
 from jobfence.locks.flows import slot_flow

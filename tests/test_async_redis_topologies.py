@@ -17,9 +17,9 @@ import pytest
 from jobfence import AsyncLocker
 from jobfence.locks import open_backend
 from jobfence.locks.aio import ThreadStore
-from jobfence.locks.backends.redis_cluster_async import AsyncClusterStore
-from jobfence.locks.backends.redis_semaphore import semaphore_keys
-from jobfence.locks.backends.redis_sentinel_async import AsyncSentinelStore
+from jobfence.locks.backends.redis.cluster_async import AsyncClusterStore
+from jobfence.locks.backends.redis.semaphores import semaphore_keys
+from jobfence.locks.backends.redis.sentinel_async import AsyncSentinelStore
 from jobfence.locks.backends.redlock.store_async import AsyncRedlockStore
 from jobfence.locks.ops import Extend
 from jobfence.locks.slots import SlotLease

@@ -13,7 +13,7 @@ from devstack.redis_server import HOST, RedisServer, free_port
 from devstack.servers import wait_for
 from jobfence.config.errors import UnsafeSettings
 from jobfence.config.settings import Settings
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 
 PASSWORD = "cluster-pw-not-to-leak-5c1e"
 SECRET = "a-real-random-secret-0123456789abcdef"
@@ -96,7 +96,7 @@ def test_a_remote_node_is_refused_to_the_asyncio_store_too(
     """The asyncio twin builds a cluster client of its own: it judges every node as well."""
     import asyncio
 
-    from jobfence.locks.backends.redis_cluster_async import AsyncClusterStore
+    from jobfence.locks.backends.redis.cluster_async import AsyncClusterStore
 
     addr, port = remote_node
     monkeypatch.setenv("JOBFENCE_ALLOW_INSECURE", "cleartext")  # the sync twin's start-up

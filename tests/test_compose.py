@@ -306,7 +306,7 @@ def test_the_sentinel_profile_replayed_on_this_host_grants_locks_through_its_url
     lock through the URL its comment gives, with the start-up checks passing."""
     from devstack.redis_server import HOST, free_port
     from jobfence.config.urls import sentinel_target
-    from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+    from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
     from tests.servers import stop_process, wait_for
 
     target = sentinel_target(_sentinel_url_in_comment())

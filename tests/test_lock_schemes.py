@@ -40,7 +40,7 @@ ALLOWED = {
     ("config/urls/lock_url.py", "redis, mysql, redlock, etcd, zookeeper"): "backend names: "
     "the keys of LOCK_URL_CHECKS, each backend's own URL check",
     ("locks/advisory.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
-    ("locks/guards.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
+    ("locks/guards/sql.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
     ("worker/cli.py", "postgres, mysql"): "backend names (the registry entry's name)",
 }
 

@@ -339,7 +339,7 @@ DEMO = (
 PRODUCT = (
     "jobfence/worker/cli.py", "jobfence/worker/app.py", "jobfence/worker/setup.py",
     "jobfence/worker/admin.py", "jobfence/locks/procinfo.py", "jobfence/locks/api.py",
-    "jobfence/locks/backends/redis.py",
+    "jobfence/locks/backends/redis/__init__.py",
 )  # fmt: skip
 
 

@@ -14,8 +14,8 @@ from devstack.local_cluster import LocalCluster
 from jobfence.config import UnsafeSettings
 from jobfence.config.urls import cluster_nodes
 from jobfence.locks import FencedWriteRefused, Lease, RedisFenceGuard, StaleFence, open_backend
-from jobfence.locks.backends import redis_cluster as redis_cluster_module
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.backends.redis import cluster_heartbeat
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 from jobfence.locks.slots import SlotLease
 from jobfence.worker.admin import release_grant
 from tests.servers import wait_for
@@ -105,7 +105,7 @@ def test_slots_go_in_their_nodes_script_beside_the_locks(
 def test_a_big_batch_is_several_scripts_per_node_in_one_write_even_after_a_script_flush(
     redis_cluster: LocalCluster, backend: RedisClusterBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_cluster_module, "EXTEND_CHUNK", 4)  # 30 leases: 3 scripts a node
+    monkeypatch.setattr(cluster_heartbeat, "EXTEND_CHUNK", 4)  # 30 leases: 3 scripts a node
     keys = _keys_on_every_node(redis_cluster, backend, 30)
     held = [le for le in (backend.try_acquire(k, 30.0) for k in keys) if le is not None]
     assert len(held) == len(keys)

@@ -21,8 +21,8 @@ from jobfence.config.urls import cluster_target, redlock_masters, sentinel_targe
 from jobfence.locks import BackendUnavailable
 from jobfence.locks.aio import AsyncLocker
 from jobfence.locks.backend import LockBackend, Security
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
+from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 from jobfence.locks.backends.redlock import RedlockBackend
 
 # Characters a URL must percent-encode, in both passwords: the tests also check the URLs.

@@ -12,7 +12,7 @@ import redis
 
 from jobfence.locks import Backoff, JobRecord, Lease, LeaseKeeper, RedisBackend
 from jobfence.locks.backends.redis import parse_record
-from jobfence.locks.backends.redis_cluster import SLOTS, slot_tags
+from jobfence.locks.backends.redis.cluster_nodes import SLOTS, slot_tags
 from jobfence.tasks import Executor
 from jobfence.tasks.keys import identity
 from tests.tasks.conftest import spec_for

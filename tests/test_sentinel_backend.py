@@ -16,8 +16,8 @@ from devstack.redis_server import free_port
 from jobfence.config import Settings, UnsafeSettings
 from jobfence.config.urls import sentinel_target
 from jobfence.locks import BackendUnavailable, JobRecord, LockBackend, open_backend
-from jobfence.locks.backends import redis as redis_module
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redis import protocol as redis_protocol
+from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 from jobfence.tasks import Runtime
 from jobfence.tasks.executor import JobSpec
 from jobfence.worker.checks import Finding, check_lock_backend
@@ -146,7 +146,7 @@ def test_a_chunked_extension_reloads_a_flushed_script_on_the_master(
 ) -> None:
     """extend_many of more leases than a script takes: several scripts in one write, and a
     NOSCRIPT to them (the master's cache emptied) loads the script and sends them again."""
-    monkeypatch.setattr(redis_module, "EXTEND_CHUNK", 3)
+    monkeypatch.setattr(redis_protocol, "EXTEND_CHUNK", 3)
     leases = [backend.try_acquire(f"chunked:{i}", 30.0) for i in range(7)]
     held = [le for le in leases if le is not None]
     assert len(held) == 7 and backend.extend_many(held) == [True] * 7

@@ -16,7 +16,7 @@ from jobfence.config.errors import UnsafeSettings
 from jobfence.config.security import refuse_node
 from jobfence.config.settings import Settings
 from jobfence.locks.backend import Security
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 
 PASSWORD = "master-pw-not-to-leak-7f3a"
 SECRET = "a-real-random-secret-0123456789abcdef"
@@ -103,7 +103,7 @@ def test_a_remote_master_is_refused_to_the_asyncio_store_too(
     it judges the master the same way, before the login."""
     import asyncio
 
-    from jobfence.locks.backends.redis_sentinel_async import AsyncSentinelStore
+    from jobfence.locks.backends.redis.sentinel_async import AsyncSentinelStore
 
     addr, _ = remote_topology
     _, port = remote_topology

@@ -19,7 +19,7 @@ import redis
 
 from jobfence import AsyncLocker, Locker
 from jobfence.locks.backends.redis import RedisBackend
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from urllib.parse import parse_qsl, urlsplit
 from jobfence.config import UnsafeSettings, security
 from jobfence.config.security import Downgrade, UrlPosture
 from jobfence.config.urls import redact, split_userinfo
-from jobfence.locks.backends.redis_url import check_files, url_tls
+from jobfence.locks.backends.redis.url import check_files, url_tls
 
 __all__ = ["BACKEND_SSL", "BROKER_SSL", "ClientTls", "broker_client_tls", "downgrades",
            "fill", "use_ssl"]  # fmt: skip

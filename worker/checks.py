@@ -27,10 +27,10 @@ from jobfence.config.schemes import UNIX_SCHEME, backend_schemes
 from jobfence.config.settings import ENV_PREFIX, unknown_django_settings, unknown_variables
 from jobfence.config.urls import check_url, redact, redlock_masters
 from jobfence.locks import BackendUnavailable, registry
-from jobfence.locks.backends.redis_checks import CREDENTIALS_FIX as CREDENTIALS_FIX
-from jobfence.locks.backends.redis_checks import check_eviction as check_eviction
-from jobfence.locks.backends.redis_checks import credentials_refused as credentials_refused
-from jobfence.locks.backends.redis_url import tls_hint
+from jobfence.locks.backends.redis.checks import CREDENTIALS_FIX as CREDENTIALS_FIX
+from jobfence.locks.backends.redis.checks import check_eviction as check_eviction
+from jobfence.locks.backends.redis.checks import credentials_refused as credentials_refused
+from jobfence.locks.backends.redis.url import tls_hint
 from jobfence.locks.registry import backends_with
 from jobfence.tasks import Runtime, SingletonTask
 from jobfence.tasks.keys import secret_id

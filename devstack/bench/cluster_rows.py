@@ -12,7 +12,7 @@ from typing import Any
 from devstack.local_cluster import LocalCluster
 from devstack.redis_server import RedisServer
 from jobfence.locks import LockBackend, RedisBackend
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 
 PREFIX = "clbench"
 KEYS_PER_PROCESS = 64

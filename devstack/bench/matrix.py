@@ -63,13 +63,13 @@ CLIENT_OPTIONS: dict[str, Any] = {
 # What each group's client processes import, loaded once into the forkserver.
 PRELOAD = {
     "memory": ["jobfence.locks.backends.memory"],
-    "redis": ["jobfence.locks.backends.redis", "jobfence.locks.backends.redis_async"],
+    "redis": ["jobfence.locks.backends.redis", "jobfence.locks.backends.redis.async_store"],
     "redis-py": ["redis"],
     "python-redis-lock": ["redis_lock"],
     "redlock": ["jobfence.locks.backends.redlock"],
     "pottery": ["pottery"],
-    "sentinel": ["jobfence.locks.backends.redis_sentinel"],
-    "cluster": ["jobfence.locks.backends.redis_cluster"],
+    "sentinel": ["jobfence.locks.backends.redis.sentinel"],
+    "cluster": ["jobfence.locks.backends.redis.cluster"],
     "postgres": [
         "jobfence.locks.backends.postgres",
         "jobfence.locks.backends.postgres.async_store",

@@ -11,7 +11,7 @@ import redis
 from devstack.bench.redlock_rows import CLIENT_OPTIONS, Row, _jobfence_row, _time
 from devstack.local_sentinel import LocalSentinel
 from jobfence.locks import RedisBackend
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 
 PREFIX = "stbench"
 SINGLE = "jobfence Redis, 1 node"

@@ -18,7 +18,7 @@ from django.db import (
 
 from jobfence.config.errors import JobfenceError
 from jobfence.locks.errors import LockError, StaleFence
-from jobfence.locks.guards import _check_args, commit_unknown
+from jobfence.locks.guards import check_args, commit_unknown
 from jobfence.locks.sql import Settle, link_lost
 
 FENCES_TABLE = "jobfence_fences"
@@ -100,7 +100,7 @@ class DjangoFenceGuard:
     table = FENCES_TABLE
 
     def check_and_advance(self, resource: str, fence: int, *, using: str | None = None) -> None:
-        _check_args(resource, fence)
+        check_args(resource, fence)
         conn = connections[using or DEFAULT_DB_ALIAS]
         if not conn.in_atomic_block:
             raise LockError(

@@ -185,7 +185,7 @@ def _sentinel_harness(request: pytest.FixtureRequest) -> BackendHarness:
     SCRIPT FLUSH drops the loaded scripts): a failover onto a replica that never received
     a grant is the fault suite's (tests/faults/test_sentinel_faults.py)."""
     from devstack.local_sentinel import LocalSentinel
-    from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+    from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 
     started: list[LocalSentinel] = request.getfixturevalue("sentinel_topology")
     if not started:  # one topology for the session, started on first use
@@ -365,7 +365,7 @@ def _cluster_harness(request: pytest.FixtureRequest) -> BackendHarness:
     crashes every master and starts it empty (its cluster config kept, so it rejoins). A
     round trip is the most script calls any one node has run (extend_many sends one script
     to every node at once)."""
-    from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+    from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 
     cluster = request.getfixturevalue("redis_cluster")
     prefix = f"contract-{uuid.uuid4().hex[:8]}"

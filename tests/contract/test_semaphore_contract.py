@@ -16,7 +16,7 @@ import redis
 
 from jobfence.locks import AcquireTimeout, LeaseKeeper, LockBackend, Locker, RedisBackend
 from jobfence.locks.backends.etcd import EtcdBackend
-from jobfence.locks.backends.redis_semaphore import semaphore_keys
+from jobfence.locks.backends.redis.semaphores import semaphore_keys
 from jobfence.locks.backends.redlock import RedlockBackend
 from jobfence.locks.backends.zookeeper import ZooKeeperBackend
 from jobfence.locks.errors import SemaphoreUnsupported

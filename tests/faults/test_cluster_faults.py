@@ -19,7 +19,7 @@ import pytest
 
 from devstack.local_cluster import LocalCluster
 from jobfence.locks import BackendUnavailable, Lease, LeaseKeeper, RedisFenceGuard, StaleFence
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 from jobfence.locks.slots import SlotLease
 from tests.faults.rig import CHARGE, Rig, plan_payments, wait_until
 from tests.faults.scenarios_cdefh import SETTLE_TIMEOUT

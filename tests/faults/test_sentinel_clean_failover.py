@@ -23,9 +23,8 @@ from devstack.redis_server import RedisServer
 from jobfence.locks import Lease, LeaseKeeper, LeaseLost, RedisFenceGuard
 from jobfence.locks.aio import AsyncLocker
 from jobfence.locks.backend import JobRecord, LockBackend
-from jobfence.locks.backends import redis_sentinel
-from jobfence.locks.backends.redis import RedisBackend
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redis import RedisBackend, sentinel_watch
+from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 from jobfence.locks.errors import BackendUnavailable
 from tests.servers import wait_for
 
@@ -196,8 +195,8 @@ def test_a_lease_the_new_master_does_not_hold_is_lost_once_the_change_is_seen(
 ) -> None:
     """The holder's backend learns of the change only when asked (its watch made slow), after
     the rival was granted on the new master: the lease is lost then, not at the demotion."""
-    monkeypatch.setattr(redis_sentinel, "MASTER_POLL", 3600.0)
-    monkeypatch.setattr(redis_sentinel, "MASTER_MAX_AGE", 3600.0)
+    monkeypatch.setattr(sentinel_watch, "MASTER_POLL", 3600.0)
+    monkeypatch.setattr(sentinel_watch, "MASTER_MAX_AGE", 3600.0)
     holder_backend = sentinel_backend(topology)
     rival_backend: RedisSentinelBackend | None = None
     try:

@@ -20,7 +20,7 @@ from redis.sentinel import Sentinel
 
 from devstack.local_sentinel import HOST, LocalSentinel
 from jobfence.locks import Lease, LeaseLost, RedisFenceGuard, StaleFence
-from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend
 from tests.servers import RedisServer, wait_for
 
 pytestmark = pytest.mark.fault

@@ -229,7 +229,7 @@ def test_redis_without_a_lane_sends_one_pipeline(redis_log: RedisDecisionLog) ->
 
 def test_a_redis_cluster_keeps_the_log_across_slots(redis_cluster: Any) -> None:
     """The key's stream and the index live in other slots: redis-py's cluster pipeline."""
-    from jobfence.locks.backends.redis_cluster import RedisClusterBackend
+    from jobfence.locks.backends.redis.cluster import RedisClusterBackend
 
     backend = RedisClusterBackend.from_url(redis_cluster.url, prefix=unique("rc"))
     try:

@@ -14,8 +14,8 @@ from typing import Any
 
 from jobfence.locks import LockBackend, LockInfo, RedisBackend
 from jobfence.locks.backends.redis import parse_record
-from jobfence.locks.backends.redis_cluster import RedisClusterBackend
-from jobfence.locks.backends.redis_semaphore import semaphore_keys
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
+from jobfence.locks.backends.redis.semaphores import semaphore_keys
 from jobfence.locks.leader import LEADER_KEY_PREFIX
 from jobfence.worker.admin import liveness, lock_name, printable, server_time
 

@@ -9,7 +9,7 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from jobfence.locks.backend import Security
-from jobfence.locks.backends.redis_url import security, tls_hint
+from jobfence.locks.backends.redis.url import security, tls_hint
 from jobfence.locks.backends.redlock.masters import Master
 from jobfence.locks.errors import BackendUnavailable
 

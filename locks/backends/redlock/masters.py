@@ -15,7 +15,7 @@ from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
 
-from jobfence.locks.backends.redis_url import tls_context, tls_kwargs, url_tls
+from jobfence.locks.backends.redis.url import tls_context, tls_kwargs, url_tls
 from jobfence.locks.backends.redlock.protocol import MORE, Replies, pack
 
 #: After a failed connect, a master is skipped (counted as not answering) this long.

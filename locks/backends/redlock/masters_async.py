@@ -13,9 +13,9 @@ import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from jobfence.locks.backends.redis import client_options
-from jobfence.locks.backends.redis_async import POOL_WAIT
-from jobfence.locks.backends.redis_url import tls_kwargs
+from jobfence.locks.backends.redis.async_store import POOL_WAIT
+from jobfence.locks.backends.redis.protocol import client_options
+from jobfence.locks.backends.redis.url import tls_kwargs
 from jobfence.locks.backends.redlock.masters import RECONNECT_DELAY, Master
 from jobfence.locks.backends.redlock.protocol import MORE, NO_REPLY, Replies
 

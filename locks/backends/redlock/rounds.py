@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
 from jobfence.locks.backend import JobRecord
-from jobfence.locks.backends.redis_url import tls_hint
+from jobfence.locks.backends.redis.url import tls_hint
 from jobfence.locks.backends.redlock.masters import Master
 from jobfence.locks.backends.redlock.protocol import NO_REPLY, ErrorReply, pack
 from jobfence.locks.errors import BackendUnavailable

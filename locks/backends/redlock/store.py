@@ -26,7 +26,7 @@ from jobfence.locks.backend import (
     validate_key,
 )
 from jobfence.locks.backends.common import settings_options
-from jobfence.locks.backends.redis_scripts import script_source
+from jobfence.locks.backends.redis.scripts import script_source
 from jobfence.locks.backends.redlock.checks import check_masters, masters_security, ping_masters
 from jobfence.locks.backends.redlock.flows import OpRounds
 from jobfence.locks.backends.redlock.grant import GrantRounds

@@ -22,7 +22,7 @@ from jobfence.locks.backend import (
     validate_key,
     validate_ttl,
 )
-from jobfence.locks.backends.redis_async import SignalWait
+from jobfence.locks.backends.redis.signal_wait import SignalWait
 from jobfence.locks.backends.redlock.masters_async import AsyncMaster, Conn
 from jobfence.locks.backends.redlock.protocol import NO_REPLY, is_noscript, pack
 from jobfence.locks.backends.redlock.rounds import Done, Round, Rounds, advance

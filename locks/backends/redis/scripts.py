@@ -1,4 +1,4 @@
-"""Loads the Lua scripts shipped in locks/backends/lua once per Redis client."""
+"""Loads the Lua scripts shipped in locks/backends/redis/lua once per Redis client."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ RATE_SCRIPTS = ("rate_take",)  # the rate limiter's (locks/ratelimit.py), loaded
 
 @cache
 def script_source(name: str) -> str:
-    lua = resources.files("jobfence.locks.backends").joinpath("lua", f"{name}.lua")
+    lua = resources.files("jobfence.locks.backends.redis").joinpath("lua", f"{name}.lua")
     return lua.read_text(encoding="utf-8")
 
 

@@ -1,4 +1,5 @@
-"""The start-up checks of a Redis lock server (one server, or a Sentinel master and its replicas).
+"""The start-up checks of a Redis lock server (one server, a Sentinel master and its replicas, or
+every node of a Cluster).
 
 A Redis that may evict keys is refused; a wrong password, a TLS set-up that cannot work or
 another server at the URL's address is a wrong setting, refused; a server that does not
@@ -9,23 +10,29 @@ the same eviction and credential tests.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.retry import Retry
 
 from jobfence.config.findings import LOCK_SERVER_DOWN, Finding, LockTarget, refuse, warn
 from jobfence.config.schemes import backend_schemes
 from jobfence.config.urls import redact
 from jobfence.locks.backends.probe import foreign_fix, foreign_server
-from jobfence.locks.backends.redis_url import tls_hint
+from jobfence.locks.backends.redis.url import tls_hint
 
 if TYPE_CHECKING:  # only types: those modules import this one
-    from jobfence.locks.backends.redis import RedisBackend
-    from jobfence.locks.backends.redis_sentinel import RedisSentinelBackend
+    from jobfence.locks.backends.redis.backend import RedisBackend
+    from jobfence.locks.backends.redis.cluster import RedisClusterBackend
+    from jobfence.locks.backends.redis.sentinel import RedisSentinelBackend, Topology
 
 CREDENTIALS_FIX = (
     "put the right user and password in the URL (percent-encoded), or grant the user "
@@ -179,6 +186,14 @@ def sentinel_findings(backend: RedisSentinelBackend, target: LockTarget) -> Iter
         yield warn(setting, f"the Sentinel master of {redact(url)} does not answer ({exc}); "
                    "its eviction policy is unchecked",
                    "make sure it runs with maxmemory-policy noeviction")  # fmt: skip
+    yield from _replica_findings(backend, topo, setting, url)
+
+
+def _replica_findings(
+    backend: RedisSentinelBackend, topo: Topology, setting: str, url: str
+) -> Iterator[Finding]:
+    """The Sentinel master's replicas (each may be promoted, with its own eviction policy),
+    and whether a failover can happen: a replica to promote, 3 sentinels for a quorum."""
     for address in topo.replicas:
         client = backend.node_client(address)
         where = f"{address[0]}:{address[1]}"
@@ -208,3 +223,57 @@ def sentinel_findings(backend: RedisSentinelBackend, target: LockTarget) -> Iter
             "cannot keep a majority through the loss of one, so a failover may never happen",
             "run at least 3 sentinels on separate hosts",
         )
+
+
+def cluster_findings(backend: RedisClusterBackend) -> list[tuple[bool, str, str]]:
+    """What about a cluster is unsafe (refuse) or weakens a guarantee (warn), as (refuse,
+    problem, fix) triples: a node that may evict (replicas too: they become masters) is
+    refused; a node down, a cluster state other than ok, or no replica to take over a
+    failed master is warned of. Sets the backend's `capabilities.ha`."""
+    cluster = backend.cluster
+    try:
+        cluster.nodes_manager.initialize()
+    except (RedisError, RedisClusterException) as exc:
+        hint = tls_hint(exc)
+        if hint:  # TLS or a login that cannot work: waiting never helps
+            return [(True, f"the cluster cannot be used ({type(exc).__name__})", hint)]
+        return [(False, f"the cluster does not answer ({type(exc).__name__}: {exc}); "
+                 "starting anyway: jobs wait and are redelivered until it does",
+                 "start the cluster, or fix the URL if it is wrong")]  # fmt: skip
+    found = [f for node in cluster.get_nodes() for f in _cluster_node_findings(cluster, node)]
+    backend.note_replicas()
+    if not backend.capabilities.ha:
+        found.append((False, "the cluster has no replicas: a master that fails takes "
+                      "its slots' locks down until it is back",
+                      "give every master a replica (redis-cli --cluster add-node "
+                      "--cluster-slave)"))  # fmt: skip
+    return found
+
+
+def _cluster_node_findings(cluster: Any, node: Any) -> list[tuple[bool, str, str]]:
+    """One cluster node's eviction policy and its view of the cluster's state."""
+    client: Any = cluster.get_redis_connection(node)
+    try:
+        policy = client.config_get("maxmemory-policy").get("maxmemory-policy", "")
+        state = str(client.execute_command("CLUSTER", "INFO"))
+    except ResponseError as exc:
+        return [(False, f"cannot read the settings of cluster node {node.name} "
+                 f"({exc}; CONFIG is disabled or not permitted): its eviction "
+                 "policy is unchecked",
+                 "make sure every node runs with maxmemory-policy noeviction")]  # fmt: skip
+    except RedisError as exc:
+        return [(False, f"cluster node {node.name} does not answer "
+                 f"({type(exc).__name__}); the slots it serves wait for a "
+                 "failover", "start it, or fix the URL if it is wrong")]  # fmt: skip
+    found: list[tuple[bool, str, str]] = []
+    if policy != "noeviction":
+        found.append((True, f"cluster node {node.name} ({node.server_type}) has "
+                      f"maxmemory-policy {policy!r}: under memory pressure it may "
+                      "evict lock, fence and job-record keys",
+                      "run every node, replicas too (they become masters), with "
+                      "--maxmemory-policy noeviction"))  # fmt: skip
+    if "cluster_state:ok" not in state:
+        found.append((False, f"cluster node {node.name} reports a cluster state "
+                      "other than ok: keys in uncovered slots cannot be locked",
+                      "assign every slot and check CLUSTER INFO"))  # fmt: skip
+    return found

@@ -14,13 +14,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from jobfence.locks.backend import Capabilities
-from jobfence.locks.backends.redis import RedisBackend
-from jobfence.locks.backends.redis_async import POOL_WAIT, AsyncRedisStore
-from jobfence.locks.backends.redis_sentinel import (
-    MasterWatch,
+from jobfence.locks.backends.redis.async_store import POOL_WAIT, AsyncRedisStore
+from jobfence.locks.backends.redis.backend import RedisBackend
+from jobfence.locks.backends.redis.sentinel import (
     RedisSentinelBackend,
     sentinel_setup,
 )
+from jobfence.locks.backends.redis.sentinel_watch import MasterWatch
 from jobfence.locks.errors import BackendUnavailable
 
 
@@ -31,7 +31,7 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):  # 
 
 class _WatchedSentinel(Sentinel):  # type: ignore[misc]
     """redis.asyncio's Sentinel answering `discover_master` (what each new connection asks)
-    with the sync twin's watch (see redis_sentinel.WatchedSentinel)."""
+    with the sync twin's watch (see redis.sentinel.WatchedSentinel)."""
 
     watch: MasterWatch | None = None
     #: The sync twin's judge of a data node's address, before it is sent the password.
@@ -53,7 +53,7 @@ class _WatchedSentinel(Sentinel):  # type: ignore[misc]
 class AsyncSentinelStore(AsyncRedisStore):
     """Locks on the current master of a Sentinel-managed Redis, for asyncio: the one-node
     store on a client whose pool asks the sentinels for the master at each new connection
-    (see redis_sentinel.py for why that follows a failover), with the same scripts and keys
+    (see redis/sentinel.py for why that follows a failover), with the same scripts and keys
     as RedisSentinelBackend, so sync and async holders share one fence space."""
 
     name: ClassVar[str] = "redis-sentinel"

@@ -14,17 +14,18 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 
 from jobfence.config.security import refuse_node
 from jobfence.locks.backend import Capabilities, settle_extensions, validate_ttl
-from jobfence.locks.backends.redis import EXTEND_CHUNK, RedisBackend
-from jobfence.locks.backends.redis_async import AsyncRedisStore
-from jobfence.locks.backends.redis_cluster import (
-    RedisClusterBackend,
-    _cluster_security,
+from jobfence.locks.backends.redis.async_store import AsyncRedisStore
+from jobfence.locks.backends.redis.backend import RedisBackend
+from jobfence.locks.backends.redis.cluster import RedisClusterBackend
+from jobfence.locks.backends.redis.cluster_nodes import (
     cluster_options,
+    cluster_security,
     extend_args,
     group_by_node,
 )
-from jobfence.locks.backends.redis_scripts import script_source
-from jobfence.locks.backends.redis_semaphore import SEMAPHORE_SCRIPTS, sem_extend_call
+from jobfence.locks.backends.redis.protocol import EXTEND_CHUNK
+from jobfence.locks.backends.redis.scripts import script_source
+from jobfence.locks.backends.redis.semaphores import SEMAPHORE_SCRIPTS, sem_extend_call
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
 from jobfence.locks.slots import SlotLease
@@ -36,10 +37,10 @@ KEEPER_MARGIN = 4
 
 class _JudgedAsyncCluster(RedisCluster):  # type: ignore[misc]
     """redis.asyncio's cluster client judging each node's address (every node CLUSTER SLOTS
-    names) before it logs in there, as the sync twin's (redis_cluster._JudgedCluster)."""
+    names) before it logs in there, as the sync twin's (redis.cluster_nodes.JudgedCluster)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        self.node_security = _cluster_security(kwargs)
+        self.node_security = cluster_security(kwargs)
         super().__init__(**kwargs)
         # Every node connection runs this in place of its own on_connect (the login): in
         # the template of the nodes found from now on, and in the seeds made already (their
@@ -155,13 +156,30 @@ class AsyncClusterStore(AsyncRedisStore):
         groups, retry = group_by_node(self.keys, items, slots, self.client.keyslot,
                                       self.client.nodes_manager.get_node_from_slot)  # fmt: skip
         results: list[bool | None] = [None] * len(items)
-        names = list(groups)
         replies = await asyncio.gather(
             *(self._extend_on(node, indexes, items, slots) for node, indexes in groups.values()),
             return_exceptions=True,
         )
+        failure = await self._node_answers(groups, replies, results, retry)
+        moved = await self._extend_moved(sorted(retry), items, slots, results)
+        failure = failure or moved
+        known = [i for i, ok in enumerate(results) if ok is not None]
+        settle_extensions([leases[i] for i in known], [bool(results[i]) for i in known], started)
+        if failure is not None:
+            raise failure
+        return [bool(ok) for ok in results]
+
+    async def _node_answers(
+        self,
+        groups: dict[str, tuple[Any, list[int]]],
+        replies: Sequence[list[Any] | BaseException],
+        results: list[bool | None],
+        retry: list[int],
+    ) -> BackendUnavailable | None:
+        """Each node's reply into `results` (a slot that moved away into `retry`); the error
+        of the first node that failed, with the map read again for each that did."""
         failure: BackendUnavailable | None = None
-        for name, (_, indexes), reply in zip(names, groups.values(), replies, strict=True):
+        for (name, (_, indexes)), reply in zip(groups.items(), replies, strict=True):
             if isinstance(reply, BaseException):
                 if not isinstance(reply, RedisError | RedisClusterException):
                     raise reply
@@ -177,7 +195,19 @@ class AsyncClusterStore(AsyncRedisStore):
                     retry.append(i)
                 else:
                     results[i] = bool(int(answer))
-        for i in sorted(retry):  # through the cluster client: it follows MOVED/ASK
+        return failure
+
+    async def _extend_moved(
+        self,
+        indexes: list[int],
+        items: Sequence[tuple[str, str, int]],
+        slots: Sequence[bool],
+        results: list[bool | None],
+    ) -> BackendUnavailable | None:
+        """Extend the leases at `indexes` one by one through the cluster client (it follows
+        MOVED/ASK); the first error, if any."""
+        failure: BackendUnavailable | None = None
+        for i in indexes:
             key, owner, ttl_ms = items[i]
             try:
                 if slots[i]:
@@ -191,11 +221,7 @@ class AsyncClusterStore(AsyncRedisStore):
                                                        [owner, ttl_ms], key))  # fmt: skip
             except BackendUnavailable as exc:
                 failure = failure or exc
-        known = [i for i, ok in enumerate(results) if ok is not None]
-        settle_extensions([leases[i] for i in known], [bool(results[i]) for i in known], started)
-        if failure is not None:
-            raise failure
-        return [bool(ok) for ok in results]
+        return failure
 
     async def _extend_on(
         self,
@@ -212,10 +238,10 @@ class AsyncClusterStore(AsyncRedisStore):
             args = extend_args(self.keys, backend.semaphore_retention_ms, chunk, items, slots)
             try:
                 try:
-                    reply = await node.execute_command("EVALSHA", backend._extend_sha, 0, *args)
+                    reply = await node.execute_command("EVALSHA", backend.extend_sha, 0, *args)
                 except NoScriptError:  # a node that never saw it (a promoted replica, a restart)
-                    await node.execute_command("SCRIPT", "LOAD", backend._extend_source)
-                    reply = await node.execute_command("EVALSHA", backend._extend_sha, 0, *args)
+                    await node.execute_command("SCRIPT", "LOAD", backend.extend_source)
+                    reply = await node.execute_command("EVALSHA", backend.extend_sha, 0, *args)
             except ResponseError:  # READONLY, CLUSTERDOWN, ...: the script did not run
                 reply = [-1] * len(chunk)
             answers += list(reply)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jobfence.locks.backends.redis_scripts import script_source
+from jobfence.locks.backends.redis.scripts import script_source
 from jobfence.locks.lease import OwnerMeta
 from jobfence.locks.slots import SlotInfo, SlotWait, holder_text, parse_holder
 

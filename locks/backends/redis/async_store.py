@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -28,10 +27,9 @@ from jobfence.locks.backend import (
     validate_rate,
     validate_ttl,
 )
-from jobfence.locks.backends.redis import (
-    BLPOP_LATE,
+from jobfence.locks.backends.redis.backend import RedisBackend
+from jobfence.locks.backends.redis.protocol import (
     LEGACY_RECORD_FIELDS,
-    RedisBackend,
     begin_call,
     claim_call,
     client_options,
@@ -47,8 +45,8 @@ from jobfence.locks.backends.redis import (
     stored_record,
     swap_call,
 )
-from jobfence.locks.backends.redis_scripts import script_source
-from jobfence.locks.backends.redis_semaphore import (
+from jobfence.locks.backends.redis.scripts import script_source
+from jobfence.locks.backends.redis.semaphores import (
     SEMAPHORE_SCRIPTS,
     parse_sem_acquire,
     sem_acquire_args,
@@ -56,7 +54,8 @@ from jobfence.locks.backends.redis_semaphore import (
     sem_release_call,
     semaphore_keys,
 )
-from jobfence.locks.backends.redis_url import tls_kwargs, url_tls
+from jobfence.locks.backends.redis.signal_wait import SignalWait
+from jobfence.locks.backends.redis.url import tls_kwargs, url_tls
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import Lease, OwnerMeta
@@ -84,50 +83,6 @@ from jobfence.locks.slots import SlotLease, validate_limit
 #: How long an op waits for a free connection of the pool (seconds) before it fails.
 POOL_WAIT = 30.0
 T = TypeVar("T")
-
-
-class SignalWait:
-    """Waiting for a release on redis.asyncio: BLPOP on the key's signal list, shorter than
-    the socket timeout (a blocked read must not look like a dead server). A BLPOP holds a
-    connection: past half the pool the other waiters sleep out their backoff instead, so
-    acquires and releases always find a connection."""
-
-    def __init__(self, max_connections: int, socket_timeout: float | None) -> None:
-        self.blocking = 0  # waiters in BLPOP now
-        self.max_blocking = max(1, max_connections // 2)
-        self.max_block = max(0.01, 0.8 * socket_timeout) if socket_timeout else 5.0
-        # How late past its block a BLPOP's reply may come (BLPOP_LATE): on a connection of
-        # our own the read waits that long past the block; through a client that reads
-        # with its socket timeout alone (a cluster's), the block is half that timeout.
-        self.late = (socket_timeout or 2.0) + BLPOP_LATE
-        self.fit_block = max(0.01, min(self.max_block, 0.5 * (socket_timeout or 2.0)))
-
-    async def wait(self, client: Any, signal: str, timeout: float) -> None:
-        """Up to `timeout` seconds, or until a release pushes `signal`; RedisError as is."""
-        timeout = min(timeout, self.max_block)
-        if timeout < 0.001:
-            return
-        if self.blocking >= self.max_blocking:
-            await asyncio.sleep(timeout)
-            return
-        self.blocking += 1
-        try:
-            pool = getattr(client, "connection_pool", None)
-            if pool is None:
-                # The block ends at half the client's read timeout: a timeout is its reply,
-                # not the server, come late (a loaded machine; the client drops that
-                # connection). The attempt that follows judges the server.
-                with contextlib.suppress(redis.exceptions.TimeoutError):
-                    await client.blpop([signal], timeout=min(timeout, self.fit_block))
-                return
-            conn = await pool.get_connection()
-            try:
-                await conn.send_command("BLPOP", signal, timeout)
-                await conn.read_response(timeout=timeout + self.late)
-            finally:
-                await pool.release(conn)
-        finally:
-            self.blocking -= 1
 
 
 class AsyncRedisStore(NativeAsyncStore):
@@ -277,6 +232,12 @@ class AsyncRedisStore(NativeAsyncStore):
             case LeaveSlot(key, owner):
                 validate_key(key)
                 return await self._release(key, owner, True)
+        return await self._execute_other(op)
+
+    async def _execute_other(self, op: StoreOp) -> Any:
+        """The ops off a lease's path, for `execute_async`: a rate limit's turn, the admin
+        read, the job record and delivery count, the publish claim."""
+        match op:
             case TakeRate(key, interval, burst, max_wait):
                 validate_key(key)
                 validate_rate(key, interval, burst)

@@ -142,6 +142,12 @@ def tls_hint(exc: BaseException) -> str | None:
             "(redis://user:password@host..., percent-encoded; for the sentinels themselves, "
             "?sentinel_password=)"
         )
+    return _unverified_hint(seen) or _handshake_hint(seen, texts)
+
+
+def _unverified_hint(seen: list[BaseException]) -> str | None:
+    """The server's certificate did not verify: it names another host, or no trusted CA
+    signed it."""
     for e in seen:
         if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
             why = getattr(e, "verify_message", None) or "untrusted"
@@ -157,6 +163,12 @@ def tls_hint(exc: BaseException) -> str | None:
                 "TLS handshake with the lock server failed: its certificate did not verify "
                 f"({why}); {CA_FILE_HINT}"
             )
+    return None
+
+
+def _handshake_hint(seen: list[BaseException], texts: list[str]) -> str | None:
+    """The server ended the handshake: it wants a client certificate, refused ours, or
+    serves no TLS on the port."""
     if any("certificate required" in t or "alert handshake failure" in t for t in texts):
         return (
             "TLS: the lock server asks for a client certificate and got none it accepts; "
