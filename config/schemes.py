@@ -2,7 +2,7 @@
 
 Every other list of lock schemes is derived from this table: the backend registry
 (locks/registry.py) registers each backend with its row, the settings checks
-(config/urls.py, config/security.py) and the start-up checks (worker/checks.py) read it.
+(config/urls/, config/security.py) and the start-up checks (worker/checks.py) read it.
 It lives in config, the bottom layer, so the settings checks read it without importing
 the locks package (which imports config: the other way would be a cycle).
 ``tests/test_lock_schemes.py`` keeps lock scheme literals out of the rest of the product code.
