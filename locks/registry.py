@@ -107,7 +107,7 @@ def register(entry: BackendEntry) -> BackendEntry:
                          f"is already registered by {owner!r}; pick another")  # fmt: skip
     _ENTRIES[entry.name] = entry
     _BY_SCHEME.update(dict.fromkeys(schemes, entry))
-    for scheme in schemes:  # the settings check (config/urls.py) takes it from now on
+    for scheme in schemes:  # the settings check (config/urls/) takes it from now on
         urls.accept_lock_scheme(scheme, entry.validate_url)
     return entry
 
@@ -180,7 +180,7 @@ def _builtin(
     name: str, module: str, class_name: str, capabilities: Capabilities, **options: Any
 ) -> BackendEntry:
     """A built-in backend's entry: its schemes from the schemes' table (config/schemes.py),
-    its URL check from config/urls.py's."""
+    its URL check from config/urls/'s."""
     row = LOCK_SCHEMES[name]
     return BackendEntry(
         name, row.schemes, _BACKENDS + module, class_name, capabilities,

@@ -49,9 +49,6 @@ from jobfence.config.urls.redis_sentinel import (
 from jobfence.config.urls.redlock import REDLOCK_EXAMPLE, redlock_masters
 from jobfence.config.urls.zookeeper import ZOOKEEPER_OPTIONS, check_zookeeper_url
 
-# The name locks/backends/redis/url.py imports (split_userinfo before it became public).
-_split_userinfo = split_userinfo
-
 __all__ = [
     "CLUSTER_EXAMPLE",
     "ETCD_OPTIONS",

@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from jobfence.config.errors import UnsafeSettings
-from jobfence.config.urls import RedisTls, _split_userinfo, redis_tls
+from jobfence.config.urls import RedisTls, redis_tls, split_userinfo
 from jobfence.locks.backend import Security
 
 __all__ = ["RedisTls", "check_files", "security", "tls_context", "tls_hint", "tls_kwargs",
@@ -28,7 +28,7 @@ def url_tls(url: str, variable: str = VARIABLE) -> RedisTls:
     ssl_ options, parsed as every Redis-family URL is (`config.urls.redis_tls`)."""
     if "://" not in url:
         return RedisTls()
-    query = _split_userinfo(url)[1].partition("?")[2].partition("#")[0]
+    query = split_userinfo(url)[1].partition("?")[2].partition("#")[0]
     return redis_tls(url, dict(parse_qsl(query, keep_blank_values=True)), variable)
 
 
