@@ -351,7 +351,7 @@ class Dashboard:
             return None
         from celery.beat import ScheduleEntry
 
-        from jobfence.worker.beat import format_slot, slot_time
+        from jobfence.worker.beat_slots import format_slot, slot_time
 
         rows = []
         for name, spec in sorted((self.app.conf.beat_schedule or {}).items()):
