@@ -33,15 +33,15 @@ ALLOWED = {
     "Redis TLS scheme), never the lock URL",
     ("locks/backends/postgres/connection.py", "postgresql://"): "libpq's own URI scheme, which "
     "conninfo_to_dict reads, whichever lock scheme the URL was given with",
-    ("worker/cli.py", "postgresql+psycopg://"): "the SQLAlchemy URL (dialect+driver) of the "
-    "engine `jobfence migrate-locks` inspects with, built from the lock URL's rest",
-    ("worker/cli.py", "mysql+pymysql://"): "as postgresql+psycopg:// above, for MySQL",
+    ("worker/cli_migrate.py", "postgresql+psycopg://"): "the SQLAlchemy URL (dialect+driver) of "
+    "the engine `jobfence migrate-locks` inspects with, built from the lock URL's rest",
+    ("worker/cli_migrate.py", "mysql+pymysql://"): "as postgresql+psycopg:// above, for MySQL",
     # Collections of names that are also schemes, but are backends' names or SQL dialects:
     ("config/urls/lock_url.py", "redis, mysql, redlock, etcd, zookeeper"): "backend names: "
     "the keys of LOCK_URL_CHECKS, each backend's own URL check",
     ("locks/advisory.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
     ("locks/guards/sql.py", "mysql, mariadb"): "SQLAlchemy dialect names of the connection",
-    ("worker/cli.py", "postgres, mysql"): "backend names (the registry entry's name)",
+    ("worker/cli_migrate.py", "postgres, mysql"): "backend names (the registry entry's name)",
 }
 
 

@@ -88,23 +88,15 @@ def orphan_reason(
     age, ttl, beat = _heartbeat(info, now)
     late = age is not None and ttl is not None and age > LATE_FRACTION * ttl
     pid = info.pid
-    recorded = info.process_start.rsplit("/", 1)[0] if info.process_start else ""
-    recorded_boot = recorded.split("/", 1)[0]
 
     def found(reason: str, dead: bool, verdict: str = "dead") -> Orphan:
         return Orphan(
             info, f"{reason}; {beat}", dead=dead, heartbeat_age=age, ttl=ttl, verdict=verdict
         )
 
-    unknowable = ""  # why this holder's liveness cannot be checked from here
-    if info.host != hostname:
-        unknowable = f"held on host {info.host or '?'}: its pid cannot be checked here"
-    elif pid <= 0:
-        unknowable = "no pid recorded"
-    elif recorded and here and recorded != here:
-        if recorded_boot != here.split("/", 1)[0]:
-            return found(f"this host rebooted since pid {pid} took it", True)
-        unknowable = f"pid {pid} is in another pid namespace: cannot check it here"
+    unknowable, rebooted = _out_of_reach(info, hostname=hostname, here=here)
+    if rebooted:
+        return found(unknowable, True)
     if unknowable:
         return found(unknowable, False, "unknowable") if late else None
     state = proc_state(pid)
@@ -117,6 +109,22 @@ def orphan_reason(
     if late:
         return found(f"pid {pid} is alive but its heartbeat is late", False, "suspect")
     return None
+
+
+def _out_of_reach(info: LockInfo, *, hostname: str, here: str) -> tuple[str, bool]:
+    """Why this holder's liveness cannot be checked from here ("" if it can), and whether that
+    is because the host rebooted since the grant (proof the holder is dead)."""
+    pid = info.pid
+    recorded = info.process_start.rsplit("/", 1)[0] if info.process_start else ""
+    if info.host != hostname:
+        return f"held on host {info.host or '?'}: its pid cannot be checked here", False
+    if pid <= 0:
+        return "no pid recorded", False
+    if recorded and here and recorded != here:
+        if recorded.split("/", 1)[0] != here.split("/", 1)[0]:
+            return f"this host rebooted since pid {pid} took it", True
+        return f"pid {pid} is in another pid namespace: cannot check it here", False
+    return "", False
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,8 @@ each recycled child, and Prometheus would have to sum what one worker should rep
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import glob
-import hmac
 import importlib
 import logging
 import os
@@ -29,14 +27,15 @@ import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from jobfence.config import UnsafeSettings
 from jobfence.config.settings import ENV_PREFIX
 from jobfence.tasks.runtime import Runtime
+from jobfence.worker.metrics_http import REQUEST_TIMEOUT as REQUEST_TIMEOUT
+from jobfence.worker.metrics_http import basic_auth as basic_auth
+from jobfence.worker.metrics_http import serve as serve
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,6 @@ log = logging.getLogger(__name__)
 _values: Any = importlib.import_module("prometheus_client.values")
 _mmap: Any = importlib.import_module("prometheus_client.mmap_dict")
 _multiprocess: Any = importlib.import_module("prometheus_client.multiprocess")
-_exposition: Any = importlib.import_module("prometheus_client.exposition")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 DIR_PREFIX = "jobfence-metrics-"
@@ -141,114 +139,6 @@ class _Both:
             yield from registry.collect()
 
 
-#: Seconds a scrape's connection may stay silent: its TLS handshake, then each read or write
-#: of its request (an idle or slow client holds one thread that long, never the server).
-REQUEST_TIMEOUT = 10.0
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """Logs no request and names no software or version in its `Server` header."""
-
-    server_version = "jobfence"
-    sys_version = ""
-    timeout = REQUEST_TIMEOUT  # set on the connection by StreamRequestHandler.setup
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Log nothing (a scrape every few seconds)."""
-
-
-def _named(app: Any) -> Any:
-    """`app` answering with `Server: jobfence` (wsgiref would name Python and its version)."""
-
-    def named(environ: dict[str, Any], start_response: Any) -> Any:
-        def start(status: str, headers: list[tuple[str, str]], *exc: Any) -> Any:
-            return start_response(status, [*headers, ("Server", "jobfence")], *exc)
-
-        return app(environ, start)
-
-    return named
-
-
-def basic_auth(app: Any, credentials: str) -> Any:
-    """`app` behind HTTP basic auth for `user:password` (compared in constant time)."""
-    expected = b"Basic " + base64.b64encode(credentials.encode())
-
-    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
-        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
-        if hmac.compare_digest(given, expected):
-            return app(environ, start_response)
-        start_response("401 Unauthorized", [
-            ("WWW-Authenticate", 'Basic realm="jobfence metrics"'),
-            ("Content-Type", "text/plain; charset=utf-8"),
-        ])  # fmt: skip
-        return [b"authentication required\n"]
-
-    return guarded
-
-
-def serve(
-    port: int,
-    addr: str,
-    registry: CollectorRegistry,
-    *,
-    credentials: str | None = None,
-    certfile: str | None = None,
-    keyfile: str | None = None,
-) -> tuple[Any, threading.Thread]:
-    """prometheus_client's WSGI server, with optional basic auth and TLS, in a daemon thread."""
-
-    class Server(ThreadingWSGIServer):  # type: ignore[misc]
-        """A class of its own: the address family is set on it.
-
-        With TLS the listening socket stays plain: `accept()` only accepts, and the handshake
-        runs on the connection's own thread under REQUEST_TIMEOUT. (A TLS listening socket
-        shakes hands inside `accept()`, on the serving thread, with no timeout: one idle TCP
-        connection stopped every scrape and the worker's shutdown.)
-        """
-
-        tls: ssl.SSLContext | None = None
-
-        def get_request(self) -> tuple[Any, Any]:
-            conn, client = self.socket.accept()
-            if self.tls is None:
-                return conn, client
-            conn.settimeout(REQUEST_TIMEOUT)
-            try:
-                wrapped = self.tls.wrap_socket(
-                    conn, server_side=True, do_handshake_on_connect=False
-                )
-            except OSError:
-                conn.close()
-                raise
-            return wrapped, client
-
-        def finish_request(self, request: Any, client_address: Any) -> None:
-            if isinstance(request, ssl.SSLSocket):
-                try:
-                    request.do_handshake()  # on this connection's thread, bounded
-                except (OSError, ValueError):  # silent, slow, or no TLS: dropped
-                    return
-            super().finish_request(request, client_address)
-
-    Server.address_family, addr = _exposition._get_best_family(addr, port)
-    app = _named(make_wsgi_app(registry))
-    if credentials:
-        app = _named(basic_auth(app, credentials))
-    httpd = make_server(addr, port, app, Server, handler_class=_QuietHandler)
-    if certfile:
-        try:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.load_cert_chain(certfile, keyfile)
-            httpd.tls = context
-        except (OSError, ssl.SSLError):
-            httpd.server_close()
-            raise
-    thread = threading.Thread(target=httpd.serve_forever, name="jobfence-metrics", daemon=True)
-    thread.start()
-    return httpd, thread
-
-
 class Exporter:
     """A running /metrics endpoint for one runtime (built by `start`)."""
 
@@ -272,26 +162,7 @@ class Exporter:
         if port is None:
             raise ValueError(f"{ENV_PREFIX}METRICS_PORT is not set")
         exporter = cls(runtime, multiprocess=multiprocess)
-        auth = settings.metrics_basic_auth
-        try:
-            exporter._server, exporter._thread = serve(
-                port, settings.metrics_addr, exporter.registry,
-                credentials=auth.get_secret_value() if auth else None,
-                certfile=settings.metrics_certfile, keyfile=settings.metrics_keyfile,
-            )  # fmt: skip
-        except ssl.SSLError as exc:
-            raise UnsafeSettings(
-                f"{ENV_PREFIX}METRICS_CERTFILE",
-                f"cannot serve /metrics over TLS with it ({exc.reason or exc})",
-                f"point {ENV_PREFIX}METRICS_CERTFILE and {ENV_PREFIX}METRICS_KEYFILE at a PEM "
-                "certificate and its private key",
-            ) from None
-        except OSError as exc:
-            raise MetricsPortUnavailable(
-                f"{ENV_PREFIX}METRICS_PORT",
-                f"cannot serve /metrics on {settings.metrics_addr}:{port} ({exc.strerror or exc})",
-                "give each worker on a host its own port, or free this one",
-            ) from None
+        exporter._serve(port)
         if multiprocess:
             try:
                 exporter._go_multiprocess()
@@ -308,9 +179,34 @@ class Exporter:
             "jobfence metrics on %s://%s:%d/metrics (%s%s)",
             "https" if settings.metrics_certfile else "http", settings.metrics_addr,
             exporter.port, "summed over pool processes" if multiprocess else "one process",
-            ", basic auth" if auth else "",
+            ", basic auth" if settings.metrics_basic_auth else "",
         )  # fmt: skip
         return exporter
+
+    def _serve(self, port: int) -> None:
+        """Bind `port` and serve the registry: UnsafeSettings for a certificate that cannot
+        be used, MetricsPortUnavailable for a port that cannot be bound."""
+        settings = self.runtime.settings
+        auth = settings.metrics_basic_auth
+        try:
+            self._server, self._thread = serve(
+                port, settings.metrics_addr, self.registry,
+                credentials=auth.get_secret_value() if auth else None,
+                certfile=settings.metrics_certfile, keyfile=settings.metrics_keyfile,
+            )  # fmt: skip
+        except ssl.SSLError as exc:
+            raise UnsafeSettings(
+                f"{ENV_PREFIX}METRICS_CERTFILE",
+                f"cannot serve /metrics over TLS with it ({exc.reason or exc})",
+                f"point {ENV_PREFIX}METRICS_CERTFILE and {ENV_PREFIX}METRICS_KEYFILE at a PEM "
+                "certificate and its private key",
+            ) from None
+        except OSError as exc:
+            raise MetricsPortUnavailable(
+                f"{ENV_PREFIX}METRICS_PORT",
+                f"cannot serve /metrics on {settings.metrics_addr}:{port} ({exc.strerror or exc})",
+                "give each worker on a host its own port, or free this one",
+            ) from None
 
     def _go_multiprocess(self) -> None:
         # The user's PROMETHEUS_MULTIPROC_DIR, if any, holds this worker's own directory.
@@ -371,21 +267,11 @@ def connect(app: Any, runtime: Runtime) -> None:
     """Serve /metrics from each worker of `app` when JOBFENCE_METRICS_PORT is set."""
     from celery import signals
 
-    from jobfence.config.errors import EX_CONFIG
     from jobfence.worker.signals import keep_alive
 
     def on_worker_init(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "app", None) is not app or runtime.settings.metrics_port is None:
-            return
-        if exporter_of(app) is not None:
-            return
-        try:
-            exporter = Exporter.start(runtime, multiprocess=forks(sender.pool_cls))
-        except UnsafeSettings as exc:  # the port is taken, or no directory for the files
-            print(f"jobfence: refusing to start the worker\n  - {exc}", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            raise SystemExit(EX_CONFIG) from None
-        setattr(app, EXPORTER_ATTRIBUTE, exporter)
+        if getattr(sender, "app", None) is app and runtime.settings.metrics_port is not None:
+            _start_exporter(app, runtime, sender.pool_cls)
 
     def on_process_init(**_: Any) -> None:
         exporter = exporter_of(app)
@@ -408,3 +294,19 @@ def connect(app: Any, runtime: Runtime) -> None:
     signals.worker_process_init.connect(on_process_init, weak=True)
     signals.worker_process_shutdown.connect(on_process_shutdown, weak=True)
     signals.worker_shutdown.connect(on_worker_shutdown, weak=True)
+
+
+def _start_exporter(app: Any, runtime: Runtime, pool_cls: Any) -> None:
+    """At a worker's start, before its pool forks: serve `app`'s /metrics (once), or refuse
+    the worker (exit status 78) when the port is taken or the files have no directory."""
+    from jobfence.config.errors import EX_CONFIG
+
+    if exporter_of(app) is not None:
+        return
+    try:
+        exporter = Exporter.start(runtime, multiprocess=forks(pool_cls))
+    except UnsafeSettings as exc:  # the port is taken, or no directory for the files
+        print(f"jobfence: refusing to start the worker\n  - {exc}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        raise SystemExit(EX_CONFIG) from None
+    setattr(app, EXPORTER_ATTRIBUTE, exporter)

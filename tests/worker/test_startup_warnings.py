@@ -13,13 +13,8 @@ from celery import Celery
 from jobfence.config import Settings
 from jobfence.config.errors import EX_CONFIG
 from jobfence.tasks import install
-from jobfence.worker.checks import (
-    StartupWarning,
-    _same_server,
-    check_broker,
-    check_environment,
-    enforce,
-)
+from jobfence.worker.checks import StartupWarning, check_broker, check_environment, enforce
+from jobfence.worker.server_checks import same_server
 from tests.servers import RedisServer
 from tests.worker.test_cli import REPO_ROOT
 
@@ -130,4 +125,4 @@ def test_the_check_command_refuses_bad_settings_without_showing_secrets() -> Non
 )
 def test_a_lock_server_that_is_not_redis_is_never_taken_for_the_redis_broker(lock_url: str) -> None:
     # A multi-member URL has no single port: urlsplit(...).port raised ValueError before.
-    assert not _same_server("redis://127.0.0.1:6379/1", lock_url)
+    assert not same_server("redis://127.0.0.1:6379/1", lock_url)

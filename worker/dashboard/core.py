@@ -10,23 +10,21 @@ nothing changes.
 Before any page: the Host must be one the dashboard answers to (421 otherwise: a DNS-rebinding
 page names its own host), a POST's Origin must be one of them too, and with a token (`guard`)
 the request must carry it (a bearer header or the login form's cookie). An action needs a login:
-the token's, or the shell's own (Django's staff login)."""
+the token's, or the shell's own (Django's staff login).
+
+Requests and responses are `web`'s; action tokens and the action log `actions`'; the live
+figures `live`'s; what the pages read `data`'s."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import secrets
-import threading
 import time
 import urllib.parse
-import urllib.request
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import jinja2
@@ -34,9 +32,16 @@ import markupsafe
 
 from jobfence.locks import LockBackend, LockError, LockInfo
 from jobfence.worker.admin import advance_fence, printable, release_grant
+from jobfence.worker.dashboard import live
+from jobfence.worker.dashboard.actions import COOKIE as COOKIE
+from jobfence.worker.dashboard.actions import TOKEN_TTL as TOKEN_TTL
+from jobfence.worker.dashboard.actions import ActionRecord as ActionRecord
+from jobfence.worker.dashboard.actions import ActionTokens
 from jobfence.worker.dashboard.data import (
     BadInput,
+    LockRow,
     LockView,
+    beat_rows,
     check_cursor,
     check_glob,
     check_key_id,
@@ -51,57 +56,11 @@ from jobfence.worker.dashboard.guard import (
     Login,
     check_token,
 )
+from jobfence.worker.dashboard.web import Request as Request
+from jobfence.worker.dashboard.web import Response as Response
+from jobfence.worker.dashboard.web import plain, redirect, safe_next, secs, when
 
 log = logging.getLogger("jobfence.dashboard")
-
-COOKIE = "jobfence_dash"  # the browser's random id, which action tokens are bound to
-TOKEN_TTL = 600.0  # seconds a confirmation page's token stays good
-LIVE_METRICS = {  # live figure -> the metric whose samples are summed
-    "waits": "jobfence_acquire_wait_seconds_count",
-    "skips": "jobfence_conflicts_total",
-    "lost_leases": "jobfence_lost_leases_total",
-}
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a page needs of an HTTP request. `root` is where the dashboard is mounted."""
-
-    method: str
-    path: str  # below root: "/", "/lock", ...
-    query: Mapping[str, str] = field(default_factory=dict)
-    form: Mapping[str, str] = field(default_factory=dict)
-    cookies: Mapping[str, str] = field(default_factory=dict)
-    origin: str = ""  # the Origin header, if the browser sent one
-    host: str = ""  # the Host header
-    root: str = ""
-    user: str = "anonymous"  # who acts, for the action log (Django: the admin user)
-    csrf_input: str = ""  # a shell's own CSRF field (Django's), put into every form
-    authorization: str = ""  # the Authorization header ("Bearer <token>")
-    host_checked: bool = False  # the shell vetted the Host (Django's ALLOWED_HOSTS)
-    authenticated: bool = False  # the shell's own login passed (Django's staff login)
-
-
-@dataclass
-class Response:
-    status: int
-    body: str
-    content_type: str = "text/html; charset=utf-8"
-    set_cookie: tuple[str, str] | None = None  # (name, value), HttpOnly, SameSite=Strict
-    login_cookie: str | None = None  # set it (HttpOnly, SameSite=Strict); "" clears it
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ActionRecord:
-    """One action in the log: who, what, when, and what came of it (no key: its label)."""
-
-    when: float
-    user: str
-    action: str
-    lock: str
-    fence: int
-    outcome: str
 
 
 class Dashboard:
@@ -138,24 +97,23 @@ class Dashboard:
         self.app = app  # a Celery app: its beat schedule fills the beat table
         self.metrics_url = metrics_url
         self.refresh = refresh
+        self.tokens = ActionTokens(self.secret)
         self.log: deque[ActionRecord] = deque(maxlen=200)
-        self._used: dict[str, float] = {}  # nonces of tokens spent, until they expire
-        self._lock = threading.Lock()
         loader = jinja2.PackageLoader("jobfence.worker.dashboard", "templates")
         self.env = jinja2.Environment(
             loader=loader, autoescape=True, undefined=jinja2.StrictUndefined
         )
-        self.env.filters["when"] = _when
-        self.env.filters["secs"] = _secs
+        self.env.filters["when"] = when
+        self.env.filters["secs"] = secs
 
     # ------------------------------------------------------------------- dispatch
     def handle(self, req: Request) -> Response:
         if not req.host_checked and not self.hosts.allows(req.host):
-            return _plain(421, f"421 Misdirected Request: this dashboard does not answer to the "
+            return plain(421, f"421 Misdirected Request: this dashboard does not answer to the "
                                f"host name {printable(req.host)!r}. If that is the name you "
                                f"browse it by, start it with --allowed-host NAME.")  # fmt: skip
         if req.method.upper() == "POST" and req.origin and not self._origin_ok(req):
-            return _plain(403, "403 Forbidden: the request came from another site (its Origin "
+            return plain(403, "403 Forbidden: the request came from another site (its Origin "
                                "is not this dashboard); nothing was changed.")  # fmt: skip
         authed = req.authenticated
         if self.login is not None and not authed:
@@ -220,7 +178,7 @@ class Dashboard:
         if req.method.upper() == "GET":
             nxt = req.path + ("?" + urllib.parse.urlencode(dict(req.query)) if req.query else "")
         else:  # a failed login: on to where it was going
-            nxt = _safe_next(req.form.get("next", "/"))
+            nxt = safe_next(req.form.get("next", "/"))
         html = self.env.get_template("login.html").render(
             root=req.root, next=nxt, why=why, csrf_input=markupsafe.Markup(req.csrf_input),
             variable=TOKEN_ENV,
@@ -233,7 +191,7 @@ class Dashboard:
             log.warning("dashboard: a failed login from %s", printable(req.user))
             return self.login_page(req, "That is not the token this dashboard was started with.")
         log.info("dashboard: a login from %s", printable(req.user))
-        resp = _redirect(req, _safe_next(req.form.get("next", "/")))
+        resp = redirect(req, safe_next(req.form.get("next", "/")))
         resp.login_cookie = self.login.mint_cookie()
         return resp
 
@@ -241,10 +199,10 @@ class Dashboard:
         """/login once logged in (by the token, or the shell): on to the page asked for."""
         if self.login is None and not req.authenticated:
             return self._error(req, 404, "no such page", "this dashboard has no login")
-        return _redirect(req, _safe_next(req.form.get("next", req.query.get("next", "/"))))
+        return redirect(req, safe_next(req.form.get("next", req.query.get("next", "/"))))
 
     def logout(self, req: Request) -> Response:
-        resp = _redirect(req, "/")
+        resp = redirect(req, "/")
         resp.login_cookie = ""
         return resp
 
@@ -302,7 +260,7 @@ class Dashboard:
 
     def leaders_page(self, req: Request) -> Response:
         return self.render(req, "leaders.html", leaders=self.view.leaders(),
-                           beat=self.beat_rows())  # fmt: skip
+                           beat=beat_rows(self.app))  # fmt: skip
 
     def records_page(self, req: Request) -> Response:
         task = check_glob(req.query.get("task", ""), "task name")
@@ -316,54 +274,9 @@ class Dashboard:
 
     def figures(self) -> dict[str, int | None]:
         """Locks held and their verdicts; waits, skips and lost leases from `metrics_url`."""
-        now = self.view_now()
-        counts: dict[str, int | None] = {"locks": 0, "dead": 0, "stopped": 0, "suspect": 0}
-        for n, info in enumerate(self.backend.scan("*")):
-            if n >= 10_000:
-                break
-            counts["locks"] = n + 1
-            verdict = self.view.row(info, now).verdict
-            if verdict in counts:
-                counts[verdict] = (counts[verdict] or 0) + 1
-        counts.update(self.scraped())
+        counts = live.lock_counts(self.view, self.backend, self.view_now())
+        counts.update(live.scraped(self.metrics_url))
         return counts
-
-    def scraped(self) -> dict[str, int | None]:
-        if not self.metrics_url:
-            return dict.fromkeys(LIVE_METRICS)
-        from prometheus_client.parser import text_string_to_metric_families
-
-        sums = dict.fromkeys(LIVE_METRICS.values(), 0.0)
-        try:
-            with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
-                text = resp.read().decode()
-        except OSError:
-            return dict.fromkeys(LIVE_METRICS)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in sums:
-                    sums[sample.name] += sample.value
-        return {k: int(sums[m]) for k, m in LIVE_METRICS.items()}
-
-    def beat_rows(self) -> list[dict[str, str]] | None:
-        """Each beat entry's latest due slot (its idempotency key) and next one; None if no app."""
-        if self.app is None:
-            return None
-        from celery.beat import ScheduleEntry
-
-        from jobfence.worker.beat import format_slot, slot_time
-
-        rows = []
-        for name, spec in sorted((self.app.conf.beat_schedule or {}).items()):
-            entry = ScheduleEntry(name=name, task=spec["task"], schedule=spec["schedule"],
-                                  app=self.app)  # fmt: skip
-            now = entry.default_now()
-            slot = slot_time(entry, now)
-            nxt = now + entry.schedule.remaining_estimate(slot)
-            rows.append({"name": printable(name), "task": printable(spec["task"]),
-                         "slot": f"{printable(name)}@{format_slot(slot)}",
-                         "next": format_slot(nxt)})  # fmt: skip
-        return rows
 
     def view_now(self) -> float:
         from jobfence.worker.admin import server_time
@@ -381,48 +294,21 @@ class Dashboard:
         return self.render(req, "confirm.html", row=row, info=info, token=token)
 
     def mint_token(self, action: str, lock_id: str, fence: int, cookie: str) -> str:
-        issued, nonce = f"{time.time():.0f}", secrets.token_hex(8)
-        return f"{issued}.{nonce}.{self._mac(action, lock_id, fence, cookie, issued, nonce)}"
-
-    def _mac(self, *parts: object) -> str:
-        msg = "\n".join(str(p) for p in parts).encode()
-        return hmac.new(self.secret, msg, hashlib.sha256).hexdigest()
+        """A confirmation page's action token (see `actions.ActionTokens`)."""
+        return self.tokens.mint(action, lock_id, fence, cookie)
 
     def _check_token(self, req: Request, action: str, lock_id: str, fence: int) -> str:
         """Empty if the form's token is good for this action, lock, fence and browser; else why."""
         if req.origin and not self._origin_ok(req):  # (`handle` refused it already)
             return "the request came from another site (its Origin is not this dashboard)"
         token, cookie = req.form.get("token", ""), req.cookies.get(COOKIE, "")
-        issued, _, rest = token.partition(".")
-        nonce, _, mac = rest.partition(".")
-        if not (token and cookie and issued.isdigit()):
-            return "the form's cross-site token is missing; open the confirmation page again"
-        if not hmac.compare_digest(mac, self._mac(action, lock_id, fence, cookie, issued, nonce)):
-            return "the form's cross-site token is not valid for this lock and browser"
-        now = time.time()
-        if now - int(issued) > TOKEN_TTL:
-            return "the confirmation page has expired; open it again"
-        with self._lock:
-            for old in [n for n, t in self._used.items() if t < now]:
-                del self._used[old]
-            if nonce in self._used:
-                return (
-                    "this form was submitted already (a replay); open the confirmation page again"
-                )
-            self._used[nonce] = int(issued) + TOKEN_TTL
-        return ""
+        return self.tokens.check(token, cookie, action, lock_id, fence)
 
     def release(self, req: Request) -> Response:
         """Force-release a provably dead holder's lock and advance its fence."""
-        if not self.actions:
-            why = "actions are off; start it with --allow-actions to enable them"
-            return self._error(req, 403, "read-only dashboard", why)
-        if not req.authenticated:
-            why = (
-                f"actions need a login: set {TOKEN_ENV} (32+ random characters) where the "
-                f"dashboard starts and log in with it, or mount it in Django's admin"
-            )
-            return self._error(req, 403, "action refused", why)
+        refusal = self._may_act(req)
+        if refusal is not None:
+            return refusal
         lock_id = check_key_id(req.form.get("id", ""))
         fence_text = req.form.get("fence", "")
         if not fence_text.isdigit():
@@ -434,20 +320,10 @@ class Dashboard:
         if req.form.get("confirm") != "yes":
             why = "not confirmed: tick the box that says what will happen"
             return self._refused(req, 400, lock_id, fence, why)
-        info = self.view.find(lock_id)
-        if (
-            info is None
-            or info.fence != fence
-            or (info.host, str(info.pid)) != (req.form.get("host", ""), req.form.get("pid", ""))
-        ):
-            return self._refused(req, 409, lock_id, fence,
-                                 "stale view: the holder changed since the page was drawn; "
-                                 "nothing was released")  # fmt: skip
-        row = self.view.row(info, self.view_now())
-        if row.verdict != "dead":
-            return self._refused(req, 409, lock_id, fence,
-                                 f"the holder is {row.verdict}, not provably dead "
-                                 f"({row.reason}); nothing was released")  # fmt: skip
+        held = self._dead_holder(req, lock_id, fence)
+        if isinstance(held, str):
+            return self._refused(req, 409, lock_id, fence, held)
+        info, row = held
         if not release_grant(self.backend, info.key, fence):
             return self._refused(req, 409, lock_id, fence,
                                  "the lock changed hands while it was being released")  # fmt: skip
@@ -455,6 +331,37 @@ class Dashboard:
         self._record(req, "release", row.hidden, fence, f"released; fence advanced to {floor}")
         self._decide(info, fence, floor, req.user)
         return self.render(req, "done.html", row=row, floor=floor)
+
+    def _may_act(self, req: Request) -> Response | None:
+        """A 403 if this dashboard is read-only or the request has no login; None if it may."""
+        if not self.actions:
+            why = "actions are off; start it with --allow-actions to enable them"
+            return self._error(req, 403, "read-only dashboard", why)
+        if not req.authenticated:
+            why = (
+                f"actions need a login: set {TOKEN_ENV} (32+ random characters) where the "
+                f"dashboard starts and log in with it, or mount it in Django's admin"
+            )
+            return self._error(req, 403, "action refused", why)
+        return None
+
+    def _dead_holder(
+        self, req: Request, lock_id: str, fence: int
+    ) -> tuple[LockInfo, LockRow] | str:
+        """The lock and its row if it is still held as the page showed it (fence, host, pid)
+        and its holder is provably dead; else why not."""
+        info = self.view.find(lock_id)
+        if (
+            info is None
+            or info.fence != fence
+            or (info.host, str(info.pid)) != (req.form.get("host", ""), req.form.get("pid", ""))
+        ):
+            return "stale view: the holder changed since the page was drawn; nothing was released"
+        row = self.view.row(info, self.view_now())
+        if row.verdict != "dead":
+            return (f"the holder is {row.verdict}, not provably dead ({row.reason}); nothing "
+                    "was released")  # fmt: skip
+        return info, row
 
     def _decide(self, info: LockInfo, fence: int, floor: int, user: str) -> None:
         """The force release in the key's decision log, where the backend keeps one (who,
@@ -480,29 +387,3 @@ class Dashboard:
         log.warning("dashboard: %s by %s on %s (fence %d): %s", action, entry.user, lock, fence,
                     outcome)  # fmt: skip
 
-
-def _plain(status: int, text: str) -> Response:
-    """A refusal before the login: plain text, nothing of the lock server in it."""
-    return Response(status, text + "\n", "text/plain; charset=utf-8")
-
-
-def _safe_next(nxt: str) -> str:
-    """A page below the dashboard's root to go on to after the login; "/" for anything else
-    (another site, a scheme, a backslash or control character)."""
-    if not nxt.startswith("/") or nxt.startswith("//") or any(c in nxt for c in "\\\r\n\t"):
-        return "/"
-    return nxt
-
-
-def _redirect(req: Request, below_root: str) -> Response:
-    return Response(303, "", headers={"Location": (req.root or "") + below_root})
-
-
-def _when(epoch: float) -> str:
-    if not epoch:
-        return "-"
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _secs(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}s"

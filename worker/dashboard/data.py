@@ -1,5 +1,6 @@
 """What the dashboard reads from a lock backend: locks by page, holders' liveness, slots,
-rate limits, leaders, job records. Redis backends page with SCAN cursors; others list all."""
+rate limits, leaders, job records; and an app's beat slots. Redis backends page with SCAN
+cursors; others list all."""
 
 from __future__ import annotations
 
@@ -323,3 +324,23 @@ def _safe_fields(entry: Any) -> dict[str, str]:
         for k, v in items
         if not _HIDDEN.search(str(k))
     }
+
+
+def beat_rows(app: Any) -> list[dict[str, str]] | None:
+    """Each beat entry's latest due slot (its idempotency key) and next one; None if no app."""
+    if app is None:
+        return None
+    from celery.beat import ScheduleEntry
+
+    from jobfence.worker.beat_slots import format_slot, slot_time
+
+    rows = []
+    for name, spec in sorted((app.conf.beat_schedule or {}).items()):
+        entry = ScheduleEntry(name=name, task=spec["task"], schedule=spec["schedule"], app=app)
+        now = entry.default_now()
+        slot = slot_time(entry, now)
+        nxt = now + entry.schedule.remaining_estimate(slot)
+        rows.append({"name": printable(name), "task": printable(spec["task"]),
+                     "slot": f"{printable(name)}@{format_slot(slot)}",
+                     "next": format_slot(nxt)})  # fmt: skip
+    return rows

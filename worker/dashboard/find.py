@@ -83,6 +83,32 @@ def close_names(name: str, names: list[str]) -> list[str]:
 def job_key(app: Any, task_name: str, arguments: str, explicit: str = "") -> str:
     """The job key the worker computes for `task_name` called with `arguments` (the form's
     text) under the app's key secret; BadInput naming the field otherwise."""
+    task = jobfence_task(app, task_name)
+    task_name = task_name.strip()
+    args, kwargs = parse_arguments(arguments)
+    if explicit and (len(explicit) > MAX_TASK or not explicit.isprintable()):
+        raise BadInput(f"idempotency key must be at most {MAX_TASK} printable characters")
+    from jobfence.config.errors import UnsafeSettings
+    from jobfence.tasks.errors import BadArguments
+
+    try:
+        key, _ = task.identity(args, kwargs, explicit or None)
+    except BadArguments as exc:  # worded as a plain call: names, never values
+        raise BadInput(f"arguments: {exc}") from None
+    except UnsafeSettings as exc:
+        raise BadInput(f"the app's jobfence settings are not usable here: {exc}") from None
+    except Exception as exc:  # the task's own key function: its message may hold a value
+        raise BadInput(
+            f"arguments: the key function of {printable(task_name)} raised "
+            f"{type(exc).__name__} for them; check them against the task's signature"
+        ) from None
+    return str(key)
+
+
+def jobfence_task(app: Any, task_name: str) -> Any:
+    """The app's jobfence task named `task_name` (stripped); BadInput saying what is wrong
+    with the name otherwise (no app, empty, too long, unknown: with near names, a plain
+    Celery task)."""
     if app is None:
         raise BadInput(NO_APP)
     task_name = task_name.strip()
@@ -104,21 +130,4 @@ def job_key(app: Any, task_name: str, arguments: str, explicit: str = "") -> str
             f"task name: {printable(task_name)} is a plain Celery task, not a jobfence one: "
             f"it has no job key to find"
         )
-    args, kwargs = parse_arguments(arguments)
-    if explicit and (len(explicit) > MAX_TASK or not explicit.isprintable()):
-        raise BadInput(f"idempotency key must be at most {MAX_TASK} printable characters")
-    from jobfence.config.errors import UnsafeSettings
-    from jobfence.tasks.errors import BadArguments
-
-    try:
-        key, _ = task.identity(args, kwargs, explicit or None)
-    except BadArguments as exc:  # worded as a plain call: names, never values
-        raise BadInput(f"arguments: {exc}") from None
-    except UnsafeSettings as exc:
-        raise BadInput(f"the app's jobfence settings are not usable here: {exc}") from None
-    except Exception as exc:  # the task's own key function: its message may hold a value
-        raise BadInput(
-            f"arguments: the key function of {printable(task_name)} raised "
-            f"{type(exc).__name__} for them; check them against the task's signature"
-        ) from None
-    return str(key)
+    return task
