@@ -3,7 +3,7 @@ every node of a Cluster).
 
 A Redis that may evict keys is refused; a wrong password, a TLS set-up that cannot work or
 another server at the URL's address is a wrong setting, refused; a server that does not
-answer yet is an outage the worker waits out. The broker's check (worker/checks.py) uses
+answer yet is an outage the worker waits out. The broker's check (worker/server_checks.py) uses
 the same eviction and credential tests.
 """
 
