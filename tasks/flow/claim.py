@@ -31,16 +31,20 @@ class Claim(Ending):
             yield from self.release_quietly(lease)
             return (yield from self.redeliver("lock server unavailable before the body ran", None))
         if ran is not None:
-            kept = STARTED + ran
-        elif kept is None or kept == STARTED + spec.task_id:
+            return (yield from self.throttled(lease, ran))
+        if kept is None or kept == STARTED + spec.task_id:
             return None
-        elif spec.supersede:
+        if spec.supersede:
             return (yield from self.superseded_copy(lease, kept))
         if spec.unique_for and kept.startswith(STARTED):
-            yield Event(Kind.THROTTLED, lease.fence, kept.removeprefix(STARTED))
-            yield from self.release_quietly(lease)
-            return Outcome("duplicate", DUPLICATE, lease.fence, holder=kept.removeprefix(STARTED))
+            return (yield from self.throttled(lease, kept.removeprefix(STARTED)))
         return None
+
+    def throttled(self, lease: Lease, holder: str) -> JobFlow[Outcome]:
+        """`holder`'s run of the key started within `unique_for`: skipped, its result answers."""
+        yield Event(Kind.THROTTLED, lease.fence, holder)
+        yield from self.release_quietly(lease)
+        return Outcome("duplicate", DUPLICATE, lease.fence, holder=holder)
 
     def swap_claim(self) -> JobFlow[str | None]:
         """Our claim marked started (dropped under lock_until="start"); else who holds it."""
