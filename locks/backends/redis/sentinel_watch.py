@@ -104,13 +104,17 @@ class MasterWatch:
         # Before the epoch moves, the pool drops its idle connections to the old master
         # (busy ones as they come back): a call that reads the new epoch meets none.
         backend.client.connection_pool.get_master_address()  # type: ignore[attr-defined]
+        if not moved:
+            # The first answer is no change: nothing was sent under an epoch before it. (It
+            # once moved the epoch, and a call sent under the caller's first poll failed when
+            # the watch thread's own first poll, answered at the same time, moved it again.)
+            return
         with self._lock:
             self.epoch += 1
-            leases = [le for le in list(self.leases) if not le.settled] if moved else []
-        if moved:
-            log.warning("the sentinels name a new master for %s; confirming %d lease(s) on it",
-                        backend.service, len(leases))  # fmt: skip
-            backend.confirm_on_new_master(leases)
+            leases = [le for le in list(self.leases) if not le.settled]
+        log.warning("the sentinels name a new master for %s; confirming %d lease(s) on it",
+                    backend.service, len(leases))  # fmt: skip
+        backend.confirm_on_new_master(leases)
 
     def register(self, lease: Lease, epoch: int) -> None:
         """Keep `lease` (granted under `epoch`) for the confirmation at the next change;
