@@ -30,7 +30,7 @@ from celery.utils import uuid
 
 from devstack.bench import charts
 from devstack.bench import report as report_io
-from devstack.bench.locks_bench import BenchError, Server, start_private_redis
+from devstack.bench.locks_bench import BenchError, Server, server_cpu, start_private_redis
 
 APP_MODULE = "devstack.bench.celery_bench_app"
 BODY_ENV = "JOBFENCE_BENCH_BODY_MS"  # the app module's body wait, in milliseconds
@@ -47,6 +47,9 @@ TRIPS = "plain + 2 round trips (control)"
 #: cores the fleet saturates, every contender's rate is the box's CPU per job instead.
 TRIVIAL_TARGET = 0.95
 BODY_TARGET = 0.99
+#: The lock server's CPU per jobfence job at most this share of the broker's (issue 33): the
+#: lock server is never the fleet's bottleneck while the broker is not.
+LOCK_SHARE_TARGET = 0.5
 WARMUP_JOBS = 200  # per contender, untimed: forks, connections and scripts are ready after
 POLL = 0.005  # seconds between counter polls
 REPO_ROOT = Path(__file__).resolve().parents[2]  # devstack/bench/ -> the checkout
@@ -60,6 +63,12 @@ class Contender:
     publish_seconds: list[float] = field(default_factory=list)
     storm_queued: int = 0  # storm messages that reached the broker
     storm_executions: int = 0  # storm bodies run
+    #: Server CPU seconds (INFO cpu, main thread) over the timed rounds: the broker's (with
+    #: the results database) and the lock server's (locks alone, with --one-server the same).
+    broker_cpu: float = 0.0
+    lock_cpu: float = 0.0
+    #: The lock server's commands over the timed rounds: name -> [calls, usec] (commandstats).
+    lock_commands: dict[str, list[int]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -75,9 +84,8 @@ class Fleet:
         self.logdir = logdir
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, counters: redis.Redis, ready_key: str, url_env: str) -> None:
-        env = dict(os.environ)
-        env[url_env] = self.base_url
+    def start(self, counters: redis.Redis, ready_key: str, urls: dict[str, str]) -> None:
+        env = {**os.environ, **urls}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         nonce = secrets.token_hex(3)
         for i in range(self.workers):
@@ -223,22 +231,69 @@ def run_storm(
     return queued, int(counters.get(mod.EXEC_PREFIX + tag) or 0)
 
 
-def run(args: argparse.Namespace, server: Server, logdir: Path) -> dict[str, Any]:
-    base_url = server.url.rsplit("/", 1)[0]
-    url_env = "JOBFENCE_BENCH_REDIS_URL"
-    os.environ[url_env] = base_url  # read by the app module when imported below
+@dataclass
+class Servers:
+    """The bench's private redis-servers: the broker (and results); the lock server and the
+    counters each one of their own, unless --one-server puts all on the broker's."""
+
+    broker: Server
+    locks: Server | None = None
+    counters: Server | None = None
+
+    def all(self) -> list[Server]:
+        return [s for s in (self.broker, self.locks, self.counters) if s is not None]
+
+    def stop(self) -> None:
+        for server in self.all():
+            server.stop()
+
+
+def _base(server: Server) -> str:
+    return server.url.rsplit("/", 1)[0]
+
+
+def start_servers(args: argparse.Namespace) -> Servers:
+    servers = Servers(start_private_redis(args.redis_server))
+    try:
+        if not args.one_server:
+            servers.locks = start_private_redis(args.redis_server)
+            servers.counters = start_private_redis(args.redis_server)
+    except BenchError:
+        servers.stop()
+        raise
+    return servers
+
+
+def _commandstats(admin: redis.Redis) -> dict[str, tuple[int, int]]:
+    """Each command's calls and microseconds so far (calls made from Lua included)."""
+    stats: dict[str, dict[str, Any]] = admin.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
+        for name, v in stats.items()
+    }
+
+
+def run(args: argparse.Namespace, servers: Servers, logdir: Path) -> dict[str, Any]:
+    base_url = _base(servers.broker)
+    urls = {"JOBFENCE_BENCH_REDIS_URL": base_url}
+    if servers.locks is not None and servers.counters is not None:
+        urls["JOBFENCE_BENCH_LOCK_URL"] = f"{_base(servers.locks)}/0"
+        urls["JOBFENCE_BENCH_COUNTER_URL"] = f"{_base(servers.counters)}/0"
+    os.environ.update(urls)  # read by the app module when imported below
     os.environ[BODY_ENV] = repr(args.body_ms)  # and this too, here and in every worker
 
     mod = importlib.import_module(APP_MODULE)
     if base_url != mod.BASE_URL or not math.isclose(mod.BODY_SECONDS * 1000, args.body_ms):
         raise BenchError(f"{APP_MODULE} was imported before the bench chose its server")
-    counters = redis.Redis.from_url(mod.LOCK_URL, socket_timeout=10.0)
+    counters = redis.Redis.from_url(mod.COUNTER_URL, socket_timeout=10.0)
+    broker_admin = redis.Redis.from_url(f"{base_url}/0", socket_timeout=10.0)
+    lock_admin = redis.Redis.from_url(mod.LOCK_URL, socket_timeout=10.0)
     fleet = Fleet(base_url, args.workers, args.concurrency, logdir)
     names = {**CONTENDERS, **({TRIPS: "plain_trips"} if args.round_trip_control else {})}
     contenders = [Contender(name, getattr(mod, attr)) for name, attr in names.items()]
     run_id = secrets.token_hex(4)
     try:
-        fleet.start(counters, mod.READY_KEY, url_env)
+        fleet.start(counters, mod.READY_KEY, urls)
         for c in contenders:
             tag = f"warm-{names[c.name]}-{run_id}"
             run_jobs(c, mod, counters, fleet, tag, WARMUP_JOBS, 120)
@@ -246,9 +301,19 @@ def run(args: argparse.Namespace, server: Server, logdir: Path) -> dict[str, Any
             shift = r % len(contenders)  # rotate the order so drift hits all alike
             for c in contenders[shift:] + contenders[:shift]:
                 tag = f"jobs-{names[c.name]}-{run_id}-{r}"
+                cpu = server_cpu(broker_admin), server_cpu(lock_admin)
+                stats = _commandstats(lock_admin)
                 pub, total = run_jobs(
                     c, mod, counters, fleet, tag, args.jobs, args.timeout, drain=args.drain
                 )
+                c.broker_cpu += server_cpu(broker_admin) - cpu[0]
+                c.lock_cpu += server_cpu(lock_admin) - cpu[1]
+                for name, (calls, usec) in _commandstats(lock_admin).items():
+                    was = stats.get(name, (0, 0))
+                    if calls > was[0]:
+                        seen = c.lock_commands.setdefault(name, [0, 0])
+                        seen[0] += calls - was[0]
+                        seen[1] += usec - was[1]
                 c.publish_seconds.append(pub)
                 c.seconds.append(total)
                 if not report_io.json_to_stdout(args):
@@ -262,15 +327,20 @@ def run(args: argparse.Namespace, server: Server, logdir: Path) -> dict[str, Any
             )
     finally:
         fleet.stop()
-        counters.close()
-    return build_report(args, contenders, server)
+        for client in (counters, broker_admin, lock_admin):
+            client.close()
+    return build_report(args, contenders, servers)
 
 
 # --------------------------------------------------------------------------- report
 
 
+def _per_job_us(seconds: float, args: argparse.Namespace) -> float:
+    return round(seconds / (int(args.jobs) * int(args.rounds)) * 1e6, 1)
+
+
 def build_report(
-    args: argparse.Namespace, contenders: list[Contender], server: Server
+    args: argparse.Namespace, contenders: list[Contender], servers: Servers
 ) -> dict[str, Any]:
     base = next(c for c in contenders if c.name == PLAIN)
 
@@ -291,14 +361,40 @@ def build_report(
             "vs_plain_max": round(max(vs_plain(c)), 3),
             "storm_queued": c.storm_queued,
             "storm_executions": c.storm_executions,
+            "broker_cpu_us_per_job": _per_job_us(c.broker_cpu, args),
+            "lock_cpu_us_per_job": _per_job_us(c.lock_cpu, args) if not args.one_server else None,
+            "lock_commands_per_job": {
+                name: {
+                    "calls": round(calls / (args.jobs * args.rounds), 2),
+                    "usec": round(usec / (args.jobs * args.rounds), 2),
+                }
+                for name, (calls, usec) in sorted(c.lock_commands.items(), key=lambda kv: -kv[1][1])
+            },
         }
         for c in contenders
     ]
     by = {r["name"]: r for r in rows}
     jf = by[JOBFENCE]
     floor = BODY_TARGET if args.body_ms > 0 else TRIVIAL_TARGET
+    lock_share = (
+        None
+        if args.one_server or not jf["broker_cpu_us_per_job"]
+        else round(jf["lock_cpu_us_per_job"] / jf["broker_cpu_us_per_job"], 3)
+    )
+    targets = {
+        f"jobfence_at_least_{floor:g}x_plain": jf["vs_plain"] >= floor,
+        "jobfence_ahead_of_peers": all(
+            jf["vs_plain"] > by[p]["vs_plain"] for p in (ONCE, SINGLETON)
+        ),
+    }
+    if lock_share is not None:
+        targets["lock_server_at_most_half_the_broker"] = lock_share <= LOCK_SHARE_TARGET
     return {
-        "server": {"url": server.url},
+        "server": {
+            "url": servers.broker.url,
+            "locks": None if servers.locks is None else servers.locks.url,
+            "counters": None if servers.counters is None else servers.counters.url,
+        },
         "python": platform.python_version(),
         "versions": {"celery": celery.__version__, "redis-py": redis.__version__},
         "config": {
@@ -309,6 +405,7 @@ def build_report(
             "rounds": args.rounds,
             "body_ms": args.body_ms,
             "mode": "drain" if args.drain else "live",
+            "servers": "one" if args.one_server else "split",
             "round_trip_control": bool(args.round_trip_control),
             "pool": "prefork",
             "acks_late": True,
@@ -316,17 +413,28 @@ def build_report(
             "its DONE record, which is its idempotency layer",
         },
         "contenders": rows,
-        "targets": {
-            f"jobfence_at_least_{floor:g}x_plain": jf["vs_plain"] >= floor,
-            "jobfence_ahead_of_peers": all(
-                jf["vs_plain"] > by[p]["vs_plain"] for p in (ONCE, SINGLETON)
-            ),
-        },
+        "jobfence_lock_cpu_vs_broker": lock_share,
+        "targets": targets,
     }
 
 
 def _body(ms: float) -> str:
     return f"time.sleep({ms:g} ms), then count" if ms > 0 else "trivial (count one execution)"
+
+
+def _us(row: dict[str, Any]) -> str:
+    lock = row["lock_cpu_us_per_job"]
+    return "-" if lock is None else f"{lock:.1f}"
+
+
+def _servers_line(report: dict[str, Any]) -> str:
+    srv = report["server"]
+    if srv.get("locks") is None:
+        return f"private redis-server at {srv['url']} (broker, locks, results)"
+    return (
+        f"private redis-servers: broker and results {srv['url']}, locks {srv['locks']}, "
+        f"the bench's counters {srv['counters']}"
+    )
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -335,8 +443,7 @@ def format_report(report: dict[str, Any]) -> str:
     out = [
         "jobfence Celery benchmark",
         f"  celery {report['versions']['celery']}, redis-py {report['versions']['redis-py']}, "
-        f"python {report['python']}; private redis-server at {report['server']['url']} "
-        "(broker, locks, results)",
+        f"python {report['python']}; " + _servers_line(report),
         f"  fleet: {cfg['workers']} worker(s) x {cfg['concurrency']} prefork processes; "
         f"acks_late for all; results ignored by all",
         "",
@@ -351,7 +458,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"storm: one job published {cfg['storm']} times while the fleet runs",
         "",
         f"  {'contender':<{w}} {'jobs/s':>8} {'(min-max)':>13} {'publish/s':>10} "
-        f"{'vs plain':>9} {'(min-max)':>11} {'storm: queued':>14} {'executions':>11}",
+        f"{'vs plain':>9} {'(min-max)':>11} {'storm: queued':>14} {'executions':>11} "
+        f"{'broker µs/job':>14} {'locks µs/job':>13}",
     ]
     for r in report["contenders"]:
         jobs = f"({r['jobs_per_s_min']:.0f}-{r['jobs_per_s_max']:.0f})"
@@ -359,14 +467,15 @@ def format_report(report: dict[str, Any]) -> str:
         out.append(
             f"  {r['name']:<{w}} {r['jobs_per_s']:>8.0f} {jobs:>13} {r['publish_per_s']:>10.0f} "
             f"{r['vs_plain']:>8.2f}x {ratio:>11} {r['storm_queued']:>14} "
-            f"{r['storm_executions']:>11}"
+            f"{r['storm_executions']:>11} {r['broker_cpu_us_per_job']:>14.1f} {_us(r):>13}"
         )
     t = report["targets"]
     jf = next(r for r in report["contenders"] if r["name"] == JOBFENCE)
     floor = BODY_TARGET if cfg["body_ms"] > 0 else TRIVIAL_TARGET
     out += [
         "  vs plain: median over rounds of plain's round time / this contender's (>1 faster);",
-        "  (min-max): the slowest and fastest round",
+        "  (min-max): the slowest and fastest round; broker / locks µs/job: each server's main-"
+        "thread CPU (INFO cpu) over the timed rounds, per job",
         "",
         "targets",
         f"  @singleton_task >= {floor:g}x plain Celery: {jf['vs_plain']:.2f}x  "
@@ -374,6 +483,18 @@ def format_report(report: dict[str, Any]) -> str:
         f"  ahead of celery-once and celery-singleton: "
         f"{'MET' if t['jobfence_ahead_of_peers'] else 'MISSED'}",
     ]
+    commands = jf.get("lock_commands_per_job") or {}
+    if commands and report["server"].get("locks") is not None:
+        out.append("  jobfence's commands on the lock server per job (calls, command µs):")
+        out.append("    " + ", ".join(
+            f"{name} {v['calls']:g} / {v['usec']:.1f}" for name, v in list(commands.items())[:8]
+        ))  # fmt: skip
+    share = report.get("jobfence_lock_cpu_vs_broker")
+    if share is not None:
+        out.append(
+            f"  lock server CPU per job <= {LOCK_SHARE_TARGET:g}x the broker's: {share:.2f}x  "
+            f"{'MET' if t['lock_server_at_most_half_the_broker'] else 'MISSED'}"
+        )
     return "\n".join(out)
 
 
@@ -410,6 +531,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add a control: plain Celery whose body first makes two bare round trips (PING), "
         "as many as a jobfence job makes in its pool process",
     )
+    p.add_argument(
+        "--one-server",
+        action="store_true",
+        help="broker, locks and counters on one private redis-server (default: the lock "
+        "server and the counters each on one of their own, each server's CPU per job apart)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
     report_io.add_private_redis_args(p)
     args = p.parse_args(argv)
@@ -426,19 +553,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logdir = Path(tempfile.mkdtemp(prefix="jobfence-celery-bench-"))
     try:
-        server = start_private_redis(args.redis_server)
+        servers = start_servers(args)
     except BenchError as exc:
         print(f"bench: cannot start a private redis-server: {exc}", file=sys.stderr)
         return 2
     try:
         if not report_io.json_to_stdout(args):
-            print(f"running on private redis-server at {server.url} ...", flush=True)
-        report = run(args, server, logdir)
+            print(f"running on private redis-server at {servers.broker.url} ...", flush=True)
+        report = run(args, servers, logdir)
     except (BenchError, redis.RedisError) as exc:
         print(f"bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     finally:
-        server.stop()
+        servers.stop()
         shutil.rmtree(logdir, ignore_errors=True)
     print(json.dumps(report) if report_io.json_to_stdout(args) else format_report(report))
     report_io.write_report("celery", report, png=charts.celery_chart, args=args)

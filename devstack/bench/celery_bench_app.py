@@ -22,8 +22,14 @@ BASE_URL = os.environ.get(URL_ENV, "redis://127.0.0.1:6379").rstrip("/")
 BODY_ENV = "JOBFENCE_BENCH_BODY_MS"
 BODY_SECONDS = float(os.environ.get(BODY_ENV) or 0) / 1000
 BROKER_URL = f"{BASE_URL}/0"
-LOCK_URL = f"{BASE_URL}/1"  # jobfence, celery-once and celery-singleton locks; the counters
 RESULT_URL = f"{BASE_URL}/2"
+# The lock server (jobfence's, celery-once's and celery-singleton's locks) and the bench's
+# counters: by default each a private redis-server of its own, so that each server's CPU per
+# job is measured apart (issue 33); unset (`--one-server`), databases 1 of the broker's.
+LOCK_ENV = "JOBFENCE_BENCH_LOCK_URL"
+COUNTER_ENV = "JOBFENCE_BENCH_COUNTER_URL"
+LOCK_URL = os.environ.get(LOCK_ENV) or f"{BASE_URL}/1"
+COUNTER_URL = os.environ.get(COUNTER_ENV) or LOCK_URL
 
 EXEC_PREFIX = "cbench:exec:"  # + tag: task bodies run
 HANDLED_PREFIX = "cbench:handled:"  # + tag: deliveries finished (storm tags only)
@@ -59,7 +65,7 @@ def counters() -> redis.Redis:
     """A client for the counters, one per process (workers fork after import)."""
     global _client, _client_pid
     if _client is None or _client_pid != os.getpid():
-        _client = redis.Redis.from_url(LOCK_URL, socket_timeout=5.0)
+        _client = redis.Redis.from_url(COUNTER_URL, socket_timeout=5.0)
         _client_pid = os.getpid()
     return _client
 

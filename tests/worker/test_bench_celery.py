@@ -34,3 +34,12 @@ def test_a_small_run_reports_every_contender_and_the_control(tmp_path: Path) -> 
     assert rows[celery_bench.PLAIN]["storm_executions"] == 20
     assert rows[celery_bench.TRIPS]["storm_executions"] == 20
     assert "plain + 2 round trips (control)" in done.stdout
+    # Issue 33: the lock server apart from the broker, each server's CPU per job measured;
+    # plain Celery's jobs send nothing to the lock server, jobfence's begin and commit do.
+    assert report["server"]["locks"] not in (None, report["server"]["url"])
+    assert report["config"]["servers"] == "split"
+    jf, plain = rows[celery_bench.JOBFENCE], rows[celery_bench.PLAIN]
+    assert jf["broker_cpu_us_per_job"] > 0 and plain["broker_cpu_us_per_job"] > 0
+    assert jf["lock_commands_per_job"]["evalsha"]["calls"] >= 2
+    assert "evalsha" not in plain["lock_commands_per_job"]
+    assert "lock_server_at_most_half_the_broker" in report["targets"]
