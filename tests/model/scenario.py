@@ -21,6 +21,7 @@ from celery import chain
 from celery.result import AsyncResult
 from celery.worker import state as worker_state
 
+from jobfence.config import Settings
 from jobfence.locks.decisions import DecisionLog
 from jobfence.tasks import DuplicatePublish, runtime_for
 from tests.model.app import REDELIVERY_LIMIT, ModelApp, Options
@@ -66,6 +67,9 @@ CUT_AT = {
 #: Failures a caller may see without a fault or a failing body: ``on_conflict="raise"``.
 CONFLICT_ERRORS = frozenset({"DuplicateJob", "DuplicatePublish"})
 #: Failures allowed after a fault: given up after the redelivery limit or the crash cap.
+#: The crash cap (JOBFENCE_MAX_CRASHED_DELIVERIES, default): a sequence with that many
+#: ``kill_worker`` steps may leave a job caught by each, given up as a poison message.
+CRASH_CAP = int(Settings.model_fields["max_crashed_deliveries"].default)
 GIVEN_UP_ERRORS = frozenset({"RedeliveryLimitReached", "PoisonMessage"})
 #: Typed stops (``JobSkipped`` and its subclasses): a delivery with no result of its own, a
 #: recorded FAILURE its caller can tell apart from a result; the job took effect elsewhere.
@@ -440,13 +444,16 @@ class Scenario:
         effects = model.effects(self.prefix)
         # Each cut delivers its job again: enough of them spend its redeliveries.
         faulted = any(s.kind in FAULTS for s in self.steps) or self.cuts_fired() >= REDELIVERY_LIMIT
+        # Each kill ends whatever the worker processes run, a put-back copy too: a job caught
+        # by as many kills as the crash cap is given up as a poison message, by design.
+        poisoned = len(self.kills) >= CRASH_CAP
         found: list[Violation] = []
         outcome: dict[str, tuple[str, Any]] = {}
         for p in self.publishes:
             if p.task_id:
                 r = AsyncResult(p.task_id, app=model.app)
                 outcome[p.task_id] = (r.state, r.result)
-        found += self._check_outcomes(outcome, effects, faulted)
+        found += self._check_outcomes(outcome, effects, faulted, poisoned)
         found += self._check_effects(effects)
         found += self._check_jobs(outcome, effects)
         found += self._check_chains(outcome)
@@ -459,7 +466,11 @@ class Scenario:
         return found
 
     def _check_outcomes(
-        self, outcome: dict[str, tuple[str, Any]], effects: list[dict[str, Any]], faulted: bool
+        self,
+        outcome: dict[str, tuple[str, Any]],
+        effects: list[dict[str, Any]],
+        faulted: bool,
+        poisoned: bool = False,
     ) -> list[Violation]:
         found = []
         keys = {e["job_key"] for e in effects}
@@ -483,6 +494,8 @@ class Scenario:
                     allowed.add("BodyFailed")
                 if faulted:
                     allowed |= GIVEN_UP_ERRORS
+                if poisoned:
+                    allowed.add("PoisonMessage")
                 if error not in allowed:
                     found.append(Violation("unexpected-failure", f"{task_id}: {error}: {value}"))
             else:
