@@ -4,10 +4,12 @@ start-up finding of a lock server that states its own problems (`server_problems
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
 from jobfence.config.findings import LOCK_SERVER_DOWN, Finding, LockTarget, refuse
 from jobfence.config.urls import redact
+from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable
 
 if TYPE_CHECKING:  # only a type here: the backends that parse flags need no settings
@@ -25,6 +27,47 @@ def flag_value(value: str) -> bool | None:
     if low in FALSE_WORDS:
         return False
     return None
+
+
+class UrlOptions(TypedDict, total=False):
+    """The keywords every backend's `from_url` takes beside the URL (`open_backend` passes
+    them through), declared once; a backend adds its own in a subclass of this."""
+
+    prefix: str  # every key's first segment (default "jobfence")
+    socket_timeout: float  # seconds a call to the server may take (default 2.0)
+    fence_retention: float | None  # seconds a key's last fence is kept (None: the backend's)
+    clock: Clock
+
+
+class PrunedUrlOptions(UrlOptions, total=False):
+    """`UrlOptions` and how often a backend that prunes its dead keys' rows or nodes does it."""
+
+    prune_interval: float  # seconds between prunes (default: the backend's PRUNE_INTERVAL)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """`UrlOptions` with their defaults filled in, as a backend's `from_url` reads them."""
+
+    prefix: str = "jobfence"
+    socket_timeout: float = 2.0
+    fence_retention: float | None = None
+    clock: Clock = SYSTEM_CLOCK
+
+    def retention(self, default: float) -> float:
+        """The fence retention asked for, else the backend's own default."""
+        return default if self.fence_retention is None else self.fence_retention
+
+
+def url_options(options: UrlOptions) -> BackendOptions:
+    """The common keywords of a `from_url` call, defaults filled in (a backend's own extra
+    keywords are read from `options` by that backend)."""
+    return BackendOptions(
+        prefix=options.get("prefix", "jobfence"),
+        socket_timeout=options.get("socket_timeout", 2.0),
+        fence_retention=options.get("fence_retention"),
+        clock=options.get("clock", SYSTEM_CLOCK),
+    )
 
 
 class SettingsOptions(TypedDict):

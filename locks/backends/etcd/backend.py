@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Unpack
 
 from jobfence.locks.backend import Capabilities, Security, validate_ttl
+from jobfence.locks.backends.common import UrlOptions, url_options
 from jobfence.locks.backends.etcd.checks import EtcdChecks
 from jobfence.locks.backends.etcd.core import whole_seconds
 from jobfence.locks.backends.etcd.grants import EtcdGrants
 from jobfence.locks.backends.etcd.inspection import EtcdInspection
 from jobfence.locks.backends.etcd.records import EtcdRecords
 from jobfence.locks.backends.etcd.target import parse_target
-from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 
 
 class EtcdBackend(EtcdGrants, EtcdRecords, EtcdInspection, EtcdChecks):
@@ -34,22 +34,15 @@ class EtcdBackend(EtcdGrants, EtcdRecords, EtcdInspection, EtcdChecks):
     )
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        fence_retention: float | None = None,  # accepted for open_backend; revisions are kept
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> EtcdBackend:
+    def from_url(cls, url: str, **options: Unpack[UrlOptions]) -> EtcdBackend:
         """`etcd[s]://[user:password@]host:port[,host:port...][?cacert=&cert=&key=]`: one
-        endpoint, or several members to fail over (see `parse_target`)."""
-        del fence_retention
+        endpoint, or several members to fail over (see `parse_target`). A fence retention
+        is accepted and unused: etcd keeps its revisions."""
+        o = url_options(options)
         target = parse_target(url)
         endpoints = target.endpoints
         kind = cls if len(endpoints) == 1 or cls is not EtcdBackend else EtcdClusterBackend
-        return kind(endpoints, prefix=prefix, socket_timeout=socket_timeout, clock=clock,
+        return kind(endpoints, prefix=o.prefix, socket_timeout=o.socket_timeout, clock=o.clock,
                     tls=target.tls, user=target.user, password=target.password)  # fmt: skip
 
     def security(self) -> Security:

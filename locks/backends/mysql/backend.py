@@ -7,7 +7,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import pymysql  # type: ignore[import-untyped]  # PyMySQL ships no type hints
 
@@ -24,6 +24,7 @@ from jobfence.locks.backend import (
     Security,
     poll_until_free,
 )
+from jobfence.locks.backends.common import UrlOptions, url_options
 from jobfence.locks.backends.mysql.checks import MySQLChecks
 from jobfence.locks.backends.mysql.connection import (
     Pool,
@@ -105,19 +106,11 @@ class MySQLBackend(MySQLRecords, MySQLChecks, MySQLSemaphores, LockBackend):
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        fence_retention: float | None = None,  # accepted for open_backend; the counter is kept
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> MySQLBackend:
-        del fence_retention
-        return cls(
-            connect_args=parse_url(url), prefix=prefix, socket_timeout=socket_timeout, clock=clock
-        )
+    def from_url(cls, url: str, **options: Unpack[UrlOptions]) -> MySQLBackend:
+        """A fence retention is accepted and unused: the fence counter is kept."""
+        o = url_options(options)
+        return cls(connect_args=parse_url(url), prefix=o.prefix, socket_timeout=o.socket_timeout,
+                   clock=o.clock)  # fmt: skip
 
     def security(self) -> Security:
         """TLS and authentication as the URL asked for them (see `tls_options`)."""

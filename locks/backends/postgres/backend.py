@@ -8,7 +8,7 @@ import random
 import select
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import psycopg
 from psycopg import errors as pgerrors
@@ -23,6 +23,7 @@ from jobfence.locks.backend import (
     LockInfo,
     poll_until_free,
 )
+from jobfence.locks.backends.common import PrunedUrlOptions, url_options
 from jobfence.locks.backends.postgres import connection
 from jobfence.locks.backends.postgres.checks import PostgresChecks
 from jobfence.locks.backends.postgres.protocol import (
@@ -61,6 +62,8 @@ from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import OwnerMeta
 
 PRUNE_INTERVAL = 600.0
+#: Seconds a key's row (and its last fence) is kept after its last use, by default.
+FENCE_RETENTION = 30 * 24 * 3600.0
 POLL_FIRST = 0.002  # the poll's first step, doubled up to POLL_CAP
 POLL_CAP = 0.05
 
@@ -81,7 +84,7 @@ class PostgresBackend(PostgresRecords, PostgresChecks, PostgresSemaphores, LockB
         *,
         prefix: str = "jobfence",
         socket_timeout: float = 2.0,
-        fence_retention: float = 30 * 24 * 3600.0,
+        fence_retention: float = FENCE_RETENTION,
         prune_interval: float = PRUNE_INTERVAL,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -107,28 +110,20 @@ class PostgresBackend(PostgresRecords, PostgresChecks, PostgresSemaphores, LockB
         self.pooled: bool | None = None
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        fence_retention: float = 30 * 24 * 3600.0,
-        prune_interval: float = PRUNE_INTERVAL,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> PostgresBackend:
+    def from_url(cls, url: str, **options: Unpack[PrunedUrlOptions]) -> PostgresBackend:
         """`postgresql://`, `postgres://` or `postgresql+psycopg://` (libpq query options kept).
 
         A key's row (and its last fence) is pruned `fence_retention` seconds after its last
         use, once nothing in it is live; a later grant's fence is above it anyway (µs clock).
         """
+        o = url_options(options)
         return cls(
-            connection.conninfo_for(url, socket_timeout),
-            prefix=prefix,
-            socket_timeout=socket_timeout,
-            fence_retention=fence_retention,
-            prune_interval=prune_interval,
-            clock=clock,
+            connection.conninfo_for(url, o.socket_timeout),
+            prefix=o.prefix,
+            socket_timeout=o.socket_timeout,
+            fence_retention=o.retention(FENCE_RETENTION),
+            prune_interval=options.get("prune_interval", PRUNE_INTERVAL),
+            clock=o.clock,
         )
 
     # -- connections -------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar, Unpack
 
 import redis
 import redis.asyncio
@@ -27,6 +27,7 @@ from jobfence.locks.backend import (
     validate_rate,
     validate_ttl,
 )
+from jobfence.locks.backends.common import UrlOptions, url_options
 from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.protocol import (
     LEGACY_RECORD_FIELDS,
@@ -56,7 +57,6 @@ from jobfence.locks.backends.redis.semaphores import (
 )
 from jobfence.locks.backends.redis.signal_wait import SignalWait
 from jobfence.locks.backends.redis.url import tls_kwargs, url_tls
-from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import Lease, OwnerMeta
 from jobfence.locks.ops import (
@@ -84,6 +84,12 @@ from jobfence.locks.slots import SlotLease, validate_limit
 POOL_WAIT = 30.0
 T = TypeVar("T")
 
+
+
+class AsyncUrlOptions(UrlOptions, total=False):
+    """`UrlOptions` and the asyncio pool's size (a waiter holds a connection in BLPOP)."""
+
+    max_connections: int  # default 32
 
 class AsyncRedisStore(NativeAsyncStore):
     """Locks on one Redis server for asyncio: each op is one awaited EVALSHA of the same
@@ -128,21 +134,14 @@ class AsyncRedisStore(NativeAsyncStore):
         self._signals = SignalWait(max_connections, timeout)
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        max_connections: int = 32,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> Self:
+    def from_url(cls, url: str, **options: Unpack[AsyncUrlOptions]) -> Self:
         """The store of `url`, beside its sync twin (`sync_class`, built from the same URL);
         each Redis topology's store connects in its own `_connect`."""
+        o = url_options(options)
         backend = cls.sync_class.from_url(
-            url, prefix=prefix, socket_timeout=socket_timeout, clock=clock
+            url, prefix=o.prefix, socket_timeout=o.socket_timeout, clock=o.clock
         )
-        return cls._connect(url, backend, socket_timeout, max_connections)
+        return cls._connect(url, backend, o.socket_timeout, options.get("max_connections", 32))
 
     @classmethod
     def _connect(

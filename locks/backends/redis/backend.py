@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import redis
 from redis.connection import ConnectionPool, SSLConnection
@@ -21,7 +21,7 @@ from jobfence.locks.backend import (
     Security,
     validate_key,
 )
-from jobfence.locks.backends.common import settings_options
+from jobfence.locks.backends.common import UrlOptions, settings_options, url_options
 from jobfence.locks.backends.redis import checks as redis_checks
 from jobfence.locks.backends.redis.lane import Lane
 from jobfence.locks.backends.redis.protocol import (
@@ -103,17 +103,11 @@ class RedisBackend(RedisSemaphores, LockBackend):
         self._late = (timeout or 2.0) + BLPOP_LATE
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        fence_retention: float = DEFAULT_FENCE_RETENTION,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> RedisBackend:
-        client = cls.client_for(url, socket_timeout=socket_timeout)
-        return cls(client, prefix=prefix, fence_retention=fence_retention, clock=clock)
+    def from_url(cls, url: str, **options: Unpack[UrlOptions]) -> RedisBackend:
+        o = url_options(options)
+        client = cls.client_for(url, socket_timeout=o.socket_timeout)
+        return cls(client, prefix=o.prefix, fence_retention=o.retention(DEFAULT_FENCE_RETENTION),
+                   clock=o.clock)  # fmt: skip
 
     @classmethod
     def client_for(cls, url: str, *, socket_timeout: float) -> redis.Redis:

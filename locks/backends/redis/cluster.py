@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -24,7 +24,7 @@ from redis.retry import Retry
 from jobfence.config.findings import Finding, LockTarget, OutageProbe
 from jobfence.config.settings import Settings
 from jobfence.locks.backend import JobRecord, LockInfo, Security
-from jobfence.locks.backends.common import settings_options
+from jobfence.locks.backends.common import UrlOptions, settings_options, url_options
 from jobfence.locks.backends.redis import checks as redis_checks
 from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.cluster_heartbeat import NodeHeartbeats
@@ -88,18 +88,13 @@ class RedisClusterBackend(NodeHeartbeats, RedisBackend):
 
     @classmethod
     def from_url(  # type: ignore[override]
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        fence_retention: float = DEFAULT_FENCE_RETENTION,
-        clock: Clock = SYSTEM_CLOCK,
+        cls, url: str, **options: Unpack[UrlOptions]
     ) -> RedisClusterBackend:
         """`redis+cluster://[user:password@]host:port[,host:port...]` (seed nodes)."""
+        o = url_options(options)
         try:
             client = JudgedCluster(
-                **cluster_options(url, socket_timeout, _Node), retry=Retry(NoBackoff(), 0)
+                **cluster_options(url, o.socket_timeout, _Node), retry=Retry(NoBackoff(), 0)
             )
         except (RedisError, RedisClusterException) as exc:
             hint = tls_hint(exc)
@@ -107,8 +102,8 @@ class RedisClusterBackend(NodeHeartbeats, RedisBackend):
                 f"no seed node of the cluster answered ({type(exc).__name__}); "
                 + (hint or "check JOBFENCE_LOCK_URL lists reachable cluster nodes"), cause=exc,
             ) from exc  # fmt: skip
-        return cls(client, prefix=prefix, fence_retention=fence_retention,
-                   socket_timeout=socket_timeout, clock=clock)  # fmt: skip
+        return cls(client, prefix=o.prefix, fence_retention=o.retention(DEFAULT_FENCE_RETENTION),
+                   socket_timeout=o.socket_timeout, clock=o.clock)  # fmt: skip
 
     @classmethod
     def from_settings(

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, Unpack
 
 from redis.exceptions import RedisError
 
@@ -25,7 +25,7 @@ from jobfence.locks.backend import (
     Security,
     validate_key,
 )
-from jobfence.locks.backends.common import settings_options
+from jobfence.locks.backends.common import UrlOptions, settings_options, url_options
 from jobfence.locks.backends.redis.scripts import script_source
 from jobfence.locks.backends.redlock.checks import check_masters, masters_security, ping_masters
 from jobfence.locks.backends.redlock.flows import OpRounds
@@ -40,6 +40,12 @@ from jobfence.locks.lease import OwnerMeta
 
 T = TypeVar("T")
 DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
+
+
+class RedlockUrlOptions(UrlOptions, total=False):
+    """`UrlOptions` and whether a grant round may also commit (True: one round trip)."""
+
+    one_round: bool
 SCRIPTS = (
     "redlock_begin",
     "redlock_fence",
@@ -109,24 +115,16 @@ class RedlockBackend(GrantRounds, OpRounds, LockBackend):
         self._lock = threading.Lock()
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        fence_retention: float = DEFAULT_FENCE_RETENTION,
-        one_round: bool = True,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> RedlockBackend:
+    def from_url(cls, url: str, **options: Unpack[RedlockUrlOptions]) -> RedlockBackend:
         """`redlock://[user:password@]host:port,host:port,host:port[,...][/db]`."""
+        o = url_options(options)
         return cls(
             redlock_masters(url),
-            prefix=prefix,
-            socket_timeout=socket_timeout,
-            fence_retention=fence_retention,
-            one_round=one_round,
-            clock=clock,
+            prefix=o.prefix,
+            socket_timeout=o.socket_timeout,
+            fence_retention=o.retention(DEFAULT_FENCE_RETENTION),
+            one_round=options.get("one_round", True),
+            clock=o.clock,
         )
 
     @classmethod

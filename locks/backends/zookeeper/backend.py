@@ -5,17 +5,16 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from typing import ClassVar
+from typing import ClassVar, Unpack
 
 from jobfence.config.findings import Finding, LockTarget
 from jobfence.locks.backend import Capabilities
-from jobfence.locks.backends.common import server_findings
-from jobfence.locks.backends.zookeeper.core import PRUNE_INTERVAL
+from jobfence.locks.backends.common import PrunedUrlOptions, server_findings, url_options
+from jobfence.locks.backends.zookeeper.core import FENCE_RETENTION, PRUNE_INTERVAL
 from jobfence.locks.backends.zookeeper.holding import Holding
 from jobfence.locks.backends.zookeeper.records import Reading
 from jobfence.locks.backends.zookeeper.tls import TLSRefused
 from jobfence.locks.backends.zookeeper.url import parse_target
-from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 
 
@@ -53,32 +52,24 @@ class ZooKeeperBackend(Reading, Holding):
     )
 
     @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "jobfence",
-        socket_timeout: float = 2.0,
-        fence_retention: float = 30 * 24 * 3600.0,
-        prune_interval: float = PRUNE_INTERVAL,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> ZooKeeperBackend:
+    def from_url(cls, url: str, **options: Unpack[PrunedUrlOptions]) -> ZooKeeperBackend:
         """`zookeeper://[user:password@]host:port[,host:port...][/chroot][?TLS options]`
         (`parse_target`); a missing chroot is created."""
         try:
             target = parse_target(url)
         except ValueError as exc:
             raise LockError(str(exc)) from exc
+        o = url_options(options)
         return cls(
             target.hosts,
             chroot=target.chroot,
             auth=target.auth,
             tls=target.tls,
-            prefix=prefix,
-            socket_timeout=socket_timeout,
-            fence_retention=fence_retention,
-            prune_interval=prune_interval,
-            clock=clock,
+            prefix=o.prefix,
+            socket_timeout=o.socket_timeout,
+            fence_retention=o.retention(FENCE_RETENTION),
+            prune_interval=options.get("prune_interval", PRUNE_INTERVAL),
+            clock=o.clock,
         )
 
     def startup_findings(self, target: LockTarget) -> Iterator[Finding]:

@@ -31,6 +31,8 @@ from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 
 PRUNE_INTERVAL = 600.0
+#: Seconds a key's nodes (and its last fence) are kept after its last use, by default.
+FENCE_RETENTION = 30 * 24 * 3600.0
 
 
 # What says "the request's outcome is unknown" (or it never went out), as opposed to a
@@ -88,7 +90,7 @@ class Core(LockBackend):
         chroot: str = "",
         prefix: str = "jobfence",
         socket_timeout: float = 2.0,
-        fence_retention: float = 30 * 24 * 3600.0,
+        fence_retention: float = FENCE_RETENTION,
         prune_interval: float = PRUNE_INTERVAL,
         clock: Clock = SYSTEM_CLOCK,
         auth: tuple[str, str] | None = None,
