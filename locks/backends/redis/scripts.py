@@ -11,10 +11,19 @@ SCRIPT_NAMES = ("begin", "extend", "extend_many", "release", "commit", "fenced_w
 RATE_SCRIPTS = ("rate_take",)  # the rate limiter's (locks/ratelimit.py), loaded the same way
 
 
+#: A line that puts a fragment's text (lua/<name>.lua, a local function) in its place.
+INCLUDE = "-- include: "
+
+
 @cache
 def script_source(name: str) -> str:
+    """The script's text, each `-- include: <fragment>` line replaced by the fragment's."""
     lua = resources.files("jobfence.locks.backends.redis").joinpath("lua", f"{name}.lua")
-    return lua.read_text(encoding="utf-8")
+    lines = lua.read_text(encoding="utf-8").splitlines(keepends=True)
+    return "".join(
+        script_source(line.removeprefix(INCLUDE).strip()) if line.startswith(INCLUDE) else line
+        for line in lines
+    )
 
 
 def load_scripts(client: Any) -> dict[str, Any]:

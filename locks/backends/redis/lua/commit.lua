@@ -9,6 +9,7 @@
 -- microseconds (the client adds them back). SET replaces a record of any type, so no DEL
 -- is needed first; the signal is pushed only if a refused attempt marked the lock 'waiters'
 -- (see begin.lua).
+-- include: release_signal
 redis.replicate_commands()
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'waiters')
 if cur[1] ~= ARGV[1] then
@@ -19,10 +20,5 @@ local since = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   - math.floor(tonumber(string.sub(ARGV[2], 2)) / 1000)
 redis.call('SET', KEYS[2], ARGV[2] .. ',' .. string.format('%.0f', since) .. ',' .. ARGV[3],
   'PX', ARGV[4])
-redis.call('DEL', KEYS[1])
-if cur[2] then
-  redis.call('RPUSH', KEYS[3], '1')
-  redis.call('LTRIM', KEYS[3], -1, -1)
-  redis.call('PEXPIRE', KEYS[3], ARGV[5])
-end
+release_and_signal(KEYS[1], KEYS[3], cur[2], ARGV[5])
 return 1

@@ -5,6 +5,7 @@
 -- ARGV[8] finished_ms: the committing client's clock, the same on every master, so the
 -- copies of one record are identical and a majority of them can be recognised
 -- Returns 1 if stored and released, 0 if no longer the owner (nothing written).
+-- include: release_signal
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'waiters')
 if cur[1] ~= ARGV[1] then
   return 0
@@ -12,10 +13,5 @@ end
 redis.call('HSET', KEYS[2], 'state', ARGV[2], 'result', ARGV[3], 'fingerprint', ARGV[4],
   'fence', ARGV[5], 'finished_ms', ARGV[8])
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
-redis.call('DEL', KEYS[1])
-if cur[2] then
-  redis.call('RPUSH', KEYS[3], '1')
-  redis.call('LTRIM', KEYS[3], -1, -1)
-  redis.call('PEXPIRE', KEYS[3], ARGV[7])
-end
+release_and_signal(KEYS[1], KEYS[3], cur[2], ARGV[7])
 return 1

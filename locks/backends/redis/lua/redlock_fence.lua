@@ -6,6 +6,7 @@
 -- f is written only under our own lock and only over a lower stored fence. Where our lock
 -- sits on a fence at or above f (a master that cannot carry this grant), the lock is taken
 -- off instead, so every master ends either in line with the grant or without our key.
+-- include: release_signal
 redis.replicate_commands()
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'waiters')
 if cur[1] ~= ARGV[1] then
@@ -20,10 +21,5 @@ if not last or tonumber(last) < tonumber(ARGV[2]) then
   redis.call('HSET', KEYS[1], 'fence', ARGV[2])
   return 1
 end
-redis.call('DEL', KEYS[1])
-if cur[3] then
-  redis.call('RPUSH', KEYS[3], '1')
-  redis.call('LTRIM', KEYS[3], -1, -1)
-  redis.call('PEXPIRE', KEYS[3], ARGV[4])
-end
+release_and_signal(KEYS[1], KEYS[3], cur[3], ARGV[4])
 return 0
