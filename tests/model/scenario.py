@@ -7,9 +7,11 @@ code. :meth:`Scenario.check` returns every violation found, each named by its cl
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
+import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -284,26 +286,35 @@ class Scenario:
         close its recorder within FORK_DEADLINE. A lock or condition held by a thread at the
         fork and not rebuilt in the child hangs it (issue 29, defect 6)."""
         recorder = runtime_for(self.harness.model.app).executor.recorder
+        # Where a hung child waits: it writes its threads' stacks here just before the
+        # deadline (faulthandler), and the fault names them.
+        stacks = tempfile.TemporaryFile()  # noqa: SIM115 (closed below, after the child)
         pid = os.fork()
         if pid == 0:  # the child: no pytest, no assertions; its exit status is the verdict
             code = 1
             try:
+                faulthandler.dump_traceback_later(FORK_DEADLINE - 1.0, file=stacks)
                 if recorder is not None:
                     recorder.close()
                 code = 0
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + FORK_DEADLINE
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                if os.waitstatus_to_exitcode(status) != 0:
-                    self.fork_faults.append(f"the forked child failed ({status})")
-                return
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        self.fork_faults.append(f"the forked child hung for {FORK_DEADLINE:g}s in close()")
+        with stacks:
+            deadline = time.monotonic() + FORK_DEADLINE
+            while time.monotonic() < deadline:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    if os.waitstatus_to_exitcode(status) != 0:
+                        self.fork_faults.append(f"the forked child failed ({status})")
+                    return
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            stacks.seek(0)
+            where = stacks.read().decode(errors="replace")[-4000:] or "(no stacks written)"
+            self.fork_faults.append(
+                f"the forked child hung for {FORK_DEADLINE:g}s in close(); its stacks:\n{where}"
+            )
 
     def _do_rotate(self, step: Step) -> None:
         """A key-secret rotation's side-by-side phase (the two-step roll-out of the how-to):
