@@ -131,13 +131,41 @@ def arguments_json(arguments: Mapping[str, Any], task_name: str) -> str:
         ) from exc
 
 
+_EMPTY = inspect.Parameter.empty
+
+
 @functools.lru_cache(maxsize=1024)
-def _shape(fn: Callable[..., Any]) -> tuple[inspect.Signature, tuple[str, ...] | None]:
-    """inspect.signature once per function (it is rebuilt on every call otherwise), and
-    the parameter names if every parameter is a plain positional-or-keyword one."""
+def _shape(
+    fn: Callable[..., Any],
+) -> tuple[inspect.Signature, tuple[str, ...] | None, tuple[Any, ...]]:
+    """inspect.signature once per function (it is rebuilt on every call otherwise); the
+    parameter names if every parameter is a plain positional-or-keyword one, and their
+    defaults (`inspect.Parameter.empty` where none)."""
     sig = inspect.signature(fn)
     plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
-    return sig, tuple(sig.parameters) if plain else None
+    defaults = tuple(p.default for p in sig.parameters.values())
+    return sig, tuple(sig.parameters) if plain else None, defaults
+
+
+def _bind_plain(
+    names: tuple[str, ...], defaults: tuple[Any, ...], args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> dict[str, Any] | None:  # fmt: skip
+    """`bind_arguments` for plain parameters, in their order with defaults applied, as
+    Signature.bind gives it; None where the call does not fit (the general path says why)."""
+    if len(args) > len(names):
+        return None
+    out = dict(zip(names, args, strict=False))
+    used = 0
+    for name, default in zip(names[len(args):], defaults[len(args):], strict=True):
+        if name in kwargs:
+            out[name] = kwargs[name]
+            used += 1
+        elif default is _EMPTY:
+            return None
+        else:
+            out[name] = default
+    return out if used == len(kwargs) else None  # a keyword left over: unknown or repeated
 
 
 def bind_arguments(
@@ -154,11 +182,13 @@ def bind_arguments(
     Python words it for a plain call, with `name` (default: the function's) in front.
     """
     try:
-        sig, plain = _shape(fn)
+        sig, plain, defaults = _shape(fn)
     except TypeError:  # an unhashable callable: no cache
-        sig, plain = inspect.signature(fn), None
-    if plain is not None and not skip_first and not kwargs and len(args) == len(plain):
-        return dict(zip(plain, args, strict=True))  # what the general path gives, faster
+        sig, plain, defaults = inspect.signature(fn), None, ()
+    if plain is not None and not skip_first:
+        fast = _bind_plain(plain, defaults, args, kwargs)  # what the general path gives
+        if fast is not None:
+            return fast
     if skip_first:
         params = list(sig.parameters.values())[1:]
         sig = sig.replace(parameters=params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import enum
+import inspect
 import json
 import math
 import random
@@ -382,3 +383,27 @@ def test_task_errors_sit_under_jobfence_error_but_never_under_lock_error() -> No
     for error in (IdempotencyConflict, DuplicateJob, TaskError):
         assert issubclass(error, JobfenceError)
         assert not issubclass(error, LockError), f"except LockError would catch {error}"
+
+
+def _three(a: int, b: int = 2, c: int = 3) -> None: ...
+
+
+@given(
+    args=st.lists(st.integers(), max_size=4),
+    kwargs=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(), max_size=3),
+)
+def test_the_plain_signature_shortcut_binds_as_signature_bind_does(
+    args: list[int], kwargs: dict[str, int]
+) -> None:
+    """bind_arguments' shortcut for plain parameters (issue 33: the publish and the gate
+    bind every call) gives Signature.bind's arguments, in its order, or its error."""
+    sig = inspect.signature(_three)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        with pytest.raises(TypeError):
+            bind_arguments(_three, args, kwargs)
+        return
+    bound.apply_defaults()
+    got = bind_arguments(_three, args, kwargs)
+    assert list(got.items()) == list(bound.arguments.items())
