@@ -53,8 +53,8 @@ from jobfence.tasks.middleware import (
     Middleware,
     Observer,
     Observers,
+    Plan,
     Tracing,
-    handlers,
     overrides,
     standard,
 )
@@ -133,12 +133,19 @@ class Executor:
     def use(self, *middleware: Middleware) -> None:
         """Add middleware after those registered (a journal attached at start-up)."""
         self.middleware = (*self.middleware, *middleware)
-        self._handlers = handlers(self.middleware)
-        self._ending = tuple(m for m in self.middleware if overrides(m, "after_delivery"))
         self._runs = tuple(m for m in self.middleware if overrides(m, "around_run"))
-        self._bodies = tuple(m for m in self.middleware if overrides(m, "around_body"))
-        self._commits = tuple(m for m in self.middleware if overrides(m, "around_commit"))
         self._routine = any(m.routine for m in self.middleware)
+        self._plans: dict[frozenset[Middleware], Plan] = {}
+        self._plan = self.plan_without(frozenset())
+
+    def plan_without(self, left: frozenset[Middleware]) -> Plan:
+        """Who the shell calls at each hook of a delivery that the middleware in `left` left
+        (`Delivery.leave`), worked out once per such set."""
+        plan = self._plans.get(left)
+        if plan is None:
+            plan = self._plans[left] = Plan.of([m for m in self.middleware if m not in left],
+                                               left)  # fmt: skip
+        return plan
 
     def find(self, kind: type[M]) -> M | None:
         """The registered middleware of type `kind`, if any."""
@@ -220,7 +227,7 @@ class Executor:
         try:
             return run_sync(cast("Flow[T]", flow), shell, self.backend.clock)
         finally:
-            for m in self._ending:
+            for m in shell.plan.ending:
                 try:
                     m.after_delivery(shell)
                 except Exception:  # an observer must never change the job's fate
@@ -230,7 +237,7 @@ class Executor:
 class _Shell:
     """One delivery's store for `run_sync`: the shell's ops here, round trips to the backend."""
 
-    __slots__ = ("body", "executor", "job", "spec")
+    __slots__ = ("body", "executor", "job", "plan", "spec")
 
     def __init__(
         self, executor: Executor, job: Job, body: Callable[[JobContext], Any] | None
@@ -239,6 +246,12 @@ class _Shell:
         self.job = job
         self.spec = job.spec  # what a middleware sees of the delivery (middleware.Delivery)
         self.body = body
+        self.plan = executor._plan  # who is called at each hook (less those that left)
+
+    def leave(self, middleware: Middleware) -> None:
+        """`middleware` wants nothing more of this delivery: no event, no end, no around
+        hook (a tracer whose span records nothing)."""
+        self.plan = self.executor.plan_without(self.plan.left | {middleware})
 
     def execute(self, op: StoreOp | ShellOp) -> Any:
         kind = type(op)
@@ -252,7 +265,7 @@ class _Shell:
             self.executor.keeper.drop(op.lease)  # type: ignore[union-attr]
         elif kind is AfterOuterCommit:
             self.after_outer_commit(op)  # type: ignore[arg-type]
-        elif kind is Commit and self.executor._commits:
+        elif kind is Commit and self.plan.commits:
             return self.commit(op)  # type: ignore[arg-type]
         else:
             return self.executor.backend.execute(op)  # type: ignore[arg-type]
@@ -260,7 +273,7 @@ class _Shell:
 
     def tell(self, event: Event) -> None:
         """Hand `event` and its table row to every middleware that wants its kind."""
-        told = self.executor._handlers[event.kind]
+        told = self.plan.handlers[event.kind]
         if not told:
             return
         row = TABLE[event.kind]
@@ -274,14 +287,14 @@ class _Shell:
     def run_body(self, ctx: JobContext) -> Any:
         """The body as the current job, inside every middleware's `around_body`."""
         call: Callable[[JobContext], Any] = self.call_body
-        for m in reversed(self.executor._bodies):
+        for m in reversed(self.plan.bodies):
             call = partial(m.around_body, self, body=call)
         return call(ctx)
 
     def commit(self, op: Commit) -> Any:
         """One commit, inside every middleware's `around_commit`."""
         send: Callable[[Commit], Any] = self.executor.backend.execute
-        for m in reversed(self.executor._commits):
+        for m in reversed(self.plan.commits):
             send = partial(m.around_commit, self, send=send)
         return send(op)
 
