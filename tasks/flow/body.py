@@ -35,10 +35,7 @@ class Body(Claim, Settle):
             skipped = yield from self.claim_at_start(lease)
             if skipped is not None:
                 return skipped
-        ctx = JobContext(
-            key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id,
-            slot=slot, previous=spec.previous,
-        )  # fmt: skip
+        ctx = JobContext.of(spec.key, spec.fingerprint, lease, spec.task_id, slot, spec.previous)
         if self.noting:
             yield Event(Kind.STARTED, lease.fence)
         return (yield from self.run_body(lease, ctx, passthrough))
