@@ -81,9 +81,12 @@ def validate_seconds(
     return seconds
 
 
+_NUMBERS = (float, int)  # exactly: a bool or a number type of its own takes the checks
+
+
 def validate_ttl(ttl: float) -> int:
     """Return the TTL in whole milliseconds, refusing anything below 1 ms (and NaN, infinity)."""
-    if type(ttl) is float and 0.001 <= ttl < math.inf:  # every job's TTL: no checks to word
+    if type(ttl) in _NUMBERS and 0.001 <= ttl < math.inf:  # a job's TTLs: nothing to word
         return int(ttl * 1000)
     validate_seconds(ttl, "ttl", positive=True)
     ms = int(ttl * 1000)

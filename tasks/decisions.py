@@ -99,7 +99,7 @@ class DecisionRecorder:
         cond = self._cond
         cond.acquire()  # the lock's own C methods: `with` adds the Condition's Python layer
         try:
-            if self._writer is None or self._pid != os.getpid():  # none yet, or forked
+            if self._writer is None:  # none yet, or forked (the child's _reset forgot it)
                 self._pid, self._closed = os.getpid(), False
                 self._pending = []  # a forked child's copy of the parent's queue: not ours
                 self._writer = threading.Thread(target=self._run, name="jobfence-decisions",
