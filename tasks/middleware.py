@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from jobfence.locks.decisions import Decision
@@ -114,6 +114,8 @@ class Plan:
     bodies: tuple[Middleware, ...]
     commits: tuple[Middleware, ...]
     left: frozenset[Middleware]
+    #: The plan once one more middleware left, by that middleware (filled as they leave).
+    without: dict[Middleware, Plan] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, middleware: Sequence[Middleware], left: frozenset[Middleware]) -> Plan:

@@ -31,7 +31,7 @@ class Body(Claim, Settle):
         a publish while this job waits for them is a duplicate of it, not queued beside it.
         """
         spec = self.spec
-        if spec.claims and spec.claim_at_body:
+        if spec.claim_at_body and spec.claims:
             skipped = yield from self.claim_at_start(lease)
             if skipped is not None:
                 return skipped
