@@ -28,11 +28,12 @@ class AsyncStore(Protocol):
 def run_sync(flow: Flow[T], store: Store, clock: Clock) -> T:
     """Run `flow` to its value in this thread: each op one call of `store.execute`, sleeps
     on `clock`. A failure (or KeyboardInterrupt) is thrown into the flow, to clean up."""
+    send, execute = flow.send, store.execute  # looked up once: a job sends a dozen ops
     reply: Any = None
     error: BaseException | None = None
     while True:
         try:
-            op = flow.send(reply) if error is None else flow.throw(error)
+            op = send(reply) if error is None else flow.throw(error)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         error = reply = None
@@ -43,7 +44,7 @@ def run_sync(flow: Flow[T], store: Store, clock: Clock) -> T:
             elif kind is Sleep:
                 clock.sleep(op.seconds)  # type: ignore[union-attr]
             else:
-                reply = store.execute(op)  # type: ignore[arg-type]
+                reply = execute(op)  # type: ignore[arg-type]
         except BaseException as exc:  # the flow decides: clean up, retry or raise
             error = exc
 

@@ -19,9 +19,9 @@ from jobfence.locks.backend import Busy, RateGrant, validate_seconds
 from jobfence.locks.errors import AcquireTimeout, BackendUnavailable, LockError, RateLimited
 from jobfence.locks.lease import Lease, OwnerMeta, new_owner_token
 from jobfence.locks.ops import (
+    NOW,
     Acquire,
     LeaveSlot,
-    Now,
     Op,
     ReleaseOwner,
     Sleep,
@@ -75,7 +75,7 @@ def acquire_flow(
     validate_seconds(timeout, "timeout", forever=True)
     backoff = backoff or Backoff()
     owner = new_owner_token()
-    deadline = (yield Now()) + timeout
+    deadline = (yield NOW) + timeout
     attempt = 0
     while True:
         try:
@@ -94,7 +94,7 @@ def acquire_flow(
             raise AcquireTimeout("held by another owner", key=key)
         if cancelled is not None and cancelled():
             raise AcquireTimeout("the wait was cancelled", key=key)
-        left = deadline - (yield Now())
+        left = deadline - (yield NOW)
         if left <= 0:
             raise AcquireTimeout(f"not acquired within {timeout:g}s", key=key)
         # Jitter spreads waiters that poll for an expiry; a release wakes one at once.
@@ -121,7 +121,7 @@ def slot_flow(
     """
     validate_seconds(timeout, "timeout")
     backoff = backoff or Backoff()
-    deadline = (yield Now()) + timeout
+    deadline = (yield NOW) + timeout
     owner = new_owner_token()
     queue = WAITER_TTL if timeout > 0 else 0.0
     attempt = 0
@@ -134,7 +134,7 @@ def slot_flow(
             if isinstance(got, SlotLease):
                 return got
             wait_info: SlotWait = got
-            left = deadline - (yield Now())
+            left = deadline - (yield NOW)
             if left <= 0:
                 raise AcquireTimeout(
                     f"no semaphore slot within {timeout:g}s (limit {limit}, "

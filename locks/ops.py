@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from jobfence.locks.lease import Lease, OwnerMeta
@@ -108,6 +108,10 @@ class Sleep:
 @dataclass(slots=True)
 class Now:
     """Read the driver's monotonic clock (flows own no clock, so tests script time)."""
+
+
+#: The one `Now` a flow yields (it has no fields: one instance serves every read).
+NOW: Final = Now()
 
 
 @dataclass(slots=True)

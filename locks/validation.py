@@ -42,14 +42,14 @@ def default_meta(task_id: str = "", task_name: str = "") -> OwnerMeta:
         )
     if not task_id and not task_name:
         return meta
-    # Built directly: dataclasses.replace costs twice as much, once per job.
-    return OwnerMeta(
-        host=meta.host,
-        pid=meta.pid,
-        task_id=task_id,
-        task_name=task_name,
-        process_start=meta.process_start,
-    )
+    # Filled directly: the frozen dataclass's __init__ (one object.__setattr__ per field)
+    # costs twice as much, and dataclasses.replace more, once per job.
+    made = object.__new__(OwnerMeta)
+    fields = made.__dict__
+    fields.update(meta.__dict__)
+    fields["task_id"] = task_id
+    fields["task_name"] = task_name
+    return made
 
 
 _BAD_KEY_CHARS = re.compile(r"[{}*?\[\]\n]")
@@ -81,8 +81,13 @@ def validate_seconds(
     return seconds
 
 
+_NUMBERS = (float, int)  # exactly: a bool or a number type of its own takes the checks
+
+
 def validate_ttl(ttl: float) -> int:
     """Return the TTL in whole milliseconds, refusing anything below 1 ms (and NaN, infinity)."""
+    if type(ttl) in _NUMBERS and 0.001 <= ttl < math.inf:  # a job's TTLs: nothing to word
+        return int(ttl * 1000)
     validate_seconds(ttl, "ttl", positive=True)
     ms = int(ttl * 1000)
     if ms < 1:

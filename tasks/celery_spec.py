@@ -35,8 +35,10 @@ def delivery_spec(task: SingletonTask, rt: Runtime, arguments: dict[str, Any], r
             if o.concurrency
             else ""
         ),
-        rate=_rate_spec(task, rt, arguments, queues, marks.rate_slot),
-        previous=_previous_identities(task, rt, arguments, marks.key),
+        rate=None if o.rate is None else _rate_spec(task, rt, arguments, queues, marks.rate_slot),
+        previous=(
+            _previous_identities(task, rt, arguments, marks.key) if rt.previous_secrets else ()
+        ),
         marks=marks,
         in_workflow=bool(req.callbacks or req.chain or req.chord or req.group),
     )

@@ -56,6 +56,20 @@ class JobContext:
     # Set by the shell that runs the body: gives the lease back through the job's flow.
     let_go: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
+    @classmethod
+    def of(
+        cls, key: str, fingerprint: str, lease: Lease, task_id: str, slot: Lease | None,
+        previous: tuple[tuple[str, str], ...],
+    ) -> JobContext:  # fmt: skip
+        """What the generated __init__ builds, filled directly: a frozen dataclass's
+        __init__ sets each field through object.__setattr__, the most of any step of a
+        delivery's context (every job builds one)."""
+        ctx = object.__new__(cls)
+        ctx.__dict__.update(key=key, fingerprint=fingerprint, lease=lease, task_id=task_id,
+                            slot=slot, outer=[], effects=[], previous=previous,
+                            let_go=None)  # fmt: skip
+        return ctx
+
     @property
     def fence(self) -> int:
         return self.lease.fence

@@ -96,18 +96,23 @@ class DecisionRecorder:
         self.flush()
 
     def _enqueue(self, decisions: Sequence[Decision]) -> None:
-        with self._cond:
-            if self._writer is None or self._pid != os.getpid():  # none yet, or forked
+        cond = self._cond
+        cond.acquire()  # the lock's own C methods: `with` adds the Condition's Python layer
+        try:
+            if self._writer is None:  # none yet, or forked (the child's _reset forgot it)
                 self._pid, self._closed = os.getpid(), False
                 self._pending = []  # a forked child's copy of the parent's queue: not ours
                 self._writer = threading.Thread(target=self._run, name="jobfence-decisions",
                                                  daemon=True)  # fmt: skip
                 self._writer.start()
-            self._pending.extend(decisions)
-            if len(self._pending) > PENDING_CAP:
-                del self._pending[: len(self._pending) - PENDING_CAP]
-            if len(self._pending) >= FLUSH_BATCH:
-                self._cond.notify()
+            pending = self._pending
+            pending.extend(decisions)
+            if len(pending) > PENDING_CAP:
+                del pending[: len(pending) - PENDING_CAP]
+            if len(pending) >= FLUSH_BATCH:
+                cond.notify()
+        finally:
+            cond.release()
 
     def _run(self) -> None:
         pid = os.getpid()

@@ -50,11 +50,12 @@ from jobfence.tasks.lifecycle import (
 from jobfence.tasks.metrics import Metrics
 from jobfence.tasks.middleware import (
     Decisions,
+    Handler,
     Middleware,
     Observer,
     Observers,
+    Plan,
     Tracing,
-    handlers,
     overrides,
     standard,
 )
@@ -133,12 +134,19 @@ class Executor:
     def use(self, *middleware: Middleware) -> None:
         """Add middleware after those registered (a journal attached at start-up)."""
         self.middleware = (*self.middleware, *middleware)
-        self._handlers = handlers(self.middleware)
-        self._ending = tuple(m for m in self.middleware if overrides(m, "after_delivery"))
         self._runs = tuple(m for m in self.middleware if overrides(m, "around_run"))
-        self._bodies = tuple(m for m in self.middleware if overrides(m, "around_body"))
-        self._commits = tuple(m for m in self.middleware if overrides(m, "around_commit"))
         self._routine = any(m.routine for m in self.middleware)
+        self._plans: dict[frozenset[Middleware], Plan] = {}
+        self._plan = self.plan_without(frozenset())
+
+    def plan_without(self, left: frozenset[Middleware]) -> Plan:
+        """Who the shell calls at each hook of a delivery that the middleware in `left` left
+        (`Delivery.leave`), worked out once per such set."""
+        plan = self._plans.get(left)
+        if plan is None:
+            plan = self._plans[left] = Plan.of([m for m in self.middleware if m not in left],
+                                               left)  # fmt: skip
+        return plan
 
     def find(self, kind: type[M]) -> M | None:
         """The registered middleware of type `kind`, if any."""
@@ -215,12 +223,13 @@ class Executor:
         return self._drive_in(_Shell(self, job, body), flow)
 
     def _drive_in(self, shell: _Shell, flow: JobFlow[T]) -> T:
-        # run_sync hands the shell's ops to `_Shell.execute` like any store op; the cast
-        # widens Flow's op type to the job's (the driver only dispatches on Now and Sleep).
+        # run_sync hands the shell's ops to `_Shell.execute` like any store op; the ignore
+        # widens Flow's op type to the job's (the driver only dispatches on Now and Sleep),
+        # as a cast would, without a call per delivery.
         try:
-            return run_sync(cast("Flow[T]", flow), shell, self.backend.clock)
+            return run_sync(flow, shell, self.backend.clock)  # type: ignore[arg-type]
         finally:
-            for m in self._ending:
+            for m in shell.plan.ending:
                 try:
                     m.after_delivery(shell)
                 except Exception:  # an observer must never change the job's fate
@@ -230,7 +239,7 @@ class Executor:
 class _Shell:
     """One delivery's store for `run_sync`: the shell's ops here, round trips to the backend."""
 
-    __slots__ = ("body", "executor", "job", "spec")
+    __slots__ = ("body", "executor", "job", "plan", "spec")
 
     def __init__(
         self, executor: Executor, job: Job, body: Callable[[JobContext], Any] | None
@@ -239,30 +248,34 @@ class _Shell:
         self.job = job
         self.spec = job.spec  # what a middleware sees of the delivery (middleware.Delivery)
         self.body = body
+        self.plan = executor._plan  # who is called at each hook (less those that left)
+
+    def leave(self, middleware: Middleware) -> None:
+        """`middleware` wants nothing more of this delivery: no event, no end, no around
+        hook (a tracer whose span records nothing)."""
+        plan = self.plan
+        after = plan.without.get(middleware)
+        if after is None:
+            after = plan.without[middleware] = self.executor.plan_without(plan.left | {middleware})
+        self.plan = after
 
     def execute(self, op: StoreOp | ShellOp) -> Any:
         kind = type(op)
-        if kind is Event:
-            self.tell(op)  # type: ignore[arg-type]
-        elif kind is RunBody:
-            return self.run_body(op.ctx)  # type: ignore[union-attr]
-        elif kind is Keep:
-            self.keep(op)  # type: ignore[arg-type]
-        elif kind is Drop:
-            self.executor.keeper.drop(op.lease)  # type: ignore[union-attr]
-        elif kind is AfterOuterCommit:
-            self.after_outer_commit(op)  # type: ignore[arg-type]
-        elif kind is Commit and self.executor._commits:
-            return self.commit(op)  # type: ignore[arg-type]
-        else:
-            return self.executor.backend.execute(op)  # type: ignore[arg-type]
-        return None
+        if kind is Event:  # a third of a job's ops, most often told to one or two
+            told = self.plan.handlers[op.kind]  # type: ignore[union-attr]
+            if told:
+                self.tell(op, told)  # type: ignore[arg-type]
+            return None
+        shell_op = _SHELL_OPS.get(kind)
+        if shell_op is not None:
+            return shell_op(self, op)
+        return self.executor.backend.execute(op)  # type: ignore[arg-type]
 
-    def tell(self, event: Event) -> None:
-        """Hand `event` and its table row to every middleware that wants its kind."""
-        told = self.executor._handlers[event.kind]
-        if not told:
-            return
+    def tell(self, event: Event, told: tuple[Handler, ...] | None = None) -> None:
+        """Hand `event` and its table row to every middleware that wants its kind (`told`,
+        where the caller looked them up)."""
+        if told is None:
+            told = self.plan.handlers[event.kind]
         row = TABLE[event.kind]
         for on_event in told:
             try:
@@ -274,16 +287,19 @@ class _Shell:
     def run_body(self, ctx: JobContext) -> Any:
         """The body as the current job, inside every middleware's `around_body`."""
         call: Callable[[JobContext], Any] = self.call_body
-        for m in reversed(self.executor._bodies):
+        for m in reversed(self.plan.bodies):
             call = partial(m.around_body, self, body=call)
         return call(ctx)
 
     def commit(self, op: Commit) -> Any:
         """One commit, inside every middleware's `around_commit`."""
         send: Callable[[Commit], Any] = self.executor.backend.execute
-        for m in reversed(self.executor._commits):
+        for m in reversed(self.plan.commits):
             send = partial(m.around_commit, self, send=send)
         return send(op)
+
+    def drop(self, op: Drop) -> None:
+        self.executor.keeper.drop(op.lease)
 
     def call_body(self, ctx: JobContext) -> Any:
         assert self.body is not None, "RunBody from a flow that runs no body"
@@ -324,3 +340,13 @@ class _Shell:
 
         for outer in op.ctx.outer:
             outer.then(committed)
+
+
+#: The shell's own ops (not a round trip): what `_Shell.execute` does with each.
+_SHELL_OPS: dict[type, Callable[[_Shell, Any], Any]] = {
+    RunBody: lambda shell, op: shell.run_body(op.ctx),
+    Keep: _Shell.keep,
+    Drop: _Shell.drop,
+    AfterOuterCommit: _Shell.after_outer_commit,
+    Commit: _Shell.commit,
+}

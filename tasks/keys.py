@@ -6,7 +6,6 @@ import difflib
 import enum
 import functools
 import hashlib
-import hmac
 import inspect
 import json
 import math
@@ -223,16 +222,29 @@ def _mismatch(sig: inspect.Signature, kwargs: Mapping[str, Any], exc: TypeError)
     return str(exc)
 
 
+_BLOCK = 64  # SHA-256's block size, in bytes
+
+
 @functools.lru_cache(maxsize=8)
-def _keyed(secret: bytes) -> hmac.HMAC:
-    """HMAC-SHA256 with the secret's pads absorbed once; each digest copies it."""
-    return hmac.new(secret, digestmod=hashlib.sha256)
+def _keyed(secret: bytes) -> tuple[Any, Any]:
+    """HMAC-SHA256's two hashes (RFC 2104) with the secret's inner and outer pads absorbed
+    once; each digest copies them (hashlib's copies, a third cheaper than hmac.HMAC.copy's
+    Python layer, which a delivery paid twice)."""
+    key = hashlib.sha256(secret).digest() if len(secret) > _BLOCK else secret
+    key = key.ljust(_BLOCK, b"\0")
+    inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+    outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+    return inner, outer
 
 
 def _hmac(secret: bytes, text: str) -> str:
-    mac = _keyed(secret).copy()  # a copy costs less than keying a new HMAC per call
-    mac.update(text.encode())
-    return mac.hexdigest()
+    """hmac.new(secret, text, sha256).hexdigest(), from the pads absorbed once."""
+    inner_pad, outer_pad = _keyed(secret)
+    inner = inner_pad.copy()
+    inner.update(text.encode())
+    outer = outer_pad.copy()
+    outer.update(inner.digest())
+    return outer.hexdigest()  # type: ignore[no-any-return]
 
 
 def select_arguments(arguments: dict[str, Any], selector: KeySelector) -> Any:

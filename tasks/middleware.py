@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from jobfence.locks.decisions import Decision
@@ -43,6 +44,13 @@ class Delivery(Protocol):
     def spec(self) -> JobSpec: ...
 
 
+class Running(Delivery, Protocol):
+    """A delivery as its `around_run` hooks see it: one may leave it (nothing more of it
+    is told to that middleware, none of its other hooks called for it)."""
+
+    def leave(self, middleware: Middleware) -> None: ...
+
+
 class Middleware:
     """One concern observing deliveries. Override what it needs; the rest does nothing.
 
@@ -65,7 +73,7 @@ class Middleware:
         """The runtime closes: write out what is pending."""
 
     # Around hooks wrap what the shell does (they must call on): a tracer's spans.
-    def around_run(self, delivery: Delivery, run: Callable[[], T]) -> T:
+    def around_run(self, delivery: Running, run: Callable[[], T]) -> T:
         """Around one whole delivery (`Executor.deliver`): its verdict is `run()`'s."""
         return run()
 
@@ -94,6 +102,28 @@ def handlers(middleware: Sequence[Middleware]) -> dict[Kind, tuple[Handler, ...]
     listening = [m for m in middleware if overrides(m, "on_event")]
     return {kind: tuple(m.on_event for m in listening if m.wants(row))
             for kind, row in TABLE.items()}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Who the shell calls at each hook of one delivery: the registered middleware that
+    override it, in order, less those that left the delivery (`left`)."""
+
+    handlers: dict[Kind, tuple[Handler, ...]]
+    ending: tuple[Middleware, ...]
+    bodies: tuple[Middleware, ...]
+    commits: tuple[Middleware, ...]
+    left: frozenset[Middleware]
+    #: The plan once one more middleware left, by that middleware (filled as they leave).
+    without: dict[Middleware, Plan] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def of(cls, middleware: Sequence[Middleware], left: frozenset[Middleware]) -> Plan:
+        def hooked(hook: str) -> tuple[Middleware, ...]:
+            return tuple(m for m in middleware if overrides(m, hook))
+
+        return cls(handlers(middleware), hooked("after_delivery"), hooked("around_body"),
+                   hooked("around_commit"), left)  # fmt: skip
 
 
 class LogLines(Middleware):
@@ -150,25 +180,31 @@ class Decisions(Middleware):
 
     def __init__(self, recorder: DecisionRecorder) -> None:
         self.recorder = recorder
-        self._open: dict[int, list[Decision]] = {}  # by delivery, until it ends
+        # By delivery, until it ends: each decision's time, event and name (its Decision
+        # built at the end, only for those the log keeps).
+        self._open: dict[int, list[tuple[float, Event, str]]] = {}
 
     def wants(self, row: Row) -> bool:
         return row.decision is not None
 
     def on_event(self, delivery: Delivery, event: Event, row: Row) -> None:
-        spec = delivery.spec
-        decision = Decision(time.time(), row.decision or "", spec.key, spec.name, spec.task_id,
-                            event.fence, event.holder, event.newer, event.reason)  # fmt: skip
-        self._open.setdefault(id(delivery), []).append(decision)
+        told = (time.time(), event, row.decision or "")
+        found = self._open.get(id(delivery))
+        if found is None:
+            self._open[id(delivery)] = [told]
+        else:
+            found.append(told)
 
     def after_delivery(self, delivery: Delivery) -> None:
-        decisions = self._open.pop(id(delivery), None)
-        if not decisions:
+        told = self._open.pop(id(delivery), None)
+        if not told:
             return
-        if len(decisions) == 2 and decisions[0].event == "started" and \
-                decisions[1].event in ("done", "failed"):  # fmt: skip
-            decisions = decisions[1:]  # a plain run: its end says it was granted
-        self.recorder.record(decisions)
+        if len(told) == 2 and told[0][2] == "started" and told[1][2] in ("done", "failed"):
+            del told[0]  # a plain run: its end says it was granted
+        spec = delivery.spec
+        self.recorder.record([Decision(at, name, spec.key, spec.name, spec.task_id, e.fence,
+                                       e.holder, e.newer, e.reason)
+                              for at, e, name in told])  # fmt: skip
 
     def close(self) -> None:
         self.recorder.close()  # the decisions still pending, stored
@@ -206,9 +242,10 @@ class Tracing(Middleware):
     def wants(self, row: Row) -> bool:
         return row.span is not None or row.ends
 
-    def around_run(self, delivery: Delivery, run: Callable[[], T]) -> T:
+    def around_run(self, delivery: Running, run: Callable[[], T]) -> T:
         trace = self.tracer.start(delivery.spec)
-        if trace is None:
+        if trace is None:  # nothing recorded: no event, body or commit of it is this one's
+            delivery.leave(self)
             return run()
         self._traces[id(delivery)] = trace
         try:

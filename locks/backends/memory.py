@@ -97,23 +97,30 @@ class MemoryBackend(LockBackend):
     def _begin(
         self, key: str, owner: str, ttl_ms: int, meta: OwnerMeta, record: bool, fingerprint: str
     ) -> int | Busy | JobRecord:
-        with self._cond:
+        # Every job's first step: the condition's lock taken by its own C methods (`with`
+        # adds the Condition's Python layer), the holder looked at with the one clock read.
+        cond = self._cond
+        cond.acquire()
+        try:
             now = self.clock.monotonic()
             if record:
                 rec = self._records.get(key)
                 if rec and rec[1] > now and rec[0].state == "DONE":
                     return rec[0]
-            h = self._live(key)
+            h = self._held.get(key)
             if h is not None:
-                return Busy(
-                    ttl_left=h.expires - now, task_id=h.meta.task_id, fingerprint=h.fingerprint
-                )
+                if h.expires > now:
+                    return Busy(
+                        ttl_left=h.expires - now, task_id=h.meta.task_id, fingerprint=h.fingerprint
+                    )
+                del self._held[key]  # expired
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
-            self._held[key] = _Held(
-                owner, fence, now + ttl_ms / 1000, meta, time.time(), time.time(), fingerprint
-            )
+            at = time.time()
+            self._held[key] = _Held(owner, fence, now + ttl_ms / 1000, meta, at, at, fingerprint)
             return fence
+        finally:
+            cond.release()
 
     def _take_rate(
         self, key: str, interval_us: float, burst: int, max_wait_us: float
@@ -153,21 +160,23 @@ class MemoryBackend(LockBackend):
 
     def _commit(self, rec: CommitRecord) -> bool:
         key, owner, fence, state, result, fingerprint, result_ttl_ms = rec
-        with self._cond:
-            h = self._live(key)
+        cond = self._cond
+        cond.acquire()  # as in _begin: the lock's C methods, one clock read
+        try:
+            now = self.clock.monotonic()
+            h = self._held.get(key)
+            if h is not None and h.expires <= now:
+                del self._held[key]  # expired
+                h = None
             if h is None or h.owner != owner:
                 return False
-            record = JobRecord(
-                state=state,
-                fingerprint=fingerprint,
-                result=result,
-                fence=fence,
-                finished_at=time.time(),
-            )
-            self._records[key] = (record, self.clock.monotonic() + result_ttl_ms / 1000)
+            record = JobRecord(state, fingerprint, result, fence, time.time())
+            self._records[key] = (record, now + result_ttl_ms / 1000)
             del self._held[key]
-            self._cond.notify_all()
+            cond.notify_all()
             return True
+        finally:
+            cond.release()
 
     def _inspect(self, key: str) -> LockInfo | None:
         with self._cond:

@@ -9,7 +9,7 @@ from jobfence.locks.backend import RateGrant
 from jobfence.locks.errors import AcquireTimeout, BackendUnavailable
 from jobfence.locks.flows import slot_flow
 from jobfence.locks.lease import Lease
-from jobfence.locks.ops import CountDelivery, Now, Release, Sleep, TakeRate
+from jobfence.locks.ops import NOW, CountDelivery, Release, Sleep, TakeRate
 from jobfence.locks.slots import SlotLease
 from jobfence.tasks.errors import PoisonMessage
 from jobfence.tasks.events import Event, Kind
@@ -148,7 +148,7 @@ class Admission(Settle):
         duplicate delivery never queues for a slot); without one in time the job's lease is
         released and the job comes back later, never lost, never run twice."""
         spec = self.spec
-        started: float = yield Now()
+        started: float = yield NOW
         try:
             slot = yield from slot_flow(
                 spec.concurrency_key,
@@ -172,7 +172,7 @@ class Admission(Settle):
         except BaseException:
             yield from self.release_quietly(lease)  # SemaphoreUnsupported, a bad limit
             raise
-        yield Event(Kind.SLOT_TAKEN, seconds=(yield Now()) - started)
+        yield Event(Kind.SLOT_TAKEN, seconds=(yield NOW) - started)
         yield Keep(slot, tie=lease)
         return slot
 

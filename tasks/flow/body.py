@@ -31,14 +31,11 @@ class Body(Claim, Settle):
         a publish while this job waits for them is a duplicate of it, not queued beside it.
         """
         spec = self.spec
-        if spec.claims and spec.claim_at_body:
+        if spec.claim_at_body and spec.claims:
             skipped = yield from self.claim_at_start(lease)
             if skipped is not None:
                 return skipped
-        ctx = JobContext(
-            key=spec.key, fingerprint=spec.fingerprint, lease=lease, task_id=spec.task_id,
-            slot=slot, previous=spec.previous,
-        )  # fmt: skip
+        ctx = JobContext.of(spec.key, spec.fingerprint, lease, spec.task_id, slot, spec.previous)
         if self.noting:
             yield Event(Kind.STARTED, lease.fence)
         return (yield from self.run_body(lease, ctx, passthrough))

@@ -8,9 +8,9 @@ from jobfence.locks.backend import Busy, JobRecord, LockInfo, default_meta
 from jobfence.locks.errors import AcquireTimeout, BackendUnavailable
 from jobfence.locks.lease import Lease, OwnerMeta
 from jobfence.locks.ops import (
+    NOW,
     Begin,
     Inspect,
-    Now,
     ReadRecord,
     Release,
     Sleep,
@@ -36,7 +36,7 @@ class Gate(Claim):
     def begin(self) -> JobFlow[Lease | Outcome]:
         """Acquire the job's lease, or say why not (replay, duplicate, defer, retry, redeliver)."""
         spec = self.spec
-        started: float = yield Now()
+        started: float = yield NOW
         deadline = started + spec.wait_timeout
         meta = default_meta(task_id=spec.task_id, task_name=spec.name)
         attempt = 0
@@ -47,7 +47,7 @@ class Gate(Claim):
                 if isinstance(got, Outcome):
                     return got
                 if isinstance(got, Lease):
-                    yield Event(Kind.GRANTED, seconds=(yield Now()) - started)
+                    yield Event(Kind.GRANTED, seconds=(yield NOW) - started)
                     return got
                 if isinstance(got, JobRecord):
                     return (yield from self.answered(got))
@@ -134,7 +134,7 @@ class Gate(Claim):
             if behind:
                 return (yield from self.behind(busy, attempt))
             return Outcome("retry", countdown=self.after(busy, attempt))
-        left = deadline - (yield Now())
+        left = deadline - (yield NOW)
         if left <= 0:
             if behind:
                 return (yield from self.behind(busy, attempt))
@@ -223,7 +223,7 @@ class Gate(Claim):
             if spec.key < key:  # the other grant ranks first: yield (our on_conflict applies)
                 yield Release(lease)
                 return busy
-            now: float = yield Now()
+            now: float = yield NOW
             if until is None:  # our lease is not kept yet: wait well inside its TTL
                 grace = max(ROTATION_GRACE, spec.wait_timeout if spec.on_conflict == "wait" else 0)
                 until = now + min(grace, spec.ttl / 3)

@@ -38,6 +38,11 @@ def delivery_flow(
     return Job(spec, backoff=backoff, redelivery=redelivery).deliver(passthrough)
 
 
+def ended_event(out: Outcome) -> Event:
+    """What the delivery came to, told last (its span's outcome)."""
+    return Event(Kind.ENDED, out.fence, reason=out.status)
+
+
 class Job(Gate, Admission, Body, Verdicts):
     """The decisions for one delivery of a job, as flows (generator methods): what it does
     and what it has to tell (an `Event`, for the shell's middleware) are ops.
@@ -50,7 +55,8 @@ class Job(Gate, Admission, Body, Verdicts):
         """The delivery's run, then its verdict (verdict.py); a delivery that raised gives
         its publish claim up first, so the job may be submitted afresh."""
         try:
-            out = yield from self.ended(passthrough)
+            out = yield from self.run(passthrough)  # `ended`, a generator level less
+            yield ended_event(out)
         except GeneratorExit:
             raise  # closed unrun: nothing to send
         except passthrough:
@@ -63,7 +69,7 @@ class Job(Gate, Admission, Body, Verdicts):
     def ended(self, passthrough: tuple[type[BaseException], ...] = ()) -> JobFlow[Outcome]:
         """The delivery's run, and its outcome told (for its span)."""
         out = yield from self.run(passthrough)
-        yield Event(Kind.ENDED, out.fence, reason=out.status)
+        yield ended_event(out)
         return out
 
     def let_go(self, lease: Lease) -> JobFlow[None]:

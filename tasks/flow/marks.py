@@ -42,17 +42,13 @@ class Marks:
         """The marks of a delivered message: from its headers, or (as Celery may expose a
         message's custom headers) the request's own attributes (`fields`)."""
         h = headers or {}
-
-        def get(name: str) -> Any:
-            return h.get(name) or fields.get(name)
-
-        slot = get(RATE_SLOT_HEADER)
-        return cls(
-            key=get(KEY_HEADER) or None,
-            redeliveries=int(get(REDELIVERIES_HEADER) or 0),
-            deferred=bool(get(DEFERRED_HEADER)),
-            rate_slot=float(slot) if slot else None,
-        )
+        key = h.get(KEY_HEADER) or fields.get(KEY_HEADER)
+        count = h.get(REDELIVERIES_HEADER) or fields.get(REDELIVERIES_HEADER)
+        deferred = h.get(DEFERRED_HEADER) or fields.get(DEFERRED_HEADER)
+        slot = h.get(RATE_SLOT_HEADER) or fields.get(RATE_SLOT_HEADER)
+        if not (key or count or deferred or slot):
+            return UNMARKED  # a first delivery's message: no marks to build
+        return cls(key or None, int(count or 0), bool(deferred), float(slot) if slot else None)
 
     @staticmethod
     def republished(headers: Mapping[str, Any]) -> bool:

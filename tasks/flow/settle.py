@@ -7,7 +7,7 @@ from typing import Any
 from jobfence.locks.backend import JobRecord, default_meta
 from jobfence.locks.errors import BackendUnavailable, LeaseLost, StaleFence
 from jobfence.locks.lease import Lease
-from jobfence.locks.ops import Begin, Commit, Inspect, Now, ReadRecord, Sleep
+from jobfence.locks.ops import NOW, Begin, Commit, Inspect, ReadRecord, Sleep
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.events import Event, Kind
 from jobfence.tasks.flow.ending import Ending
@@ -84,7 +84,7 @@ class Settle(Ending):
                 break
             except BackendUnavailable as exc:
                 attempt += 1
-                if attempt >= COMMIT_ATTEMPTS and lease.deadline - lease.drift <= (yield Now()):
+                if attempt >= COMMIT_ATTEMPTS and lease.deadline - lease.drift <= (yield NOW):
                     yield Event(Kind.COMMIT_UNKNOWN, lease.fence, reason=state, attempts=attempt,
                                 detail=type(exc).__name__)  # fmt: skip
                     return None
