@@ -29,13 +29,18 @@ def flag_value(value: str) -> bool | None:
     return None
 
 
+#: Seconds a key's last fence is kept after its last use, by default, on every backend
+#: that prunes it (a later grant's fence is above it anyway: the server's µs clock).
+FENCE_RETENTION = 30 * 24 * 3600.0
+
+
 class UrlOptions(TypedDict, total=False):
     """The keywords every backend's `from_url` takes beside the URL (`open_backend` passes
     them through), declared once; a backend adds its own in a subclass of this."""
 
     prefix: str  # every key's first segment (default "jobfence")
     socket_timeout: float  # seconds a call to the server may take (default 2.0)
-    fence_retention: float | None  # seconds a key's last fence is kept (None: the backend's)
+    fence_retention: float | None  # seconds a key's last fence is kept (None: FENCE_RETENTION)
     clock: Clock
 
 
@@ -51,21 +56,18 @@ class BackendOptions:
 
     prefix: str = "jobfence"
     socket_timeout: float = 2.0
-    fence_retention: float | None = None
+    fence_retention: float = FENCE_RETENTION
     clock: Clock = SYSTEM_CLOCK
-
-    def retention(self, default: float) -> float:
-        """The fence retention asked for, else the backend's own default."""
-        return default if self.fence_retention is None else self.fence_retention
 
 
 def url_options(options: UrlOptions) -> BackendOptions:
     """The common keywords of a `from_url` call, defaults filled in (a backend's own extra
     keywords are read from `options` by that backend)."""
+    retention = options.get("fence_retention")
     return BackendOptions(
         prefix=options.get("prefix", "jobfence"),
         socket_timeout=options.get("socket_timeout", 2.0),
-        fence_retention=options.get("fence_retention"),
+        fence_retention=FENCE_RETENTION if retention is None else retention,
         clock=options.get("clock", SYSTEM_CLOCK),
     )
 

@@ -23,7 +23,7 @@ from jobfence.locks.backend import (
     LockInfo,
     poll_until_free,
 )
-from jobfence.locks.backends.common import PrunedUrlOptions, url_options
+from jobfence.locks.backends.common import FENCE_RETENTION, PrunedUrlOptions, url_options
 from jobfence.locks.backends.postgres import connection
 from jobfence.locks.backends.postgres.checks import PostgresChecks
 from jobfence.locks.backends.postgres.protocol import (
@@ -62,8 +62,6 @@ from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import OwnerMeta
 
 PRUNE_INTERVAL = 600.0
-#: Seconds a key's row (and its last fence) is kept after its last use, by default.
-FENCE_RETENTION = 30 * 24 * 3600.0
 POLL_FIRST = 0.002  # the poll's first step, doubled up to POLL_CAP
 POLL_CAP = 0.05
 
@@ -121,7 +119,7 @@ class PostgresBackend(PostgresRecords, PostgresChecks, PostgresSemaphores, LockB
             connection.conninfo_for(url, o.socket_timeout),
             prefix=o.prefix,
             socket_timeout=o.socket_timeout,
-            fence_retention=o.retention(FENCE_RETENTION),
+            fence_retention=o.fence_retention,
             prune_interval=options.get("prune_interval", PRUNE_INTERVAL),
             clock=o.clock,
         )

@@ -21,12 +21,16 @@ from jobfence.locks.backend import (
     Security,
     validate_key,
 )
-from jobfence.locks.backends.common import UrlOptions, settings_options, url_options
+from jobfence.locks.backends.common import (
+    FENCE_RETENTION,
+    UrlOptions,
+    settings_options,
+    url_options,
+)
 from jobfence.locks.backends.redis import checks as redis_checks
 from jobfence.locks.backends.redis.lane import Lane
 from jobfence.locks.backends.redis.protocol import (
     BLPOP_LATE,
-    DEFAULT_FENCE_RETENTION,
     LEGACY_RECORD_FIELDS,
     LOCK_FIELDS,
     SIGNAL_LIFETIME_MS,
@@ -74,7 +78,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
         client: redis.Redis,
         *,
         prefix: str = "jobfence",
-        fence_retention: float = DEFAULT_FENCE_RETENTION,
+        fence_retention: float = FENCE_RETENTION,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         super().__init__(clock=clock)
@@ -106,7 +110,7 @@ class RedisBackend(RedisSemaphores, LockBackend):
     def from_url(cls, url: str, **options: Unpack[UrlOptions]) -> RedisBackend:
         o = url_options(options)
         client = cls.client_for(url, socket_timeout=o.socket_timeout)
-        return cls(client, prefix=o.prefix, fence_retention=o.retention(DEFAULT_FENCE_RETENTION),
+        return cls(client, prefix=o.prefix, fence_retention=o.fence_retention,
                    clock=o.clock)  # fmt: skip
 
     @classmethod

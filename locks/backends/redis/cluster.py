@@ -24,7 +24,12 @@ from redis.retry import Retry
 from jobfence.config.findings import Finding, LockTarget, OutageProbe
 from jobfence.config.settings import Settings
 from jobfence.locks.backend import JobRecord, LockInfo, Security
-from jobfence.locks.backends.common import UrlOptions, settings_options, url_options
+from jobfence.locks.backends.common import (
+    FENCE_RETENTION,
+    UrlOptions,
+    settings_options,
+    url_options,
+)
 from jobfence.locks.backends.redis import checks as redis_checks
 from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.cluster_heartbeat import NodeHeartbeats
@@ -36,7 +41,7 @@ from jobfence.locks.backends.redis.cluster_nodes import (
     slot_tags,
 )
 from jobfence.locks.backends.redis.lane import Lane
-from jobfence.locks.backends.redis.protocol import BLPOP_LATE, DEFAULT_FENCE_RETENTION
+from jobfence.locks.backends.redis.protocol import BLPOP_LATE
 from jobfence.locks.backends.redis.scripts import script_source
 from jobfence.locks.backends.redis.url import tls_hint
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
@@ -68,7 +73,7 @@ class RedisClusterBackend(NodeHeartbeats, RedisBackend):
         client: RedisCluster,
         *,
         prefix: str = "jobfence",
-        fence_retention: float = DEFAULT_FENCE_RETENTION,
+        fence_retention: float = FENCE_RETENTION,
         socket_timeout: float = 2.0,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -102,7 +107,7 @@ class RedisClusterBackend(NodeHeartbeats, RedisBackend):
                 f"no seed node of the cluster answered ({type(exc).__name__}); "
                 + (hint or "check JOBFENCE_LOCK_URL lists reachable cluster nodes"), cause=exc,
             ) from exc  # fmt: skip
-        return cls(client, prefix=o.prefix, fence_retention=o.retention(DEFAULT_FENCE_RETENTION),
+        return cls(client, prefix=o.prefix, fence_retention=o.fence_retention,
                    socket_timeout=o.socket_timeout, clock=o.clock)  # fmt: skip
 
     @classmethod

@@ -17,7 +17,6 @@ SIGNAL_LIFETIME_MS = 2000
 #: Leases per extend_many script: a batch of more goes as several scripts in one write (one
 #: round trip), so the server serves other clients between them instead of stalling for all.
 EXTEND_CHUNK = 1000
-DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 
 
 def text(value: Any) -> str:

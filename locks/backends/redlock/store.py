@@ -25,7 +25,12 @@ from jobfence.locks.backend import (
     Security,
     validate_key,
 )
-from jobfence.locks.backends.common import UrlOptions, settings_options, url_options
+from jobfence.locks.backends.common import (
+    FENCE_RETENTION,
+    UrlOptions,
+    settings_options,
+    url_options,
+)
 from jobfence.locks.backends.redis.scripts import script_source
 from jobfence.locks.backends.redlock.checks import check_masters, masters_security, ping_masters
 from jobfence.locks.backends.redlock.flows import OpRounds
@@ -39,7 +44,6 @@ from jobfence.locks.keys import KeySpace
 from jobfence.locks.lease import OwnerMeta
 
 T = TypeVar("T")
-DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 
 
 class RedlockUrlOptions(UrlOptions, total=False):
@@ -86,7 +90,7 @@ class RedlockBackend(GrantRounds, OpRounds, LockBackend):
         *,
         prefix: str = "jobfence",
         socket_timeout: float = 2.0,
-        fence_retention: float = DEFAULT_FENCE_RETENTION,
+        fence_retention: float = FENCE_RETENTION,
         one_round: bool = True,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -122,7 +126,7 @@ class RedlockBackend(GrantRounds, OpRounds, LockBackend):
             redlock_masters(url),
             prefix=o.prefix,
             socket_timeout=o.socket_timeout,
-            fence_retention=o.retention(DEFAULT_FENCE_RETENTION),
+            fence_retention=o.fence_retention,
             one_round=options.get("one_round", True),
             clock=o.clock,
         )

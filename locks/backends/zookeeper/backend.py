@@ -10,7 +10,7 @@ from typing import ClassVar, Unpack
 from jobfence.config.findings import Finding, LockTarget
 from jobfence.locks.backend import Capabilities
 from jobfence.locks.backends.common import PrunedUrlOptions, server_findings, url_options
-from jobfence.locks.backends.zookeeper.core import FENCE_RETENTION, PRUNE_INTERVAL
+from jobfence.locks.backends.zookeeper.core import PRUNE_INTERVAL
 from jobfence.locks.backends.zookeeper.holding import Holding
 from jobfence.locks.backends.zookeeper.records import Reading
 from jobfence.locks.backends.zookeeper.tls import TLSRefused
@@ -67,7 +67,7 @@ class ZooKeeperBackend(Reading, Holding):
             tls=target.tls,
             prefix=o.prefix,
             socket_timeout=o.socket_timeout,
-            fence_retention=o.retention(FENCE_RETENTION),
+            fence_retention=o.fence_retention,
             prune_interval=options.get("prune_interval", PRUNE_INTERVAL),
             clock=o.clock,
         )

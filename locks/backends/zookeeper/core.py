@@ -25,14 +25,13 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.security import make_digest_acl, make_digest_acl_credential
 
 from jobfence.locks.backend import LockBackend, Security
+from jobfence.locks.backends.common import FENCE_RETENTION
 from jobfence.locks.backends.zookeeper.nodes import Grant, Paths
 from jobfence.locks.backends.zookeeper.session import Session
 from jobfence.locks.clock import SYSTEM_CLOCK, Clock
 from jobfence.locks.errors import BackendUnavailable, LockError
 
 PRUNE_INTERVAL = 600.0
-#: Seconds a key's nodes (and its last fence) are kept after its last use, by default.
-FENCE_RETENTION = 30 * 24 * 3600.0
 
 
 # What says "the request's outcome is unknown" (or it never went out), as opposed to a
