@@ -23,16 +23,16 @@ class Claim(Ending):
         (supersede), or, marked started, that the key ran within `unique_for` (throttled),
         under this secret's key or, in a rotation, an earlier secret's."""
         spec = self.spec
+        mine = STARTED + spec.task_id
         try:
             kept = yield from self.swap_claim()
-            ran = None if kept is not None else (yield from self.ran_under_earlier_secret())
+            if spec.previous and (kept is None or kept == mine):
+                kept = yield from self.claim_under_earlier_secrets()
         except BackendUnavailable as exc:
             yield Event(Kind.UNAVAILABLE_AT_START, detail=type(exc).__name__)
             yield from self.release_quietly(lease)
             return (yield from self.redeliver("lock server unavailable before the body ran", None))
-        if ran is not None:
-            return (yield from self.throttled(lease, ran))
-        if kept is None or kept == STARTED + spec.task_id:
+        if kept is None or kept == mine:
             return None
         if spec.supersede:
             return (yield from self.superseded_copy(lease, kept))
@@ -53,25 +53,30 @@ class Claim(Ending):
         kept: str | None = yield SwapPublish(spec.key, spec.task_id, new, spec.claim_ttl)
         return kept
 
-    def ran_under_earlier_secret(self) -> JobFlow[str | None]:
-        """`unique_for` in a rotation: our started mark, made under this secret's key, made
-        under each earlier secret's too, so a run under either secret meets the other's
-        (issue 29: two runs that retried under two secrets were each throttled by the other's
-        mark under its own key, and the job never ran). The task id of a run marked there
-        already, our marks taken back; else None."""
+    def claim_under_earlier_secrets(self) -> JobFlow[str | None]:
+        """A rotation: the claim marked started (or dropped) under each earlier secret's
+        key too, where a publish under that secret put it, so the job's claim reads alike
+        under every key. Issue 29, the long run: a run under secret B marked only B's key
+        and lost its lease; the next publish, under A, found A's claim still queued and
+        replaced it, and each copy then found the other's claim and was skipped as
+        superseded: the job never ran. (And with `unique_for`, two runs that retried under
+        two secrets were each throttled by the other's mark under its own key.)
+
+        The claim that stops this copy (another publish's, where `supersede` or a started
+        mark under `unique_for`), our marks taken back; else None."""
         spec = self.spec
-        if not (spec.unique_for and spec.previous) or spec.lock_until == "start":
-            return None  # (lock_until="start" drops the claim as the body starts)
-        mine = STARTED + spec.task_id
+        new = None if spec.lock_until == "start" else STARTED + spec.task_id
         made = [spec.key]
         for key, _ in spec.previous:
-            kept: str | None = yield SwapPublish(key, spec.task_id, mine, spec.claim_ttl)
-            if kept is not None and kept != mine and kept.startswith(STARTED):
-                for ours in made:  # owner-checked: only our own mark goes
-                    yield SwapPublish(ours, mine, None, spec.claim_ttl)
-                return kept.removeprefix(STARTED)
-            if kept is None:  # a queued claim of another publish there is left alone
+            kept: str | None = yield SwapPublish(key, spec.task_id, new, spec.claim_ttl)
+            if kept is None:
                 made.append(key)
+            elif spec.supersede or (spec.unique_for and kept.startswith(STARTED)):
+                if new is not None:
+                    for ours in made:  # owner-checked: only our own mark goes
+                        yield SwapPublish(ours, new, None, spec.claim_ttl)
+                return kept
+            # else a queued claim of another publish there is left alone
         return None
 
     def superseded_copy(self, lease: Lease | None, holder: str) -> JobFlow[Outcome]:
