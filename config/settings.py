@@ -89,6 +89,21 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         default=None, description="SQLAlchemy URL of the ledger database (payments, stock)."
     )
+    outbox_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the database holding jobfence_outbox (publish on commit): "
+        "set, each worker runs the outbox relay, one at a time across the fleet.",
+    )
+    outbox_grace: float = Field(
+        default=5.0, gt=0,
+        description="Seconds a committed, unsent outbox row waits before the relay sends it.",
+    )
+    outbox_poll: float = Field(
+        default=1.0, gt=0, description="Seconds between the leading relay's looks at the outbox."
+    )
+    outbox_retention: float = Field(
+        default=86400.0, gt=0, description="Seconds a sent outbox row is kept before it is pruned."
+    )
     default_ttl: float = Field(default=30.0, description="Lease TTL in seconds.")
     heartbeat_fraction: float = Field(
         default=1 / 3, description="Heartbeat interval as a fraction of the TTL."
@@ -257,11 +272,11 @@ class Settings(BaseSettings):
                       what="Celery URL")
         return v
 
-    @field_validator("database_url")
+    @field_validator("database_url", "outbox_url")
     @classmethod
-    def _usable_database_url(cls, v: str | None) -> str | None:
+    def _usable_database_url(cls, v: str | None, info: Any) -> str | None:
         if v:
-            check_url(v, variable=f"{ENV_PREFIX}DATABASE_URL", schemes=None,
+            check_url(v, variable=ENV_PREFIX + info.field_name.upper(), schemes=None,
                       example="postgresql+psycopg://user:password@127.0.0.1:5432/shop "
                       "or sqlite:///ledger.sqlite",
                       what="database URL")

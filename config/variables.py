@@ -8,7 +8,7 @@ from typing import Any
 from jobfence.config.errors import UnsafeSettings
 
 ENV_PREFIX = "JOBFENCE_"
-URL_FIELDS = ("lock_url", "broker_url", "result_backend", "database_url")
+URL_FIELDS = ("lock_url", "broker_url", "result_backend", "database_url", "outbox_url")
 
 # JOBFENCE_* variables jobfence reads outside Settings (the demo's faults and journal, the
 # Celery benchmark). The one list `unknown_variables` checks against; tests keep it in step

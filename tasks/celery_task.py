@@ -155,6 +155,39 @@ class SingletonTask(Task):  # type: ignore[misc]
             return publish_once(self, key, task_id, options, publish)
         return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
 
+    # -- publishing on commit (tasks/outbox.py) -------------------------------------
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> Any:
+        """`delay`, durably, once the caller's Django transaction commits."""
+        return self.apply_async_on_commit(args, kwargs)
+
+    def apply_async_on_commit(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        *,
+        session: Any = None,
+        using: str | None = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Write the message to the outbox in the caller's transaction (an SQLAlchemy
+        `session=`, else Django's connection `using`) and publish it once that commits;
+        nothing on a rollback. The AsyncResult of the task id chosen now."""
+        from jobfence.tasks import outbox  # SQLAlchemy: loaded on use
+
+        entry = outbox.entry_for(self, args, kwargs, options, task_id or uuid())
+        if session is not None:
+            outbox.on_commit_sqlalchemy(self, entry, session)
+        elif _django_configured():
+            outbox.on_commit_django(self, entry, using)
+        else:
+            raise TypeError(
+                f"{self.name}.apply_async_on_commit: no transaction to publish on the commit "
+                "of: pass session= (an SQLAlchemy Session), or call it in a Django project "
+                "(inside transaction.atomic())"
+            )
+        return self.AsyncResult(entry.task_id)
+
     # -- executing ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request  # a property that walks a thread-local stack: read it once
@@ -307,3 +340,12 @@ def _task_attributes(base: type[SingletonTask], options: dict[str, Any]) -> dict
             "runs broker data"
         )
     return {"base": base, "jobfence_options": checked, **celery_options}
+
+
+def _django_configured() -> bool:
+    """Whether this process runs a configured Django project (without importing Django
+    where it is not installed)."""
+    import sys
+
+    conf = sys.modules.get("django.conf")
+    return conf is not None and bool(conf.settings.configured)

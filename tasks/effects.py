@@ -15,6 +15,8 @@ from sqlalchemy import (
     Connection,
     Engine,
     Float,
+    Index,
+    Integer,
     MetaData,
     String,
     Table,
@@ -53,8 +55,21 @@ jobs = Table(
     Column("fence", BigInteger, nullable=False),
     Column("finished_at", Float, nullable=False),
 )
+#: One row per message published on commit (tasks/outbox.py): written in the caller's
+#: transaction, marked sent once published, pruned by the relay.
+outbox = Table(
+    "jobfence_outbox",
+    metadata,
+    Column("task_id", String(64), primary_key=True),
+    Column("task_name", String(255), nullable=False),
+    Column("payload", Text, nullable=False),  # {"args", "kwargs", "options"} as JSON
+    Column("created_at", Float, nullable=False),
+    Column("sent_at", Float, nullable=True),
+    Column("attempts", Integer, nullable=False, default=0),
+    Index("jobfence_outbox_unsent", "sent_at", "created_at"),
+)
 #: Every table jobfence keeps in SQL, in creation order (`jobfence migrate` makes these).
-TABLES: tuple[Table, ...] = (fences, jobs)
+TABLES: tuple[Table, ...] = (fences, jobs, outbox)
 
 
 def make_engine(url: str, **options: Any) -> Engine:

@@ -28,7 +28,7 @@ from typing import Any, cast
 from jobfence.config import Settings, UnsafeSettings, load_settings
 from jobfence.locks.registry import MissingExtra
 from jobfence.tasks.runtime import Runtime, install, installed, runtime_for
-from jobfence.worker import broker_tls, checks, custody, metrics_server, signals
+from jobfence.worker import broker_tls, checks, custody, metrics_server, outbox_relay, signals
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ def _wire(app: Any, runtime: Runtime, config: SafeConfig) -> None:
     checks.connect(app, runtime)
     metrics_server.connect(app, runtime)  # /metrics when JOBFENCE_METRICS_PORT is set
     custody.connect(app)  # a killed worker's jobs back in ~1 task TTL on the Redis broker
+    outbox_relay.connect(app)  # JOBFENCE_OUTBOX_URL: sends committed, unsent messages
     _register_django_check(app)
 
 

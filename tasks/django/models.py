@@ -33,3 +33,22 @@ class JobRecord(models.Model):  # type: ignore[misc]
 
     def __str__(self) -> str:
         return f"{self.state} fence={self.fence}"
+
+
+class OutboxMessage(models.Model):  # type: ignore[misc]
+    """A message published on commit (``tasks.outbox``): written in the caller's transaction,
+    marked sent once published, pruned by the relay."""
+
+    task_id = models.CharField(max_length=64, primary_key=True)
+    task_name = models.CharField(max_length=255)
+    payload = models.TextField()
+    created_at = models.FloatField()
+    sent_at = models.FloatField(null=True)
+    attempts = models.IntegerField(default=0)
+
+    class Meta:
+        db_table = "jobfence_outbox"
+        indexes = [models.Index(fields=["sent_at", "created_at"], name="jobfence_outbox_unsent")]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}] {'sent' if self.sent_at else 'unsent'}"

@@ -1,0 +1,223 @@
+"""The durable publish on commit: a message written in the caller's transaction, sent after it.
+
+`task.apply_async_on_commit(args, kwargs, session=...)` (SQLAlchemy) or
+`task.delay_on_commit(...)` inside Django's `atomic()` writes one row to `jobfence_outbox`
+in the caller's own transaction: the task id chosen then, the task's name, its arguments
+and publish options. A rollback leaves nothing. Once the transaction commits, the message
+is published at once and the row marked sent. A process that dies between the commit and
+the publish, or a broker that is down then, leaves the row unsent: the fleet's relay
+(`OutboxRelay`, one at a time, elected on the lock server) publishes it after
+`JOBFENCE_OUTBOX_GRACE` seconds. A row published twice (the process died after its publish
+but before the mark) goes out under the same task id, and the gate absorbs the copy: its
+DONE record answers it, or it defers to the running delivery of its own id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Engine, delete, func, select, update
+
+from jobfence.locks.sql import ensure_tables
+from jobfence.tasks.effects import outbox
+from jobfence.tasks.errors import ArgumentsNotSerializable, DuplicatePublish
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from jobfence.tasks.celery_task import SingletonTask
+
+log = logging.getLogger(__name__)
+
+#: Publish options a message keeps in the outbox (each JSON; `eta` and `expires` as times).
+KEPT_OPTIONS = frozenset({
+    "countdown", "eta", "expires", "queue", "routing_key", "exchange", "priority",
+    "headers", "idempotency_key", "time_limit", "soft_time_limit", "ignore_result",
+    "serializer", "compression", "retry", "retry_policy",
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One message of the outbox, as written and as the relay reads it back."""
+
+    task_id: str
+    task_name: str
+    payload: str
+    created_at: float
+
+    def row(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "task_name": self.task_name, "payload": self.payload,
+                "created_at": self.created_at, "sent_at": None, "attempts": 0}  # fmt: skip
+
+
+def entry_for(
+    task: SingletonTask, args: Any, kwargs: Any, options: Mapping[str, Any], task_id: str
+) -> Entry:
+    """The outbox row of this publish, refused before anything is written: arguments that
+    do not bind or are not JSON, or an option the outbox cannot keep (named, with the fix)."""
+    args, kwargs = list(args or ()), dict(kwargs or {})
+    task.identity(args, kwargs, options.get("idempotency_key"))  # binds, refuses non-JSON
+    now = time.time()
+    kept: dict[str, Any] = {}
+    for name, value in options.items():
+        if name not in KEPT_OPTIONS:
+            raise ArgumentsNotSerializable(
+                f"{task.name}: the publish option {name!r} cannot be kept in the outbox; "
+                f"publish on commit takes {', '.join(sorted(KEPT_OPTIONS))}"
+            )
+        if name in ("eta", "expires") and isinstance(value, datetime):
+            if value.tzinfo is None:
+                raise ArgumentsNotSerializable(
+                    f"{task.name}: {name}= must be a timezone-aware datetime in the outbox "
+                    "(a naive one is ambiguous once the relay sends it later)"
+                )
+            kept[f"{name}_at"] = value.timestamp()
+        elif name == "expires" and isinstance(value, int | float):
+            kept["expires_at"] = now + float(value)
+        else:
+            kept[name] = value
+    try:
+        payload = json.dumps({"args": args, "kwargs": kwargs, "options": kept},
+                             sort_keys=True, allow_nan=False)  # fmt: skip
+    except (TypeError, ValueError) as exc:
+        raise ArgumentsNotSerializable(
+            f"{task.name}: a publish option is not JSON; the outbox keeps options as JSON"
+        ) from exc
+    return Entry(task_id, task.name, payload, now)
+
+
+def publish_entry(app: Any, entry: Entry) -> None:
+    """Send `entry`'s message under its own task id (countdown and expiry measured from when
+    it was written); a duplicate refused by `on_duplicate_publish="raise"` counts as sent."""
+    data = json.loads(entry.payload)
+    options: dict[str, Any] = dict(data["options"])
+    now = time.time()
+    countdown = options.pop("countdown", None)
+    due = options.pop("eta_at", None)
+    if due is None and countdown:
+        due = entry.created_at + float(countdown)
+    if due is not None and due > now:
+        options["countdown"] = due - now
+    expires_at = options.pop("expires_at", None)
+    if expires_at is not None:
+        options["expires"] = max(expires_at - now, 0.001)
+    task = app.tasks.get(entry.task_name)
+    try:
+        if task is None:  # not registered here: sent by name, as Celery's send_task does
+            app.send_task(entry.task_name, data["args"], data["kwargs"],
+                          task_id=entry.task_id, **options)  # fmt: skip
+        else:
+            task.apply_async(data["args"], data["kwargs"], task_id=entry.task_id, **options)
+    except DuplicatePublish:
+        log.info("%s: task %s is a duplicate of a queued or running copy; not sent",
+                 entry.task_name, entry.task_id)  # fmt: skip
+
+
+class SqlOutbox:
+    """The outbox table on one SQLAlchemy engine: rows written in a caller's transaction,
+    marked sent, read back by the relay, pruned."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.table = outbox
+
+    def write(self, conn: Connection, entry: Entry) -> None:
+        ensure_tables(conn, (self.table,))
+        conn.execute(self.table.insert().values(**entry.row()))
+
+    def mark_sent(self, task_id: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(self.table)
+                .where(self.table.c.task_id == task_id, self.table.c.sent_at.is_(None))
+                .values(sent_at=time.time())
+            )
+
+    def note_failure(self, task_id: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(self.table)
+                .where(self.table.c.task_id == task_id)
+                .values(attempts=self.table.c.attempts + 1)
+            )
+
+    def due(self, older_than: float, limit: int) -> list[Entry]:
+        """Unsent rows written before `older_than` (epoch seconds), oldest first."""
+        t = self.table
+        query = (
+            select(t.c.task_id, t.c.task_name, t.c.payload, t.c.created_at)
+            .where(t.c.sent_at.is_(None), t.c.created_at <= older_than)
+            .order_by(t.c.created_at)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [Entry(*row) for row in conn.execute(query)]
+
+    def unsent(self) -> int:
+        t = self.table
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).where(t.c.sent_at.is_(None))).scalar_one())
+
+    def prune(self, sent_before: float) -> int:
+        """Delete rows sent before `sent_before`; how many went."""
+        t = self.table
+        with self.engine.begin() as conn:
+            done = conn.execute(delete(t).where(t.c.sent_at.is_not(None),
+                                                t.c.sent_at < sent_before))  # fmt: skip
+            return int(done.rowcount or 0)
+
+
+def publish_after_commit(
+    app: Any, entry: Entry, mark_sent: Callable[[str], None]
+) -> None:
+    """The commit landed: publish now and mark the row sent. A failure is logged (no
+    arguments, no URL) and left to the relay, which sends the row after its grace."""
+    try:
+        publish_entry(app, entry)
+    except Exception as exc:
+        log.warning("%s: publish of task %s after commit failed (%s); the outbox relay sends "
+                    "it", entry.task_name, entry.task_id, type(exc).__name__)  # fmt: skip
+        return
+    try:
+        mark_sent(entry.task_id)
+    except Exception as exc:  # sent; the relay may send it again, and the gate absorbs it
+        log.warning("%s: task %s was sent but not marked sent (%s)", entry.task_name,
+                    entry.task_id, type(exc).__name__)  # fmt: skip
+
+
+def on_commit_sqlalchemy(task: SingletonTask, entry: Entry, session: Session) -> None:
+    """Write `entry` in `session`'s transaction; publish once its root transaction commits."""
+    from jobfence.tasks.effects import _after_commit
+
+    conn = session.connection()
+    store = SqlOutbox(conn.engine)
+    store.write(conn, entry)
+    _after_commit(session, lambda: publish_after_commit(task.app, entry, store.mark_sent))
+
+
+def on_commit_django(task: SingletonTask, entry: Entry, using: str | None) -> None:
+    """Write `entry` on Django's connection `using`, inside its transaction if one is open;
+    publish on its commit (`transaction.on_commit`)."""
+    from django.db import DEFAULT_DB_ALIAS, connections, transaction
+
+    alias = using or DEFAULT_DB_ALIAS
+    with connections[alias].cursor() as cur:
+        cur.execute(
+            "INSERT INTO jobfence_outbox (task_id, task_name, payload, created_at, sent_at, "
+            "attempts) VALUES (%s, %s, %s, %s, NULL, 0)",
+            [entry.task_id, entry.task_name, entry.payload, entry.created_at],
+        )
+
+    def mark_sent(task_id: str) -> None:
+        with connections[alias].cursor() as cur:
+            cur.execute("UPDATE jobfence_outbox SET sent_at = %s WHERE task_id = %s "
+                        "AND sent_at IS NULL", [time.time(), task_id])  # fmt: skip
+
+    transaction.on_commit(lambda: publish_after_commit(task.app, entry, mark_sent), using=alias)
