@@ -733,3 +733,71 @@ def _session_alive(pid: int) -> bool:
             return bool(other.execute(query, {"p": pid}).scalar())
     finally:
         admin.dispose()
+
+
+# --------------------------------------------------------------------------- publish on commit
+
+
+@pytest.fixture
+def fulfil(databases: list[str], redis_url: str) -> Iterator[Any]:
+    """A task published on commit (issue 34, item 1), its broker a private redis-server
+    whose queue the test reads; `fulfil.broker` is that server."""
+    from celery import Celery
+
+    from jobfence.tasks import install, singleton_task
+    from tests.servers import RedisServer
+
+    with RedisServer() as broker:
+        app = Celery(_new("oncommit").replace(":", "-"), set_as_current=False)
+        app.conf.update(broker_url=broker.url, task_serializer="json", accept_content=["json"])
+        runtime = install(app, Settings(lock_url=redis_url))
+
+        @singleton_task(app=app, key=["order"], name=_new("fulfil").replace(":", "-"))
+        def fulfil(order: str) -> str:
+            return order
+
+        fulfil.broker = broker
+        yield fulfil
+        runtime.close()
+        app.close()
+
+
+def _queued(task: Any) -> list[str]:
+    import json
+
+    client = task.broker.client()
+    try:
+        return [json.loads(m)["headers"]["id"] for m in client.lrange("celery", 0, -1)]
+    finally:
+        client.close()
+
+
+def _outbox(alias: str, task_id: str) -> list[Any]:
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT sent_at FROM jobfence_outbox WHERE task_id = %s", [task_id])
+        return [r[0] for r in cur.fetchall()]
+
+
+def test_apply_async_on_commit_publishes_when_the_atomic_block_commits(
+    fulfil: Any, alias: str
+) -> None:
+    with transaction.atomic(using=alias):
+        result = fulfil.apply_async_on_commit(("o1",), using=alias)
+        assert _outbox(alias, result.id) == [None], "the row is in the caller's transaction"
+        assert _queued(fulfil) == [], "published before the commit"
+    assert _queued(fulfil) == [result.id]
+    [sent_at] = _outbox(alias, result.id)
+    assert sent_at is not None
+
+
+def test_delay_on_commit_in_a_block_that_rolls_back_leaves_nothing(fulfil: Any) -> None:
+    with pytest.raises(RuntimeError), transaction.atomic():
+        result = fulfil.delay_on_commit("o2")
+        raise RuntimeError("the request failed")
+    assert _queued(fulfil) == [] and _outbox("default", result.id) == []
+
+
+def test_delay_on_commit_outside_a_block_publishes_at_once(fulfil: Any) -> None:
+    result = fulfil.delay_on_commit("o3")  # autocommit: the row commits as it is written
+    assert _queued(fulfil) == [result.id]
+    assert _outbox("default", result.id) != [None]
