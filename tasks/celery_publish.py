@@ -23,17 +23,20 @@ log = logging.getLogger("jobfence.tasks.celery_task")
 
 def publish_once(
     task: SingletonTask, key: str, task_id: str, options: dict[str, Any],
-    publish: Callable[[], Any],
+    publish: Callable[[], Any], *, committed: bool = False,
 ) -> Any:  # fmt: skip
     """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`
-    (tasks/publish.py decides). A workflow's duplicate goes out unclaimed and meets the
-    running copy at the gate (docs/explanation/delivery-policy.md)."""
+    (tasks/publish.py decides). A workflow's duplicate, and a `committed` one (sent from
+    the outbox: its caller is gone), goes out unclaimed and meets the running copy at the
+    gate (docs/explanation/delivery-policy.md)."""
     rt = task._runtime()
     backend = rt.backend
     ttl = _dedupe_ttl(task, rt.settings.visibility_timeout, options)
-    workflow = any(options.get(name) for name in WORKFLOW_OPTIONS)
-    flow = publish_flow(key, task_id, ttl, policy=task.jobfence_options.on_duplicate_publish,
-                        workflow=workflow, name=task.name)  # fmt: skip
+    workflow = committed or any(options.get(name) for name in WORKFLOW_OPTIONS)
+    policy = task.jobfence_options.on_duplicate_publish
+    if committed and policy == "raise":
+        policy = "result"  # no caller to raise to: unclaimed, as a workflow's duplicate
+    flow = publish_flow(key, task_id, ttl, policy=policy, workflow=workflow, name=task.name)
     decision = run_sync(flow, backend, backend.clock)
     if decision.action == "result":
         return task.AsyncResult(decision.holder)

@@ -43,6 +43,8 @@ from jobfence.tasks.options import (
 )
 from jobfence.tasks.runtime import Runtime, runtime_for
 
+#: The publish option the outbox sends a committed message with (tasks/outbox.py).
+OUTBOX_OPTION = "jobfence_outbox"
 #: The header of an explicit idempotency key (`apply_async(idempotency_key=...)`).
 HEADER = KEY_HEADER
 PASSTHROUGH = (Retry, Ignore, Reject)
@@ -139,6 +141,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             if not isinstance(explicit, str) or not explicit:
                 raise ArgumentsNotSerializable("idempotency_key must be a non-empty string")
             headers[HEADER] = explicit
+        # Sent from the outbox after its commit: a duplicate cannot be refused to a caller
+        # any more, nor answered with another task id; it goes out and meets the holder at
+        # the gate (a typed stop naming it, or its DONE record), as a workflow's does.
+        committed = bool(options.pop(OUTBOX_OPTION, False))
         key, _ = self.identity(args, kwargs, headers.get(HEADER))  # refuses non-JSON arguments
         # A delivered message published again (same task id): it holds or held the claim.
         again = Marks.republished(headers)
@@ -152,7 +158,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     args, kwargs, task_id, *rest, headers=headers, **options
                 )
 
-            return publish_once(self, key, task_id, options, publish)
+            return publish_once(self, key, task_id, options, publish, committed=committed)
         return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
 
     # -- publishing on commit (tasks/outbox.py) -------------------------------------

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, delete, func, select, update
 
 from jobfence.locks.sql import ensure_tables
+from jobfence.tasks.celery_task import OUTBOX_OPTION
 from jobfence.tasks.effects import outbox
-from jobfence.tasks.errors import ArgumentsNotSerializable, DuplicatePublish
+from jobfence.tasks.errors import ArgumentsNotSerializable
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -95,7 +96,7 @@ def entry_for(
 
 def publish_entry(app: Any, entry: Entry) -> None:
     """Send `entry`'s message under its own task id (countdown and expiry measured from when
-    it was written); a duplicate refused by `on_duplicate_publish="raise"` counts as sent."""
+    it was written)."""
     data = json.loads(entry.payload)
     options: dict[str, Any] = dict(data["options"])
     now = time.time()
@@ -109,15 +110,14 @@ def publish_entry(app: Any, entry: Entry) -> None:
     if expires_at is not None:
         options["expires"] = max(expires_at - now, 0.001)
     task = app.tasks.get(entry.task_name)
-    try:
-        if task is None:  # not registered here: sent by name, as Celery's send_task does
-            app.send_task(entry.task_name, data["args"], data["kwargs"],
-                          task_id=entry.task_id, **options)  # fmt: skip
-        else:
-            task.apply_async(data["args"], data["kwargs"], task_id=entry.task_id, **options)
-    except DuplicatePublish:
-        log.info("%s: task %s is a duplicate of a queued or running copy; not sent",
-                 entry.task_name, entry.task_id)  # fmt: skip
+    if task is None:  # not registered here: sent by name, as Celery's send_task does
+        app.send_task(entry.task_name, data["args"], data["kwargs"],
+                      task_id=entry.task_id, **options)  # fmt: skip
+    else:
+        # A duplicate goes out too, and meets the holder at the gate: the caller's task id
+        # then ends in a typed stop naming the holder, or its DONE record, never PENDING.
+        task.apply_async(data["args"], data["kwargs"], task_id=entry.task_id,
+                         **{OUTBOX_OPTION: True}, **options)  # fmt: skip
 
 
 class SqlOutbox:

@@ -247,3 +247,29 @@ def _relay(app: Celery, engine: sa.Engine, *, grace: float) -> OutboxRelay:
     return OutboxRelay(app, runtime_for(app), SqlOutbox(engine), grace=grace, poll=0.05,
                        retention=3600.0)  # fmt: skip
 
+
+
+def test_a_duplicate_sent_after_commit_goes_out_to_meet_the_holder(
+    broker: RedisServer, engine: sa.Engine, redis_url: str
+) -> None:
+    """on_duplicate_publish="raise" or "result" cannot answer a caller who has committed
+    and gone: the committed copy goes out under its own task id and meets the holder at the
+    gate (a typed stop naming it, or its record), so its AsyncResult never stays PENDING."""
+    app = Celery("outbox-dup", set_as_current=False)
+    app.conf.update(broker_url=broker.url, task_serializer="json", accept_content=["json"])
+    runtime = install(app, Settings(lock_url=redis_url, key_prefix=f"od{uuid.uuid4().hex[:6]}",
+                                    key_secret="outbox-test-secret-not-for-production"))
+    try:
+        @singleton_task(app=app, name=f"outbox.export.{uuid.uuid4().hex[:8]}",
+                        dedupe_on_publish=True, on_duplicate_publish="raise")
+        def export(report: str) -> str:
+            return report
+
+        first = export.delay("r1")  # queued: holds the publish claim
+        with Session(engine) as session:
+            later = export.apply_async_on_commit(("r1",), session=session)
+            session.commit()  # no DuplicatePublish here, with no caller to take it
+        assert sorted(m["id"] for m in queued(broker)) == sorted([first.id, later.id])
+        assert rows(engine)[0].sent_at is not None
+    finally:
+        runtime.close()
