@@ -12,7 +12,10 @@ import sqlalchemy as sa
 from celery.contrib.testing.worker import start_worker
 from sqlalchemy.pool import NullPool
 
+from jobfence.tasks import runtime_for
+from jobfence.tasks.outbox import SqlOutbox
 from jobfence.worker import custody
+from jobfence.worker.outbox_relay import OutboxRelay
 from tests.model.app import ModelApp, build_app
 from tests.model.scenario import Harness
 from tests.model.second import SecondWorker
@@ -21,6 +24,8 @@ from tests.servers import POSTGRES_ADMIN_URL, PostgresDatabase, RedisServer
 
 #: Worker threads: enough for a sequence's jobs, slot waiters and retries at once.
 WORKER_THREADS = 6
+#: Seconds a committed, unsent outbox row waits for its publisher before the relay sends it.
+RELAY_GRACE = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +70,18 @@ def harness(
         if request.param == "redis":
             second = _second_worker(model, env, lock_url, database_url, tmp_path_factory)
             stack.callback(second.stop)
+        # The fleet's outbox relay (issue 34): sends what `on_commit` steps committed and
+        # never published ("died"), after a grace shorter than any drain.
+        relay = OutboxRelay(model.app, runtime_for(model.app), SqlOutbox(model.engine),
+                            grace=RELAY_GRACE, poll=0.1, retention=3600.0, ttl=2.0).start()
+        stack.callback(relay.stop)
         with start_worker(
             model.app, pool="threads", concurrency=WORKER_THREADS, perform_ping_check=False,
             loglevel="WARNING", shutdown_timeout=30.0,
         ):  # fmt: skip
             yield Harness(
                 model, request.param, model_broker,
-                locks if request.param == "redis" else None, cutter, second,
+                locks if request.param == "redis" else None, cutter, second, relay,
             )  # fmt: skip
             # The publishes' AsyncResults unsubscribe from the result store when collected:
             # let them do it while it still runs.

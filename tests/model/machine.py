@@ -73,6 +73,11 @@ class ModelMachine(RuleBasedStateMachine):
     def publish(self, mode: str, hold: float, countdown: float | None) -> None:
         self._run(Step("publish", mode=mode, hold=hold, countdown=countdown))
 
+    @rule(at=st.sampled_from(["commit", "commit", "rollback", "died"]), mode=MODES,
+          hold=HOLDS, countdown=COUNTDOWNS)  # fmt: skip
+    def on_commit(self, at: str, mode: str, hold: float, countdown: float | None) -> None:
+        self._run(Step("on_commit", mode=mode, hold=hold, countdown=countdown, at=at))
+
     @rule(job=PICKS, countdown=COUNTDOWNS)
     def duplicate(self, job: int, countdown: float | None) -> None:
         self._run(Step("duplicate", job=job, countdown=countdown))

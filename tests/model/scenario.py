@@ -32,6 +32,7 @@ from tests.pg_cut import SessionCutter
 from tests.servers import RedisServer
 
 if TYPE_CHECKING:
+    from jobfence.worker.outbox_relay import OutboxRelay
     from tests.model.beat import BeatFleet
 
 __all__ = [
@@ -97,7 +98,8 @@ class Step:
     database's session at statement ``at`` (a key of CUT_AT) of the next effect transaction
     that sends it; ``lose_leases``, ``flush`` and ``fork`` take none; ``pause_worker`` and
     ``kill_worker`` route a new job with ``hold`` to the worker processes (redis harness),
-    then pause its holder for ``seconds`` or kill them all."""
+    then pause its holder for ``seconds`` or kill them all; ``on_commit`` publishes a new
+    job through the outbox, ``at`` "commit", "rollback" or "died" (before its publish)."""
 
     kind: str
     job: int = 0
@@ -151,6 +153,8 @@ class Harness:
     cutter: SessionCutter | None = None
     #: The redis harness's second worker process (pause_worker, kill_worker); None elsewhere.
     second: SecondWorker | None = None
+    #: The fleet's outbox relay (``on_commit`` steps); None where a test built no harness.
+    relay: OutboxRelay | None = None
 
 
 @dataclass
@@ -164,6 +168,8 @@ class Scenario:
     jobs: list[Job] = field(default_factory=list)
     publishes: list[Publish] = field(default_factory=list)
     fork_faults: list[str] = field(default_factory=list)
+    #: Jobs of ``on_commit`` steps whose transaction rolled back: none may take effect.
+    rolled_back: list[Job] = field(default_factory=list)
     #: How many cuts had fired before this sequence (the cutter counts for the harness).
     cuts_before: int = 0
     #: Deliveries whose decisions a kill_worker step may have lost (still in their
@@ -263,6 +269,38 @@ class Scenario:
         else:
             publish.tail_id = result.id
             publish.task_id = result.parent.id if result.parent is not None else None
+        self.publishes.append(publish)
+
+    def _do_on_commit(self, step: Step) -> None:
+        """A new job published on commit through the outbox (issue 34), its row written in
+        a transaction on the effects database: ``at`` "commit" (published after it),
+        "rollback" (nothing may run), "died" (the process died between its commit and its
+        publish: only the row is left, for the harness's relay to send)."""
+        from sqlalchemy.orm import Session
+
+        from jobfence.tasks.outbox import SqlOutbox, entry_for
+
+        if step.at == "rollback":  # never among the jobs later steps pick (it never was)
+            job = Job(f"{self.prefix}rolled-back-{len(self.rolled_back)}", step.mode, step.hold)
+        else:
+            job = self._new_job(step)
+        task = self.harness.model.tasks[self.options]
+        options = {} if step.countdown is None else {"countdown": step.countdown}
+        publish = Publish(job, "on_commit")
+        with Session(self.harness.model.engine) as session:
+            if step.at == "died":
+                entry = entry_for(task, self._args(job), {}, options, str(uuid.uuid4()))
+                SqlOutbox(self.harness.model.engine).write(session.connection(), entry)
+                publish.task_id = entry.task_id
+            else:
+                publish.task_id = task.apply_async_on_commit(
+                    self._args(job), session=session, **options
+                ).id
+            if step.at == "rollback":
+                session.rollback()
+                self.rolled_back.append(job)
+                return
+            session.commit()
         self.publishes.append(publish)
 
     def _do_sleep(self, step: Step) -> None:
@@ -470,6 +508,7 @@ class Scenario:
         found += self._check_chains(outcome)
         found += self._check_decisions(effects)
         found += [Violation("fork-hang", fault) for fault in self.fork_faults]
+        found += self._check_outbox(effects)
         if self.beat is not None:
             found += self.beat.check(effects)
         if self.options.concurrency and "flush" not in {s.kind for s in self.steps}:
@@ -513,6 +552,27 @@ class Scenario:
                 # A chain's head apart: its tail is published only after it.
                 kind = "chain-pending" if task_id in heads else "pending-forever"
                 found.append(Violation(kind, f"{task_id} still {state}"))
+        return found
+
+    def _check_outbox(self, effects: list[dict[str, Any]]) -> list[Violation]:
+        """Publish on commit: a rolled-back job never takes effect, and every committed
+        row of the sequence was sent (by its publisher or the relay)."""
+        import sqlalchemy as sa
+
+        from jobfence.tasks.effects import outbox
+
+        found = []
+        took_effect = {e["job_id"] for e in effects}
+        for job in self.rolled_back:
+            if job.job_id in took_effect:
+                found.append(Violation("rolled-back-ran", f"{job.job_id} took effect"))
+        ids = [p.task_id for p in self.publishes if p.kind == "on_commit" and p.task_id]
+        if ids:
+            with self.harness.model.engine.connect() as conn:
+                unsent = conn.scalars(sa.select(outbox.c.task_id).where(
+                    outbox.c.task_id.in_(ids), outbox.c.sent_at.is_(None)
+                )).all()  # fmt: skip
+            found += [Violation("outbox-unsent", task_id) for task_id in unsent]
         return found
 
     def _runs_every_publish(self) -> bool:

@@ -90,3 +90,43 @@ def test_control_a_put_back_under_the_old_tag_loses_the_paused_job(
 def naive_put_back(self: Custody, tag: str) -> bool:
     self.qos.restore_by_tag(tag, client=self.channel.client)
     return True
+
+
+#: Issue 34: a job published on commit, one whose transaction rolled back, one whose process
+#: died between its commit and its publish (the relay sends it), then a duplicate and a
+#: redelivery of the committed ones.
+ON_COMMIT = (
+    Step("on_commit", at="commit", hold=0.2),
+    Step("on_commit", at="rollback"),
+    Step("on_commit", at="died", countdown=0.3),
+    Step("duplicate", job=0),
+    Step("redeliver", job=1),
+)
+
+
+def test_publish_on_commit_steps_keep_every_invariant(harness: Harness) -> None:
+    options = next(o for o in valid_options() if o.dedupe_on_publish and o.concurrency == 0
+                   and o.on_conflict == "skip" and o.global_rate_limit is None)  # fmt: skip
+    scenario = Scenario(harness, options)
+    for step in ON_COMMIT:
+        scenario.run(step)
+    scenario.drain()
+    assert [str(v) for v in scenario.check()] == []
+    ran = {e["job_id"] for e in harness.model.effects(scenario.prefix)}
+    assert ran == {scenario.jobs[0].job_id, scenario.jobs[1].job_id}
+
+
+def test_control_a_commit_no_one_publishes_is_caught(harness: Harness) -> None:
+    """The checks see a committed job that was never sent: the relay held back (its grace
+    past the drain), the "died" step's job stays PENDING and its row unsent."""
+    assert harness.relay is not None
+    grace, harness.relay.grace = harness.relay.grace, 3600.0
+    try:
+        scenario = Scenario(harness, valid_options()[0])
+        scenario.run(Step("on_commit", at="died"))
+        scenario.drain(timeout=2.0)
+        kinds = {v.kind for v in scenario.check()}
+    finally:
+        harness.relay.grace = grace
+    assert {"outbox-unsent", "pending-forever"} <= kinds, kinds
+    scenario.drain()  # the relay sends it now: nothing left for later sequences
