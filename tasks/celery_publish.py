@@ -4,12 +4,14 @@ and a delivered message published again as itself (no claim made for it)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore, Reject
 
 from jobfence.locks.drive import run_sync
+from jobfence.tasks.celery_spec import burst_key
 from jobfence.tasks.publish import give_back_flow, publish_flow
 
 if TYPE_CHECKING:
@@ -36,7 +38,8 @@ def publish_once(
     policy = task.jobfence_options.on_duplicate_publish
     if committed and policy == "raise":
         policy = "result"  # no caller to raise to: unclaimed, as a workflow's duplicate
-    flow = publish_flow(key, task_id, ttl, policy=policy, workflow=workflow, name=task.name)
+    flow = publish_flow(key, task_id, ttl, policy=policy, workflow=workflow, name=task.name,
+                        debounce=task.jobfence_options.debounce is not None)  # fmt: skip
     decision = run_sync(flow, backend, backend.clock)
     if decision.action == "result":
         return task.AsyncResult(decision.holder)
@@ -58,6 +61,22 @@ def publish_once(
         log.info("%s: task %s replaced queued task %s", task.name, task_id,
                  decision.previous)  # fmt: skip
     return out
+
+
+def debounce_countdown(task: SingletonTask, key: str) -> float:
+    """`debounce`: this publish runs after the quiet period, unless the burst's first publish
+    was so long ago that `debounce_max_wait` comes first. The first publish's time is kept
+    on the lock server (a claim of its own, freed when the debounced run starts), so every
+    publisher of the fleet measures from it (wall clocks: keep them in step, as NTP does)."""
+    o = task.jobfence_options
+    assert o.debounce is not None
+    if o.debounce_max_wait is None:
+        return o.debounce
+    backend = task._runtime().backend
+    now = time.time()
+    held = backend.claim_publish(burst_key(key), repr(now), o.debounce_max_wait + o.debounce)
+    first = now if held is None else float(held)
+    return max(0.0, min(o.debounce, first + o.debounce_max_wait - now))
 
 
 def _dedupe_ttl(task: SingletonTask, visibility_timeout: float, options: dict[str, Any]) -> float:

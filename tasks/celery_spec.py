@@ -41,7 +41,13 @@ def delivery_spec(task: SingletonTask, rt: Runtime, arguments: dict[str, Any], r
         ),
         marks=marks,
         in_workflow=bool(req.callbacks or req.chain or req.chord or req.group),
+        burst_key=burst_key(key) if o.debounce_max_wait else "",
     )
+
+
+def burst_key(key: str) -> str:
+    """Where a debounced burst of `key` keeps its first publish's time (a publish claim)."""
+    return key + ":burst"
 
 
 def _template(task: SingletonTask, rt: Runtime) -> JobSpec:
@@ -60,6 +66,7 @@ def _template(task: SingletonTask, rt: Runtime) -> JobSpec:
         claim_ttl=o.dedupe_ttl or s.visibility_timeout,
         supersede=o.dedupe_on_publish and o.on_duplicate_publish == "replace",
         publish_claim=o.dedupe_on_publish,
+        debounced=o.debounce is not None,
         countdown_cap=max(0.1, s.visibility_timeout / 2),
         **o.job_fields(s),
     )

@@ -13,7 +13,7 @@ from celery.utils import uuid
 
 from jobfence.locks.errors import LockError
 from jobfence.locks.lease import Lease
-from jobfence.tasks.celery_publish import publish_again, publish_once
+from jobfence.tasks.celery_publish import debounce_countdown, publish_again, publish_once
 from jobfence.tasks.celery_spec import delivery_spec, request_fields
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
@@ -152,6 +152,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         if self.jobfence_options.dedupe_on_publish and not (self.app.conf.task_always_eager
                                                             or again):  # fmt: skip
             task_id = task_id or uuid()
+            if self.jobfence_options.debounce is not None and not (
+                "countdown" in options or "eta" in options  # a retry's, or the caller's own
+            ):
+                options["countdown"] = debounce_countdown(self, key)
 
             def publish() -> Any:
                 return super(SingletonTask, self).apply_async(

@@ -83,11 +83,17 @@ class DuplicateSkipped(JobSkipped, DuplicateJob):
 
 
 class JobSuperseded(JobSkipped):
-    """A newer copy took the job over (`on_duplicate_publish="replace"`, or proof on the lock:
-    a stale fence, another holder) before its result was on record; this copy never ran, or
-    stopped."""
+    """A newer copy took the job over (`on_duplicate_publish="replace"`, `debounce`, or proof
+    on the lock: a stale fence, another holder) before its result was on record; this copy
+    never ran, or stopped. `task_id` is the newer copy's where known (a replaced or debounced
+    copy): its `AsyncResult` answers for this publish."""
 
     marker: ClassVar[dict[str, str]] = {"jobfence": "superseded"}
+
+    def __init__(self, message: str, task_id: str = "", *, key: str | None = None) -> None:
+        super().__init__(message, key=key)
+        self.task_id = task_id
+        self.args = (str(self), task_id)  # what Celery stores, and rebuilds it from
 
 
 class JobDropped(JobSkipped):

@@ -141,6 +141,13 @@ class TaskOptions:
             "seconds the key stays taken after the run finished", check_seconds, django=True
         ),
     )
+    debounce: float | None = field(default=None, metadata=_row(
+        "seconds with no newer publish before a burst of publishes of one key runs once, with "
+        "the latest arguments (sets dedupe_on_publish, on_duplicate_publish='replace', "
+        "lock_until='start' and on_conflict='wait' unless given)", check_seconds))  # fmt: skip
+    debounce_max_wait: float | None = field(default=None, metadata=_row(
+        "the longest a debounced burst waits after its first publish (None: no bound)",
+        check_seconds))  # fmt: skip
     on_duplicate_publish: DuplicatePublishPolicy = field(default="result", metadata=_row(
         "what a duplicate publish gets: the result, raise, or replace the queued copy",
         _one_of(DUPLICATE_PUBLISH_POLICIES)))  # fmt: skip
@@ -177,6 +184,7 @@ class TaskOptions:
 
     def _check_together(self) -> None:
         """Refuse options that cannot work together; parse the rate limit."""
+        self._derive_debounce()
         if self.unique_for is not None and self.lock_until == "start":
             raise TaskDefinitionError(
                 "unique_for keeps the key until a time after the run finishes; it cannot be "
@@ -207,6 +215,43 @@ class TaskOptions:
         except LockError as exc:
             raise TaskDefinitionError(str(exc).replace("burst", "rate_burst")) from None
         object.__setattr__(self, "rate", rate)
+
+    def _derive_debounce(self) -> None:
+        """`debounce` is the publish claim replaced by each newer publish, each copy sent
+        with the quiet period as its countdown, and the claim freed as the run starts (a
+        publish during the run starts the next burst, queued behind it). Set what it needs;
+        refuse an option given against it, naming it."""
+        if self.debounce is None:
+            if self.debounce_max_wait is not None:
+                raise TaskDefinitionError(
+                    "debounce_max_wait bounds a debounced burst; set debounce=<seconds> too"
+                )
+            return
+        if self.debounce_max_wait is not None and self.debounce_max_wait < self.debounce:
+            raise TaskDefinitionError(
+                f"debounce_max_wait={self.debounce_max_wait!r} is shorter than "
+                f"debounce={self.debounce!r}: a burst could never wait its quiet period; "
+                "make debounce_max_wait at least debounce"
+            )
+        against = {
+            "on_duplicate_publish": self.on_duplicate_publish not in ("result", "replace"),
+            "unique_for": self.unique_for is not None,
+            "on_conflict": self.on_conflict == "raise",
+        }
+        for name, bad in against.items():
+            if bad:
+                raise TaskDefinitionError(
+                    f"debounce runs the latest publish of a burst and the next burst after "
+                    f"it; {name}={getattr(self, name)!r} works against that: leave {name} out"
+                )
+        derived = {
+            "dedupe_on_publish": True,
+            "on_duplicate_publish": "replace",
+            "lock_until": "start",
+            "on_conflict": "wait" if self.on_conflict == "skip" else self.on_conflict,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     def check_names(self, func: Callable[..., Any], *, bound: bool) -> None:
         """Refuse, at decoration, a key selector naming no parameter of `func` (`bound`: its

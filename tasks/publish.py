@@ -37,12 +37,16 @@ def publish_flow(
     policy: DuplicatePublishPolicy,
     workflow: bool,
     name: str,
+    debounce: bool = False,
 ) -> Flow[PublishDecision]:
     """Claim `key` for `task_id`; a duplicate gets `policy` (DuplicatePublish for "raise").
 
     A duplicate carrying a workflow (a chain, link, link_error, chord or group) goes out
     unclaimed where "result" or "replace" would answer with the holder's AsyncResult: the
-    workflow waits on this task id, not the holder's.
+    workflow waits on this task id, not the holder's. With `debounce` a started holder is
+    replaced too: its run ended the last burst, and this publish starts the next (queued
+    behind that run, if it still runs); a copy of the last burst meeting the new claim is
+    superseded.
     """
     holder = ""
     for _ in range(REPLACE_ATTEMPTS):
@@ -60,10 +64,10 @@ def publish_flow(
                 task_id=holder,
                 key=key,
             )
-        if policy != "replace" or started:
+        if policy != "replace" or (started and not debounce):
             break  # a started copy is never replaced (two would run): its result answers
         # Take the claim from the queued copy first: it skips when it finds it gone.
-        if (yield SwapPublish(key, holder, task_id, ttl)) is None:
+        if (yield SwapPublish(key, held, task_id, ttl)) is None:
             return PublishDecision("claimed", previous=holder)
         # The claim moved meanwhile (the holder started, or was replaced): look again.
     return PublishDecision("unclaimed" if workflow else "result", holder=holder)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
-from jobfence.locks.ops import SwapPublish
+from jobfence.locks.ops import ClearPublish, SwapPublish
 from jobfence.tasks.events import Event, Kind
 from jobfence.tasks.flow.ending import Ending
 from jobfence.tasks.flow.ops import JobFlow
@@ -33,12 +33,21 @@ class Claim(Ending):
             yield from self.release_quietly(lease)
             return (yield from self.redeliver("lock server unavailable before the body ran", None))
         if kept is None or kept == mine:
+            if spec.burst_key:  # debounce: this run ends the burst; the next starts afresh
+                yield from self.end_burst()
             return None
         if spec.supersede:
             return (yield from self.superseded_copy(lease, kept))
         if spec.unique_for and kept.startswith(STARTED):
             return (yield from self.throttled(lease, kept.removeprefix(STARTED)))
         return None
+
+    def end_burst(self) -> JobFlow[None]:
+        """Forget the debounced burst's first publish: a publish from now on starts the next."""
+        try:
+            yield ClearPublish(self.spec.burst_key)
+        except BackendUnavailable as exc:  # it expires after debounce_max_wait on its own
+            yield Event(Kind.THROTTLE_NOT_SET, detail=type(exc).__name__)
 
     def throttled(self, lease: Lease, holder: str) -> JobFlow[Outcome]:
         """`holder`'s run of the key started within `unique_for`: skipped, its result answers."""
@@ -49,9 +58,17 @@ class Claim(Ending):
     def swap_claim(self) -> JobFlow[str | None]:
         """Our claim marked started (dropped under lock_until="start"); else who holds it."""
         spec = self.spec
-        new = None if spec.lock_until == "start" else STARTED + spec.task_id
-        kept: str | None = yield SwapPublish(spec.key, spec.task_id, new, spec.claim_ttl)
+        kept: str | None = yield SwapPublish(spec.key, spec.task_id, self.marked, spec.claim_ttl)
         return kept
+
+    @property
+    def marked(self) -> str | None:
+        """The claim as the run starts: marked started, or dropped under lock_until="start"
+        (debounce keeps the mark: a copy of the burst this run ended is superseded by it)."""
+        spec = self.spec
+        if spec.lock_until == "start" and not spec.debounced:
+            return None
+        return STARTED + spec.task_id
 
     def claim_under_earlier_secrets(self) -> JobFlow[str | None]:
         """A rotation: the claim marked started (or dropped) under each earlier secret's
@@ -65,7 +82,7 @@ class Claim(Ending):
         The claim that stops this copy (another publish's, where `supersede` or a started
         mark under `unique_for`), our marks taken back; else None."""
         spec = self.spec
-        new = None if spec.lock_until == "start" else STARTED + spec.task_id
+        new = self.marked
         made = [spec.key]
         for key, _ in spec.previous:
             kept: str | None = yield SwapPublish(key, spec.task_id, new, spec.claim_ttl)
@@ -85,7 +102,7 @@ class Claim(Ending):
         yield Event(Kind.REPLACED, fence, holder.removeprefix(STARTED), reason="replaced")
         if lease is not None:
             yield from self.release_quietly(lease)
-        return Outcome("superseded", SUPERSEDED, fence)
+        return Outcome("superseded", SUPERSEDED, fence, holder=holder.removeprefix(STARTED))
 
     def throttle(self) -> JobFlow[None]:
         """unique_for: the claim, marked started, lasts that long after the run finished."""

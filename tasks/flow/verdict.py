@@ -163,9 +163,9 @@ class Verdicts(Ending):
     def stop_error(self, out: Outcome) -> JobSkipped:
         spec = self.spec
         stop, reason = STOPS[out.status]
-        if stop is DuplicateSkipped:
+        if stop is DuplicateSkipped or stop is JobSuperseded:
             held = f" (task {out.holder})" if out.holder else ""
-            return DuplicateSkipped(f"{spec.name}: {reason}{held}", out.holder, key=spec.key)
+            return stop(f"{spec.name}: {reason}{held}", out.holder, key=spec.key)
         if stop is RateLimitSkipped:
             after = float((out.value or {}).get("retry_after", 0.0))
             return RateLimitSkipped(f"{spec.name}: {reason} (retry after {after:g}s)", after,
