@@ -286,6 +286,8 @@ def singleton_task(
     dedupe_ttl: float | None = None,
     lock_until: LockUntil = "finish",
     unique_for: float | None = None,
+    debounce: float | None = None,
+    debounce_max_wait: float | None = None,
     on_duplicate_publish: DuplicatePublishPolicy = "result",
     concurrency: int = 0,
     concurrency_key: KeySelector = None,

@@ -60,6 +60,9 @@ WAIT_TIMEOUT = 2.0
 #: Deliveries again (a commit outcome unknown, a lost lease) before a job is given up.
 REDELIVERY_LIMIT = 5
 RATE = "10/s"
+#: A debounced task's quiet period and bound (seconds): short, as the model's bodies are.
+DEBOUNCE = 0.3
+DEBOUNCE_MAX_WAIT = 1.0
 #: The secret a rotation rolls out beside the worker's own (a test value, never shown).
 ROTATED_SECRET = "model-rotated-secret-Bb2-0123456789abcdef"
 
@@ -91,6 +94,9 @@ class Options:
     on_duplicate_publish: str
     concurrency: int
     global_rate_limit: str | None
+    #: Issue 34: seconds of quiet before a burst runs, and its bound (None: no debounce).
+    debounce: float | None = None
+    debounce_max_wait: float | None = None
 
     @property
     def task_name(self) -> str:
@@ -103,6 +109,8 @@ class Options:
             f"c{self.concurrency}",
             "r" if self.global_rate_limit else "nr",
         )
+        if self.debounce is not None:
+            parts += (f"db{self.debounce:g}", f"mw{self.debounce_max_wait or 0:g}")
         return "model.job." + ".".join(parts)
 
     @property
@@ -120,6 +128,9 @@ class Options:
             "concurrency": self.concurrency,
             "global_rate_limit": self.global_rate_limit,
         }
+        if self.debounce is not None:
+            options["debounce"] = self.debounce
+            options["debounce_max_wait"] = self.debounce_max_wait
         if self.concurrency:
             options["concurrency_key"] = ["group"]
         if self.global_rate_limit:
@@ -148,6 +159,13 @@ def valid_options() -> list[Options]:
         if dup != "result" and not dedupe:
             continue
         found.append(Options(conflict, until, unique, dedupe, dup, conc, rate))
+    # Debounce (issue 34) sets the claim, "replace" and lock_until="start" itself: the
+    # combinations of what it leaves free (a wait or a retry behind a run, a slot, a rate).
+    for conflict, conc, rate, max_wait in itertools.product(
+        ("wait", "retry"), (0, 1), (None, RATE), (None, DEBOUNCE_MAX_WAIT)
+    ):
+        found.append(Options(conflict, "start", None, True, "replace", conc, rate,
+                             DEBOUNCE, max_wait))  # fmt: skip
     return found
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from celery.result import AsyncResult
 from hypothesis.stateful import run_state_machine_as_test
 
 from jobfence.worker.custody import Custody
@@ -130,3 +131,24 @@ def test_control_a_commit_no_one_publishes_is_caught(harness: Harness) -> None:
         harness.relay.grace = grace
     assert {"outbox-unsent", "pending-forever"} <= kinds, kinds
     scenario.drain()  # the relay sends it now: nothing left for later sequences
+
+
+def test_a_debounced_burst_with_a_redelivery_runs_once(harness: Harness) -> None:
+    """Issue 34: a publish, three duplicates within the quiet period and a redelivery of the
+    first: one run (the last publish's), every other copy a typed stop, the log true."""
+    options = next(o for o in valid_options() if o.debounce is not None
+                   and o.debounce_max_wait is None and o.concurrency == 0
+                   and o.global_rate_limit is None and o.on_conflict == "wait")  # fmt: skip
+    scenario = Scenario(harness, options)
+    steps = [Step("publish", hold=0.2), Step("duplicate"), Step("duplicate"),
+             Step("duplicate"), Step("redeliver")]  # fmt: skip
+    for step in steps:
+        scenario.run(step)
+    scenario.drain()
+    assert [str(v) for v in scenario.check()] == []
+    effects = harness.model.effects(scenario.prefix)
+    ids = [p.task_id for p in scenario.publishes]
+    states = [AsyncResult(i, app=harness.model.app).state for i in ids]
+    # One effect (a copy delivered after a slow publish may start a burst of its own on a
+    # loaded machine; its effect ledger then answers the later run); the last publish runs.
+    assert len(effects) == 1 and states[3] == "SUCCESS", states

@@ -49,7 +49,8 @@ def _task(app: Celery, runs: list[tuple[str, float]], **options: Any) -> Any:
 def test_a_burst_runs_once_with_the_latest_arguments_after_the_quiet_period(app: Celery) -> None:
     runs: list[tuple[str, float]] = []
     sync = _task(app, runs, debounce=QUIET)
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
+                      loglevel="WARNING"):
         copies = []
         for i in range(5):
             if copies:
@@ -68,7 +69,8 @@ def test_a_burst_runs_once_with_the_latest_arguments_after_the_quiet_period(app:
 def test_control_without_debounce_each_publish_runs(app: Celery) -> None:
     runs: list[tuple[str, float]] = []
     sync = _task(app, runs, key=None)  # each publish a job of its own, as a plain task's
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
+                      loglevel="WARNING"):
         copies = [sync.delay("u1", f"v{i}") for i in range(5)]
         for c in copies:
             c.get(timeout=10)
@@ -78,7 +80,8 @@ def test_control_without_debounce_each_publish_runs(app: Celery) -> None:
 def test_a_burst_that_never_goes_quiet_runs_by_its_max_wait(app: Celery) -> None:
     runs: list[tuple[str, float]] = []
     sync = _task(app, runs, debounce=QUIET, debounce_max_wait=1.2)
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
+                      loglevel="WARNING"):
         first = time.monotonic()
         published = []
         while time.monotonic() - first < 2.6:  # a publish every 0.15 s: never quiet
@@ -106,7 +109,8 @@ def test_a_publish_during_the_run_starts_the_next_burst(app: Celery) -> None:
         gate.wait(10)
         return version
 
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
+                      loglevel="WARNING"):
         first = slow.delay("u1", "a")
         wait_for(lambda: len(runs) == 1, 10.0)
         second = slow.delay("u1", "b")  # during the run: not replaced into it, queued

@@ -863,14 +863,14 @@ def test_a_copy_whose_claim_another_publish_took_is_superseded_never_run() -> No
     s = run_flow(job(supersede=True, publish_claim=True))
     out = s.run((Begin, held), (SwapPublish(KEY, ME, "!" + ME, 60.0), "newer-task"),
                 (Drop(held), None), (Release(held), True))  # fmt: skip
-    assert out == Outcome("superseded", {"jobfence": "superseded"}, 7)
+    assert out == Outcome("superseded", {"jobfence": "superseded"}, 7, holder="newer-task")
     assert not s.of(RunBody)
 
 
 def test_a_replaced_copy_finding_the_replacements_record_is_superseded() -> None:
     s = run_flow(job(supersede=True, publish_claim=True))
     out = s.run((Begin, record(fingerprint="fp-new")), (SwapPublish, "!newer-task"))
-    assert out == Outcome("superseded", {"jobfence": "superseded"}, None)
+    assert out == Outcome("superseded", {"jobfence": "superseded"}, None, holder="newer-task")
 
 
 def test_unique_for_a_run_within_the_window_is_throttled() -> None:
