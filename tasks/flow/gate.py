@@ -28,6 +28,8 @@ from jobfence.tasks.flow.spec import DUPLICATE, Outcome
 #: waits for the job's grant under another secret to go before it comes back later: the
 #: other worker gives its grant back within a round trip once it sees ours.
 ROTATION_GRACE = 1.0
+#: Prefix of the value a look at the publish claim writes where there is none (taken back).
+PROBE = "?"
 
 
 class Gate(Claim):
@@ -149,10 +151,8 @@ class Gate(Claim):
         so the holder is not a run of this publish but a copy it replaced, which gives way
         once it sees the claim (issue 29, the long run: both ended without running). Come
         back in a moment, not skipped as its duplicate, nor refused; None otherwise."""
-        spec = self.spec
-        kept = yield SwapPublish(spec.key, spec.task_id, spec.task_id, spec.claim_ttl)
-        if kept is not None:
-            return None  # another publish's claim, or a started run's: a real duplicate
+        if not (yield from self.claim_names_us()):
+            return None  # another publish's claim, a started run's, or none: a real duplicate
         yield Event(Kind.QUEUED, None, busy.task_id or "")
         return Outcome(
             "requeue",
@@ -160,6 +160,24 @@ class Gate(Claim):
             countdown=min(self.after(busy, attempt), 0.5),
             reason="a copy this publish replaced holds the key, and gives way",
         )
+
+    def claim_names_us(self) -> JobFlow[bool]:
+        """Whether the job's publish claim (under this secret's key or, in a rotation, an
+        earlier one's: where its publisher put it) still names this copy, queued. A look
+        that finds no claim leaves none behind: a claim made here under a key no publish
+        used named this copy against the newer holder's own (issue 29, the long run: the
+        holder, marking that key as it started, found it and was skipped as superseded)."""
+        spec = self.spec
+        # A value no publish uses: its compare-and-set reads the claim without changing one
+        # that is there, and makes one only where there was none, taken back at once.
+        probe = PROBE + spec.task_id
+        for key in spec.claim_keys:
+            held: str | None = yield SwapPublish(key, probe, probe, spec.claim_ttl)
+            if held is None:
+                yield SwapPublish(key, probe, None, spec.claim_ttl)
+                continue
+            return held == spec.task_id
+        return False
 
     def after(self, busy: Busy, attempt: int) -> float:
         """When to come back: the holder's lease left, plus a jittered step."""
