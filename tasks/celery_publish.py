@@ -17,6 +17,8 @@ from jobfence.tasks.publish import give_back_flow, publish_flow
 if TYPE_CHECKING:
     from jobfence.tasks.celery_task import SingletonTask
 
+#: The publish option the outbox sends a committed message with (tasks/outbox.py).
+OUTBOX_OPTION = "jobfence_outbox"
 #: Publish options that make a workflow wait on the published task id (chain, group, chord).
 WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
 #: The Celery shell's logger, named as before the shell was split in files.

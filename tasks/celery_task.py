@@ -13,7 +13,12 @@ from celery.utils import uuid
 
 from jobfence.locks.errors import LockError
 from jobfence.locks.lease import Lease
-from jobfence.tasks.celery_publish import debounce_countdown, publish_again, publish_once
+from jobfence.tasks.celery_publish import (
+    OUTBOX_OPTION,
+    debounce_countdown,
+    publish_again,
+    publish_once,
+)
 from jobfence.tasks.celery_spec import delivery_spec, request_fields
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
@@ -43,8 +48,6 @@ from jobfence.tasks.options import (
 )
 from jobfence.tasks.runtime import Runtime, runtime_for
 
-#: The publish option the outbox sends a committed message with (tasks/outbox.py).
-OUTBOX_OPTION = "jobfence_outbox"
 #: The header of an explicit idempotency key (`apply_async(idempotency_key=...)`).
 HEADER = KEY_HEADER
 PASSTHROUGH = (Retry, Ignore, Reject)

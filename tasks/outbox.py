@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, delete, func, select, update
 
 from jobfence.locks.sql import ensure_tables
-from jobfence.tasks.celery_task import OUTBOX_OPTION
+from jobfence.tasks.celery_publish import OUTBOX_OPTION
 from jobfence.tasks.effects import outbox
 from jobfence.tasks.errors import ArgumentsNotSerializable
 

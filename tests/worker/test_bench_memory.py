@@ -15,8 +15,9 @@ def test_the_memory_bench_counts_one_record_key_per_finished_job() -> None:
         report = memory_bench.build_report(server.url, "x", jobs, keeper)
     assert jobs["keys_per_job"] == 1.0 and jobs["keys_by_family"] == {"job": 30}
     assert jobs["result_length"] == len('"00000"')
-    # begin + commit per job, and the decision log's one batch (its index, no key per job)
-    assert round(jobs["script_calls_per_job"] * 30) == 61
+    # begin + commit per job, and the decision log's batches (its index, no key per job):
+    # one, or a few where the writer's 0.2 s tick fell inside the run (a loaded machine)
+    assert 61 <= round(jobs["script_calls_per_job"] * 30) <= 64
     assert jobs["decision_index_bytes_per_job"] > 0 and jobs["decision_index_entries"] >= 30
     # The index counted whole in the per-job figure the target judges.
     assert jobs["memory_usage_per_job_with_index"] == pytest.approx(
