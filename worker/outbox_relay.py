@@ -7,7 +7,9 @@ import threading
 import time
 from typing import Any
 
+import redis
 from celery import bootsteps
+from kombu.exceptions import OperationalError
 
 from jobfence.locks.keeper import LeaseKeeper
 from jobfence.locks.leader import LeaderElector, Term, leader_key
@@ -21,6 +23,10 @@ ELECTION = "outbox-relay"
 BATCH = 200
 #: The relay's leader term, in seconds: a relay that dies hands over within this long.
 TERM_TTL = 10.0
+#: A publish failing so says the broker is away: the rest of the look would fail alike.
+BROKER_DOWN: tuple[type[BaseException], ...] = (
+    OSError, OperationalError, TimeoutError, redis.ConnectionError, redis.TimeoutError,
+)  # fmt: skip
 
 
 class OutboxRelay:
@@ -55,11 +61,17 @@ class OutboxRelay:
                 break
             try:
                 publish_entry(self.app, entry)
-            except Exception as exc:
+            except BROKER_DOWN as exc:  # the next rows would fail alike: the next look
                 log.warning("outbox relay: task %s not sent (%s); tried again in %gs",
                             entry.task_id, type(exc).__name__, self.poll)  # fmt: skip
                 self.outbox.note_failure(entry.task_id)
                 break
+            except Exception as exc:  # this row's own fault: it must not hold up the rest
+                log.error("outbox relay: task %s (%s) could not be sent (%s); left unsent, "
+                          "counted in attempts", entry.task_id, entry.task_name,
+                          type(exc).__name__)  # fmt: skip
+                self.outbox.note_failure(entry.task_id)
+                continue
             self.outbox.mark_sent(entry.task_id)
             sent += 1
         self.sent += sent

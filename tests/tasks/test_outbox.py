@@ -274,3 +274,21 @@ def test_a_duplicate_sent_after_commit_goes_out_to_meet_the_holder(
         assert rows(engine)[0].sent_at is not None
     finally:
         runtime.close()
+
+
+def test_a_row_that_cannot_be_sent_does_not_hold_up_the_rest(
+    app: Celery, engine: sa.Engine, broker: RedisServer
+) -> None:
+    """A row broken in the table (its payload edited by hand) is counted and left; the row
+    behind it still goes out (a broker that is down instead ends the look)."""
+    store = SqlOutbox(engine)
+    with engine.begin() as conn:
+        store.write(conn, entry_for(fulfil(app), ("o11",), {}, {}, "t-broken"))
+        store.write(conn, entry_for(fulfil(app), ("o12",), {}, {}, "t-fine"))
+        conn.execute(outbox.update().where(outbox.c.task_id == "t-broken")
+                     .values(payload="{not json", created_at=0.0))  # fmt: skip
+    assert _relay(app, engine, grace=0.0).relay_once() == 1
+    assert [m["id"] for m in queued(broker)] == ["t-fine"]
+    with engine.connect() as conn:
+        broken = conn.execute(sa.select(outbox).where(outbox.c.task_id == "t-broken")).one()
+    assert broken.sent_at is None and broken.attempts == 1
