@@ -1,4 +1,4 @@
-"""`python -m jobfence migrate`: create jobfence's SQL tables (fences, job records) and a SQL
+"""`python -m jobfence migrate`: create jobfence's SQL tables (fences, records, outbox) and a SQL
 lock backend's tables now, or print their DDL."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ def add_migrate_parser(sub: Any) -> None:
     """The `migrate` command."""
     migrate = sub.add_parser(
         "migrate",
-        help="create jobfence's SQL tables (fences, job records, SQL locks) now",
-        description="Create jobfence's tables (jobfence_fences, jobfence_jobs) where they are "
+        help="create jobfence's SQL tables (fences, job records, outbox, SQL locks) now",
+        description="Create jobfence's tables (jobfence_fences, jobfence_jobs, jobfence_outbox) "
+        "where they are "
         "missing, and the lock backend's tables when the lock URL is PostgreSQL or "
         "MySQL/MariaDB; safe to repeat. Workers create them on first use anyway: run this "
         "when a DBA or a deploy step owns the schema and the workers' role may not create "
@@ -83,7 +84,7 @@ def _lock_scheme(url: str) -> str | None:
 
 
 def _migrate_effects(raw: str, *, sql: bool) -> int:
-    """The SQL effects' tables (jobfence_fences, jobfence_jobs) on `raw`."""
+    """The SQL effects' tables (jobfence_fences, jobfence_jobs, jobfence_outbox) on `raw`."""
     import sqlalchemy as sa
 
     from jobfence.locks.sql import SchemaError, create_tables, ddl
