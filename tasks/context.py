@@ -34,6 +34,10 @@ class OuterCommit:
             self._then = callback
 
 
+#: The longest DONE-row key the effect tables hold (jobfence_jobs.job_key).
+RECORD_KEY_MAX = 255
+
+
 @dataclass(frozen=True)
 class JobContext:
     """What a guarded job knows about itself. Pass `fence` into every downstream write."""
@@ -55,11 +59,14 @@ class JobContext:
     previous: tuple[tuple[str, str], ...] = ()
     # Set by the shell that runs the body: gives the lease back through the job's flow.
     let_go: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    # Per run (lock_until="start", unique_for, debounce): each publish is a run of its own,
+    # so its effects' DONE rows are the run's (`record_key`), not the key's.
+    per_run: bool = False
 
     @classmethod
     def of(
         cls, key: str, fingerprint: str, lease: Lease, task_id: str, slot: Lease | None,
-        previous: tuple[tuple[str, str], ...],
+        previous: tuple[tuple[str, str], ...], per_run: bool = False,
     ) -> JobContext:  # fmt: skip
         """What the generated __init__ builds, filled directly: a frozen dataclass's
         __init__ sets each field through object.__setattr__, the most of any step of a
@@ -67,8 +74,23 @@ class JobContext:
         ctx = object.__new__(cls)
         ctx.__dict__.update(key=key, fingerprint=fingerprint, lease=lease, task_id=task_id,
                             slot=slot, outer=[], effects=[], previous=previous,
-                            let_go=None)  # fmt: skip
+                            let_go=None, per_run=per_run)  # fmt: skip
         return ctx
+
+    @property
+    def record_key(self) -> str:
+        """The key of this job's effect DONE rows: the job's key, or per run the run's
+        (issue 34: a debounced burst's second run, with newer arguments, met the first
+        run's row as "the key used with other arguments"; one with the same arguments was
+        answered by it and took no effect)."""
+        return self.record_key_of(self.key)
+
+    def record_key_of(self, key: str) -> str:
+        """`record_key` for the job's key `key` (its own, or one under an earlier secret)."""
+        if not self.per_run:
+            return key
+        run = f"{key}#{self.task_id}"
+        return run if len(run) <= RECORD_KEY_MAX else hashlib.sha256(run.encode()).hexdigest()
 
     @property
     def fence(self) -> int:

@@ -212,7 +212,7 @@ class SqlEffects:
         if not tx.done:
             tx.conn.execute(
                 jobs.insert().values(
-                    job_key=job.key,
+                    job_key=job.record_key,
                     state="DONE",
                     fingerprint=job.fingerprint,
                     result=canonical_json(tx.result, what="the job result"),
@@ -237,7 +237,8 @@ class SqlEffects:
         try:
             with self.engine.connect() as fresh:
                 row = fresh.execute(
-                    select(jobs.c.fingerprint, jobs.c.fence).where(jobs.c.job_key == job.key)
+                    select(jobs.c.fingerprint, jobs.c.fence)
+                    .where(jobs.c.job_key == job.record_key)
                 ).first()
         except (OperationalError, InterfaceError) as again:
             raise CommitOutcomeUnknown(
@@ -260,12 +261,13 @@ class SqlEffects:
 
     def _lookup(self, conn: Connection, job: JobContext) -> EffectTx:
         row = conn.execute(
-            select(jobs.c.fingerprint, jobs.c.result).where(jobs.c.job_key == job.key)
+            select(jobs.c.fingerprint, jobs.c.result).where(jobs.c.job_key == job.record_key)
         ).first()
         for key, fingerprint in job.previous if row is None else ():
             # During a key rotation: the job's DONE row written under a previous secret.
             old = conn.execute(
-                select(jobs.c.fingerprint, jobs.c.result).where(jobs.c.job_key == key)
+                select(jobs.c.fingerprint, jobs.c.result)
+                .where(jobs.c.job_key == job.record_key_of(key))
             ).first()
             if old is not None and old.fingerprint == fingerprint:
                 return EffectTx(conn, done=True, result=json.loads(old.result))

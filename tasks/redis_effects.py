@@ -85,7 +85,7 @@ class RedisEffects:
         if tx.done:
             return
         record = JobRecordArgs(
-            job.key,
+            job.record_key,
             job.fingerprint,
             canonical_json(tx.result, what="the job result"),
             int(self.record_ttl * 1000),
@@ -107,10 +107,10 @@ class RedisEffects:
                 "fence": int(got["fence"])}  # fmt: skip
 
     def _lookup(self, job: JobContext, resource: str) -> RedisEffectTx:
-        stored = self.record(job.key, resource)
+        stored = self.record(job.record_key, resource)
         for key, fingerprint in job.previous if stored is None else ():
             # During a key rotation: the job's DONE record written under a previous secret.
-            old = self.record(key, resource)
+            old = self.record(job.record_key_of(key), resource)
             if old is not None and old["fingerprint"] == fingerprint:
                 return RedisEffectTx(done=True, result=old["result"])
         if stored is None:

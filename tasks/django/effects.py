@@ -118,7 +118,7 @@ class DjangoEffects:
             return  # a replay: the stored result is known
         connections[alias].close()  # the old link is dead; the next query opens a new one
         try:
-            row = self.record(job.key, using=alias)
+            row = self.record(job.record_key, using=alias)
         except (OperationalError, InterfaceError) as again:
             raise CommitOutcomeUnknown(
                 "the connection was lost at the effect's COMMIT and the database cannot be "
@@ -138,11 +138,11 @@ class DjangoEffects:
         query = (f"SELECT {qn('fingerprint')}, {qn('result')} FROM {qn(JOBS_TABLE)} "
                  f"WHERE {qn('job_key')} = %s")  # fmt: skip
         with conn.cursor() as cur:
-            cur.execute(query, [job.key])
+            cur.execute(query, [job.record_key])
             row = cur.fetchone()
             for key, fingerprint in job.previous if row is None else ():
                 # During a key rotation: the job's DONE row written under a previous secret.
-                cur.execute(query, [key])
+                cur.execute(query, [job.record_key_of(key)])
                 old = cur.fetchone()
                 if old is not None and old[0] == fingerprint:
                     return DjangoEffectTx(alias, done=True, result=json.loads(old[1]))
@@ -161,7 +161,7 @@ class DjangoEffects:
             cur.execute(
                 f"INSERT INTO {qn(JOBS_TABLE)} ({', '.join(qn(c) for c in _COLUMNS)}) "
                 "VALUES (%s, %s, %s, %s, %s, %s)",
-                [job.key, "DONE", job.fingerprint, result, job.fence, time.time()],
+                [job.record_key, "DONE", job.fingerprint, result, job.fence, time.time()],
             )
 
 

@@ -35,7 +35,8 @@ class Body(Claim, Settle):
             skipped = yield from self.claim_at_start(lease)
             if skipped is not None:
                 return skipped
-        ctx = JobContext.of(spec.key, spec.fingerprint, lease, spec.task_id, slot, spec.previous)
+        ctx = JobContext.of(spec.key, spec.fingerprint, lease, spec.task_id, slot, spec.previous,
+                            spec.per_run)  # fmt: skip
         if self.noting:
             yield Event(Kind.STARTED, lease.fence)
         return (yield from self.run_body(lease, ctx, passthrough))

@@ -427,3 +427,38 @@ def test_two_copies_under_two_secrets_take_effect_once_side_by_side(effects: Sql
     assert seen["first"][0] is False
     assert seen["second_done"] is True, "the second copy took effect beside the first"
     assert effect_rows(effects, first_key) + effect_rows(effects, second_key) == 1
+
+
+# -- per run (lock_until="start", unique_for, debounce) -------------------------------------
+
+
+def test_per_run_each_publish_takes_effect_once_whatever_its_arguments(
+    effects: SqlEffects,
+) -> None:
+    """Issue 34 (debounce: each burst's run has the latest arguments): per run, each publish
+    is a run of its own, with a DONE row of its own. A later run with other arguments met
+    the first run's row as "the key used with other arguments"; one with the same arguments
+    was answered by it and took no effect. A redelivery of a run still replays its own."""
+    from jobfence.locks import MemoryBackend
+
+    executor = Executor(MemoryBackend(), LeaseKeeper(), backoff=Backoff(0.005, 0.05))
+    key, wrote = unique("tests.job:per-run"), []
+
+    def body(ctx: Any) -> Any:
+        with effects.transaction(ctx, "res:" + key) as tx:
+            if not tx.done:
+                wrote.append(ctx.task_id)
+                tx.result = ctx.task_id
+        return tx.result
+
+    def run(task_id: str, fingerprint: str) -> Any:
+        spec = spec_for(key, task_id=task_id, fingerprint=fingerprint, lock_until="start",
+                        on_conflict="wait", queues=True)  # fmt: skip
+        return executor.run(spec, body).value
+
+    assert [run("T1", "a"), run("T2", "b"), run("T3", "a")] == ["T1", "T2", "T3"]
+    assert wrote == ["T1", "T2", "T3"]
+    # A run delivered again with its lock-server record gone (`jobfence locks forget`): its
+    # own DONE row answers it, and it takes no effect twice.
+    assert executor.backend.forget(key)
+    assert run("T2", "b") == "T2" and wrote.count("T2") == 1
