@@ -33,6 +33,7 @@ from jobfence.worker.cli_locks import add_locks_parser
 from jobfence.worker.cli_locks import cmd_locks as cmd_locks
 from jobfence.worker.cli_migrate import add_migrate_parser
 from jobfence.worker.cli_migrate import cmd_migrate as cmd_migrate
+from jobfence.worker.cli_outbox import add_outbox_parser, cmd_outbox
 
 PASSTHROUGH = ("bench", "demo", "faults", "fleet")  # their arguments belong to another program
 BENCHES = {
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_migrate_parser(sub)
+    add_outbox_parser(sub)
     add_dashboard_parser(sub)
 
     sub.add_parser(
@@ -162,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "locks": cmd_locks,
         "check": cmd_check,
         "migrate": cmd_migrate,
+        "outbox": cmd_outbox,
         "dashboard": cmd_dashboard,
     }
     try:
