@@ -34,6 +34,7 @@ from jobfence.config.security import DEV_SECRET
 from jobfence.config.urls import check_lock_url, check_url, redact
 from jobfence.config.variables import (
     ENV_PREFIX,
+    OTHER_URLS,
     OTHER_VARIABLES,
     URL_FIELDS,
     split_list,
@@ -89,21 +90,14 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         default=None, description="SQLAlchemy URL of the ledger database (payments, stock)."
     )
-    outbox_url: str | None = Field(
-        default=None,
-        description="SQLAlchemy URL of the database holding jobfence_outbox (publish on commit): "
-        "set, each worker runs the outbox relay, one at a time across the fleet.",
-    )
-    outbox_grace: float = Field(
-        default=5.0, gt=0,
-        description="Seconds a committed, unsent outbox row waits before the relay sends it.",
-    )
-    outbox_poll: float = Field(
-        default=1.0, gt=0, description="Seconds between the leading relay's looks at the outbox."
-    )
-    outbox_retention: float = Field(
-        default=86400.0, gt=0, description="Seconds a sent outbox row is kept before it is pruned."
-    )
+    outbox_url: str | None = Field(default=None, description="SQLAlchemy URL of the database "
+        "holding jobfence_outbox: set, the workers run its relay, one at a time.")  # fmt: skip
+    outbox_grace: float = Field(default=5.0, gt=0, description="Seconds a committed, unsent "
+        "outbox row waits before the relay sends it.")  # fmt: skip
+    outbox_poll: float = Field(default=1.0, gt=0, description="Seconds between the leading "
+        "relay's looks at the outbox.")  # fmt: skip
+    outbox_retention: float = Field(default=86400.0, gt=0, description="Seconds a sent outbox "
+        "row is kept before it is pruned.")  # fmt: skip
     default_ttl: float = Field(default=30.0, description="Lease TTL in seconds.")
     heartbeat_fraction: float = Field(
         default=1 / 3, description="Heartbeat interval as a fraction of the TTL."
@@ -263,23 +257,13 @@ class Settings(BaseSettings):
         check_lock_url(v, f"{ENV_PREFIX}LOCK_URL")
         return v
 
-    @field_validator("broker_url", "result_backend")
+    @field_validator("broker_url", "result_backend", "database_url", "outbox_url")
     @classmethod
-    def _usable_celery_url(cls, v: str | None, info: Any) -> str | None:
+    def _usable_url(cls, v: str | None, info: Any) -> str | None:
         if v:
+            what, example = OTHER_URLS[info.field_name in ("database_url", "outbox_url")]
             check_url(v, variable=ENV_PREFIX + info.field_name.upper(), schemes=None,
-                      example="redis://127.0.0.1:6379/1 or amqp://guest:guest@127.0.0.1:5672//",
-                      what="Celery URL")
-        return v
-
-    @field_validator("database_url", "outbox_url")
-    @classmethod
-    def _usable_database_url(cls, v: str | None, info: Any) -> str | None:
-        if v:
-            check_url(v, variable=ENV_PREFIX + info.field_name.upper(), schemes=None,
-                      example="postgresql+psycopg://user:password@127.0.0.1:5432/shop "
-                      "or sqlite:///ledger.sqlite",
-                      what="database URL")
+                      example=example, what=what)  # fmt: skip
         return v
 
     @field_validator("key_secret_previous", mode="before")

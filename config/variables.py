@@ -10,6 +10,13 @@ from jobfence.config.errors import UnsafeSettings
 ENV_PREFIX = "JOBFENCE_"
 URL_FIELDS = ("lock_url", "broker_url", "result_backend", "database_url", "outbox_url")
 
+#: What a URL other than the lock server's is, and an example, by "is it a database".
+OTHER_URLS = {
+    False: ("Celery URL", "redis://127.0.0.1:6379/1 or amqp://guest:guest@127.0.0.1:5672//"),
+    True: ("database URL", "postgresql+psycopg://user:password@127.0.0.1:5432/shop or "
+           "sqlite:///ledger.sqlite"),
+}  # fmt: skip
+
 # JOBFENCE_* variables jobfence reads outside Settings (the demo's faults and journal, the
 # Celery benchmark). The one list `unknown_variables` checks against; tests keep it in step
 # with the modules that read them.

@@ -217,10 +217,8 @@ class TaskOptions:
         object.__setattr__(self, "rate", rate)
 
     def _derive_debounce(self) -> None:
-        """`debounce` is the publish claim replaced by each newer publish, each copy sent
-        with the quiet period as its countdown, and the claim freed as the run starts (a
-        publish during the run starts the next burst, queued behind it). Set what it needs;
-        refuse an option given against it, naming it."""
+        """`debounce` needs the claim, "replace" and lock_until="start" (docs/how-to/
+        debounce.md): set them; refuse an option given against them, naming it."""
         if self.debounce is None:
             if self.debounce_max_wait is not None:
                 raise TaskDefinitionError(
@@ -244,13 +242,9 @@ class TaskOptions:
                     f"debounce runs the latest publish of a burst and the next burst after "
                     f"it; {name}={getattr(self, name)!r} works against that: leave {name} out"
                 )
-        derived = {
-            "dedupe_on_publish": True,
-            "on_duplicate_publish": "replace",
-            "lock_until": "start",
-            "on_conflict": "wait" if self.on_conflict == "skip" else self.on_conflict,
-        }
-        for name, value in derived.items():
+        conflict = "wait" if self.on_conflict == "skip" else self.on_conflict
+        for name, value in (("dedupe_on_publish", True), ("on_duplicate_publish", "replace"),
+                            ("lock_until", "start"), ("on_conflict", conflict)):  # fmt: skip
             object.__setattr__(self, name, value)
 
     def check_names(self, func: Callable[..., Any], *, bound: bool) -> None:
