@@ -44,9 +44,9 @@ def engine(request: pytest.FixtureRequest) -> Iterator[sa.Engine]:
 
 
 @pytest.fixture
-def broker() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
+def broker(fresh_redis: RedisServer) -> RedisServer:
+    """The broker: a private redis-server (the broker-down test pauses it)."""
+    return fresh_redis
 
 
 @pytest.fixture
