@@ -43,10 +43,8 @@ def publish_flow(
 
     A duplicate carrying a workflow (a chain, link, link_error, chord or group) goes out
     unclaimed where "result" or "replace" would answer with the holder's AsyncResult: the
-    workflow waits on this task id, not the holder's. With `debounce` a started holder is
-    replaced too: its run ended the last burst, and this publish starts the next (queued
-    behind that run, if it still runs); a copy of the last burst meeting the new claim is
-    superseded.
+    workflow waits on this task id, not the holder's. `debounce`: a started holder's run
+    ended the last burst, so its claim is replaced too (docs/how-to/debounce.md).
     """
     holder = ""
     for _ in range(REPLACE_ATTEMPTS):

@@ -54,24 +54,18 @@ def cmd_outbox(args: argparse.Namespace) -> int:
     except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ValueError) as exc:
         print(f"jobfence outbox: bad database URL ({type(exc).__name__})", file=sys.stderr)
         return 2
-    t = outbox
-    unsent = t.c.sent_at.is_(None)
     try:
-        with engine.connect() as conn:
-            if not sa.inspect(conn).has_table(t.name):
-                print(f"jobfence outbox: no {t.name} table on {where}: run `python -m jobfence "
-                      "migrate`", file=sys.stderr)  # fmt: skip
-                return 2
-            waiting, oldest, failing = conn.execute(
-                sa.select(sa.func.count(), sa.func.min(t.c.created_at),
-                          sa.func.count().filter(t.c.attempts > 0)).where(unsent)
-            ).one()  # fmt: skip
-            sent = conn.execute(sa.select(sa.func.count()).where(~unsent)).scalar_one()
+        counted = _count(engine)
     except sa.exc.DBAPIError as exc:
         print(f"jobfence outbox: {where}: {type(exc.orig).__name__}", file=sys.stderr)
         return 1
     finally:
         engine.dispose()
+    if counted is None:
+        print(f"jobfence outbox: no {outbox.name} table on {where}: run `python -m jobfence "
+              "migrate`", file=sys.stderr)  # fmt: skip
+        return 2
+    waiting, oldest, failing, sent = counted
     age = 0.0 if oldest is None else max(0.0, time.time() - float(oldest))
     print(f"outbox on {where}")
     print(f"  unsent:  {waiting}" + (f" (the oldest {age:.1f}s old)" if waiting else ""))
@@ -82,3 +76,22 @@ def cmd_outbox(args: argparse.Namespace) -> int:
               f"{ENV_PREFIX}OUTBOX_URL running, and does the broker accept?")  # fmt: skip
         return 1
     return 0
+
+
+def _count(engine: Any) -> tuple[int, float | None, int, int] | None:
+    """(unsent rows, the oldest one's creation time, unsent rows that failed, sent rows);
+    None without the table."""
+    import sqlalchemy as sa
+
+    from jobfence.tasks.effects import outbox as t
+
+    unsent = t.c.sent_at.is_(None)
+    with engine.connect() as conn:
+        if not sa.inspect(conn).has_table(t.name):
+            return None
+        waiting, oldest, failing = conn.execute(
+            sa.select(sa.func.count(), sa.func.min(t.c.created_at),
+                      sa.func.count().filter(t.c.attempts > 0)).where(unsent)
+        ).one()  # fmt: skip
+        sent = conn.execute(sa.select(sa.func.count()).where(~unsent)).scalar_one()
+    return int(waiting), oldest, int(failing), int(sent)

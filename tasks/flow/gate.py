@@ -14,7 +14,6 @@ from jobfence.locks.ops import (
     ReadRecord,
     Release,
     Sleep,
-    SwapPublish,
     WaitRelease,
 )
 from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict
@@ -28,8 +27,6 @@ from jobfence.tasks.flow.spec import DUPLICATE, Outcome
 #: waits for the job's grant under another secret to go before it comes back later: the
 #: other worker gives its grant back within a round trip once it sees ours.
 ROTATION_GRACE = 1.0
-#: Prefix of the value a look at the publish claim writes where there is none (taken back).
-PROBE = "?"
 
 
 class Gate(Claim):
@@ -160,24 +157,6 @@ class Gate(Claim):
             countdown=min(self.after(busy, attempt), 0.5),
             reason="a copy this publish replaced holds the key, and gives way",
         )
-
-    def claim_names_us(self) -> JobFlow[bool]:
-        """Whether the job's publish claim (under this secret's key or, in a rotation, an
-        earlier one's: where its publisher put it) still names this copy, queued. A look
-        that finds no claim leaves none behind: a claim made here under a key no publish
-        used named this copy against the newer holder's own (issue 29, the long run: the
-        holder, marking that key as it started, found it and was skipped as superseded)."""
-        spec = self.spec
-        # A value no publish uses: its compare-and-set reads the claim without changing one
-        # that is there, and makes one only where there was none, taken back at once.
-        probe = PROBE + spec.task_id
-        for key in spec.claim_keys:
-            held: str | None = yield SwapPublish(key, probe, probe, spec.claim_ttl)
-            if held is None:
-                yield SwapPublish(key, probe, None, spec.claim_ttl)
-                continue
-            return held == spec.task_id
-        return False
 
     def after(self, busy: Busy, attempt: int) -> float:
         """When to come back: the holder's lease left, plus a jittered step."""
