@@ -68,6 +68,8 @@ outbox = Table(
     Column("attempts", Integer, nullable=False, default=0),
     Index("jobfence_outbox_unsent", "sent_at", "created_at"),
 )
+#: Where a Session keeps the callbacks waiting for its root transaction's commit.
+_PENDING = "jobfence_after_commit"
 #: Every table jobfence keeps in SQL, in creation order (`jobfence migrate` makes these).
 TABLES: tuple[Table, ...] = (fences, jobs, outbox)
 
@@ -282,16 +284,30 @@ class SqlEffects:
 
 def _after_commit(session: Session, callback: Callable[[], None]) -> None:
     """Run `callback` once the Session's current root transaction commits; never on rollback
-    (a later transaction of the same Session is another one, and does not count)."""
-    root = session.get_transaction()
-    fired = False
+    (a later transaction of the same Session is another one, and does not count).
 
-    def after_commit(sess: Session) -> None:
-        nonlocal fired
-        # after_commit fires for a released savepoint too: only the root's commit counts.
-        if fired or sess.in_nested_transaction() or sess.get_transaction() is not root:
-            return
-        fired = True
-        callback()
+    One pair of listeners per Session, however many callbacks: a long-lived Session that
+    publishes in transaction after transaction (a batch script) would otherwise gather a
+    listener per call, each run at every later commit."""
+    pending: list[tuple[Any, Callable[[], None]]] | None = session.info.get(_PENDING)
+    if pending is None:
+        pending = session.info[_PENDING] = []
+        held = pending
 
-    event.listen(session, "after_commit", after_commit)
+        def after_commit(sess: Session) -> None:
+            # after_commit fires for a released savepoint too: only a root's commit counts.
+            if sess.in_nested_transaction():
+                return
+            root = sess.get_transaction()
+            due = [cb for r, cb in held if r is root]
+            held[:] = [(r, cb) for r, cb in held if r is not root]
+            for cb in due:
+                cb()
+
+        def ended(_sess: Session, transaction: Any) -> None:
+            if transaction.parent is None:  # a root ended (rolled back): its callbacks go
+                held[:] = [(r, cb) for r, cb in held if r is not transaction]
+
+        event.listen(session, "after_commit", after_commit)
+        event.listen(session, "after_transaction_end", ended)
+    pending.append((session.get_transaction(), callback))

@@ -292,3 +292,19 @@ def test_a_row_that_cannot_be_sent_does_not_hold_up_the_rest(
     with engine.connect() as conn:
         broken = conn.execute(sa.select(outbox).where(outbox.c.task_id == "t-broken")).one()
     assert broken.sent_at is None and broken.attempts == 1
+
+
+def test_a_long_lived_session_keeps_one_pair_of_listeners(
+    app: Celery, engine: sa.Engine, broker: RedisServer
+) -> None:
+    """A batch script publishing in transaction after transaction with one Session: each
+    commit publishes its own message once, and the Session's listeners do not pile up."""
+    with Session(engine) as session:
+        for i in range(30):
+            fulfil(app).apply_async_on_commit((f"b{i}",), session=session)
+            if i % 3:
+                session.commit()
+            else:
+                session.rollback()
+        assert len(session.dispatch.after_commit) == 1
+    assert len(queued(broker)) == 20 and len(rows(engine)) == 20
