@@ -33,7 +33,15 @@ from pydantic import SecretStr
 
 from jobfence.config import Settings
 from jobfence.locks import LockBackend
-from jobfence.tasks import Runtime, SingletonTask, current_job, install, runtime_for, singleton_task
+from jobfence.tasks import (
+    Runtime,
+    SingletonTask,
+    current_job,
+    install,
+    make_engine,
+    runtime_for,
+    singleton_task,
+)
 from tests.integration.apps.common import celery_config
 from tests.tasks.test_key_rotation import SlowRecordReads
 
@@ -182,6 +190,16 @@ class ModelApp:
         self.rotated: Runtime | None = None
         self.rotating = False
         self._turns: Iterator[int] = itertools.count()
+        self._web: sa.Engine | None = None
+
+    def web_engine(self) -> sa.Engine:
+        """An engine of its own on the effects database, as a web process has: ``on_commit``
+        steps commit through it, out of the ``cut_db`` cutter's sight (it cuts the worker's
+        effect transactions, not the caller's own commit)."""
+        if self._web is None:
+            url = self.engine.url.render_as_string(hide_password=False)
+            self._web = make_engine(url)
+        return self._web
 
     def runtime_of(self, request: Any) -> Runtime:
         """The runtime that gates this delivery, chosen once per delivery (kept on its
@@ -230,6 +248,8 @@ class ModelApp:
 
     def close(self) -> None:
         """Stop the rotated runtime's threads (its backend is the worker's, closed with it)."""
+        if self._web is not None:
+            self._web.dispose()
         if self.rotated is not None:
             if self.rotated.executor.recorder is not None:
                 self.rotated.executor.recorder.close()

@@ -287,10 +287,11 @@ class Scenario:
         task = self.harness.model.tasks[self.options]
         options = {} if step.countdown is None else {"countdown": step.countdown}
         publish = Publish(job, "on_commit")
-        with Session(self.harness.model.engine) as session:
+        web = self.harness.model.web_engine()
+        with Session(web) as session:
             if step.at == "died":
                 entry = entry_for(task, self._args(job), {}, options, str(uuid.uuid4()))
-                SqlOutbox(self.harness.model.engine).write(session.connection(), entry)
+                SqlOutbox(web).write(session.connection(), entry)
                 publish.task_id = entry.task_id
             else:
                 publish.task_id = task.apply_async_on_commit(
