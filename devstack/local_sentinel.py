@@ -81,7 +81,6 @@ class LocalSentinel(procs.Launcher):
         self.executable = executable
         self._dir = procs.Workdir(None, "jobfence-sentinel-")
         root = self._dir.make()
-        master_port = free_port()
         # With `tls`: every node and sentinel serves TLS on a port of its own (what the
         # sentinels name and the URL lists; replication and the sentinels' links in TLS too),
         # the plain ports serve the harness. `password`: the nodes' requirepass (the
@@ -89,6 +88,14 @@ class LocalSentinel(procs.Launcher):
         self.tls = tls
         self.password = password
         self.sentinel_password = sentinel_password
+        self._counts = (replicas, sentinels)
+        self._plan(root)
+
+    def _plan(self, root: Path) -> None:
+        """Choose every port afresh and describe the nodes and sentinels on them."""
+        replicas, sentinels = self._counts
+        tls, password, executable = self.tls, self.password, self.executable
+        master_port = free_port()
         self.tls_ports = [free_port() for _ in range(replicas + 1)] if tls else []
         upstream = self.tls_ports[0] if tls else master_port
         self.nodes = [
@@ -104,6 +111,8 @@ class LocalSentinel(procs.Launcher):
             )
             for i in range(replicas + 1)
         ]
+        for i in range(sentinels):  # a try before this one may have left its log
+            (root / f"sentinel{i}.log").unlink(missing_ok=True)
         self.sentinels = [
             _Sentinel(
                 port=0,
@@ -111,7 +120,7 @@ class LocalSentinel(procs.Launcher):
                 log=root / f"sentinel{i}.log",
                 myid=secrets.token_hex(20),
                 server=procs.ServerProcess(f"sentinel {i}", error=SentinelError),
-                password=sentinel_password,
+                password=self.sentinel_password,
             )
             for i in range(sentinels)
         ]
@@ -171,16 +180,28 @@ class LocalSentinel(procs.Launcher):
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self, timeout: float = 20.0) -> Self:
-        try:
-            for node in self.nodes:
-                node.start()
-            self._start_sentinels(self.tls_ports[0] if self.tls else self.nodes[0].port)
-            self.wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def start(self, timeout: float = 20.0, attempts: int = 5) -> Self:
+        """Start every node and sentinel and wait until the topology settles. Ports are
+        chosen free a moment before use; if another process binds one first (a client's
+        ephemeral port, say), every process is stopped and the start tried on new ports."""
+        for attempt in range(attempts):
+            try:
+                for node in self.nodes:
+                    node.start()
+                self._start_sentinels(self.tls_ports[0] if self.tls else self.nodes[0].port)
+                self.wait_ready(timeout)
+                return self
+            except (RedisServerError, SentinelError) as exc:
+                if attempt + 1 < attempts and "Address already in use" in str(exc):
+                    self._stop_processes()
+                    self._plan(self._dir.path)
+                    continue
+                self.stop()
+                raise
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def _start_sentinels(self, master_port: int) -> None:
         for sentinel in self.sentinels:
@@ -266,12 +287,15 @@ class LocalSentinel(procs.Launcher):
 
     def stop(self) -> None:
         """Stop every sentinel and node this object started (by pid) and delete its files."""
+        self._stop_processes()
+        self._dir.remove()
+
+    def _stop_processes(self) -> None:
         for sentinel in self.sentinels:
             sentinel.server.stop(5)
         for node in self.nodes:
             with contextlib.suppress(Exception):
                 node.stop()
-        self._dir.remove()
 
     def log_tail(self, lines: int = 15) -> str:
         parts = [f"--- sentinel {s.port} ---\n{procs.tail(s.log, lines)}" for s in self.sentinels]

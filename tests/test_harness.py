@@ -219,3 +219,35 @@ def test_mariadb_drop_with_open_transaction() -> None:
 
 def test_sqlite_url(sqlite_url: str, tmp_path: Path) -> None:
     assert sqlite_url == f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+
+
+def test_a_sentinel_topology_moves_off_a_port_taken_before_it_binds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """free_port() is racy: another process (a client's ephemeral port) may bind the port
+    before the sentinel does. The topology starts again on new ports instead of failing."""
+    import socket
+
+    from devstack import local_sentinel
+
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken: int = squatter.getsockname()[1]
+    handed: list[int] = []
+    real = local_sentinel.free_port
+
+    def first_sentinel_port_taken() -> int:
+        # __init__ takes one port (the master's); the first sentinel's is the second.
+        port = taken if len(handed) == 1 else real()
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(local_sentinel, "free_port", first_sentinel_port_taken)
+    try:
+        with local_sentinel.LocalSentinel(replicas=0, sentinels=1) as topology:
+            assert taken in handed  # the collision really happened
+            assert topology.sentinels[0].port != taken
+            assert topology.master().client().ping()
+    finally:
+        squatter.close()
