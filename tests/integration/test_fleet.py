@@ -79,8 +79,10 @@ def test_fleet_lifecycle_faults_and_cleanup(
         mains.append(fleet.worker(0).proc)
         seen.update([fleet.main_pid(0), *fleet.child_pids(0)])
 
-        # A warm shutdown ends the worker and its pool.
-        assert fleet.stop_worker(0, timeout=10.0)
+        # A warm shutdown ends the worker and its pool, on its own (no SIGKILL). It takes
+        # about 2 s on a quiet machine and passed 10 s under the whole suite's load, so the
+        # bound is generous: what is asserted is that it ends, not how fast.
+        assert fleet.stop_worker(0, timeout=45.0)
         assert not fleet.alive(0)
         fleet.start()
         mains.append(fleet.worker(0).proc)
