@@ -13,6 +13,7 @@ from jobfence.locks.ops import (
     Inspect,
     LeaveSlot,
     ReadRecord,
+    ReleaseGrant,
     StoreOp,
     SwapPublish,
     TakeRate,
@@ -37,6 +38,8 @@ def run_other_op(backend: LockBackend, op: StoreOp) -> Any:
             return backend.take_rate(key, interval, burst, max_wait)
         case Inspect(key):
             return backend.inspect(key)
+        case ReleaseGrant(key, fence):
+            return backend.release_grant(key, fence)
         case ClaimPublish(key, task_id, ttl):
             return backend.claim_publish(key, task_id, ttl)
         case SwapPublish(key, expect, new, ttl):

@@ -15,9 +15,9 @@ if TYPE_CHECKING:
 
 # Replies (the store's answer to each op) are today's types: Acquire -> Lease | Busy,
 # Extend -> list[bool], Release -> bool, TakeSlot -> SlotLease | SlotWait, LeaveSlot -> bool,
-# TakeRate -> RateGrant, Inspect -> LockInfo | None, WaitRelease and Sleep -> None,
-# Now -> float (the driver's monotonic clock), ClaimPublish and SwapPublish -> str | None,
-# ClearPublish -> None, Begin -> Lease | Busy | JobRecord, Commit -> bool,
+# TakeRate -> RateGrant, Inspect -> LockInfo | None, ReleaseGrant -> bool, WaitRelease and
+# Sleep -> None, Now -> float (the driver's monotonic clock), ClaimPublish and SwapPublish ->
+# str | None, ClearPublish -> None, Begin -> Lease | Busy | JobRecord, Commit -> bool,
 # ReadRecord -> JobRecord | None, CountDelivery -> int | None.
 
 
@@ -88,6 +88,15 @@ class Inspect:
     """What the store shows of `key`'s holder (never the owner token)."""
 
     key: str
+
+
+@dataclass(slots=True)
+class ReleaseGrant:
+    """Remove `key`'s lock only if it is still held under `fence` (a newer publish taking
+    the key from an older run, on_conflict="supersede"); the reply says whether it went."""
+
+    key: str
+    fence: int
 
 
 @dataclass(slots=True)
@@ -183,7 +192,7 @@ class CountDelivery:
 
 StoreOp = (
     Acquire | Extend | Release | ReleaseOwner | TakeSlot | LeaveSlot | TakeRate | Inspect
-    | WaitRelease | ClaimPublish | SwapPublish | ClearPublish | Begin | Commit | ReadRecord
-    | CountDelivery
+    | ReleaseGrant | WaitRelease | ClaimPublish | SwapPublish | ClearPublish | Begin | Commit
+    | ReadRecord | CountDelivery
 )  # fmt: skip
 Op = StoreOp | Sleep | Now

@@ -41,7 +41,7 @@ def publish_once(
     if committed and policy == "raise":
         policy = "result"  # no caller to raise to: unclaimed, as a workflow's duplicate
     flow = publish_flow(key, task_id, ttl, policy=policy, workflow=workflow, name=task.name,
-                        debounce=task.jobfence_options.debounce is not None)  # fmt: skip
+                        replace_started=task.jobfence_options.replaces_started)  # fmt: skip
     decision = run_sync(flow, backend, backend.clock)
     if decision.action == "result":
         return task.AsyncResult(decision.holder)

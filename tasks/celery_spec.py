@@ -66,7 +66,7 @@ def _template(task: SingletonTask, rt: Runtime) -> JobSpec:
         claim_ttl=o.dedupe_ttl or s.visibility_timeout,
         supersede=o.dedupe_on_publish and o.on_duplicate_publish == "replace",
         publish_claim=o.dedupe_on_publish,
-        debounced=o.debounce is not None,
+        replaces_started=o.replaces_started,
         countdown_cap=max(0.1, s.visibility_timeout / 2),
         **o.job_fields(s),
     )

@@ -34,6 +34,7 @@ class Kind(StrEnum):
     DEFER = auto()
     QUEUED = auto()
     CONFLICT = auto()
+    EVICTED = auto()  # on_conflict="supersede": this newer publish took the key from a run
     THROTTLED = auto()
     IDEMPOTENCY_CONFLICT = auto()
     REPLACED = auto()  # a newer publish replaced this copy before it started ("superseded")
@@ -164,6 +165,10 @@ TABLE: dict[Kind, Row] = {
     K.QUEUED: Row("queued", "queued behind {holder}{held}, which held the key"),
     K.CONFLICT: Row("conflict", "conflict: {holder}{held} held the key",
                     metric=lambda m, s, _e: m.conflicts.labels(s.name, s.on_conflict).inc()),
+    K.EVICTED: Row("evicted", "took the key from {holder}{fence}, the run of an older publish "
+                   "(on_conflict='supersede'): its lease ends, its fenced writes are refused once "
+                   "this run's land", INFO, "job %(key)s task %(task_id)s took the key from task "
+                   "%(holder)s (fence=%(fence)s), the run of an older publish"),
     K.THROTTLED: Row("throttled", "skipped: {holder} ran the key within unique_for",
                      metric=lambda m, spec, _e: m.conflicts.labels(spec.name, "unique_for").inc()),
     K.IDEMPOTENCY_CONFLICT: Row("idempotency_conflict", "refused (IdempotencyConflict): the "
@@ -245,6 +250,8 @@ CONFLICT_PHRASES = {
     "wait": "waited: {holder}{held} held the key",
     "retry": "retried later: {holder}{held} held the key",
     "raise": "refused (on_conflict='raise'): {holder}{held} held the key",
+    "supersede": "met {holder}{held}, which held the key (on_conflict='supersede': the newest "
+                 "publish's run stands)",
 }
 #: `superseded` in words when a newer publish replaced the copy (reason "replaced").
 REPLACED_PHRASE = TABLE[Kind.REPLACED].phrase

@@ -16,8 +16,7 @@ from jobfence.tasks.flow.admission import (
     SLOT_REQUEUE_DELAY,
     START_SUFFIX,
 )
-from jobfence.tasks.flow.claim import STARTED
-from jobfence.tasks.flow.ending import fingerprints_met
+from jobfence.tasks.flow.ending import STARTED, fingerprints_met
 from jobfence.tasks.flow.gate import ROTATION_GRACE
 from jobfence.tasks.flow.job import Job, job_flow
 from jobfence.tasks.flow.ops import AfterOuterCommit, Drop, JobFlow, JobOp, Keep, RunBody, ShellOp

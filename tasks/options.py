@@ -32,10 +32,13 @@ from jobfence.tasks.keys import KeySelector, check_key_names, normalise_key
 if TYPE_CHECKING:
     from jobfence.config import Settings
 
-ConflictPolicy = Literal["skip", "wait", "retry", "raise"]
+ConflictPolicy = Literal["skip", "wait", "retry", "raise", "supersede"]
 CONFLICT_POLICIES: tuple[str, ...] = get_args(ConflictPolicy)
-#: A Django task has no Celery retry to come back through: every policy but "retry".
-DJANGO_CONFLICT_POLICIES: tuple[str, ...] = tuple(p for p in CONFLICT_POLICIES if p != "retry")
+#: A Django task has no Celery retry to come back through, nor a publish claim to tell the
+#: newest publish by: every policy but "retry" and "supersede".
+DJANGO_CONFLICT_POLICIES: tuple[str, ...] = tuple(
+    p for p in CONFLICT_POLICIES if p not in ("retry", "supersede")
+)
 LeaseLostPolicy = Literal["redeliver", "drop"]
 LEASE_LOST_POLICIES: tuple[str, ...] = get_args(LeaseLostPolicy)
 LockUntil = Literal["finish", "start"]
@@ -112,8 +115,10 @@ class TaskOptions:
         "the lease TTL in seconds (None: JOBFENCE_DEFAULT_TTL)", check_seconds,
         attribute="jobfence_ttl", django=True))  # fmt: skip
     on_conflict: ConflictPolicy = field(default="skip", metadata=_row(
-        "a copy of the job holds the key: skip, wait, retry or raise (a Django task: no retry)",
-        _one_of(CONFLICT_POLICIES), django=True))  # fmt: skip
+        "a copy of the job holds the key: skip, wait, retry, raise, or supersede (the newest "
+        "publish takes the key from the running copy, with a higher fence; sets "
+        "dedupe_on_publish, on_duplicate_publish='replace' and lock_until='start'; a Django "
+        "task: neither retry nor supersede)", _one_of(CONFLICT_POLICIES), django=True))  # fmt: skip
     on_lease_lost: LeaseLostPolicy = field(default="redeliver", metadata=_row(
         "the lease is lost mid-body: redeliver (run it again) or drop (at most once)",
         _one_of(LEASE_LOST_POLICIES, "; 'drop' runs the job at most once, 'redeliver' (the "
@@ -185,6 +190,7 @@ class TaskOptions:
     def _check_together(self) -> None:
         """Refuse options that cannot work together; parse the rate limit."""
         self._derive_debounce()
+        self._derive_supersede()
         if self.unique_for is not None and self.lock_until == "start":
             raise TaskDefinitionError(
                 "unique_for keeps the key until a time after the run finishes; it cannot be "
@@ -234,7 +240,7 @@ class TaskOptions:
         against = {
             "on_duplicate_publish": self.on_duplicate_publish not in ("result", "replace"),
             "unique_for": self.unique_for is not None,
-            "on_conflict": self.on_conflict == "raise",
+            "on_conflict": self.on_conflict in ("raise", "supersede"),
         }
         for name, bad in against.items():
             if bad:
@@ -246,6 +252,33 @@ class TaskOptions:
         for name, value in (("dedupe_on_publish", True), ("on_duplicate_publish", "replace"),
                             ("lock_until", "start"), ("on_conflict", conflict)):  # fmt: skip
             object.__setattr__(self, name, value)
+
+    def _derive_supersede(self) -> None:
+        """on_conflict="supersede" needs the publish claim (it names the newest publish),
+        "replace" and a run per publish (docs/how-to/supersede.md): set them; refuse an
+        option given against them, naming it."""
+        if self.on_conflict != "supersede":
+            return
+        against = {
+            "on_duplicate_publish": self.on_duplicate_publish not in ("result", "replace"),
+            "unique_for": self.unique_for is not None,
+        }
+        for name, bad in against.items():
+            if bad:
+                raise TaskDefinitionError(
+                    f"on_conflict='supersede' runs every newest publish, stopping the run it "
+                    f"replaces; {name}={getattr(self, name)!r} works against that: leave "
+                    f"{name} out"
+                )
+        for name, value in (("dedupe_on_publish", True), ("on_duplicate_publish", "replace"),
+                            ("lock_until", "start")):  # fmt: skip
+            object.__setattr__(self, name, value)
+
+    @property
+    def replaces_started(self) -> bool:
+        """A publish replaces the claim of a started run too, and a run keeps its claim's
+        mark (debounce: that run ended the last burst; supersede: the newest publish wins)."""
+        return self.debounce is not None or self.on_conflict == "supersede"
 
     def check_names(self, func: Callable[..., Any], *, bound: bool) -> None:
         """Refuse, at decoration, a key selector naming no parameter of `func` (`bound`: its
@@ -341,8 +374,13 @@ def django_options(given: Mapping[str, Any]) -> TaskOptions:
         )
     policy = given.get("on_conflict", DEFAULTS.on_conflict)
     if policy not in DJANGO_CONFLICT_POLICIES:
-        hint = ("; 'retry' is a Celery retry, which a Django task has not: use 'wait' or 'skip'"
-                if policy == "retry" else "")  # fmt: skip
+        hint = {
+            "retry": "; 'retry' is a Celery retry, which a Django task has not: use 'wait' or "
+                     "'skip'",
+            "supersede": "; 'supersede' tells the newest publish by its publish claim, which a "
+                         "Django task's enqueue does not make: use 'wait' or 'skip', or a Celery "
+                         "task",
+        }.get(policy, "")
         raise TaskDefinitionError(
             f"on_conflict must be one of {DJANGO_CONFLICT_POLICIES}, got {policy!r}{hint}"
         )

@@ -37,14 +37,15 @@ def publish_flow(
     policy: DuplicatePublishPolicy,
     workflow: bool,
     name: str,
-    debounce: bool = False,
+    replace_started: bool = False,
 ) -> Flow[PublishDecision]:
     """Claim `key` for `task_id`; a duplicate gets `policy` (DuplicatePublish for "raise").
 
     A duplicate carrying a workflow (a chain, link, link_error, chord or group) goes out
     unclaimed where "result" or "replace" would answer with the holder's AsyncResult: the
-    workflow waits on this task id, not the holder's. `debounce`: a started holder's run
-    ended the last burst, so its claim is replaced too (docs/how-to/debounce.md).
+    workflow waits on this task id, not the holder's. `replace_started`: a started holder's
+    claim is replaced too (debounce: its run ended the last burst; supersede: the newest
+    publish takes the key from it; docs/how-to/debounce.md, supersede.md).
     """
     holder = ""
     for _ in range(REPLACE_ATTEMPTS):
@@ -62,7 +63,7 @@ def publish_flow(
                 task_id=holder,
                 key=key,
             )
-        if policy != "replace" or (started and not debounce):
+        if policy != "replace" or (started and not replace_started):
             break  # a started copy is never replaced (two would run): its result answers
         # Take the claim from the queued copy first: it skips when it finds it gone.
         if (yield SwapPublish(key, held, task_id, ttl)) is None:

@@ -8,14 +8,9 @@ from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import Lease
 from jobfence.locks.ops import ClearPublish, SwapPublish
 from jobfence.tasks.events import Event, Kind
-from jobfence.tasks.flow.ending import Ending
+from jobfence.tasks.flow.ending import STARTED, Ending
 from jobfence.tasks.flow.ops import JobFlow
 from jobfence.tasks.flow.spec import DUPLICATE, SUPERSEDED, Outcome
-
-#: Prefix of a publish claim whose job has started (or finished): it can no longer be replaced.
-STARTED = "!"
-#: Prefix of the value a look at the publish claim writes where there is none (taken back).
-PROBE = "?"
 
 
 class Claim(Ending):
@@ -59,22 +54,8 @@ class Claim(Ending):
         return Outcome("duplicate", DUPLICATE, lease.fence, holder=holder)
 
     def claim_names_us(self) -> JobFlow[bool]:
-        """Whether the job's publish claim (under this secret's key or, in a rotation, an
-        earlier one's: where its publisher put it) still names this copy, queued. A look
-        that finds no claim leaves none behind: a claim made here under a key no publish
-        used named this copy against the newer holder's own (issue 29, the long run: the
-        holder, marking that key as it started, found it and was skipped as superseded)."""
-        spec = self.spec
-        # A value no publish uses: its compare-and-set reads the claim without changing one
-        # that is there, and makes one only where there was none, taken back at once.
-        probe = PROBE + spec.task_id
-        for key in spec.claim_keys:
-            held: str | None = yield SwapPublish(key, probe, probe, spec.claim_ttl)
-            if held is None:
-                yield SwapPublish(key, probe, None, spec.claim_ttl)
-                continue
-            return held == spec.task_id
-        return False
+        """Whether the job's publish claim still names this copy, queued."""
+        return (yield from self.claim_now()) == self.spec.task_id
 
     def swap_claim(self) -> JobFlow[str | None]:
         """Our claim marked started (dropped under lock_until="start"); else who holds it."""
@@ -85,9 +66,9 @@ class Claim(Ending):
     @property
     def marked(self) -> str | None:
         """The claim as the run starts: marked started, or dropped under lock_until="start"
-        (debounce keeps the mark: a copy of the burst this run ended is superseded by it)."""
+        (debounce and supersede keep the mark: an older copy is superseded by it)."""
         spec = self.spec
-        if spec.lock_until == "start" and not spec.debounced:
+        if spec.lock_until == "start" and not spec.replaces_started:
             return None
         return STARTED + spec.task_id
 

@@ -9,7 +9,7 @@ from jobfence.locks.backend import Busy, JobRecord, default_meta
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.flows import Backoff
 from jobfence.locks.lease import Lease
-from jobfence.locks.ops import Begin, Commit, Release
+from jobfence.locks.ops import Begin, Commit, Release, SwapPublish
 from jobfence.tasks.errors import IdempotencyConflict
 from jobfence.tasks.events import Event, Kind
 from jobfence.tasks.flow.ops import Drop, JobFlow
@@ -21,6 +21,12 @@ def fingerprints_met(mine: str | None, theirs: str | None) -> str:
     """Which arguments' fingerprint met which, in a few hex digits of each: keyed digests
     (tasks.keys.fingerprint), so they tell two calls apart without showing an argument."""
     return f"this delivery's arguments {(mine or '?')[:8]}, the key's {(theirs or '?')[:8]}"
+
+
+#: Prefix of a publish claim whose job has started (or finished): it can no longer be replaced.
+STARTED = "!"
+#: Prefix of the value a look at the publish claim writes where there is none (taken back).
+PROBE = "?"
 
 
 class Ending:
@@ -105,3 +111,21 @@ class Ending:
             pass
         yield Event(Kind.GIVEN_UP, None, reason=reason, detail=message)
         raise RedeliveryLimitReached(message, key=spec.key)
+
+    def claim_now(self) -> JobFlow[str | None]:
+        """The job's publish claim (under this secret's key or, in a rotation, an earlier
+        one's: where its publisher put it), None where there is none. A look that finds no
+        claim leaves none behind: a claim made here under a key no publish used named this
+        copy against the newer holder's own (issue 29, the long run: the holder, marking
+        that key as it started, found it and was skipped as superseded)."""
+        spec = self.spec
+        # A value no publish uses: its compare-and-set reads the claim without changing one
+        # that is there, and makes one only where there was none, taken back at once.
+        probe = PROBE + spec.task_id
+        for key in spec.claim_keys:
+            held: str | None = yield SwapPublish(key, probe, probe, spec.claim_ttl)
+            if held is None:
+                yield SwapPublish(key, probe, None, spec.claim_ttl)
+                continue
+            return held
+        return None

@@ -13,13 +13,14 @@ from jobfence.locks.ops import (
     Inspect,
     ReadRecord,
     Release,
+    ReleaseGrant,
     Sleep,
     WaitRelease,
 )
 from jobfence.tasks.errors import DuplicateJob, IdempotencyConflict
 from jobfence.tasks.events import Event, Kind
-from jobfence.tasks.flow.claim import STARTED, Claim
-from jobfence.tasks.flow.ending import fingerprints_met
+from jobfence.tasks.flow.claim import Claim
+from jobfence.tasks.flow.ending import STARTED, fingerprints_met
 from jobfence.tasks.flow.ops import JobFlow
 from jobfence.tasks.flow.spec import DUPLICATE, Outcome
 
@@ -120,6 +121,8 @@ class Gate(Claim):
     ) -> JobFlow[Outcome | None]:
         """Another delivery holds the job: the conflict policy says; None once waited a step."""
         spec = self.spec
+        if spec.on_conflict == "supersede":
+            return (yield from self.evict(busy, attempt, deadline, waited_on))
         if spec.on_conflict in ("skip", "raise") and spec.supersede and spec.claims:
             replaced = yield from self.replaced_holder(busy, attempt)
             if replaced is not None:
@@ -142,6 +145,29 @@ class Gate(Claim):
         pause = min(left, busy.ttl_left + 0.001, max(self.backoff.delay(attempt), 0.001))
         yield WaitRelease(waited_on, pause)
         return None
+
+    def evict(
+        self, busy: Busy, attempt: int, deadline: float, key: str
+    ) -> JobFlow[Outcome | None]:
+        """on_conflict="supersede": the publish claim tells which copy is the newest. This
+        one: the running holder's grant is removed (by its fence: a grant made since is left
+        alone) and the key looked at again, to be granted with a higher fence; None. The
+        holder's keeper finds its lease gone at its next extension, its fenced writes are
+        refused once ours land, and it ends superseded. Another publish is newer: this copy
+        is superseded itself, never run. No claim (lost with the lock server's data): the
+        order is unknown, so this copy queues behind the holder and runs after it; so it does
+        when grants keep changing hands past `wait_timeout`."""
+        spec = self.spec
+        claim = yield from self.claim_now()
+        if claim == spec.task_id and (yield NOW) < deadline:
+            info: LockInfo | None = yield Inspect(key)
+            if info is not None and info.task_id != spec.task_id:
+                yield Event(Kind.EVICTED, info.fence, info.task_id)
+                yield ReleaseGrant(key, info.fence)
+            return None  # look again (a grant another copy took meanwhile is judged alike)
+        if claim is not None and claim.removeprefix(STARTED) != spec.task_id:
+            return (yield from self.superseded_copy(None, claim))
+        return (yield from self.behind(busy, attempt))
 
     def replaced_holder(self, busy: Busy, attempt: int) -> JobFlow[Outcome | None]:
         """on_duplicate_publish="replace": the key's claim still names this copy, unstarted,

@@ -10,7 +10,7 @@ from jobfence.locks.lease import Lease
 from jobfence.locks.ops import NOW, Begin, Commit, Inspect, ReadRecord, Sleep
 from jobfence.tasks.context import JobContext
 from jobfence.tasks.events import Event, Kind
-from jobfence.tasks.flow.ending import Ending
+from jobfence.tasks.flow.ending import STARTED, Ending
 from jobfence.tasks.flow.ops import AfterOuterCommit, Drop, JobFlow
 from jobfence.tasks.flow.spec import DROPPED, SUPERSEDED, Outcome
 
@@ -18,6 +18,8 @@ from jobfence.tasks.flow.spec import DROPPED, SUPERSEDED, Outcome
 COMMIT_ATTEMPTS = 3
 #: Why a job whose body ended is delivered again when its commit was refused, lease gone.
 LOST_BEFORE_COMMIT = "lease lost before commit; DONE record not stored"
+#: The proof of a newer publish's run (supersede), before that publish's task id.
+REPLACED_BY = "replaced by "
 #: A FAILED record's fate where it is not stored (finish: False refused, None unknown).
 NOT_STORED = {False: "record not stored: lease lost", None: "record outcome unknown"}
 
@@ -123,7 +125,9 @@ class Settle(Ending):
             proof = None
         if proof is not None:
             yield from self.superseded(lease, exc)
-            return Outcome("superseded", SUPERSEDED, lease.fence)
+            # Superseded by a newer publish: its task stands for this one (its AsyncResult).
+            newer = proof.removeprefix(REPLACED_BY) if proof.startswith(REPLACED_BY) else ""
+            return Outcome("superseded", SUPERSEDED, lease.fence, holder=newer)
         yield from self.release_quietly(lease)
         # At the commit, "commit_refused" was the decision; the loss is counted all the same.
         yield Event(Kind.LOST_AT_COMMIT if at_commit else Kind.LEASE_LOST, lease.fence)
@@ -135,7 +139,15 @@ class Settle(Ending):
         return (yield from self.redeliver(reason, lease.fence))
 
     def newer_holder(self, lease: Lease) -> JobFlow[str | None]:
-        """What proves the job moved on: a DONE record, or another owner on the lock."""
+        """What proves the job moved on: a DONE record, or another owner on the lock; under
+        on_conflict="supersede", a publish claim naming a newer publish (one naming this
+        copy proves nothing: an older copy took the key meanwhile and gives way at its start)."""
+        spec = self.spec
+        if spec.on_conflict == "supersede":
+            claim = yield from self.claim_now()
+            if claim is not None:
+                newer = claim.removeprefix(STARTED)
+                return REPLACED_BY + newer if newer != spec.task_id else None
         record: JobRecord | None = yield ReadRecord(self.spec.key)
         if record is not None and record.state == "DONE":
             return "done"

@@ -115,9 +115,10 @@ class JobSpec:
     # was replaced before it started, so it is skipped as superseded.
     supersede: bool = False
     publish_claim: bool = False  # dedupe_on_publish: the key has a publish claim to update
-    # debounce: the claim stays marked at the start; debounce_max_wait: where the burst's
-    # first publish time is kept (cleared at the run)
-    debounced: bool = False
+    # debounce and on_conflict="supersede": a run keeps its claim's mark (a newer publish
+    # replaces it); debounce_max_wait: where the burst's first publish time is kept (cleared
+    # at the run)
+    replaces_started: bool = False
     burst_key: str = ""
     # Delivered through a broker: a wait/retry conflict can queue behind the live holder (this
     # message published again) under any lock_until, instead of spending Celery's retries or

@@ -22,8 +22,7 @@ from jobfence.tasks.errors import (
     RateLimitSkipped,
 )
 from jobfence.tasks.events import Event, Kind
-from jobfence.tasks.flow.claim import STARTED
-from jobfence.tasks.flow.ending import Ending
+from jobfence.tasks.flow.ending import STARTED, Ending
 from jobfence.tasks.flow.marks import Marks
 from jobfence.tasks.flow.ops import JobFlow
 from jobfence.tasks.flow.spec import Outcome

@@ -174,6 +174,10 @@ def valid_options() -> list[Options]:
     ):
         found.append(Options(conflict, "start", None, True, "replace", conc, rate,
                              DEBOUNCE, max_wait))  # fmt: skip
+    # on_conflict="supersede" (issue 34) sets the claim, "replace" and lock_until="start"
+    # itself too: what it leaves free is a slot and a rate.
+    for conc, rate in itertools.product((0, 1), (None, RATE)):
+        found.append(Options("supersede", "start", None, True, "replace", conc, rate))
     return found
 
 

@@ -510,6 +510,7 @@ class Scenario:
         found += self._check_decisions(effects)
         found += [Violation("fork-hang", fault) for fault in self.fork_faults]
         found += self._check_outbox(effects)
+        found += self._check_newest(outcome)
         if self.beat is not None:
             found += self.beat.check(effects)
         if self.options.concurrency and "flush" not in {s.kind for s in self.steps}:
@@ -577,8 +578,29 @@ class Scenario:
         return found
 
     def _runs_every_publish(self) -> bool:
-        """``lock_until="start"`` with wait/retry: a publish meeting a run queues behind it."""
-        return self.options.lock_until == "start" and self.options.on_conflict in ("wait", "retry")
+        """``lock_until="start"`` with wait/retry: a publish meeting a run queues behind it;
+        supersede: it takes the key from the run, or is superseded by a newer one."""
+        return self.options.lock_until == "start" and self.options.on_conflict in (
+            "wait", "retry", "supersede"
+        )  # fmt: skip
+
+    def _check_newest(self, outcome: dict[str, tuple[str, Any]]) -> list[Violation]:
+        """on_conflict="supersede": the newest publish of a job is never superseded (an older
+        copy never stops a newer one). A job with an outbox row sent by the relay later
+        ("died") is left out: its publish time is the relay's, not its step's."""
+        if self.options.on_conflict != "supersede":
+            return []
+        newest: dict[str, Publish] = {}
+        relayed = {p.job.job_id for p in self.publishes if p.kind == "on_commit"}
+        for p in self.publishes:
+            if p.task_id and p.job.job_id not in relayed:
+                newest[p.job.job_id] = p
+        found = []
+        for p in newest.values():
+            state, value = outcome[p.task_id or ""]
+            if state == "FAILURE" and type(value).__name__ == "JobSuperseded":
+                found.append(Violation("newest-superseded", f"{p.task_id}: {value!r}"))
+        return found
 
     def _check_effects(self, effects: list[dict[str, Any]]) -> list[Violation]:
         field_name = "task_id" if self.options.run_per_publish else "job_id"

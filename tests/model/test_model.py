@@ -155,3 +155,35 @@ def test_a_debounced_burst_with_a_redelivery_runs_once(harness: Harness) -> None
     assert states[3] == "SUCCESS", states
     assert ran == {i for i, state in zip(ids, states, strict=True) if state == "SUCCESS"}
     assert len(effects) == len(ran)
+
+
+def test_a_superseding_publish_with_a_redelivery_of_the_first(harness: Harness) -> None:
+    """Issue 34: a long run, a duplicate that supersedes it, and a redelivery of the first
+    copy: the newest publish runs, the first never outlives it (superseded, or finished
+    before), the redelivered older copy never runs after the newest, the log true."""
+    options = next(o for o in valid_options() if o.on_conflict == "supersede"
+                   and o.concurrency == 0 and o.global_rate_limit is None)  # fmt: skip
+    scenario = Scenario(harness, options)
+    for step in (Step("publish", hold=1.0), Step("sleep", seconds=0.3), Step("duplicate"),
+                 Step("redeliver")):  # fmt: skip
+        scenario.run(step)
+    scenario.drain()
+    assert [str(v) for v in scenario.check()] == []
+    ids = [p.task_id for p in scenario.publishes]
+    assert AsyncResult(ids[-1], app=harness.model.app).state == "SUCCESS"
+    ran = [e["task_id"] for e in harness.model.effects(scenario.prefix)]
+    assert ran[-1] == ids[-1], ran  # the newest publish's effect is the last to land
+
+
+def test_control_the_newest_check_sees_an_older_copy_win(harness: Harness) -> None:
+    """The check that the newest publish is never superseded can fail: the same sequence's
+    record with the outcomes of the two publishes swapped is caught."""
+    options = next(o for o in valid_options() if o.on_conflict == "supersede"
+                   and o.concurrency == 0 and o.global_rate_limit is None)  # fmt: skip
+    scenario = Scenario(harness, options)
+    for step in (Step("publish", hold=1.0), Step("sleep", seconds=0.3), Step("duplicate")):
+        scenario.run(step)
+    scenario.drain()
+    first, newest = scenario.publishes
+    first.task_id, newest.task_id = newest.task_id, first.task_id  # as if the older won
+    assert "newest-superseded" in {v.kind for v in scenario.check()}

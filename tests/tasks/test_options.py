@@ -124,8 +124,8 @@ def test_the_celery_names_are_read_from_celery_not_copied() -> None:
 # -- one table ------------------------------------------------------------------------------
 
 
-def test_the_conflict_policies_are_defined_once_and_djangos_lack_only_retry() -> None:
-    assert set(CONFLICT_POLICIES) - set(DJANGO_CONFLICT_POLICIES) == {"retry"}
+def test_the_conflict_policies_are_defined_once_and_djangos_lack_retry_and_supersede() -> None:
+    assert set(CONFLICT_POLICIES) - set(DJANGO_CONFLICT_POLICIES) == {"retry", "supersede"}
     declared = typing.get_type_hints(type(DEFAULTS))["on_conflict"]
     assert typing.get_args(declared) == CONFLICT_POLICIES
 

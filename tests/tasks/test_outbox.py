@@ -211,7 +211,11 @@ def test_a_bad_publish_is_refused_naming_it_and_writes_nothing(
     assert rows(engine) == []
 
 
-def test_without_a_transaction_it_says_what_to_pass(app: Celery) -> None:
+def test_without_a_transaction_it_says_what_to_pass(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Outside a Django project (an earlier test on this xdist worker may have configured one).
+    monkeypatch.setattr("jobfence.tasks.celery_task._django_configured", lambda: False)
     with pytest.raises(TypeError, match="session="):
         fulfil(app).apply_async_on_commit(("o9",))
 

@@ -71,6 +71,7 @@ from jobfence.locks.ops import (
     LeaveSlot,
     ReadRecord,
     Release,
+    ReleaseGrant,
     ReleaseOwner,
     StoreOp,
     SwapPublish,
@@ -247,6 +248,8 @@ class AsyncRedisStore(NativeAsyncStore):
             case Inspect(key):
                 # An admin read, not on the hot path: the sync backend's, in a worker thread.
                 return await asyncio.to_thread(self.backend.inspect, key)
+            case ReleaseGrant(key, fence):  # rare too (a supersede): the same way
+                return await asyncio.to_thread(self.backend.release_grant, key, fence)
             case ReadRecord(key):
                 validate_key(key)
                 return await self._command("job_record", key, self._read_record(key))

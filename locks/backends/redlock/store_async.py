@@ -91,6 +91,8 @@ class AsyncRedlockStore(NativeAsyncStore):
             case ops.Inspect(key):
                 validate_key(key)
                 return await self._run(backend.inspect_rounds(key))
+            case ops.ReleaseGrant(key, fence):  # rare (a supersede): in a worker thread
+                return await asyncio.to_thread(backend.release_grant, key, fence)
             case ops.ClaimPublish(key, task_id, ttl):
                 return await self._run(backend.claim_publish_rounds(key, task_id, ttl))
             case ops.SwapPublish(key, expect, new, ttl):
