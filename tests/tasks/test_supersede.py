@@ -27,8 +27,10 @@ from jobfence.tasks import (
     TaskDefinitionError,
     current_job,
     install,
+    runtime_for,
     singleton_task,
 )
+from jobfence.tasks.decisions import describe
 from jobfence.tasks.options import django_options
 from tests.servers import RedisServer, wait_for
 from tests.tasks.conftest import spec_for
@@ -132,8 +134,17 @@ def test_the_old_run_sees_its_lease_lost_and_ends_without_a_record(app: Celery) 
         with pytest.raises(JobSuperseded) as stop:
             old.get(timeout=15)
         assert stop.value.task_id == new.id  # the run that stands for it
+        recorder = runtime_for(app).executor.recorder
+        assert recorder is not None and recorder.store is not None
+        recorder.flush()
+        took = [d for d in recorder.store.for_task(new.id) if d.event == "evicted"]
+        gave = {d.event for d in recorder.store.for_task(old.id)}
     assert lost.is_set()
     assert started == ["old", "new"]
+    # The decision log (`jobfence locks why`) says who took the key from whom.
+    assert len(took) == 1 and took[0].holder == old.id, took
+    assert describe(took[0]).startswith(f"took the key from task {old.id} (fence ")
+    assert "superseded" in gave, gave
 
 
 def test_control_with_wait_the_newest_publish_waits_for_the_old_run(app: Celery) -> None:
