@@ -27,12 +27,13 @@ log = logging.getLogger("jobfence.tasks.celery_task")
 
 def publish_once(
     task: SingletonTask, key: str, task_id: str, options: dict[str, Any],
-    publish: Callable[[], Any], *, committed: bool = False,
+    publish: Callable[[], Any], *, committed: bool = False, earlier: tuple[str, ...] = (),
 ) -> Any:  # fmt: skip
     """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`
     (tasks/publish.py decides). A workflow's duplicate, and a `committed` one (sent from
     the outbox: its caller is gone), goes out unclaimed and meets the running copy at the
-    gate (docs/explanation/delivery-policy.md)."""
+    gate (docs/explanation/delivery-policy.md). `earlier`: the job's keys under earlier
+    secrets (a rotation), where a publish that replaces started runs claims too."""
     rt = task._runtime()
     backend = rt.backend
     ttl = _dedupe_ttl(task, rt.settings.visibility_timeout, options)
@@ -43,6 +44,9 @@ def publish_once(
     flow = publish_flow(key, task_id, ttl, policy=policy, workflow=workflow, name=task.name,
                         replace_started=task.jobfence_options.replaces_started)  # fmt: skip
     decision = run_sync(flow, backend, backend.clock)
+    also: list[tuple[str, str | None]] = []
+    if decision.action == "claimed" and task.jobfence_options.replaces_started:
+        also = _claim_under_earlier_secrets(task, earlier, task_id, ttl, workflow)
     if decision.action == "result":
         return task.AsyncResult(decision.holder)
     if decision.action == "unclaimed":
@@ -54,15 +58,36 @@ def publish_once(
         out = publish()
     except BaseException:
         # Nothing of ours was queued: the claim goes back, so the next publish goes out.
-        flow_back = give_back_flow(key, task_id, ttl, previous=decision.previous)
-        if not run_sync(flow_back, backend, backend.clock):
-            log.error("%s: replacing task %s failed and its claim could not be given "
-                      "back", task.name, decision.previous)  # fmt: skip
+        for each, previous in [(key, decision.previous), *also]:
+            flow_back = give_back_flow(each, task_id, ttl, previous=previous)
+            if not run_sync(flow_back, backend, backend.clock):
+                log.error("%s: replacing task %s failed and its claim could not be given "
+                          "back", task.name, previous)  # fmt: skip
         raise
     if decision.previous is not None:
         log.info("%s: task %s replaced queued task %s", task.name, task_id,
                  decision.previous)  # fmt: skip
     return out
+
+
+def _claim_under_earlier_secrets(
+    task: SingletonTask, earlier: tuple[str, ...], task_id: str, ttl: float, workflow: bool
+) -> list[tuple[str, str | None]]:
+    """A rotation, where a publish replaces started runs (supersede, debounce): the claim
+    under each earlier secret's key names this publish too, so a delivery under either
+    secret reads the newest publish alike. The model's long run: a run under secret B had
+    marked B's key started; the next publish, under A, replaced only A's, and its delivery
+    under B met the older run's mark and was superseded by it (the newest never ran).
+    Returns (key, the value replaced there) for each, to give back if the publish fails."""
+    backend = task._runtime().backend
+    made: list[tuple[str, str | None]] = []
+    for key in earlier:
+        flow = publish_flow(key, task_id, ttl, policy="replace", workflow=workflow,
+                            name=task.name, replace_started=True)  # fmt: skip
+        decision = run_sync(flow, backend, backend.clock)
+        if decision.action == "claimed":
+            made.append((key, decision.previous))
+    return made
 
 
 def debounce_countdown(task: SingletonTask, key: str) -> float:

@@ -128,6 +128,19 @@ class SingletonTask(Task):  # type: ignore[misc]
             rt.secret, self.name, arguments, selector=self.jobfence_options.key, explicit=explicit
         )
 
+    def _earlier_keys(self, args: Any, kwargs: Any, explicit: str | None) -> tuple[str, ...]:
+        """The job's keys under the earlier secrets of a rotation, where a publish that
+        replaces started runs (supersede, debounce) claims too; () otherwise."""
+        rt = self._runtime()
+        if not (rt.previous_secrets and self.jobfence_options.replaces_started):
+            return ()
+        arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}), name=self.name)
+        return tuple(
+            identity(old, self.name, arguments, selector=self.jobfence_options.key,
+                     explicit=explicit)[0]
+            for old in rt.previous_secrets
+        )  # fmt: skip
+
     # -- publishing --------------------------------------------------------------
     def apply_async(
         self,
@@ -165,7 +178,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                     args, kwargs, task_id, *rest, headers=headers, **options
                 )
 
-            return publish_once(self, key, task_id, options, publish, committed=committed)
+            earlier = self._earlier_keys(args, kwargs, headers.get(HEADER))
+            return publish_once(self, key, task_id, options, publish, committed=committed,
+                                earlier=earlier)  # fmt: skip
         return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
 
     # -- publishing on commit (tasks/outbox.py) -------------------------------------
