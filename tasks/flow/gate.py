@@ -243,7 +243,9 @@ class Gate(Claim):
             if info is None:
                 return None
             busy = Busy(info.ttl_left, info.task_id)
-            if spec.key < key:  # the other grant ranks first: yield (our on_conflict applies)
+            # The other grant ranks first, or supersede (the publish claim, not the keys,
+            # says which copy is newest: `evict`): yield, and our on_conflict applies.
+            if spec.key < key or spec.on_conflict == "supersede":
                 yield Release(lease)
                 return busy
             now: float = yield NOW

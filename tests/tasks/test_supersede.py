@@ -288,3 +288,22 @@ def test_with_no_claim_to_tell_the_order_a_copy_queues_behind_the_run(
     out = executor.run(spec_for(key, task_id="B", queues=True, **SUPERSEDE), lambda ctx: 1)
     assert out.status == "requeue"
     held.extend()  # never taken from a holder it cannot prove older
+
+
+def test_in_a_rotation_the_newest_takes_the_key_from_a_run_under_the_other_secret(
+    run_on: tuple[Executor, MemoryBackend],
+) -> None:
+    """A run under the other secret holds the job's key there: the newest publish takes it
+    whichever key ranks first (the claim says which copy is newest, not the keys)."""
+    executor, memory = run_on
+    for mine, theirs in (("a" + uuid.uuid4().hex, "b" + uuid.uuid4().hex),
+                         ("b" + uuid.uuid4().hex, "a" + uuid.uuid4().hex)):  # fmt: skip
+        old = memory.begin(theirs, 30.0, meta=default_meta("A", "tests.job"))
+        assert isinstance(old, Lease)
+        for key in (mine, theirs):  # the publish claimed under both secrets' keys
+            assert memory.swap_publish(key, "x", "B", 60) is None
+        spec = spec_for(mine, task_id="B", previous=((theirs, "fp-" + mine),), **SUPERSEDE)
+        out = executor.run(spec, lambda ctx: ctx.fence)
+        assert out.status == "ran", (mine < theirs, out)
+        with pytest.raises(LeaseLost):
+            old.extend()
