@@ -369,3 +369,31 @@ def test_lock_until_start_a_run_queued_behind_a_holder_that_dies_gets_in(lt: Lif
     _succeeded(lt, j, second.id)
     _succeeded(lt, j, first.id)  # the killed run's message comes back (acks_late) and runs
     assert sorted(s["version"] for s in lt.ledger.starts(j)) == ["v1", "v1", "v2"]
+
+
+# -- issue 34: the newest run supersedes the running one; a debounced burst ------------------
+
+
+def test_the_newest_publish_supersedes_the_running_copy_on_a_fleet(lt: Lifetimes) -> None:
+    """On each lock backend (its grant removed by fence): the running copy stops at its
+    lease check and ends JobSuperseded without an effect; the newest runs, once."""
+    j, task = job(), lt.task("supersede")
+    first = task.delay(j, "v1")
+    lt.started(j)
+    second = task.delay(j, "v2")
+    assert lt.outcome(j, first.id)["error"] == "JobSuperseded", lt.explain(j)()
+    lt.started(j, 2)  # the newest run began, the old one gone
+    lt.ledger.release(j)
+    assert lt.outcome(j, second.id)["value"] == "v2"
+    assert [e["version"] for e in lt.ledger.effects(j)] == ["v2"], lt.explain(j)()
+    starts = lt.ledger.starts(j)
+    assert [s["version"] for s in starts] == ["v1", "v2"], lt.explain(j)()
+
+
+def test_a_debounced_burst_runs_once_with_the_last_arguments_on_a_fleet(lt: Lifetimes) -> None:
+    j, task = job(), lt.task("debounce")
+    burst = [task.delay(j, f"v{i}") for i in range(4)]  # within the quiet period
+    assert lt.outcome(j, burst[-1].id)["value"] == "v3"
+    for earlier in burst[:-1]:
+        assert lt.outcome(j, earlier.id)["error"] == "JobSuperseded", lt.explain(j)()
+    assert [e["version"] for e in lt.ledger.effects(j)] == ["v3"], lt.explain(j)()

@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import Celery, Task, signals
 
-from jobfence.tasks import SingletonTask, install, singleton_task
+from jobfence.tasks import SingletonTask, current_job, install, singleton_task
 from tests.integration.apps.common import app_on_first_access, make_app
 from tests.integration.apps.singleton_app import ledger, settings_from
 
@@ -31,6 +31,8 @@ SLOT_WAIT = 1.0
 RATE = "15/m"
 #: ``lifetime.queue_*``: the lease TTL, far shorter than the run a newer copy waits behind.
 SHORT_TTL = 1.0
+#: ``lifetime.debounce``: the quiet period of a burst.
+DEBOUNCE = 0.5
 
 
 def gated(self: Task, job_id: str, version: str = "") -> str:
@@ -41,6 +43,32 @@ def gated(self: Task, job_id: str, version: str = "") -> str:
     deadline = time.monotonic() + GATE_TIMEOUT
     while not book.released(job_id) and time.monotonic() < deadline:
         time.sleep(0.02)
+    book.effect(job_id, **meta)
+    book.end(job_id, **meta)
+    return version
+
+
+def gated_checked(self: Task, job_id: str, version: str = "") -> str:
+    """`gated`, looking at its lease while it waits (a cooperative body): a run whose key a
+    newer publish took (on_conflict="supersede") stops at `check()`."""
+    book = ledger()
+    meta = {"task_id": self.request.id, "version": version, "pid": os.getpid()}
+    book.start(job_id, **meta)
+    job = current_job()
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while not book.released(job_id) and time.monotonic() < deadline:
+        job.check()
+        time.sleep(0.02)
+    book.effect(job_id, **meta)
+    book.end(job_id, **meta)
+    return version
+
+
+def versioned(self: Task, job_id: str, version: str = "") -> str:
+    """Start, have the effect, end; returns its `version`."""
+    book = ledger()
+    meta = {"task_id": self.request.id, "version": version}
+    book.start(job_id, **meta)
     book.effect(job_id, **meta)
     book.end(job_id, **meta)
     return version
@@ -109,6 +137,9 @@ def _register(app: Celery) -> None:
               max_retries=1)  # fmt: skip
     singleton("lifetime.raise", gated, dedupe_on_publish=True, on_duplicate_publish="raise")
     singleton("lifetime.replace", gated, dedupe_on_publish=True, on_duplicate_publish="replace")
+    # Issue 34: the newest publish takes the key from the running copy; a debounced burst.
+    singleton("lifetime.supersede", gated_checked, on_conflict="supersede", ttl=SHORT_TTL * 1.5)
+    singleton("lifetime.debounce", versioned, debounce=DEBOUNCE, debounce_max_wait=2.0)
     # The control: plain Celery, the same body, no jobfence.
     app.task(name="lifetime.plain", bind=True, acks_late=True, shared=False)(gated)
 
