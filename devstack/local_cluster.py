@@ -50,15 +50,27 @@ class LocalCluster(procs.ServerGroup):
         self.startup_timeout = startup_timeout
         self.node_timeout_ms = node_timeout_ms
         self._dir = procs.Workdir(None, "jobfence-cluster-")
-        root = self._dir.make()
+        self._dir.make()
+        self.tls = tls
+        self._plan = (masters * (1 + replicas), node_timeout_ms, executable, password)
+        self._replan()
+        self.n_masters = masters
+        self.n_replicas = replicas
+        self.ids: list[str] = []
+
+    def _replan(self) -> bool:
+        """Every node described afresh: new bus and TLS ports, empty node configs."""
+        count, node_timeout_ms, executable, password = self._plan
+        root = self._dir.path
+        tls = self.tls
         self.servers: list[RedisServer] = []
         self.bus_ports: list[int] = []
         #: With `tls`: each node's TLS port, the one the cluster announces (tls-cluster yes),
         #: and the bus in TLS; the plain port serves the harness.
-        self.tls = tls
         self.tls_ports: list[int] = []
-        for i in range(masters * (1 + replicas)):
+        for i in range(count):
             workdir = root / f"n{i}"
+            (workdir / "nodes.conf").unlink(missing_ok=True)  # a failed try's, if any
             args = [
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(workdir / "nodes.conf"),
@@ -74,9 +86,7 @@ class LocalCluster(procs.ServerGroup):
                 args += redis_tls_args(tls, self.tls_ports[-1], cluster=True)
             self.servers.append(RedisServer(executable=executable, extra_args=args,
                                             workdir=workdir, password=password))  # fmt: skip
-        self.n_masters = masters
-        self.n_replicas = replicas
-        self.ids: list[str] = []
+        return True
 
     def _bus_port(self) -> int:
         self.bus_ports.append(free_port())

@@ -195,30 +195,51 @@ class Launcher:
         self.stop()
 
 
+#: What a server's log says when a port chosen free a moment before was taken meanwhile.
+PORT_TAKEN = "Address already in use"
+
+
 class ServerGroup(Launcher):
     """Several launchers in one directory started as one: a failed start stops those that
-    started; `stop` stops every member (best effort) and removes the directory."""
+    started; `stop` stops every member (best effort) and removes the directory.
+
+    Ports passed in a member's arguments (a cluster bus, a TLS port) are chosen free a
+    moment before use, and another process (a client's ephemeral port) may take one first:
+    a group whose `_replan` chooses them afresh then starts again on the new ones."""
 
     servers: Sequence[Launcher]
     _dir: Workdir
+    start_attempts = 5
 
     def start(self) -> Self:
-        try:
-            for server in self.servers:
-                server.start()
-            self._formed()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(self.start_attempts):
+            try:
+                for server in self.servers:
+                    server.start()
+                self._formed()
+                return self
+            except BaseException as exc:
+                self._stop_members()
+                if not (attempt + 1 < self.start_attempts and PORT_TAKEN in str(exc)
+                        and self._replan()):  # fmt: skip
+                    self._dir.remove()
+                    raise
+        raise AssertionError("unreachable")
 
     def _formed(self) -> None:
         """Runs once every member has started (a cluster joins its nodes here)."""
 
-    def stop(self) -> None:
+    def _replan(self) -> bool:
+        """Describe every member afresh, on new ports; False where a group cannot."""
+        return False
+
+    def _stop_members(self) -> None:
         for server in self.servers:
             with contextlib.suppress(Exception):
                 server.stop()
+
+    def stop(self) -> None:
+        self._stop_members()
         self._dir.remove()
 
 

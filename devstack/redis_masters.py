@@ -35,8 +35,15 @@ class RedisMasters(procs.ServerGroup):
         self.tls = tls
         base = str(TMPFS) if durable and TMPFS.is_dir() else None
         self._dir = procs.Workdir(None, "jobfence-redlock-", parent=base)
-        root = self._dir.make()
-        extra = ["--appendonly", "yes", "--appendfsync", "always"] if durable else []
+        self._dir.make()
+        self._plan = (n, executable, password)
+        self._replan()
+
+    def _replan(self) -> bool:
+        """Every master described afresh, on new TLS ports."""
+        n, executable, password = self._plan
+        root, tls = self._dir.path, self.tls
+        extra = ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else []
         #: Each master's TLS port (with `tls`: its certificate from that test CA, a client
         #: certificate asked of every client); the plain port serves the harness.
         self.tls_ports = [free_port() for _ in range(n)] if tls else []
@@ -46,6 +53,7 @@ class RedisMasters(procs.ServerGroup):
                                               if tls else [])])
             for i in range(n)
         ]
+        return True
 
     @property
     def url(self) -> str:

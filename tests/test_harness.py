@@ -251,3 +251,34 @@ def test_a_sentinel_topology_moves_off_a_port_taken_before_it_binds(
             assert topology.master().client().ping()
     finally:
         squatter.close()
+
+
+def test_a_cluster_moves_off_a_bus_port_taken_before_its_node_binds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same race for a port given in a node's arguments (its cluster bus): the group
+    stops what started and starts again on new ports."""
+    import socket
+
+    from devstack import local_cluster
+
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken: int = squatter.getsockname()[1]
+    handed: list[int] = []
+    real = local_cluster.free_port
+
+    def first_bus_port_taken() -> int:
+        port = taken if not handed else real()
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(local_cluster, "free_port", first_bus_port_taken)
+    try:
+        with local_cluster.LocalCluster(masters=1) as cluster:
+            assert handed[0] == taken  # the collision really happened
+            assert taken not in cluster.bus_ports
+            assert cluster.client(0).ping()
+    finally:
+        squatter.close()
