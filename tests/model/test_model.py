@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from celery.result import AsyncResult
 from hypothesis.stateful import run_state_machine_as_test
@@ -9,7 +11,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from jobfence.worker.custody import Custody
 from tests.model.app import PLAIN, valid_options
 from tests.model.machine import machine_for, machine_settings
-from tests.model.scenario import Harness, Scenario, Step
+from tests.model.scenario import Harness, Publish, Scenario, Step
 
 
 def test_random_sequences_keep_every_invariant(harness: Harness) -> None:
@@ -187,3 +189,25 @@ def test_control_the_newest_check_sees_an_older_copy_win(harness: Harness) -> No
     first, newest = scenario.publishes
     first.task_id, newest.task_id = newest.task_id, first.task_id  # as if the older won
     assert "newest-superseded" in {v.kind for v in scenario.check()}
+
+
+def test_a_retry_state_stored_after_the_retried_copy_ended_is_no_pending_job(
+    harness: Harness,
+) -> None:
+    """Celery publishes a retry before it stores RETRY; under load the retried copy ends
+    first and RETRY overwrites its state (the fuzz run of 2026-11-29). The decision log
+    shows the retried copy ended: not pending. Control: a RETRY no delivery ever ended is."""
+    options = next(o for o in valid_options() if o.on_conflict == "skip"
+                   and o.concurrency == 0 and o.global_rate_limit is None)  # fmt: skip
+    scenario = Scenario(harness, options)
+    scenario.run(Step("publish", mode="retry"))
+    scenario.drain()
+    assert [str(v) for v in scenario.check()] == []
+    (publish,) = scenario.publishes
+    backend = harness.model.app.backend
+    backend.mark_as_retry(publish.task_id, RuntimeError("stored late"))  # as the race does
+    assert [str(v) for v in scenario.check()] == []
+    never = Publish(publish.job, "publish", task_id=str(uuid.uuid4()))
+    backend.mark_as_retry(never.task_id, RuntimeError("never ended"))
+    scenario.publishes.append(never)
+    assert {v.kind for v in scenario.check()} == {"pending-forever"}
