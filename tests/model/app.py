@@ -262,6 +262,11 @@ class ModelApp:
     def slot_events(self, group: str) -> list[dict[str, Any]]:
         return [json.loads(x) for x in self.ledger.lrange(f"model:slots:{group}", 0, -1)]
 
+    def lapsed_holders(self, group: str) -> list[str]:
+        """The task ids of deliveries whose slot (or lease) the keeper found gone mid-body."""
+        return [json.loads(x)["task_id"] for x in self.ledger.lrange(f"model:lapsed:{group}",
+                                                                    0, -1)]  # fmt: skip
+
     def tail_values(self, prefix: str) -> list[Any]:
         return [json.loads(x) for x in self.ledger.lrange(f"model:tails:{prefix}", 0, -1)]
 
@@ -285,6 +290,15 @@ def _body(model: ModelApp) -> Any:
             return _plain_effect(model, self.request.id, job_id, group, hold)
         ctx = current_job()
         slots = f"model:slots:{group}"
+        task_id = self.request.id
+        held = ctx.slot or ctx.lease
+
+        def lapsed(_lease: Any, _cause: BaseException) -> None:
+            # The keeper found the slot (or lease) gone mid-body: told at once, off the lock
+            # server, so a body killed before it noticed still counts as lapsed.
+            model.ledger.rpush(f"model:lapsed:{group}", json.dumps({"task_id": task_id}))
+
+        held.on_lost(lapsed)
         enter = {"kind": "enter", "task_id": self.request.id, "t": time.monotonic()}
         model.ledger.rpush(slots, json.dumps(enter))
         try:
