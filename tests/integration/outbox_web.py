@@ -1,6 +1,7 @@
 """One web-like process of the publish-on-commit storm (tests/integration/test_outbox_storm.py).
 
-``python -m tests.integration.outbox_web MODE SEED COUNT DIE`` commits or rolls back COUNT
+``python -m tests.integration.outbox_web MODE SEED COUNT DIE`` prints "ready", waits for a
+line on stdin ("go"), then commits or rolls back COUNT
 orders at random (SEED), each publishing its job on commit: MODE ``outbox`` through
 `apply_async_on_commit(session=...)`, ``naive`` through an after-commit `apply_async` (what
 Celery's `delay_on_commit` does). DIE (``none``, ``before``, ``after``): this process SIGKILLs
@@ -32,6 +33,7 @@ def main(mode: str, seed: int, count: int, die: str) -> None:
     with eng.connect():  # connected: the test may cut the broker now
         pass
     print("ready", flush=True)
+    sys.stdin.readline()  # "go": the test has cut the broker (or lets it be)
     committed_once = False
 
     def dies(moment: str) -> None:

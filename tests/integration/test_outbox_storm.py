@@ -77,7 +77,10 @@ def storm(module_redis: RedisServer, fleet_factory: FleetFactory) -> Iterator[St
             engine.dispose()
 
 
-def run_batch(storm: Storm, mode: str, seed: int) -> list[subprocess.Popen[bytes]]:
+def run_batch(
+    storm: Storm, mode: str, seed: int, *, held: bool = False
+) -> list[subprocess.Popen[bytes]]:
+    """A batch of web processes; each starts publishing on "go" (`held`: when `go()` says)."""
     procs = []
     for die, n in BATCH:
         for _ in range(n):
@@ -85,10 +88,20 @@ def run_batch(storm: Storm, mode: str, seed: int) -> list[subprocess.Popen[bytes
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.integration.outbox_web", mode, str(seed),
                  str(ORDERS), die],
-                env=storm.web_env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                env=storm.web_env, cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             ))  # fmt: skip
+    if not held:
+        go(procs)
     return procs
+
+
+def go(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        p.stdin.close()
+        p.stdin = None  # communicate() has no input to send, and must not flush a closed file
 
 
 def wait_all(procs: list[subprocess.Popen[bytes]]) -> tuple[list[int], str]:
@@ -133,11 +146,12 @@ def storm_of(storm: Storm, mode: str) -> tuple[list[int], str]:
     """Two batches of web processes; the second publishes while the broker is cut off from
     them (3 s, from when all of them are ready). The exit codes and the processes' stderr."""
     codes, errs = wait_all(run_batch(storm, mode, seed=100))
-    procs = run_batch(storm, mode, seed=200)
+    procs = run_batch(storm, mode, seed=200, held=True)
     for p in procs:  # each has built its app and connected to the database
         assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
     with storm.proxy.partitioned():
-        time.sleep(3.0)
+        go(procs)  # they publish from now on: the first publishes meet the cut, however
+        time.sleep(3.0)  # slow the machine (the cut's length, by design)
     more, more_errs = wait_all(procs)
     return codes + more, errs + more_errs
 
