@@ -22,12 +22,16 @@ demo:
 # cores: the lock contract, the fleets, the faults and the model (LONG), then the rest. With
 # ARGS (a selection, -n0, ...) it is one run, as asked.
 LONG = tests/contract tests/faults tests/integration tests/model tests/workflows
+# Failures reported as Python prints them: pytest's long form parses each frame's source
+# with `ast`, which CPython 3.11 cannot do while another thread parses (a SystemError,
+# "AST constructor recursion depth mismatch", that took a whole run down once).
+REPORT = --tb=native
 
 test:
 	./.ci/setup
 ifeq ($(strip $(ARGS)),)
-	.venv/bin/python -m pytest -q $(PARALLEL) $(LONG)
-	.venv/bin/python -m pytest -q $(PARALLEL) $(addprefix --ignore=,$(LONG))
+	.venv/bin/python -m pytest -q $(PARALLEL) $(REPORT) $(LONG)
+	.venv/bin/python -m pytest -q $(PARALLEL) $(REPORT) $(addprefix --ignore=,$(LONG))
 else
 	.venv/bin/python -m pytest -q $(PARALLEL) $(ARGS)
 endif
