@@ -41,7 +41,7 @@ test-pythons:
 	@set -e; for v in $(EXTRA_PYTHONS); do \
 		start=$$(date +%s); ./.ci/setup --python $$v; set_up=$$(date +%s); \
 		echo "==> Python $$v: the fast tier and the pythons selection"; \
-		.venv-$$v/bin/python -m pytest -q $(PARALLEL) -m "pythons or ($(FAST_TIER))" $(ARGS); \
+		.venv-$$v/bin/python -m pytest -q $(PARALLEL) $(REPORT) -m "pythons or ($(FAST_TIER))" $(ARGS); \
 		echo "==> Python $$v: set-up $$((set_up - start)) s, tests $$(($$(date +%s) - set_up)) s"; \
 	done
 
