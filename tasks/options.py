@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import dis
-import functools
-import inspect
 import math
-import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from celery import Celery
-from celery.app import autoretry
-from celery.app.task import extract_exec_options
-
 from jobfence.locks.errors import LockError
 from jobfence.locks.ratelimit import Rate, parse_rate
+from jobfence.tasks.celery_keywords import celery_keywords
 from jobfence.tasks.errors import TaskDefinitionError
 from jobfence.tasks.keys import KeySelector, check_key_names, normalise_key
 
@@ -395,42 +388,7 @@ def split_options(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
 
 def celery_option_names(base: type) -> frozenset[str]:
     """The keywords Celery's `app.task` and `shared_task` take for a task of class `base`: its
-    public attributes (a keyword becomes one) and `_celery_keywords()`. The attributes the
+    public attributes (a keyword becomes one) and `celery_keywords()`. The attributes the
     jobfence options set are not among them: those keywords are the table's."""
     ours = {attribute_of(f) for f in OPTIONS} | {"jobfence_options"}
-    return frozenset({n for n in dir(base) if not n.startswith("_")} - ours) | _celery_keywords()
-
-
-@functools.cache
-def _celery_keywords() -> frozenset[str]:
-    """The keywords Celery takes besides a task class's attributes, read from Celery itself:
-    `_task_from_fun`'s parameters, `app.task`'s own (shared, filter, lazy), the autoretry
-    options, and the execution options a task class may carry (queue, routing_key, ...)."""
-    names = set(inspect.signature(Celery._task_from_fun).parameters) - {"self", "fun", "options"}
-    names |= _nested_parameters(Celery.task, "inner_create_task_cls") or {"shared", "filter",
-                                                                          "lazy"}  # fmt: skip
-    names |= _options_read(autoretry.add_autoretry_behaviour) or set(_AUTORETRY)
-    names |= set(extract_exec_options(types.SimpleNamespace()))
-    return frozenset(names)
-
-
-#: Celery 5's autoretry options, should its code stop showing them (a fallback only).
-_AUTORETRY = ("autoretry_for", "dont_autoretry_for", "retry_kwargs", "retry_backoff",
-              "retry_backoff_max", "retry_jitter")  # fmt: skip
-
-
-def _nested_parameters(func: Callable[..., Any], inner: str) -> set[str]:
-    """The parameters of the function `inner` defined inside `func`."""
-    for const in func.__code__.co_consts:
-        if isinstance(const, types.CodeType) and const.co_name == inner:
-            return set(const.co_varnames[: const.co_argcount + const.co_kwonlyargcount])
-    return set()
-
-
-def _options_read(func: Callable[..., Any]) -> set[str]:
-    """The names `func` reads with `options.get("name", ...)`."""
-    found, steps = set(), list(dis.get_instructions(func))
-    for a, b, c in zip(steps, steps[1:], steps[2:], strict=False):
-        if a.argval == "options" and b.argval == "get" and isinstance(c.argval, str):
-            found.add(c.argval)
-    return found
+    return frozenset({n for n in dir(base) if not n.startswith("_")} - ours) | celery_keywords()
