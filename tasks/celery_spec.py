@@ -37,7 +37,7 @@ def delivery_spec(task: SingletonTask, rt: Runtime, arguments: dict[str, Any], r
         ),
         rate=None if o.rate is None else _rate_spec(task, rt, arguments, queues, marks.rate_slot),
         previous=(
-            _previous_identities(task, rt, arguments, marks.key) if rt.previous_secrets else ()
+            previous_identities(task, rt, arguments, marks.key) if rt.previous_secrets else ()
         ),
         marks=marks,
         in_workflow=bool(req.callbacks or req.chain or req.chord or req.group),
@@ -106,7 +106,7 @@ def _rate_spec(
     )
 
 
-def _previous_identities(
+def previous_identities(
     task: SingletonTask, rt: Runtime, arguments: dict[str, Any], explicit: str | None
 ) -> tuple[tuple[str, str], ...]:
     """(key, fingerprint) of the job under each earlier secret (JOBFENCE_KEY_SECRET_PREVIOUS)."""

@@ -19,7 +19,7 @@ from jobfence.tasks.celery_publish import (
     publish_again,
     publish_once,
 )
-from jobfence.tasks.celery_spec import delivery_spec, request_fields
+from jobfence.tasks.celery_spec import delivery_spec, previous_identities, request_fields
 from jobfence.tasks.context import JobContext, current_job, current_lease
 from jobfence.tasks.errors import (
     ArgumentsNotSerializable,
@@ -135,11 +135,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if not (rt.previous_secrets and self.jobfence_options.replaces_started):
             return ()
         arguments = bind_arguments(self.run, list(args or ()), dict(kwargs or {}), name=self.name)
-        return tuple(
-            identity(old, self.name, arguments, selector=self.jobfence_options.key,
-                     explicit=explicit)[0]
-            for old in rt.previous_secrets
-        )  # fmt: skip
+        return tuple(key for key, _ in previous_identities(self, rt, arguments, explicit))
 
     # -- publishing --------------------------------------------------------------
     def apply_async(

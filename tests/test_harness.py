@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import sqlalchemy as sa
 
+from devstack import local_cluster, local_sentinel
 from devstack.procs import pid_alive
 from tests.servers import (
     MARIADB_ADMIN_URL,
@@ -221,64 +225,55 @@ def test_sqlite_url(sqlite_url: str, tmp_path: Path) -> None:
     assert sqlite_url == f"sqlite:///{tmp_path / 'ledger.sqlite'}"
 
 
+@pytest.fixture
+def squat() -> Iterator[Callable[[Any, int], list[int]]]:
+    """Hand out a port some other process already listens on as the `nth` port (from 0)
+    that `module.free_port()` picks, the real pick otherwise; the ports handed out, in order."""
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken: int = squatter.getsockname()[1]
+    patch = pytest.MonkeyPatch()
+
+    def arm(module: Any, nth: int) -> list[int]:
+        handed: list[int] = []
+        real = module.free_port
+
+        def picked() -> int:
+            port = taken if len(handed) == nth else real()
+            handed.append(port)
+            return port
+
+        patch.setattr(module, "free_port", picked)
+        return handed
+
+    try:
+        yield arm
+    finally:
+        patch.undo()
+        squatter.close()
+
+
 def test_a_sentinel_topology_moves_off_a_port_taken_before_it_binds(
-    monkeypatch: pytest.MonkeyPatch,
+    squat: Callable[[Any, int], list[int]],
 ) -> None:
     """free_port() is racy: another process (a client's ephemeral port) may bind the port
     before the sentinel does. The topology starts again on new ports instead of failing."""
-    import socket
-
-    from devstack import local_sentinel
-
-    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
-    taken: int = squatter.getsockname()[1]
-    handed: list[int] = []
-    real = local_sentinel.free_port
-
-    def first_sentinel_port_taken() -> int:
-        # __init__ takes one port (the master's); the first sentinel's is the second.
-        port = taken if len(handed) == 1 else real()
-        handed.append(port)
-        return port
-
-    monkeypatch.setattr(local_sentinel, "free_port", first_sentinel_port_taken)
-    try:
-        with local_sentinel.LocalSentinel(replicas=0, sentinels=1) as topology:
-            assert taken in handed  # the collision really happened
-            assert topology.sentinels[0].port != taken
-            assert topology.master().client().ping()
-    finally:
-        squatter.close()
+    handed = squat(local_sentinel, 1)  # the master's is the first; the sentinel's the second
+    with local_sentinel.LocalSentinel(replicas=0, sentinels=1) as topology:
+        taken = handed[1]  # handed out: the collision really happened
+        assert len(handed) > 3, handed  # ... and the start was tried again on new ports
+        assert topology.sentinels[0].port != taken
+        assert topology.master().client().ping()
 
 
 def test_a_cluster_moves_off_a_bus_port_taken_before_its_node_binds(
-    monkeypatch: pytest.MonkeyPatch,
+    squat: Callable[[Any, int], list[int]],
 ) -> None:
     """The same race for a port given in a node's arguments (its cluster bus): the group
     stops what started and starts again on new ports."""
-    import socket
-
-    from devstack import local_cluster
-
-    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
-    taken: int = squatter.getsockname()[1]
-    handed: list[int] = []
-    real = local_cluster.free_port
-
-    def first_bus_port_taken() -> int:
-        port = taken if not handed else real()
-        handed.append(port)
-        return port
-
-    monkeypatch.setattr(local_cluster, "free_port", first_bus_port_taken)
-    try:
-        with local_cluster.LocalCluster(masters=1) as cluster:
-            assert handed[0] == taken  # the collision really happened
-            assert taken not in cluster.bus_ports
-            assert cluster.client(0).ping()
-    finally:
-        squatter.close()
+    handed = squat(local_cluster, 0)
+    with local_cluster.LocalCluster(masters=1) as cluster:
+        assert len(handed) > 1, handed  # the taken bus port was handed out, then a new one
+        assert handed[0] not in cluster.bus_ports
+        assert cluster.client(0).ping()
