@@ -203,7 +203,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if session is not None:
             outbox.on_commit_sqlalchemy(self, entry, session)
         elif _django_configured():
-            outbox.on_commit_django(self, entry, using)
+            outbox.on_commit_django(self.app, entry, using)
         else:
             raise TypeError(
                 f"{self.name}.apply_async_on_commit: no transaction to publish on the commit "

@@ -3,6 +3,7 @@ the check of what a message may make the carrier import."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 from typing import Any
 
@@ -38,21 +39,57 @@ _CARRIED: set[str] = set()
 
 
 class CeleryBackend(BaseTaskBackend):  # type: ignore[misc]
-    """A task backend that sends each task to Celery workers (OPTIONS: `app`, the dotted path
-    of the Celery app). The workers run the `jobfence.django_task` carrier: include
-    "jobfence.tasks.django_tasks" in the app. Queue "default" is Celery's default queue."""
+    """A task backend that sends each task to Celery workers. The workers run the
+    `jobfence.django_task` carrier: include "jobfence.tasks.django_tasks" in the app. Queue
+    "default" is Celery's default queue.
+
+    OPTIONS: `app` (required), the dotted path of the Celery app; `enqueue_on_commit`
+    (default False): an `enqueue()` writes its message to the outbox table in the caller's
+    transaction on the database `using` (default "default") and publishes it once that
+    commits; a rollback sends nothing, and the fleet's outbox relay sends what a dead
+    process or a stopped broker left unsent (tasks/outbox.py, docs/how-to/django-tasks.md).
+    """
 
     supports_defer = True
     supports_async_task = True
+    #: The OPTIONS this backend takes.
+    OPTION_NAMES = ("app", "enqueue_on_commit", "using")
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
+        unknown = sorted(set(self.options) - set(self.OPTION_NAMES))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], self.OPTION_NAMES, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise TaskDefinitionError(
+                f"TASKS[{alias!r}]['OPTIONS'] has {unknown}, which CeleryBackend does not "
+                f"take (it takes {', '.join(self.OPTION_NAMES)}){hint}"
+            )
         path = self.options.get("app")
         if not isinstance(path, str) or not path:
             raise TaskDefinitionError(
                 f"TASKS[{alias!r}] OPTIONS need 'app': the dotted path of your Celery app, "
                 "e.g. 'proj.celery.app'"
             )
+        on_commit = self.options.get("enqueue_on_commit", False)
+        using = self.options.get("using")
+        if not isinstance(on_commit, bool):
+            raise TaskDefinitionError(
+                f"TASKS[{alias!r}]['OPTIONS']['enqueue_on_commit'] must be True or False, "
+                f"not {type(on_commit).__name__}"
+            )
+        if using is not None and (not isinstance(using, str) or not using):
+            raise TaskDefinitionError(
+                f"TASKS[{alias!r}]['OPTIONS']['using'] must name a database of DATABASES "
+                "(the outbox table's), e.g. 'default'"
+            )
+        if using is not None and not on_commit:
+            raise TaskDefinitionError(
+                f"TASKS[{alias!r}]['OPTIONS']['using'] names the outbox's database, which "
+                "only enqueue_on_commit uses: set 'enqueue_on_commit': True, or drop 'using'"
+            )
+        self.enqueue_on_commit: bool = on_commit
+        self.using: str | None = using
         self.celery_app = import_string(path)
 
     def validate_task(self, task: Any) -> None:
@@ -84,11 +121,25 @@ class CeleryBackend(BaseTaskBackend):  # type: ignore[misc]
             options["queue"] = task.queue_name
         if task.run_after is not None:
             options["eta"] = task.run_after
-        self.celery_app.send_task(
-            CARRIER, args=[task.module_path, result.args, result.kwargs], **options
-        )
+        carried = [task.module_path, result.args, result.kwargs]
+        if self.enqueue_on_commit:
+            self._on_commit(result.id, carried, options)
+        else:
+            self.celery_app.send_task(CARRIER, args=carried, **options)
         task_enqueued.send(type(self), task_result=result)
         return result
+
+    def _on_commit(self, task_id: str, carried: list[Any], options: dict[str, Any]) -> None:
+        """The carrier's message to the outbox, in the caller's transaction; published once it
+        commits (at once outside an atomic block: the row commits as it is written)."""
+        from jobfence.tasks import outbox  # SQLAlchemy: loaded on use
+
+        options.pop("task_id")
+        eta = options.get("eta")
+        if eta is not None and timezone.is_naive(eta):  # USE_TZ = False: Django's local time
+            options["eta"] = timezone.make_aware(eta)
+        entry = outbox.entry_of(CARRIER, carried, {}, options, task_id)
+        outbox.on_commit_django(self.celery_app, entry, self.using)
 
 
 def carrier_serializer(app: Any) -> str:

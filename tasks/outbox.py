@@ -65,33 +65,41 @@ def entry_for(
     do not bind or are not JSON, or an option the outbox cannot keep (named, with the fix)."""
     args, kwargs = list(args or ()), dict(kwargs or {})
     task.identity(args, kwargs, options.get("idempotency_key"))  # binds, refuses non-JSON
+    return entry_of(task.name, args, kwargs, options, task_id)
+
+
+def entry_of(
+    name: str, args: list[Any], kwargs: dict[str, Any], options: Mapping[str, Any], task_id: str
+) -> Entry:
+    """The outbox row of a publish of the task `name` (its arguments bound already): refused
+    before anything is written if an option cannot be kept or anything is not JSON."""
     now = time.time()
     kept: dict[str, Any] = {}
-    for name, value in options.items():
-        if name not in KEPT_OPTIONS:
+    for option, value in options.items():
+        if option not in KEPT_OPTIONS:
             raise ArgumentsNotSerializable(
-                f"{task.name}: the publish option {name!r} cannot be kept in the outbox; "
+                f"{name}: the publish option {option!r} cannot be kept in the outbox; "
                 f"publish on commit takes {', '.join(sorted(KEPT_OPTIONS))}"
             )
-        if name in ("eta", "expires") and isinstance(value, datetime):
+        if option in ("eta", "expires") and isinstance(value, datetime):
             if value.tzinfo is None:
                 raise ArgumentsNotSerializable(
-                    f"{task.name}: {name}= must be a timezone-aware datetime in the outbox "
+                    f"{name}: {option}= must be a timezone-aware datetime in the outbox "
                     "(a naive one is ambiguous once the relay sends it later)"
                 )
-            kept[f"{name}_at"] = value.timestamp()
-        elif name == "expires" and isinstance(value, int | float):
+            kept[f"{option}_at"] = value.timestamp()
+        elif option == "expires" and isinstance(value, int | float):
             kept["expires_at"] = now + float(value)
         else:
-            kept[name] = value
+            kept[option] = value
     try:
         payload = json.dumps({"args": args, "kwargs": kwargs, "options": kept},
                              sort_keys=True, allow_nan=False)  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise ArgumentsNotSerializable(
-            f"{task.name}: a publish option is not JSON; the outbox keeps options as JSON"
+            f"{name}: an argument or publish option is not JSON; the outbox keeps them as JSON"
         ) from exc
-    return Entry(task_id, task.name, payload, now)
+    return Entry(task_id, name, payload, now)
 
 
 def publish_entry(app: Any, entry: Entry) -> None:
@@ -113,11 +121,13 @@ def publish_entry(app: Any, entry: Entry) -> None:
     if task is None:  # not registered here: sent by name, as Celery's send_task does
         app.send_task(entry.task_name, data["args"], data["kwargs"],
                       task_id=entry.task_id, **options)  # fmt: skip
-    else:
+    elif hasattr(task, "jobfence_options"):
         # A duplicate goes out too, and meets the holder at the gate: the caller's task id
         # then ends in a typed stop naming the holder, or its DONE record, never PENDING.
         task.apply_async(data["args"], data["kwargs"], task_id=entry.task_id,
                          **{OUTBOX_OPTION: True}, **options)  # fmt: skip
+    else:  # a plain Celery task (a Django task's carrier, CeleryBackend)
+        task.apply_async(data["args"], data["kwargs"], task_id=entry.task_id, **options)
 
 
 class SqlOutbox:
@@ -202,9 +212,9 @@ def on_commit_sqlalchemy(task: SingletonTask, entry: Entry, session: Session) ->
     _after_commit(session, lambda: publish_after_commit(task.app, entry, store.mark_sent))
 
 
-def on_commit_django(task: SingletonTask, entry: Entry, using: str | None) -> None:
+def on_commit_django(app: Any, entry: Entry, using: str | None) -> None:
     """Write `entry` on Django's connection `using`, inside its transaction if one is open;
-    publish on its commit (`transaction.on_commit`)."""
+    publish it on the Celery app `app` on its commit (`transaction.on_commit`)."""
     from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
     alias = using or DEFAULT_DB_ALIAS
@@ -220,4 +230,4 @@ def on_commit_django(task: SingletonTask, entry: Entry, using: str | None) -> No
             cur.execute("UPDATE jobfence_outbox SET sent_at = %s WHERE task_id = %s "
                         "AND sent_at IS NULL", [time.time(), task_id])  # fmt: skip
 
-    transaction.on_commit(lambda: publish_after_commit(task.app, entry, mark_sent), using=alias)
+    transaction.on_commit(lambda: publish_after_commit(app, entry, mark_sent), using=alias)

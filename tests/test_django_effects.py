@@ -801,3 +801,154 @@ def test_delay_on_commit_outside_a_block_publishes_at_once(fulfil: Any) -> None:
     result = fulfil.delay_on_commit("o3")  # autocommit: the row commits as it is written
     assert _queued(fulfil) == [result.id]
     assert _outbox("default", result.id) != [None]
+
+
+# ------------------------------------------------------- a Django task enqueued on commit
+
+CARRIER_APP: Any = None
+
+
+def bill(invoice: int) -> int:
+    return invoice
+
+
+def _engine_of(alias: str) -> Any:
+    """An SQLAlchemy engine on Django's database `alias` (the relay reads the outbox so)."""
+    from jobfence.tasks import make_engine
+
+    db = django_settings.DATABASES[alias]
+    if db["ENGINE"].endswith("sqlite3"):
+        return make_engine(f"sqlite:///{db['NAME']}")
+    return make_engine(f"postgresql+psycopg://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}")
+
+
+@pytest.fixture
+def carried(databases: list[str], redis_url: str) -> Iterator[Any]:
+    """CeleryBackend's Celery app on a private redis-server broker (stopped by the tests
+    that need the broker away), with a jobfence runtime for the outbox relay."""
+    pytest.importorskip("jobfence.tasks.django_tasks", reason="needs django.tasks or the backport")
+    from celery import Celery
+
+    import jobfence.tasks.django_tasks  # noqa: F401  (registers the carrier on shared apps)
+    from jobfence.tasks import install
+    from tests.servers import RedisServer
+
+    global CARRIER_APP
+    with RedisServer() as broker:
+        app = Celery(_new("carried").replace(":", "-"), set_as_current=False)
+        app.conf.update(broker_url=broker.url, task_serializer="json", accept_content=["json"],
+                        broker_connection_timeout=0.5, task_publish_retry=False,
+                        broker_transport_options={"socket_timeout": 0.5,
+                                                  "socket_connect_timeout": 0.5})  # fmt: skip
+        runtime = install(app, Settings(lock_url=redis_url))
+        CARRIER_APP = app
+        app.broker = broker
+        yield app
+        runtime.close()
+        app.close()
+
+
+def _tasks_setting(alias: str | None, *, on_commit: bool = True) -> dict[str, Any]:
+    """TASKS with one CeleryBackend, "celery", enqueueing on commit on `alias`."""
+    options: dict[str, Any] = {"app": f"{__name__}.CARRIER_APP"}
+    if on_commit:
+        options.update(enqueue_on_commit=True, using=alias)
+    return {"celery": {"BACKEND": "jobfence.tasks.django_tasks.CeleryBackend",
+                       "OPTIONS": options}}  # fmt: skip
+
+
+def _bill_task() -> Any:
+    from tests.djtasks import task
+
+    return task(backend="celery")(bill)
+
+
+def _carried_ids(app: Any) -> list[str]:
+    import json
+
+    client = app.broker.client()
+    try:
+        return [json.loads(m)["headers"]["id"] for m in client.lrange("celery", 0, -1)]
+    finally:
+        client.close()
+
+
+def test_a_django_task_enqueued_on_commit_is_sent_when_the_block_commits(
+    carried: Any, alias: str
+) -> None:
+    with override_settings(TASKS=_tasks_setting(alias)):
+        billed = _bill_task()
+        with transaction.atomic(using=alias):
+            result = billed.enqueue(7)
+            assert _outbox(alias, result.id) == [None], "the row is in the caller's transaction"
+            assert _carried_ids(carried) == [], "sent before the commit"
+        assert _carried_ids(carried) == [result.id]
+        [sent_at] = _outbox(alias, result.id)
+        assert sent_at is not None
+
+
+def test_a_django_task_enqueued_in_a_block_that_rolls_back_sends_nothing(carried: Any) -> None:
+    with (
+        override_settings(TASKS=_tasks_setting("pg")),
+        pytest.raises(RuntimeError),
+        transaction.atomic(using="pg"),
+    ):
+        result = _bill_task().enqueue(8)
+        raise RuntimeError("the request failed")
+    assert _carried_ids(carried) == [] and _outbox("pg", result.id) == []
+
+
+def test_a_django_task_whose_broker_was_down_at_the_commit_is_sent_by_the_relay(
+    carried: Any,
+) -> None:
+    """The broker stopped at the commit: the enqueue's row stays unsent (the caller's commit
+    stands), and the relay sends it once the broker is back. The control,
+    in the same run: Django's own `transaction.on_commit(partial(task.enqueue, ...))` on a
+    plain CeleryBackend loses its job at the same commit, with nothing left to send."""
+    from functools import partial
+
+    from jobfence.tasks import runtime_for
+    from jobfence.tasks.outbox import SqlOutbox
+    from jobfence.worker.outbox_relay import OutboxRelay
+
+    broker = carried.broker
+    broker.stop()
+    with override_settings(TASKS=_tasks_setting("pg")), transaction.atomic(using="pg"):
+        durable = _bill_task().enqueue(9)
+    with (
+        override_settings(TASKS=_tasks_setting(None, on_commit=False)),
+        pytest.raises(Exception, match=r"(?i)connect|refused|timed out"),
+        transaction.atomic(using="pg"),
+    ):
+        transaction.on_commit(partial(_bill_task().enqueue, 10), using="pg")
+    assert _outbox("pg", durable.id) == [None], "the durable row is committed and unsent"
+    broker.start()
+    assert _carried_ids(carried) == [], "the control's job is gone: nothing was sent"
+    engine = _engine_of("pg")
+    relay = OutboxRelay(carried, runtime_for(carried), SqlOutbox(engine), grace=0.0, poll=0.05,
+                        retention=3600.0)  # fmt: skip
+    try:
+        assert relay.relay_once() == 1
+    finally:
+        engine.dispose()
+    assert _carried_ids(carried) == [durable.id]
+    [sent_at] = _outbox("pg", durable.id)
+    assert sent_at is not None
+
+
+def test_celery_backend_options_are_checked_by_name(databases: list[str]) -> None:
+    pytest.importorskip("jobfence.tasks.django_tasks", reason="needs django.tasks or the backport")
+    from jobfence.tasks import TaskDefinitionError
+    from jobfence.tasks.django_tasks import CeleryBackend
+
+    def make(**options: Any) -> Any:
+        return CeleryBackend("celery", {"OPTIONS": {"app": "celery.current_app", **options}})
+
+    with pytest.raises(TaskDefinitionError, match=r"'enqueue_on_comit'.*did you mean "
+                                                  r"'enqueue_on_commit'"):  # fmt: skip
+        make(enqueue_on_comit=True)
+    with pytest.raises(TaskDefinitionError, match=r"enqueue_on_commit'\] must be True or False"):
+        make(enqueue_on_commit="yes")
+    with pytest.raises(TaskDefinitionError, match="only enqueue_on_commit uses"):
+        make(using="pg")
+    assert make(enqueue_on_commit=True, using="pg").using == "pg"
