@@ -27,26 +27,29 @@ log = logging.getLogger("jobfence.tasks.celery_task")
 
 def publish_once(
     task: SingletonTask, key: str, task_id: str, options: dict[str, Any],
-    publish: Callable[[], Any], *, committed: bool = False, earlier: tuple[str, ...] = (),
+    publish: Callable[[], Any], *, committed: float | None = None,
+    earlier: tuple[str, ...] = (),
 ) -> Any:  # fmt: skip
     """Claim the key for `task_id` and publish; a duplicate gets `on_duplicate_publish`
     (tasks/publish.py decides). A workflow's duplicate, and a `committed` one (sent from
-    the outbox: its caller is gone), goes out unclaimed and meets the running copy at the
-    gate (docs/explanation/delivery-policy.md). `earlier`: the job's keys under earlier
-    secrets (a rotation), where a publish that replaces started runs claims too."""
+    the outbox: its caller is gone; the time its row was written), goes out unclaimed and
+    meets the running copy at the gate (docs/explanation/delivery-policy.md), as does a
+    committed one that meets a newer publish's claim. `earlier`: the job's keys under
+    earlier secrets (a rotation), where a publish that replaces started runs claims too."""
     rt = task._runtime()
     backend = rt.backend
     ttl = _dedupe_ttl(task, rt.settings.visibility_timeout, options)
-    workflow = committed or any(options.get(name) for name in WORKFLOW_OPTIONS)
+    workflow = committed is not None or any(options.get(name) for name in WORKFLOW_OPTIONS)
     policy = task.jobfence_options.on_duplicate_publish
-    if committed and policy == "raise":
+    if committed is not None and policy == "raise":
         policy = "result"  # no caller to raise to: unclaimed, as a workflow's duplicate
     flow = publish_flow(key, task_id, ttl, policy=policy, workflow=workflow, name=task.name,
-                        replace_started=task.jobfence_options.replaces_started)  # fmt: skip
+                        replace_started=task.jobfence_options.replaces_started,
+                        written_at=committed)  # fmt: skip
     decision = run_sync(flow, backend, backend.clock)
     also: list[tuple[str, str | None]] = []
     if decision.action == "claimed" and task.jobfence_options.replaces_started:
-        also = _claim_under_earlier_secrets(task, earlier, task_id, ttl, workflow)
+        also = _claim_under_earlier_secrets(task, earlier, task_id, ttl, workflow, committed)
     if decision.action == "result":
         return task.AsyncResult(decision.holder)
     if decision.action == "unclaimed":
@@ -71,8 +74,9 @@ def publish_once(
 
 
 def _claim_under_earlier_secrets(
-    task: SingletonTask, earlier: tuple[str, ...], task_id: str, ttl: float, workflow: bool
-) -> list[tuple[str, str | None]]:
+    task: SingletonTask, earlier: tuple[str, ...], task_id: str, ttl: float, workflow: bool,
+    written_at: float | None,
+) -> list[tuple[str, str | None]]:  # fmt: skip
     """A rotation, where a publish replaces started runs (supersede, debounce): the claim
     under each earlier secret's key names this publish too, so a delivery under either
     secret reads the newest publish alike. The model's long run: a run under secret B had
@@ -83,7 +87,8 @@ def _claim_under_earlier_secrets(
     made: list[tuple[str, str | None]] = []
     for key in earlier:
         flow = publish_flow(key, task_id, ttl, policy="replace", workflow=workflow,
-                            name=task.name, replace_started=True)  # fmt: skip
+                            name=task.name, replace_started=True,
+                            written_at=written_at)  # fmt: skip
         decision = run_sync(flow, backend, backend.clock)
         if decision.action == "claimed":
             made.append((key, decision.previous))

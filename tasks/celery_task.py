@@ -9,7 +9,6 @@ from typing import Any, ClassVar, overload
 from celery import Task, shared_task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
-from celery.utils import uuid
 
 from jobfence.locks.errors import LockError
 from jobfence.locks.lease import Lease
@@ -46,6 +45,7 @@ from jobfence.tasks.options import (
     refuse_unknown,
     split_options,
 )
+from jobfence.tasks.publish import ordered_id
 from jobfence.tasks.runtime import Runtime, runtime_for
 
 #: The header of an explicit idempotency key (`apply_async(idempotency_key=...)`).
@@ -156,14 +156,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         # Sent from the outbox after its commit: a duplicate cannot be refused to a caller
         # any more, nor answered with another task id; it goes out and meets the holder at
         # the gate (a typed stop naming it, or its DONE record), as a workflow's does.
-        committed = bool(options.pop(OUTBOX_OPTION, False))
+        written = options.pop(OUTBOX_OPTION, None)  # the row's time, from the outbox
+        committed = None if written is None else float(written)
         key, _ = self.identity(args, kwargs, headers.get(HEADER))  # refuses non-JSON arguments
         # A delivered message published again (same task id): it holds or held the claim.
         again = Marks.republished(headers)
         headers.pop(REPUBLISHED_HEADER, None)
         if self.jobfence_options.dedupe_on_publish and not (self.app.conf.task_always_eager
                                                             or again):  # fmt: skip
-            task_id = task_id or uuid()
+            task_id = task_id or ordered_id()
             if self.jobfence_options.debounce is not None and not (
                 "countdown" in options or "eta" in options  # a retry's, or the caller's own
             ):
@@ -199,7 +200,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         nothing on a rollback. The AsyncResult of the task id chosen now."""
         from jobfence.tasks import outbox  # SQLAlchemy: loaded on use
 
-        entry = outbox.entry_for(self, args, kwargs, options, task_id or uuid())
+        entry = outbox.entry_for(self, args, kwargs, options, task_id or ordered_id())
         if session is not None:
             outbox.on_commit_sqlalchemy(self, entry, session)
         elif _django_configured():

@@ -125,7 +125,7 @@ def publish_entry(app: Any, entry: Entry) -> None:
         # A duplicate goes out too, and meets the holder at the gate: the caller's task id
         # then ends in a typed stop naming the holder, or its DONE record, never PENDING.
         task.apply_async(data["args"], data["kwargs"], task_id=entry.task_id,
-                         **{OUTBOX_OPTION: True}, **options)  # fmt: skip
+                         **{OUTBOX_OPTION: entry.created_at}, **options)  # fmt: skip
     else:  # a plain Celery task (a Django task's carrier, CeleryBackend)
         task.apply_async(data["args"], data["kwargs"], task_id=entry.task_id, **options)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,6 +16,28 @@ from jobfence.tasks.options import DuplicatePublishPolicy
 
 #: Tries of a replace whose claim moved meanwhile (its holder started, or was replaced).
 REPLACE_ATTEMPTS = 3
+
+
+def ordered_id() -> str:
+    """A task id that says when it was made: a UUID of version 7 (RFC 9562: 48 bits of Unix
+    milliseconds, then random bits), so a publish claim naming it orders its publish against
+    an outbox row sent late (`publish_flow`'s `written_at`)."""
+    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    value = value & ~(0xF << 76) | 0x7 << 76  # the version
+    value = value & ~(0x3 << 62) | 0x2 << 62  # the variant (RFC 9562)
+    return str(uuid.UUID(int=value))
+
+
+def published_at(task_id: str) -> float | None:
+    """When the task id `task_id` was made (Unix seconds), if it is an `ordered_id`; None for
+    any other id (a caller's own, a version 4 UUID): its publish's time is unknown."""
+    try:
+        parsed = uuid.UUID(task_id)
+    except ValueError:
+        return None
+    if parsed.version != 7 or parsed.variant != uuid.RFC_4122:
+        return None
+    return (parsed.int >> 80) / 1000.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +63,7 @@ def publish_flow(
     workflow: bool,
     name: str,
     replace_started: bool = False,
+    written_at: float | None = None,
 ) -> Flow[PublishDecision]:
     """Claim `key` for `task_id`; a duplicate gets `policy` (DuplicatePublish for "raise").
 
@@ -46,6 +72,11 @@ def publish_flow(
     workflow waits on this task id, not the holder's. `replace_started`: a started holder's
     claim is replaced too (debounce: its run ended the last burst; supersede: the newest
     publish takes the key from it; docs/how-to/debounce.md, supersede.md).
+
+    `written_at`: an outbox row's time, sent after its commit (by the relay, maybe long
+    after). A claim naming a publish made after the row (its `ordered_id` says when) is
+    newer than this one and is never replaced by it: under `replace`, debounce or supersede
+    the row's copy goes out unclaimed and gives way at the gate to the newer publish.
     """
     holder = ""
     for _ in range(REPLACE_ATTEMPTS):
@@ -65,6 +96,9 @@ def publish_flow(
             )
         if policy != "replace" or (started and not replace_started):
             break  # a started copy is never replaced (two would run): its result answers
+        made = published_at(holder)
+        if written_at is not None and made is not None and made > written_at:
+            break  # a late outbox row meets a newer publish: it does not replace that
         # Take the claim from the queued copy first: it skips when it finds it gone.
         if (yield SwapPublish(key, held, task_id, ttl)) is None:
             return PublishDecision("claimed", previous=holder)

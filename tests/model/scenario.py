@@ -279,6 +279,7 @@ class Scenario:
         from sqlalchemy.orm import Session
 
         from jobfence.tasks.outbox import SqlOutbox, entry_for
+        from jobfence.tasks.publish import ordered_id
 
         if step.at == "rollback":  # never among the jobs later steps pick (it never was)
             job = Job(f"{self.prefix}rolled-back-{len(self.rolled_back)}", step.mode, step.hold)
@@ -290,7 +291,7 @@ class Scenario:
         web = self.harness.model.web_engine()
         with Session(web) as session:
             if step.at == "died":
-                entry = entry_for(task, self._args(job), {}, options, str(uuid.uuid4()))
+                entry = entry_for(task, self._args(job), {}, options, ordered_id())
                 SqlOutbox(web).write(session.connection(), entry)
                 publish.task_id = entry.task_id
             else:
@@ -606,18 +607,18 @@ class Scenario:
 
     def _check_newest(self, outcome: dict[str, tuple[str, Any]]) -> list[Violation]:
         """on_conflict="supersede": the newest publish of a job is never superseded (an older
-        copy never stops a newer one). A job with an outbox row sent by the relay later
-        ("died") is left out: its publish time is the relay's, not its step's. So is a
-        sequence whose lock server lost its data (``flush``): the publish claims that order
-        the publishes went with it, and the first copy to start after the loss stands for
-        those published before it (docs/how-to/supersede.md; the fuzz run of 2026-11-29: a
-        newest publish queued behind an older copy for want of a claim, then met its mark)."""
+        copy never stops a newer one). An outbox row the relay sends late ("died") counts
+        from its step, when it was written: a newer publish's claim is never replaced by it
+        (its task id tells when it was made). A sequence whose lock server lost its data
+        (``flush``) is left out: the publish claims that order the publishes went with it,
+        and the first copy to start after the loss stands for those published before it
+        (docs/how-to/supersede.md; the fuzz run of 2026-11-29: a newest publish queued
+        behind an older copy for want of a claim, then met its mark)."""
         if self.options.on_conflict != "supersede" or "flush" in {s.kind for s in self.steps}:
             return []
         newest: dict[str, Publish] = {}
-        relayed = {p.job.job_id for p in self.publishes if p.kind == "on_commit"}
         for p in self.publishes:
-            if p.task_id and p.job.job_id not in relayed:
+            if p.task_id:
                 newest[p.job.job_id] = p
         found = []
         for p in newest.values():

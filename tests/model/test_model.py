@@ -177,6 +177,24 @@ def test_a_superseding_publish_with_a_redelivery_of_the_first(harness: Harness) 
     assert ran[-1] == ids[-1], ran  # the newest publish's effect is the last to land
 
 
+def test_an_outbox_row_sent_late_never_supersedes_a_newer_publish(harness: Harness) -> None:
+    """Issue 34: a row whose process died before its publish, then a newer publish of the
+    same job; the relay sends the row after its grace. The newer publish runs and the row's
+    copy gives way (the newest check now counts outbox rows from when they were written;
+    before task ids told their time, the row's copy took the newer one's claim)."""
+    options = next(o for o in valid_options() if o.on_conflict == "supersede"
+                   and o.concurrency == 0 and o.global_rate_limit is None)  # fmt: skip
+    scenario = Scenario(harness, options)
+    for step in (Step("on_commit", at="died", hold=0.3), Step("duplicate", job=0)):
+        scenario.run(step)
+    scenario.drain()
+    assert [str(v) for v in scenario.check()] == []
+    _row, newer = scenario.publishes
+    assert AsyncResult(newer.task_id, app=harness.model.app).state == "SUCCESS"
+    ran = [e["task_id"] for e in harness.model.effects(scenario.prefix)]
+    assert ran == [newer.task_id], ran
+
+
 def test_control_the_newest_check_sees_an_older_copy_win(harness: Harness) -> None:
     """The check that the newest publish is never superseded can fail: the same sequence's
     record with the outcomes of the two publishes swapped is caught."""

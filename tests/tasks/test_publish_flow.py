@@ -16,7 +16,9 @@ from jobfence.tasks.publish import (
     DuplicatePublishPolicy,
     PublishDecision,
     give_back_flow,
+    ordered_id,
     publish_flow,
+    published_at,
 )
 
 KEY, ME, TTL = "job-key", "task-me", 60.0
@@ -154,3 +156,46 @@ def test_the_flows_run_on_a_store() -> None:
     assert store.claim_publish(KEY, "C", TTL) == "A"  # A holds it again
     assert run_sync(give_back_flow(KEY, "C", TTL, previous=None), store, clock) is True
     assert store.claim_publish(KEY, "D", TTL) is None  # cleared: the next publish goes out
+
+
+# ------------------------------------------------ an outbox row sent late, ordered by task ids
+
+
+def test_an_ordered_id_is_a_uuid7_that_tells_when_it_was_made() -> None:
+    import time
+    import uuid
+
+    before = time.time()
+    made = ordered_id()
+    after = time.time()
+    parsed = uuid.UUID(made)
+    assert parsed.version == 7 and parsed.variant == uuid.RFC_4122
+    at = published_at(made)
+    assert at is not None and before - 0.001 <= at <= after
+    assert ordered_id() != made
+    for other in (str(uuid.uuid4()), "a-callers-own-id", ""):
+        assert published_at(other) is None
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_late_row_does_not_replace_a_newer_publishs_claim(started: bool) -> None:
+    newer = ordered_id()
+    written = (published_at(newer) or 0.0) - 5.0  # the row: written five seconds earlier
+    held = ("!" if started else "") + newer
+    flow = publish_flow(KEY, ME, TTL, policy="replace", workflow=True, name="t.job",
+                        replace_started=True, written_at=written)  # fmt: skip
+    ops, decision = script(flow, [held])
+    assert ops == [ClaimPublish(KEY, ME, TTL)], "it swapped the newer publish's claim"
+    assert decision == PublishDecision("unclaimed", holder=newer)
+
+
+@pytest.mark.parametrize("holder", ["older", "unknown"])
+def test_a_late_row_replaces_an_older_or_unordered_claim(holder: str) -> None:
+    older = ordered_id()
+    written = (published_at(older) or 0.0) + 5.0
+    held = older if holder == "older" else "a-callers-own-id"
+    flow = publish_flow(KEY, ME, TTL, policy="replace", workflow=True, name="t.job",
+                        replace_started=True, written_at=written)  # fmt: skip
+    ops, decision = script(flow, [held, None])
+    assert ops[1] == SwapPublish(KEY, held, ME, TTL)
+    assert decision == PublishDecision("claimed", previous=held)

@@ -5,6 +5,7 @@ refused, it ends JobSuperseded without a DONE record, and the new copy runs. On 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -204,6 +205,57 @@ def test_a_burst_of_publishes_runs_the_newest_and_supersedes_the_rest(app: Celer
 
 def _body(doc: str) -> str:
     return doc
+
+
+@pytest.mark.parametrize("policy", ["supersede", "debounce"])
+@pytest.mark.parametrize("order", ["known", "unknown"])
+def test_an_outbox_row_sent_late_gives_way_to_a_newer_publish(
+    app: Celery, tmp_path: Any, policy: str, order: str
+) -> None:
+    """A web process committed its row (version 1) and died before the publish; a newer
+    publish (version 2) went out; the relay sends the row later. The row's copy must not
+    take the key from the newer publish: version 2 runs, the row's copy ends JobSuperseded
+    naming it. The control, in the same run: a newer publish under the caller's own task id
+    (when it was made is unknown, as it was for every publish before task ids told it): the
+    late row replaces its claim, and the older version runs while the newer one is
+    superseded."""
+    from jobfence.tasks import make_engine
+    from jobfence.tasks.effects import outbox
+    from jobfence.tasks.outbox import SqlOutbox, entry_for
+    from jobfence.tasks.publish import ordered_id
+    from jobfence.worker.outbox_relay import OutboxRelay
+
+    ran: list[str] = []
+    options: dict[str, Any] = ({"on_conflict": "supersede"} if policy == "supersede"
+                               else {"debounce": 0.3})  # fmt: skip
+
+    @singleton_task(app=app, name=f"ss.late.{uuid.uuid4().hex[:8]}", key=["doc"], **options)
+    def render(doc: str, version: str) -> str:
+        ran.append(version)
+        return version
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'outbox.sqlite'}")
+    with engine.begin() as conn:
+        outbox.create(conn, checkfirst=True)
+    store = SqlOutbox(engine)
+    entry = entry_for(render, ("d1", "v1"), {}, {}, ordered_id())
+    # Written (and committed) a second ago; its process died before the publish.
+    entry = dataclasses.replace(entry, created_at=entry.created_at - 1.0)
+    with engine.begin() as conn:
+        store.write(conn, entry)
+    own = None if order == "known" else f"caller-own-{uuid.uuid4().hex[:8]}"
+    newer = render.apply_async(("d1", "v2"), task_id=own)
+    relay = OutboxRelay(app, runtime_for(app), store, grace=0.0, poll=0.05, retention=3600.0)
+    assert relay.relay_once() == 1
+    late = app.AsyncResult(entry.task_id)
+    stands, gives_way = (newer, late) if order == "known" else (late, newer)
+    with _worker(app):
+        assert stands.get(timeout=15) == ("v2" if order == "known" else "v1")
+        with pytest.raises(JobSuperseded) as stop:
+            gives_way.get(timeout=15)
+    assert stop.value.task_id == stands.id
+    assert ran == (["v2"] if order == "known" else ["v1"])
+    engine.dispose()
 
 
 @pytest.mark.parametrize(
