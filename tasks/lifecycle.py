@@ -17,9 +17,9 @@ from jobfence.tasks.flow.admission import (
     START_SUFFIX,
 )
 from jobfence.tasks.flow.ending import STARTED, fingerprints_met
-from jobfence.tasks.flow.gate import ROTATION_GRACE
 from jobfence.tasks.flow.job import Job, job_flow
 from jobfence.tasks.flow.ops import AfterOuterCommit, Drop, JobFlow, JobOp, Keep, RunBody, ShellOp
+from jobfence.tasks.flow.rotation import ROTATION_GRACE
 from jobfence.tasks.flow.settle import COMMIT_ATTEMPTS, LOST_BEFORE_COMMIT, NOT_STORED
 from jobfence.tasks.flow.spec import (
     DROPPED,

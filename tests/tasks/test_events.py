@@ -21,8 +21,8 @@ from tests.tasks.conftest import spec_for, unique
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: The job flow's phase files (tasks/flow/), and the other I/O-free flows.
-FLOW_PHASES = ("spec", "marks", "ops", "ending", "settle", "claim", "gate", "admission", "body",
-               "verdict", "job")  # fmt: skip
+FLOW_PHASES = ("spec", "marks", "ops", "ending", "settle", "claim", "rotation", "gate",
+               "admission", "body", "verdict", "job")  # fmt: skip
 #: The I/O-free flows: they yield ops and events, and never log or count.
 FLOW_MODULES = (
     *(f"tasks/flow/{name}.py" for name in FLOW_PHASES),
