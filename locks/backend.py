@@ -6,7 +6,7 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from jobfence.config.findings import Finding, LockTarget, OutageProbe
 from jobfence.locks.backend_ops import run_other_op
@@ -59,6 +59,12 @@ def settle_extensions(leases: Sequence[Lease], results: list[bool], started: flo
                 NotOwner("extend refused: not the owner", key=lease.key, fence=lease.fence)
             )
     return results
+
+
+class Stoppable(Protocol):
+    """A watcher a backend started (`watch_evictions`), stopped with its keeper."""
+
+    def stop(self, timeout: float = 5.0) -> None: ...
 
 
 class LockBackend(BackendSemaphores, ABC):
@@ -230,6 +236,12 @@ class LockBackend(BackendSemaphores, ABC):
         The fence is checked in the removing operation itself (a script, a txn, a
         `DELETE ... WHERE fence`): a look, then a removal, would take a grant made between.
         """
+
+    def watch_evictions(self, heard: Callable[[str, int], None]) -> Stoppable | None:
+        """Start hearing `release_grant`s at once: `heard(key, fence)` on a thread of the
+        backend's; None where the backend publishes none (its keepers find an evicted lease
+        at the next extension)."""
+        return None
 
     @abstractmethod
     def claim_publish(self, key: str, task_id: str, ttl: float) -> str | None:

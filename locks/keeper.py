@@ -16,7 +16,7 @@ from jobfence.locks.lease import Lease
 from jobfence.locks.outage import OUTAGE
 
 if TYPE_CHECKING:
-    from jobfence.locks.backend import LockBackend
+    from jobfence.locks.backend import LockBackend, Stoppable
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ class LeaseKeeper:
         self._lanes: dict[int, _Lane] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = math.inf  # when the thread will next wake by itself (inf: awake)
+        self._watches: dict[int, Stoppable | None] = {}  # per backend (watch_evictions)
 
     # -- public ----------------------------------------------------------------
     def start(self) -> None:
@@ -189,8 +190,9 @@ class LeaseKeeper:
         with self._mutex:
             self._start_locked()
 
-    def keep(self, lease: Lease) -> None:
-        """Start extending `lease` every fraction of its TTL."""
+    def keep(self, lease: Lease, *, watch: bool = False) -> None:
+        """Start extending `lease` every fraction of its TTL. `watch`: the lease may be
+        evicted (supersede); where its backend announces evictions, it is looked at once."""
         if self.on_lost is not None:
             lease.on_lost(self.on_lost)
         with self._mutex:
@@ -201,6 +203,28 @@ class LeaseKeeper:
             # wake-up for every job is a thread switch on the hot path, for nothing.
             wake = due < self._wake_at
         if wake:
+            self._wake.set()
+        if watch and id(lease.backend) not in self._watches:
+            self._watch(lease.backend)
+
+    def _watch(self, backend: LockBackend) -> None:
+        with self._mutex:
+            if id(backend) in self._watches:
+                return
+            self._watches[id(backend)] = None  # one watcher a backend, whoever asks first
+        watcher = backend.watch_evictions(self._evicted)
+        with self._mutex:
+            self._watches[id(backend)] = watcher
+
+    def _evicted(self, key: str, fence: int) -> None:
+        """An eviction notice: a lease of ours under `key` and `fence` is extended now, and
+        the refusal marks it lost (the notice is a hint; only the server says lost)."""
+        with self._mutex:
+            now, hit = self.clock.monotonic(), False
+            for lease, due in _snapshot(self._due):
+                if lease.key == key and lease.fence == fence and due != math.inf:
+                    self._due[lease], hit = now, True
+        if hit:
             self._wake.set()
 
     def _start_locked(self) -> None:
@@ -225,6 +249,10 @@ class LeaseKeeper:
         self._wake.set()
         with self._mutex:
             lanes = list(self._lanes.values())
+            watches, self._watches = list(self._watches.values()), {}
+        for watch in watches:
+            if watch is not None:
+                watch.stop(timeout)
         for lane in lanes:
             lane.wake()
         t = self._thread

@@ -31,6 +31,10 @@ class KeySpace:
     def signal(self, key: str) -> str:
         return f"{self.prefix}:signal:{{{key}}}"
 
+    def evicted(self) -> str:
+        """The channel a grant removed by its fence is announced on (Redis)."""
+        return f"{self.prefix}:evicted"
+
     def queued(self, key: str) -> str:
         return f"{self.prefix}:queued:{{{key}}}"
 

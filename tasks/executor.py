@@ -317,7 +317,7 @@ class _Shell:
         run_sync(cast("Flow[None]", self.job.let_go(lease)), self, self.executor.backend.clock)
 
     def keep(self, op: Keep) -> None:
-        self.executor.keeper.keep(op.lease)
+        self.executor.keeper.keep(op.lease, watch=op.watch)
         tie = op.tie
         if tie is None:
             return

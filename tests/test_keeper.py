@@ -664,3 +664,69 @@ def test_a_batch_above_the_chunk_size_goes_as_several_scripts_in_one_write(
     assert writes == [3], "one write carrying three scripts"
     assert int(redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]) - scripts == 3
     backend.close()
+
+
+def test_an_evicted_lease_is_heard_at_once_where_watched(
+    redis_url: str, keeper_factory: Any
+) -> None:
+    """Supersede's eviction (`release_grant`, by the grant's fence) is announced on Redis,
+    and a keeper that watches hears it and extends the lease now: lost within moments, not
+    at its next extension (10 s away with a TTL of 30 s). The control, in the same test: a
+    lease evicted alike on a backend no keeper watches (another key prefix, so another
+    channel) is still believed held."""
+    backend = RedisBackend.from_url(redis_url, socket_timeout=0.3)
+    other = RedisBackend.from_url(redis_url, socket_timeout=0.3, prefix=_key("unwatched"))
+    keeper = keeper_factory()
+    watched, unwatched = _take(backend, _key("watched"), 30.0), _take(other, _key("plain"), 30.0)
+    lost = {"watched": threading.Event(), "unwatched": threading.Event()}
+    watched.on_lost(lambda _lease, _cause: lost["watched"].set())
+    unwatched.on_lost(lambda _lease, _cause: lost["unwatched"].set())
+    keeper.keep(watched, watch=True)
+    keeper.keep(unwatched)
+    watch = keeper._watches[id(backend)]
+    assert watch is not None and watch.subscribed.wait(5.0), "the watcher never subscribed"
+    assert other.release_grant(unwatched.key, unwatched.fence)
+    assert backend.release_grant(watched.key, watched.fence)
+    assert lost["watched"].wait(5.0), "the watched lease was not found lost at the notice"
+    assert not lost["unwatched"].is_set() and unwatched.held, "lost without a notice?"
+    with pytest.raises(LeaseLost):
+        watched.check()
+    keeper.stop()
+    assert not watch._thread.is_alive(), "the watcher outlived its keeper"
+    backend.close()
+    other.close()
+
+
+def test_a_notice_names_a_fence_and_a_key() -> None:
+    from jobfence.locks.backends.redis.evictions import notice, parse_notice
+
+    assert parse_notice(notice(42, "t.job:ab12")) == ("t.job:ab12", 42)
+    assert parse_notice(notice(7, "key with space").encode()) == ("key with space", 7)
+    for junk in ("", "42", "x key", " key"):
+        assert parse_notice(junk) is None
+
+
+def test_an_acl_user_without_the_channel_still_evicts_and_is_told_why(
+    fresh_redis: RedisServer, keeper_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis 7 gives a new ACL user no pub/sub channel: the eviction still lands (its
+    notice is dropped in the script), and the watcher stops, saying which grant it needs."""
+    admin = fresh_redis.client()
+    admin.execute_command("ACL", "SETUSER", "worker", "on", ">worker-pw", "~*", "+@all",
+                          "resetchannels")  # fmt: skip
+    url = fresh_redis.url.replace("redis://", "redis://worker:worker-pw@", 1)
+    backend = RedisBackend.from_url(url, socket_timeout=0.3)
+    keeper = keeper_factory()
+    lease = _take(backend, _key("acl"), 30.0)
+    with caplog.at_level("WARNING", logger="jobfence.locks.backends.redis.evictions"):
+        keeper.keep(lease, watch=True)
+        watch = keeper._watches[id(backend)]
+        assert watch is not None
+        watch._thread.join(5.0)
+        assert not watch._thread.is_alive(), "the watcher kept trying without permission"
+    assert "may not subscribe" in caplog.text and "worker-pw" not in caplog.text
+    assert backend.release_grant(lease.key, lease.fence), "the eviction itself was refused"
+    assert backend.inspect(lease.key) is None
+    keeper.stop()
+    backend.close()
+    admin.close()

@@ -95,7 +95,7 @@ class Job(Gate, Admission, Body, Verdicts):
                 return skipped
         if spec.suspect and spec.max_crashed:
             yield from self.cap_crashes(lease)
-        yield Keep(lease)
+        yield Keep(lease, watch=spec.on_conflict == "supersede")
         if spec.rate is not None:
             held = yield from self.rate_gate(spec.rate, lease)
             if held is not None:

@@ -19,6 +19,7 @@ class Keep:
 
     lease: Lease
     tie: Lease | None = None
+    watch: bool = False  # may be evicted (supersede): heard at once where the backend says
 
 
 @dataclass(slots=True)

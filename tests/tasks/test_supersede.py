@@ -148,6 +148,40 @@ def test_the_old_run_sees_its_lease_lost_and_ends_without_a_record(app: Celery) 
     assert "superseded" in gave, gave
 
 
+def test_the_old_run_hears_of_the_eviction_at_once_not_at_its_next_extension(
+    app: Celery,
+) -> None:
+    """On Redis the eviction is announced, and the old run's keeper hears it: with a TTL of
+    30 s (the next extension 10 s away) the old run's `on_lost` hook fires within a few
+    seconds of the newer run's grant. (The control, a backend that announces nothing, is
+    `tests/test_keeper.py`'s unwatched lease.)"""
+    started: dict[str, float] = {}
+    lost_at: list[float] = []
+    lost = threading.Event()
+
+    @singleton_task(app=app, name=f"ss.prompt.{uuid.uuid4().hex[:8]}", key=["doc"],
+                    on_conflict="supersede", ttl=30)  # fmt: skip
+    def export(doc: str, version: str) -> str:
+        started[version] = time.monotonic()
+        if version == "old":
+            job = current_job()
+            job.lease.on_lost(lambda _lease, _cause: (lost_at.append(time.monotonic()),
+                                                      lost.set()))  # fmt: skip
+            assert lost.wait(25), "the old run never heard it was evicted"
+            job.check()  # raises LeaseLost: the run ends superseded
+        return version
+
+    with _worker(app):
+        old = export.delay("d3", "old")
+        wait_for(lambda: "old" in started, 10.0)
+        new = export.delay("d3", "new")
+        assert new.get(timeout=15) == "new"
+        with pytest.raises(JobSuperseded):
+            old.get(timeout=30)
+    heard_after = lost_at[0] - started["new"]
+    assert heard_after < 5.0, f"heard {heard_after:.1f}s after the newer run started"
+
+
 def test_control_with_wait_the_newest_publish_waits_for_the_old_run(app: Celery) -> None:
     """The same two publishes under on_conflict="wait": the old run is never stopped and
     finishes first; the newer one runs only after it (what supersede changes)."""

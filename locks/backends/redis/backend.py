@@ -28,6 +28,7 @@ from jobfence.locks.backends.common import (
     url_options,
 )
 from jobfence.locks.backends.redis import checks as redis_checks
+from jobfence.locks.backends.redis.evictions import EvictionWatch, Heard
 from jobfence.locks.backends.redis.lane import Lane
 from jobfence.locks.backends.redis.protocol import (
     BLPOP_LATE,
@@ -307,7 +308,15 @@ class RedisBackend(RedisSemaphores, LockBackend):
         validate_key(key)
         k = self.keys
         return bool(self._call("release_grant", [k.lock(key), k.signal(key)],
-                               [str(fence), SIGNAL_LIFETIME_MS], key))  # fmt: skip
+                               [str(fence), SIGNAL_LIFETIME_MS, k.evicted(), key],
+                               key))  # fmt: skip
+
+    def watch_evictions(self, heard: Heard) -> EvictionWatch | None:
+        """A watcher of this server's eviction notices (one node or a Sentinel master; a
+        Cluster's keepers find an eviction at the next extension, as other backends do)."""
+        if not isinstance(self.client, redis.Redis):
+            return None
+        return EvictionWatch(self.client, self.keys.evicted(), heard).start()
 
     def wait_for_release(self, key: str, timeout: float) -> None:
         """BLPOP the key's signal list: returns at once when the holder releases.
