@@ -762,10 +762,11 @@ def fulfil(databases: list[str], redis_url: str) -> Iterator[Any]:
         app.close()
 
 
-def _queued(task: Any) -> list[str]:
+def _queued(holder: Any) -> list[str]:
+    """The task ids on the "celery" queue of `holder.broker` (a task's or an app's)."""
     import json
 
-    client = task.broker.client()
+    client = holder.broker.client()
     try:
         return [json.loads(m)["headers"]["id"] for m in client.lrange("celery", 0, -1)]
     finally:
@@ -863,16 +864,6 @@ def _bill_task() -> Any:
     return task(backend="celery")(bill)
 
 
-def _carried_ids(app: Any) -> list[str]:
-    import json
-
-    client = app.broker.client()
-    try:
-        return [json.loads(m)["headers"]["id"] for m in client.lrange("celery", 0, -1)]
-    finally:
-        client.close()
-
-
 def test_a_django_task_enqueued_on_commit_is_sent_when_the_block_commits(
     carried: Any, alias: str
 ) -> None:
@@ -881,8 +872,8 @@ def test_a_django_task_enqueued_on_commit_is_sent_when_the_block_commits(
         with transaction.atomic(using=alias):
             result = billed.enqueue(7)
             assert _outbox(alias, result.id) == [None], "the row is in the caller's transaction"
-            assert _carried_ids(carried) == [], "sent before the commit"
-        assert _carried_ids(carried) == [result.id]
+            assert _queued(carried) == [], "sent before the commit"
+        assert _queued(carried) == [result.id]
         [sent_at] = _outbox(alias, result.id)
         assert sent_at is not None
 
@@ -895,7 +886,7 @@ def test_a_django_task_enqueued_in_a_block_that_rolls_back_sends_nothing(carried
     ):
         result = _bill_task().enqueue(8)
         raise RuntimeError("the request failed")
-    assert _carried_ids(carried) == [] and _outbox("pg", result.id) == []
+    assert _queued(carried) == [] and _outbox("pg", result.id) == []
 
 
 def test_a_django_task_whose_broker_was_down_at_the_commit_is_sent_by_the_relay(
@@ -923,7 +914,7 @@ def test_a_django_task_whose_broker_was_down_at_the_commit_is_sent_by_the_relay(
         transaction.on_commit(partial(_bill_task().enqueue, 10), using="pg")
     assert _outbox("pg", durable.id) == [None], "the durable row is committed and unsent"
     broker.start()
-    assert _carried_ids(carried) == [], "the control's job is gone: nothing was sent"
+    assert _queued(carried) == [], "the control's job is gone: nothing was sent"
     engine = _engine_of("pg")
     relay = OutboxRelay(carried, runtime_for(carried), SqlOutbox(engine), grace=0.0, poll=0.05,
                         retention=3600.0)  # fmt: skip
@@ -931,7 +922,7 @@ def test_a_django_task_whose_broker_was_down_at_the_commit_is_sent_by_the_relay(
         assert relay.relay_once() == 1
     finally:
         engine.dispose()
-    assert _carried_ids(carried) == [durable.id]
+    assert _queued(carried) == [durable.id]
     [sent_at] = _outbox("pg", durable.id)
     assert sent_at is not None
 
