@@ -42,11 +42,19 @@ PAUSE_THEN_CRASH = (
 )
 
 
-def _pause_then_crash(harness: Harness) -> Scenario:
+#: The control's: a longer pause (5 s in a 6 s hold) leaves a late custody sweep on a loaded
+#: machine 2.5 s more to put the job back while its holder is stopped, which the loss needs.
+PAUSE_LONGER_THEN_CRASH = (
+    Step("pause_worker", seconds=5.0, hold=6.0),
+    Step("kill_worker", hold=0.4),
+)
+
+
+def _pause_then_crash(harness: Harness, steps: tuple[Step, ...] = PAUSE_THEN_CRASH) -> Scenario:
     if harness.second is None:
         pytest.skip("the second worker process runs on the redis harness only")
     scenario = Scenario(harness, valid_options()[0])
-    for step in PAUSE_THEN_CRASH:
+    for step in steps:
         scenario.run(step)
     scenario.drain()
     return scenario
@@ -82,7 +90,8 @@ def test_control_a_put_back_under_the_old_tag_loses_the_paused_job(
         # The loss needs the put-back to land while the holder is stopped; on a loaded
         # machine a sweep may come late. The defect must show in one of three tries.
         for _ in range(3):
-            seen.append({v.kind for v in _pause_then_crash(harness).check()})
+            scenario = _pause_then_crash(harness, PAUSE_LONGER_THEN_CRASH)
+            seen.append({v.kind for v in scenario.check()})
             if {"lost-job", "pending-forever"} & seen[-1]:
                 break
     finally:

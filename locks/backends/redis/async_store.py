@@ -28,6 +28,7 @@ from jobfence.locks.backend import (
     validate_ttl,
 )
 from jobfence.locks.backends.common import UrlOptions, url_options
+from jobfence.locks.backends.redis.async_lane import Address, AsyncLane
 from jobfence.locks.backends.redis.backend import RedisBackend
 from jobfence.locks.backends.redis.protocol import (
     LEGACY_RECORD_FIELDS,
@@ -56,7 +57,7 @@ from jobfence.locks.backends.redis.semaphores import (
     semaphore_keys,
 )
 from jobfence.locks.backends.redis.signal_wait import SignalWait
-from jobfence.locks.backends.redis.url import tls_kwargs, url_tls
+from jobfence.locks.backends.redis.url import tls_context, tls_kwargs, url_tls
 from jobfence.locks.errors import BackendUnavailable, LockError
 from jobfence.locks.lease import Lease, OwnerMeta
 from jobfence.locks.ops import (
@@ -86,11 +87,11 @@ POOL_WAIT = 30.0
 T = TypeVar("T")
 
 
-
 class AsyncUrlOptions(UrlOptions, total=False):
     """`UrlOptions` and the asyncio pool's size (a waiter holds a connection in BLPOP)."""
 
     max_connections: int  # default 32
+
 
 class AsyncRedisStore(NativeAsyncStore):
     """Locks on one Redis server for asyncio: each op is one awaited EVALSHA of the same
@@ -117,9 +118,13 @@ class AsyncRedisStore(NativeAsyncStore):
         *,
         max_connections: int | None = None,
         socket_timeout: float | None = None,
+        lane: AsyncLane | None = None,
     ) -> None:
         self.backend = backend
         self.client = client
+        # The scripts' pipelined connection (async_lane.py), where the server is one fixed
+        # node; a topology that moves (Sentinel, Cluster) sends through `client`.
+        self.lane = lane
         # Extensions go through a pool of their own: a storm of acquires and waiters that
         # takes every connection of `client` must not make the held leases miss renewal.
         self.keeper_client = keeper_client or client
@@ -161,8 +166,10 @@ class AsyncRedisStore(NativeAsyncStore):
         keeper_pool = redis.asyncio.BlockingConnectionPool.from_url(
             url, max_connections=4, timeout=POOL_WAIT, **options
         )
+        address = Address.of(pool.connection_kwargs, tls_context(url_tls(url)))
         return cls(backend, redis.asyncio.Redis(connection_pool=pool),
-                   redis.asyncio.Redis(connection_pool=keeper_pool))  # fmt: skip
+                   redis.asyncio.Redis(connection_pool=keeper_pool),
+                   lane=AsyncLane(address, socket_timeout))  # fmt: skip
 
     def security(self) -> Security:
         """The sync backend's: the same URL, TLS and login."""
@@ -172,6 +179,7 @@ class AsyncRedisStore(NativeAsyncStore):
         self, name: str, keys: list[str], args: list[Any], key: str | None,
         client: redis.asyncio.Redis | None = None,
     ) -> Any:  # fmt: skip
+        lane = self.lane if client is None else None  # the keeper's pool stays its own
         client = client or self.client
         scripts = self.backend.scripts
         if name not in scripts:  # the semaphore scripts, registered on first use
@@ -179,6 +187,8 @@ class AsyncRedisStore(NativeAsyncStore):
                 scripts[extra] = self.backend.client.register_script(script_source(extra))
         script = scripts[name]
         try:
+            if lane is not None:
+                return await _lane_evalsha(lane, script, keys, args)
             try:
                 return await client.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:  # a server that lost its script cache (restart, flush)
@@ -369,7 +379,19 @@ class AsyncRedisStore(NativeAsyncStore):
                          clock=self.clock, meta=meta, limit=limit)  # fmt: skip
 
     async def aclose(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
         await self.client.aclose()
         if self.keeper_client is not self.client:
             await self.keeper_client.aclose()
         self.backend.close()
+
+
+async def _lane_evalsha(lane: AsyncLane, script: Any, keys: list[str], args: list[Any]) -> Any:
+    """EVALSHA through the lane; after a NOSCRIPT (a restart, a flush) the script is loaded
+    on the lane's own connection and sent again."""
+    try:
+        return await lane.call("EVALSHA", script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        script.sha = await lane.call("SCRIPT", "LOAD", script.script)
+        return await lane.call("EVALSHA", script.sha, len(keys), *keys, *args)
