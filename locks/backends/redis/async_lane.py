@@ -35,6 +35,12 @@ except ImportError:  # pragma: no cover - an older or newer redis-py lays it out
 #: Replies one connection may owe before it is treated as hung: closed, and made again.
 MAX_OWED = 4096
 _LOST: Any = object()  # the reply of a command whose connection was lost
+_LATE: Any = object()  # the reply of a command not answered within the timeout
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_result(_LATE)
 
 
 @dataclass(frozen=True)
@@ -149,11 +155,16 @@ class AsyncLane:
         return await self._reply(wire.send(hiredis.pack_command(args)))
 
     async def _reply(self, future: asyncio.Future[Any]) -> Any:
+        # The future is this caller's alone: past the timeout it is answered "late" (the
+        # reply, when it comes, finds it done and is dropped). A timer handle, not
+        # asyncio.timeout, whose task-cancel machinery costs a tenth of the round trip.
+        timer = asyncio.get_running_loop().call_later(self.timeout, _expire, future)
         try:
-            async with asyncio.timeout(self.timeout):
-                value = await future
-        except TimeoutError:
-            raise RedisTimeoutError(f"no reply from redis in {self.timeout:g}s") from None
+            value = await future
+        finally:
+            timer.cancel()
+        if value is _LATE:
+            raise RedisTimeoutError(f"no reply from redis in {self.timeout:g}s")
         if value is _LOST:
             raise RedisConnectionError(f"connection to redis {self.address!r} lost")
         if isinstance(value, hiredis.ReplyError):
