@@ -9,6 +9,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -191,3 +192,23 @@ def test_a_restarted_server_is_reached_again_and_a_second_loop_gets_its_own_conn
             assert asyncio.run(pair("three"))  # another event loop
         finally:
             asyncio.run(locker.aclose())
+
+
+def test_a_unix_socket_url_is_reached_through_its_socket(tmp_path: Path) -> None:
+    sock = tmp_path / "redis.sock"
+    with RedisServer(extra_args=["--unixsocket", str(sock), "--unixsocketperm", "700"]) as s:
+        locker = AsyncLocker.from_url(f"unix://{sock}?db=4", prefix="lane-u",
+                                      socket_timeout=TIMEOUT)  # fmt: skip
+
+        async def run() -> bool:
+            try:
+                lease = await locker.acquire("job", ttl=5, blocking=False)
+                assert _store(locker).lane is not None
+                assert _store(locker).lane.address.path == str(sock)  # type: ignore[union-attr]
+                with s.client(db=4) as admin:  # over TCP: the lock is in database 4
+                    held = admin.exists(_store(locker).keys.lock("job"))
+                return bool(held) and await locker.release(lease)
+            finally:
+                await locker.aclose()
+
+        assert asyncio.run(run())
