@@ -38,9 +38,9 @@ def _url(server: RedisServer, password: str = PASSWORD, db: int = 3) -> str:
     return f"redis://{USER}:{password}@{server.host}:{server.port}/{db}"
 
 
-def _locker(server: RedisServer, **kwargs: object) -> AsyncLocker:
+def _locker(server: RedisServer, timeout: float = TIMEOUT, **kwargs: object) -> AsyncLocker:
     return AsyncLocker.from_url(_url(server, **kwargs), prefix=f"lane-{uuid.uuid4().hex[:6]}",  # type: ignore[arg-type]
-                                socket_timeout=TIMEOUT)  # fmt: skip
+                                socket_timeout=timeout)  # fmt: skip
 
 
 def _store(locker: AsyncLocker) -> AsyncRedisStore:
@@ -212,3 +212,24 @@ def test_a_unix_socket_url_is_reached_through_its_socket(tmp_path: Path) -> None
                 await locker.aclose()
 
         assert asyncio.run(run())
+
+
+def test_five_thousand_coroutines_at_once_are_served_in_order_on_one_connection(
+    server: RedisServer,
+) -> None:
+    """Far past redis.asyncio's pool of 32: every grant comes back to its own caller."""
+    keys = [f"many-{i}" for i in range(5000)]
+
+    async def run() -> list[str]:
+        locker = _locker(server, timeout=60.0)  # the last reply waits for all before it
+        try:
+            leases = await asyncio.gather(
+                *(locker.acquire(k, ttl=30, blocking=False) for k in keys)
+            )
+            released = await asyncio.gather(*(locker.release(le) for le in leases))
+            assert all(released)
+            return [le.key for le in leases]
+        finally:
+            await locker.aclose()
+
+    assert asyncio.run(run()) == keys

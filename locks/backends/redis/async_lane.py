@@ -32,8 +32,6 @@ try:  # redis-py's own table of error replies (NOSCRIPT -> NoScriptError, ...)
 except ImportError:  # pragma: no cover - an older or newer redis-py lays it out otherwise
     _typed_error = ResponseError
 
-#: Replies one connection may owe before it is treated as hung: closed, and made again.
-MAX_OWED = 4096
 _LOST: Any = object()  # the reply of a command whose connection was lost
 _LATE: Any = object()  # the reply of a command not answered within the timeout
 
@@ -121,9 +119,10 @@ class Wire(asyncio.Protocol):
 
     def send(self, data: bytes) -> asyncio.Future[Any]:
         """Write one packed command; its reply (or _LOST) comes on the future returned."""
+        # No cap on what is owed: each caller's own timeout bounds its wait, and a loop of
+        # many thousand coroutines is served in order rather than failed together.
         future = asyncio.get_running_loop().create_future()
-        if not self.live or len(self.futures) >= MAX_OWED:
-            self.close()
+        if not self.live:
             future.set_result(_LOST)
             return future
         assert self.transport is not None
