@@ -110,7 +110,7 @@ def test_callers_that_stop_waiting_on_a_stopped_server_leave_the_others_their_ow
     and the next commands get their own replies."""
     keys = [f"k{i}" for i in range(20)]
 
-    async def run() -> tuple[list[Lease | None], int, int]:
+    async def run() -> tuple[list[Lease], int, int]:
         locker = _locker(server)
         store = _store(locker)
         try:
@@ -119,7 +119,12 @@ def test_callers_that_stop_waiting_on_a_stopped_server_leave_the_others_their_ow
             with server.suspended():
                 tasks = [asyncio.create_task(locker.acquire(k, ttl=30, blocking=False))
                          for k in keys]  # fmt: skip
-                await asyncio.sleep(0.1)  # every command written (the timeout is 1 s)
+                lane = store.lane
+                assert lane is not None and lane.wire is not None
+                deadline = time.monotonic() + TIMEOUT / 2  # within the commands' timeout
+                while len(lane.wire.futures) < len(keys):  # every grant written, unanswered
+                    assert time.monotonic() < deadline, len(lane.wire.futures)
+                    await asyncio.sleep(0.005)
                 for task in tasks[::2]:
                     task.cancel()
             got = [await t for t in tasks[1::2]]
