@@ -1,4 +1,4 @@
-"""The asyncio Redis store (one node): redis.asyncio with the sync store's Lua, keys and parsing."""
+"""The asyncio Redis store (one node): scripts on a pipelined lane, the rest on redis.asyncio."""
 
 from __future__ import annotations
 
