@@ -42,8 +42,9 @@ PAUSE_THEN_CRASH = (
 )
 
 
-#: The control's: a longer pause (5 s in a 6 s hold) leaves a late custody sweep on a loaded
-#: machine 2.5 s more to put the job back while its holder is stopped, which the loss needs.
+#: The control's second shape: a longer pause (5 s in a 6 s hold) leaves a late custody sweep on
+#: a loaded machine 2.5 s more to put the job back while its holder is stopped, which the loss
+#: needs; the control tries both shapes in turn (each missed the loss now and then alone).
 PAUSE_LONGER_THEN_CRASH = (
     Step("pause_worker", seconds=5.0, hold=6.0),
     Step("kill_worker", hold=0.4),
@@ -88,9 +89,9 @@ def test_control_a_put_back_under_the_old_tag_loses_the_paused_job(
     seen: list[set[str]] = []
     try:
         # The loss needs the put-back to land while the holder is stopped; on a loaded
-        # machine a sweep may come late. The defect must show in one of three tries.
-        for _ in range(3):
-            scenario = _pause_then_crash(harness, PAUSE_LONGER_THEN_CRASH)
+        # machine a sweep may come late. The defect must show in one of four tries.
+        for steps in (PAUSE_THEN_CRASH, PAUSE_LONGER_THEN_CRASH) * 2:
+            scenario = _pause_then_crash(harness, steps)
             seen.append({v.kind for v in scenario.check()})
             if {"lost-job", "pending-forever"} & seen[-1]:
                 break
