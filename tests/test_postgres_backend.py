@@ -283,3 +283,57 @@ def test_a_key_moves_between_redis_and_postgres_with_rising_fences(
         assert fences == sorted(set(fences)), fences
     finally:
         on_redis.close()
+
+
+_CREATORS = "SELECT pg_advisory_lock(hashtextextended(%s, 0))"
+
+
+@pytest.mark.parametrize("tables", ["leases", "semaphores"])
+def test_a_fleet_starting_at_once_never_queues_behind_the_creators_lock(
+    db: PostgresDatabase, tables: str
+) -> None:
+    """Tables already there: a new client's first call takes no DDL lock. (Fifty racers
+    starting at once each took it in turn, and the last one's wait ran past its statement
+    timeout: "create tables failed ... canceling statement due to statement timeout".)"""
+    first = PostgresBackend.from_url(db.url, prefix="pgtest")
+    first.create_tables()
+    first.create_semaphore_tables()
+    first.close()
+    lock_name = "jobfence_locks" if tables == "leases" else "jobfence_semaphores"
+    with psycopg.connect(_plain(db.url), autocommit=True) as admin:
+        admin.execute(_CREATORS, (lock_name,))  # a creator holding its lock for ever
+        late = PostgresBackend.from_url(db.url, prefix="pgtest", socket_timeout=0.5)
+        try:
+            if tables == "leases":
+                lease = late.try_acquire("k", 5.0)
+                assert lease is not None and lease.release()
+            else:
+                late.create_semaphore_tables()
+        finally:
+            late.close()
+
+
+def test_a_creator_waits_past_its_socket_timeout_for_another_creator(
+    db: PostgresDatabase,
+) -> None:
+    """No tables yet and another session creating them: waiting for its lock is expected,
+    so the short per-statement bound gives way (a 0.3 s bound, a 1 s wait)."""
+    creator = PostgresBackend.from_url(db.url, prefix="pgtest", socket_timeout=0.3)
+    answers: list[object] = []
+    with psycopg.connect(_plain(db.url), autocommit=True) as admin:
+        admin.execute(_CREATORS, ("jobfence_locks",))
+        waiter = threading.Thread(target=lambda: answers.append(creator.try_acquire("k", 5.0)))
+        waiter.start()
+        # Poll until the creator waits on the lock (pg_locks shows it ungranted).
+        wait_for(
+            lambda: admin.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchone()
+            == (1,),
+            timeout=10.0,
+        )
+        time.sleep(1.0)  # the hold this test is about: three socket timeouts
+        admin.execute("SELECT pg_advisory_unlock_all()")
+        waiter.join(30)
+    creator.close()
+    assert len(answers) == 1 and isinstance(answers[0], Lease), answers

@@ -26,6 +26,7 @@ from jobfence.locks.backend import (
 from jobfence.locks.backends.common import FENCE_RETENTION, PrunedUrlOptions, url_options
 from jobfence.locks.backends.postgres import connection
 from jobfence.locks.backends.postgres.checks import PostgresChecks
+from jobfence.locks.backends.postgres.connection import creators_wait, tables_exist
 from jobfence.locks.backends.postgres.protocol import (
     begin_params,
     commit_params,
@@ -51,6 +52,7 @@ from jobfence.locks.backends.postgres.statements import (
     HELD,
     INSPECT,
     MARK_WAITING,
+    RATE_TABLE,
     RATE_TAKE,
     RELEASE,
     RELEASE_GRANT,
@@ -188,12 +190,14 @@ class PostgresBackend(PostgresRecords, PostgresChecks, PostgresSemaphores, LockB
 
     def create_tables(self) -> None:
         """Create the lease table and the fence sequence where missing (safe to repeat)."""
-        with self._conn("create tables", None) as conn, conn.transaction():
-            # Serialise creators: two CREATE ... IF NOT EXISTS at once can still collide.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (TABLE,))
-            conn.execute(CREATE_SEQUENCE)
-            for stmt in DDL:
-                conn.execute(stmt)
+        with self._conn("create tables", None) as conn:
+            if not tables_exist(conn, (TABLE, RATE_TABLE, FENCE_SEQUENCE)):
+                with conn.transaction():
+                    # Serialise creators: two CREATE ... IF NOT EXISTS at once can collide.
+                    creators_wait(conn, TABLE)
+                    conn.execute(CREATE_SEQUENCE)
+                    for stmt in DDL:
+                        conn.execute(stmt)
         self._ready = True
 
     @staticmethod

@@ -112,3 +112,19 @@ def without_session_state(conn: psycopg.Connection[Any]) -> None:
 def options_refused(exc: BaseException) -> bool:
     """Whether `exc` is a pooler refusing the startup options (see OPTIONS_FIX)."""
     return isinstance(exc, psycopg.OperationalError) and _OPTIONS_REFUSED in str(exc)
+
+
+def tables_exist(conn: psycopg.Connection[Any], names: tuple[str, ...]) -> bool:
+    """Whether every named relation is on the search path: one read, no lock, so a fleet
+    starting at once does not queue its sessions behind one another's DDL."""
+    probe = " AND ".join(["to_regclass(%s) IS NOT NULL"] * len(names))
+    row = conn.execute(f"SELECT {probe}", names).fetchone()
+    return bool(row and row[0])
+
+
+def creators_wait(conn: psycopg.Connection[Any], name: str) -> None:
+    """Take the creators' lock for this transaction; waiting behind another session's DDL is
+    expected here, so the session's short statement and lock bounds give way to a minute."""
+    conn.execute("SET LOCAL statement_timeout = '60s'")
+    conn.execute("SET LOCAL lock_timeout = '60s'")
+    conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (name,))

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg import errors as pgerrors
 
+from jobfence.locks.backends.postgres.connection import creators_wait, tables_exist
 from jobfence.locks.backends.postgres.protocol import extend_params, parse_extend
 from jobfence.locks.errors import BackendUnavailable
 from jobfence.locks.lease import OwnerMeta
@@ -110,10 +111,12 @@ class PostgresSemaphores:
         """Create the semaphore tables where missing (safe to repeat)."""
         if not self._ready:
             self.create_tables()  # the fence sequence
-        with self._conn("create semaphore tables", None) as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (SEMAPHORES,))
-            for stmt in SEMAPHORE_DDL:
-                conn.execute(stmt)
+        with self._conn("create semaphore tables", None) as conn:
+            if not tables_exist(conn, (SEMAPHORES, SLOTS, WAITERS)):
+                with conn.transaction():
+                    creators_wait(conn, SEMAPHORES)
+                    for stmt in SEMAPHORE_DDL:
+                        conn.execute(stmt)
         self._sem_ready = True
 
     @contextmanager
