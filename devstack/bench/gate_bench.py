@@ -43,7 +43,7 @@ from jobfence.locks.errors import LockError
 from jobfence.tasks import Runtime, install, singleton_task
 from jobfence.tasks.executor import JobSpec
 
-TARGET_RATIO = 1.3  # a gated call costs at most this many bare acquire+release pairs
+TARGET_RATIO = 1.6  # a gated call costs at most this many bare acquire+release pairs (issue 33)
 PREFIX = "gbench"
 PAIR_TTL = 30.0
 SECRET = "gate-bench-secret-not-for-production"
@@ -267,7 +267,7 @@ def build_report(
             / calls * 1e6,
             2,
         ),
-        "targets": {"gated_call_within_1_3x_pair": ratio <= TARGET_RATIO},
+        "targets": {"gated_call_within_1_6x_pair": ratio <= TARGET_RATIO},
     }
 
 
@@ -313,7 +313,7 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         "targets",
         f"  the gate within {TARGET_RATIO}x the bare pair: {report['ratio']:.2f}x  "
-        f"{'MET' if report['targets']['gated_call_within_1_3x_pair'] else 'MISSED'}",
+        f"{'MET' if report['targets']['gated_call_within_1_6x_pair'] else 'MISSED'}",
     ]
     if "profile" in report:
         p = report["profile"]
