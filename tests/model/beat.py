@@ -209,7 +209,15 @@ class BeatFleet:
         before = len(self.dispatched)
         old.tick()  # it wakes: its term is over, it must not send
         if old.is_leader or len(self.dispatched) != before:
-            self.faults.append("a frozen leader sent or led after its successor took over")
+            if self.leader.is_leader:  # both lead at once: the split brain this step is about
+                self.faults.append("a frozen leader sent or led after its successor took over")
+            elif old.is_leader:
+                # The successor's lease lapsed first (its keeper starved on a loaded machine:
+                # a lease that lapsed on the server passed its local deadline before), and the
+                # woken one was elected afresh, a term of its own; the steps after act on it.
+                self.leader, self.standby = old, self.leader
+                old.drop_marks = False
+                return
         # the woken one runs on as the standby, a beat process of its own
         old.keeper = LeaseKeeper(fraction=1 / 3)
         old.drop_marks = False
