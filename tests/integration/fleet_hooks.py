@@ -9,7 +9,8 @@ Layout under ``$FLEET_STATE_DIR``:
     Exists while pool process ``<pid>`` executes a delivery of ``<task id>``
     (``task_prerun`` .. ``task_postrun``; a killed process leaves its file behind).
 ``events.jsonl``
-    One JSON line per ``prerun`` / ``postrun``, appended with ``O_APPEND``.
+    One JSON line per ``prerun`` / ``postrun``, appended with ``O_APPEND`` (and, where a
+    process reports them, one ``stored`` line per task whose decisions it stored).
 ``shutting-down/<main pid>``
     Written by the worker's main process when it handles SIGTERM, SIGINT or SIGQUIT
     (``worker_shutting_down``, sent from Celery's signal handler).
@@ -68,6 +69,22 @@ def _event(kind: str, task_id: str | None, task: Any) -> None:
         _write_atomic(running, record)
     else:
         running.unlink(missing_ok=True)
+
+
+def stored_decisions(task_ids: set[str]) -> None:
+    """One ``stored`` line per task id whose decisions this process's recorder has just
+    stored (the model's worker processes report it: tests/model/worker_main.py)."""
+    state = _state_dir()
+    if state is None or not task_ids:
+        return
+    base = {"kind": "stored", "task": None, "pid": os.getpid(),
+            "worker": int(os.environ.get(INDEX_ENV, "-1")), "t": time.time()}  # fmt: skip
+    lines = "".join(json.dumps({**base, "task_id": task_id}) + "\n" for task_id in sorted(task_ids))
+    fd = os.open(state / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, lines.encode())
+    finally:
+        os.close(fd)
 
 
 @signals.worker_ready.connect

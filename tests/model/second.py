@@ -14,7 +14,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from jobfence.tasks.decisions import FLUSH_INTERVAL
 from tests.integration.celery_fleet import Fleet
 
 __all__ = ["BEGIN_TIMEOUT", "QUEUE", "SecondWorker"]
@@ -25,9 +24,6 @@ QUEUE = "model.second"
 WORKERS = 2
 #: How long a step waits for a worker process to begin the job it routed there.
 BEGIN_TIMEOUT = 10.0
-#: A delivery that ended this recently may have its decisions still in its process's writer
-#: (stored every FLUSH_INTERVAL, off the job's path): a SIGKILL then loses them.
-UNFLUSHED = 2 * FLUSH_INTERVAL + 0.1
 
 
 class SecondWorker:
@@ -61,19 +57,26 @@ class SecondWorker:
 
     def restart(self, env: Mapping[str, str] | None = None) -> set[str]:
         """SIGKILL every worker process (whatever they hold) and start them again (with
-        ``env`` added to theirs from now on, if given). Returns the task ids of deliveries
-        that ended within UNFLUSHED of the kill: their decisions may be lost with it."""
-        since = time.time() - UNFLUSHED
-        events = self.fleet.events()
-        ended = {e.task_id for e in events if e.kind == "postrun" and e.t >= since}
-        # And those running at the kill: an effect committed just before it, its delivery
-        # killed before it ended (no postrun), its decisions still in the process's writer.
-        done = {e.task_id for e in events if e.kind == "postrun"}
-        ended |= {e.task_id for e in events if e.kind == "prerun" and e.task_id not in done}
+        ``env`` added to theirs from now on, if given). Returns the task ids whose last
+        delivery here had not had its decisions stored: they may be lost with the kill."""
         for index in range(WORKERS):
             if self.fleet.alive(index):
                 self.fleet.kill_worker(index, with_children=True)
         self.killed_at = time.monotonic()  # every process dead: no body is inside after this
+        events = self.fleet.events()  # read after the kill: nothing is written to it since
+        # A task's last delivery here whose decisions its process never reported stored:
+        # running at the kill (an effect committed, the delivery not ended), or ended with
+        # its decisions still in the process's writer (every FLUSH_INTERVAL, later on a
+        # starved machine). The kill loses them; a stored batch is on the lock server.
+        last: dict[str, tuple[int, int]] = {}  # task id -> (its last prerun's line, pid)
+        stored: dict[tuple[str, int], int] = {}  # (task id, pid) -> its last stored line
+        for line, e in enumerate(events):
+            if e.kind == "prerun":
+                last[e.task_id] = (line, e.pid)
+            elif e.kind == "stored":
+                stored[e.task_id, e.pid] = line
+        ended = {task_id for task_id, (line, pid) in last.items()
+                 if stored.get((task_id, pid), -1) < line}  # fmt: skip
         if env is not None:
             self.fleet.env.update(env)
         self.fleet.start()

@@ -12,6 +12,7 @@ from jobfence.worker.custody import Custody
 from tests.model.app import PLAIN, valid_options
 from tests.model.machine import machine_for, machine_settings
 from tests.model.scenario import Harness, Publish, Scenario, Step
+from tests.servers import wait_for
 
 
 def test_random_sequences_keep_every_invariant(harness: Harness) -> None:
@@ -74,6 +75,11 @@ def test_a_paused_workers_jobs_come_back_once_after_the_new_holder_crashes(
     paused = scenario.publishes[0].task_id
     began = [e.worker for e in harness.second.fleet.events(paused) if e.kind == "prerun"]
     assert set(began[:2]) == {0, 1}, began  # the put-back copy ran on the other process
+    # The processes report what their decision writers stored (a kill's exemptions are read
+    # from it: second.restart); without a report every kill would exempt every delivery.
+    fleet = harness.second.fleet
+    wait_for(lambda: any(e.kind == "stored" for e in fleet.events()), timeout=30.0,
+             message="no worker process reported a stored batch of decisions")  # fmt: skip
 
 
 def test_control_a_put_back_under_the_old_tag_loses_the_paused_job(
