@@ -58,12 +58,7 @@ def _event(kind: str, task_id: str | None, task: Any) -> None:
         "worker": int(os.environ.get(INDEX_ENV, "-1")),
         "t": time.time(),
     }
-    line = (json.dumps(record) + "\n").encode()
-    fd = os.open(state / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    _append(state, json.dumps(record) + "\n")
     running = state / "running" / f"{safe_name(task_id)}@{os.getpid()}"
     if kind == "prerun":
         _write_atomic(running, record)
@@ -79,7 +74,11 @@ def stored_decisions(task_ids: set[str]) -> None:
         return
     base = {"kind": "stored", "task": None, "pid": os.getpid(),
             "worker": int(os.environ.get(INDEX_ENV, "-1")), "t": time.time()}  # fmt: skip
-    lines = "".join(json.dumps({**base, "task_id": task_id}) + "\n" for task_id in sorted(task_ids))
+    _append(state, "".join(json.dumps({**base, "task_id": t}) + "\n" for t in sorted(task_ids)))
+
+
+def _append(state: Path, lines: str) -> None:
+    """Add `lines` to events.jsonl in one O_APPEND write (processes share the file)."""
     fd = os.open(state / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, lines.encode())
